@@ -1,0 +1,102 @@
+"""Rotary tables and the reference rotation.
+
+Layout, stated once for all of lcx: activations are `[B, T, H, D]` (batch, time, heads, head
+dim). Rotary pairs follow the Hugging Face / GPT-NeoX "rotate half" convention: channel i is
+paired with channel i + r/2 (r = rotary dim), both turned by angle `pos * inv_freq[i]`.
+Channels r..D-1 (partial rotary) pass through unchanged. Tables are `[..., T, r]` with the
+half-table repeated: `cos = cat(cos(angle), cos(angle))`.
+
+Precision: angles are formed in float64. In float32, `position * inv_freq` at position 1e7
+has an absolute error of ~1 radian (the spacing of float32 near 1e7 is 1.0), which destroys
+the high-frequency channels; float64's spacing there is ~2e-9.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import RopeSpec
+from .types import compute_inv_freq
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Angles `positions[..., None] * inv_freq` in float64: `[..., T] -> [..., T, r/2]`.
+
+    Positions may be integer or float (fractional positions are allowed, e.g. interpolated).
+    """
+    if positions.is_floating_point():
+        pos = positions.to(torch.float64)
+    else:
+        pos = positions.to(torch.int64).to(torch.float64)  # exact for |p| < 2^53
+    return pos.unsqueeze(-1) * inv_freq.to(device=pos.device, dtype=torch.float64)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factor: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables `[..., T, r]` for the given positions, scaled by attention_factor."""
+    ang = rope_angles(positions, inv_freq)  # [..., T, r/2] float64
+    ang = torch.cat((ang, ang), dim=-1)  # [..., T, r]
+    cos, sin = ang.cos(), ang.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rope_cos_sin_for_spec(
+    spec: RopeSpec | dict,
+    head_dim: int,
+    positions: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of a spec at `positions`; `seq_len` defaults to max(positions)+1."""
+    if seq_len is None and positions.numel():
+        seq_len = int(positions.max().item()) + 1
+    inv_freq, af = compute_inv_freq(spec, head_dim, seq_len)
+    return rope_cos_sin(positions, inv_freq, af, dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the last dim: the 90-degree turn J of every rotary pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate `x: [B, T, H, D]` (or `[T, H, D]`) by tables `cos, sin: [B, T, r]` or `[T, r]`.
+
+    Forward: `y = x*cos + J(x)*sin`, i.e. `y = a * R(p) x` with a = attention_factor.
+    `inverse=True` undoes exactly that map, `x = (y*cos - J(y)*sin) / (cos^2 + sin^2)`, which
+    is R(-p) y / a; with unit tables it is the rotation by -p (used to re-rotate cached keys).
+    Computation happens in x's dtype unless the tables are wider, result in x's dtype.
+    """
+    r = cos.shape[-1]
+    if r % 2 or r > x.shape[-1]:
+        raise ValueError(f"rotary table width {r} must be even and <= head dim {x.shape[-1]}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    cos_h, sin_h = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [.., T, 1, r]: broadcast over heads
+    xr, xp = x[..., :r], x[..., r:]
+    if inverse:
+        out = (xr * cos_h - rotate_half(xr) * sin_h) / (cos_h * cos_h + sin_h * sin_h)
+    else:
+        out = xr * cos_h + rotate_half(xr) * sin_h
+    return torch.cat((out.to(x.dtype), xp), dim=-1)
+
+
+def rotate_by_positions_ref(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, inverse: bool = False
+) -> torch.Tensor:
+    """Pure rotation of `x: [.., T, H, D]` by R(positions) (no attention factor), float64 angles.
+
+    `rotate_by_positions_ref(x, delta, inv_freq)` is the PIE update `k <- R(delta) k`.
+    """
+    cos, sin = rope_cos_sin(positions, inv_freq, 1.0, torch.float64)
+    out = apply_rotary_ref(x.to(torch.float64), cos, sin, inverse=inverse)
+    return out.to(x.dtype)
