@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "RopeSpec": ("lcx.rope", "RopeSpec"),
     "load_model": ("lcx.models", "load_model"),
-    "patch": ("lcx.patch", "patch"),
-    "unpatch": ("lcx.patch", "unpatch"),
-    "patched": ("lcx.patch", "patched"),
+    "patch": ("lcx.patching", "patch"),
+    "unpatch": ("lcx.patching", "unpatch"),
+    "patched": ("lcx.patching", "patched"),
 }
 
 

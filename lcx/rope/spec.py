@@ -29,7 +29,7 @@ class RopeSpec:
     """
 
     rope_type: str = "default"
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None  # None: inherit the model's base (see `for_model`)
     partial_rotary_factor: float = 1.0
     factor: float | None = None
     original_max_position_embeddings: int | None = None
@@ -77,7 +77,8 @@ class RopeSpec:
                     f"key {f.name!r} does not apply to rope_type={self.rope_type!r} "
                     f"(accepted: {sorted(allowed) or 'none'})"
                 )
-        _positive("rope_theta", self.rope_theta)
+        if self.rope_theta is not None:
+            _positive("rope_theta", self.rope_theta)
         if not (0.0 < self.partial_rotary_factor <= 1.0):
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.factor is not None:
@@ -175,6 +176,39 @@ class RopeSpec:
         if unknown:
             raise ValueError(f"unknown RoPE key(s) {unknown}; accepted: {sorted(names)}")
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def for_model(cls, d: Mapping[str, Any] | "RopeSpec" | None, config: Any) -> "RopeSpec":
+        """Resolve a (possibly partial) spec against a model config.
+
+        Fills `rope_theta` and, for types that use it, `original_max_position_embeddings`
+        from the model (its rope_parameters / max_position_embeddings) when they are not given,
+        so `{"rope_type": "yarn", "factor": 4}` means "4x this model's context".
+        """
+        d = dict(d.to_dict()) if isinstance(d, RopeSpec) else dict(d or {})
+        model_rope = dict(getattr(config, "rope_parameters", None) or {})
+        if d.get("rope_theta") is None:
+            theta = model_rope.get("rope_theta", getattr(config, "rope_theta", None))
+            if theta is None:
+                raise ValueError("the model config has no rope_theta; pass rope_theta explicitly")
+            d["rope_theta"] = float(theta)
+        from .types import ROPE_TYPES
+
+        rtype = d.get("rope_type", d.get("type", "default"))
+        entry = ROPE_TYPES.get(rtype)
+        L_key = "original_max_position_embeddings"
+        if entry is not None and L_key in (entry.required | entry.optional) and d.get(L_key) is None:
+            L = model_rope.get(L_key) or getattr(config, "max_position_embeddings", None)
+            if L is None:
+                raise ValueError(f"rope_type={rtype!r} needs {L_key!r} and the model config has none")
+            d[L_key] = int(L)
+        if rtype == "longrope" and d.get("factor") is None:
+            # Phi-3 style configs leave `factor` out and mean max_position_embeddings / L
+            # (transformers does the same); it sets the attention temperature.
+            max_pos = getattr(config, "max_position_embeddings", None)
+            if max_pos and d.get(L_key) and max_pos > d[L_key]:
+                d["factor"] = max_pos / d[L_key]
+        return cls.from_dict(d)
 
     def replace(self, **changes: Any) -> "RopeSpec":
         return dataclasses.replace(self, **changes)

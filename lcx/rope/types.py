@@ -177,6 +177,11 @@ def compute_inv_freq(
     positions the current forward covers (max position + 1).
     """
     spec = RopeSpec.from_dict(spec)
+    if spec.rope_theta is None:
+        raise ValueError(
+            "rope_theta is unset (None means 'inherit from the model'): pass rope_theta=... "
+            "or resolve the spec with RopeSpec.for_model(spec, model.config)"
+        )
     dim = spec.rotary_dim(head_dim)
     inv_freq, af = ROPE_TYPES[spec.rope_type].fn(spec, _theta(spec.rope_theta, dim), dim, seq_len)
     return inv_freq, float(af)

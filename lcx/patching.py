@@ -1,0 +1,172 @@
+"""Apply a RoPE spec to a loaded Hugging Face Llama-family model, in place and reversibly.
+
+In transformers 5.x, Llama-family models compute rotary tables once per forward in
+`model.model.rotary_emb(hidden_states, position_ids) -> (cos, sin)` and hand them to every
+layer. `patch` swaps that module for `LcxRotaryEmbedding`, which asks lcx's RoPE registry for
+the inverse frequencies and builds the tables with float64 angles; attention code is untouched,
+so every attention implementation of transformers (eager, sdpa, flex) sees the new positions.
+
+    model, tok = lcx.load_model("tiny-5m")
+    with lcx.patched(model, {"rope_type": "yarn", "factor": 16}):
+        logits = model(ids).logits          # YaRN, 16x the model's context
+    # original rotary module and config restored here
+
+Length-dependent types (dynamic NTK, longrope) follow transformers: the basis is chosen from
+the current forward's max position + 1. With a KV cache of rotated keys, dynamic NTK makes
+old keys inconsistent (transformers #25104); vLLM instead fixes it at n = L*s. lcx matches HF.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from .rope import RopeSpec, compute_inv_freq, rope_angles
+
+# model_type values whose decoder takes (cos, sin) from `model.model.rotary_emb` and rotates
+# the full head with HF's rotate-half convention. Tested in tests/test_patch.py.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
+
+
+class LcxRotaryEmbedding(nn.Module):
+    """Drop-in for HF's `*RotaryEmbedding`: `forward(x, position_ids) -> (cos, sin)`.
+
+    x: any tensor whose dtype/device the tables take; position_ids: [B, T] (int).
+    Returns cos, sin: [B, T, head_dim] in x.dtype, already scaled by the attention factor.
+    """
+
+    def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | None = None):
+        super().__init__()
+        self.spec = spec
+        self.head_dim = head_dim
+        if spec.rotary_dim(head_dim) != head_dim:
+            raise ValueError(
+                f"this model family rotates the full head (head_dim={head_dim}); "
+                f"partial_rotary_factor={spec.partial_rotary_factor} is not supported here"
+            )
+        inv_freq, af = compute_inv_freq(spec, head_dim, None)
+        # Static basis as a float64 buffer so `.to(device)` moves it with the model.
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.attention_scaling = af
+        self._by_len: dict[tuple[int, str], tuple[torch.Tensor, float]] = {}
+
+    def _basis(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, float]:
+        if not self.spec.is_length_dependent:
+            return self.inv_freq, self.attention_scaling
+        if self.spec.rope_type == "longrope":  # two bases only: short (n <= L) and long
+            seq_len = min(seq_len, self.spec.original_max_position_embeddings + 1)
+        key = (seq_len, str(device))
+        if key not in self._by_len:
+            if len(self._by_len) > 64:
+                self._by_len.clear()
+            inv, af = compute_inv_freq(self.spec, self.head_dim, seq_len)
+            self._by_len[key] = (inv.to(device), af)
+        return self._by_len[key]
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        seq_len = int(position_ids.max().item()) + 1 if self.spec.is_length_dependent else 0
+        inv_freq, af = self._basis(seq_len, x.device)
+        ang = rope_angles(position_ids.to(x.device), inv_freq)  # [B, T, D/2] float64
+        emb = torch.cat((ang, ang), dim=-1)  # [B, T, D]
+        cos, sin = emb.cos(), emb.sin()
+        if af != 1.0:
+            cos, sin = cos * af, sin * af
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec.describe()}, head_dim={self.head_dim}"
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The decoder stack that owns `rotary_emb` (model.model for *ForCausalLM)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"lcx.patch supports model_type in {list(SUPPORTED_MODEL_TYPES)}; "
+            f"got {model_type!r} ({type(model).__name__})"
+        )
+    for cand in (getattr(model, "model", None), model):
+        if cand is not None and isinstance(getattr(cand, "rotary_emb", None), nn.Module):
+            return cand
+    raise ValueError(
+        f"{type(model).__name__} has no `rotary_emb` module where transformers 5.x puts it; "
+        "this transformers version or model class is not supported by lcx.patch"
+    )
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def patch(model: nn.Module, spec: RopeSpec | Mapping[str, Any]) -> nn.Module:
+    """Apply `spec` to `model` in place and return it.
+
+    `spec` may be partial: missing `rope_theta` / `original_max_position_embeddings` come
+    from the model (`RopeSpec.for_model`). Patching an already patched model replaces the
+    spec; `unpatch` always restores the model as loaded. `config.rope_parameters` is updated
+    so a saved patched model records what it runs.
+    """
+    inner = _inner(model)
+    original = getattr(model, _ORIG_ATTR, None)
+    base_config = original[1] if original is not None else None
+    resolved = RopeSpec.for_model(spec, _ConfigView(model.config, base_config))
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else None
+    new = LcxRotaryEmbedding(resolved, head_dim_of(model.config), device=device)
+    if original is None:
+        setattr(model, _ORIG_ATTR, (inner.rotary_emb, copy.deepcopy(model.config.rope_parameters)))
+    inner.rotary_emb = new
+    model.config.rope_parameters = resolved.to_dict()
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the rotary module and rope_parameters the model had before the first `patch`."""
+    original = getattr(model, _ORIG_ATTR, None)
+    if original is None:
+        return model
+    _inner(model).rotary_emb, model.config.rope_parameters = original[0], original[1]
+    delattr(model, _ORIG_ATTR)
+    return model
+
+
+def current_spec(model: nn.Module) -> RopeSpec | None:
+    """The lcx spec a patched model runs, or None for an unpatched model."""
+    rot = getattr(_inner(model), "rotary_emb", None)
+    return rot.spec if isinstance(rot, LcxRotaryEmbedding) else None
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, spec: RopeSpec | Mapping[str, Any] | None) -> Iterator[nn.Module]:
+    """Context manager: `patch` on entry (no-op for `spec=None`), restore the previous state on exit."""
+    if spec is None:
+        yield model
+        return
+    previous = current_spec(model)
+    patch(model, spec)
+    try:
+        yield model
+    finally:
+        if previous is None:
+            unpatch(model)
+        else:
+            patch(model, previous)
+
+
+class _ConfigView:
+    """A config whose rope_parameters are the model's original ones (for re-patching)."""
+
+    def __init__(self, config: Any, rope_parameters: Mapping[str, Any] | None):
+        self._config, self._rp = config, rope_parameters
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "rope_parameters" and self._rp is not None:
+            return self._rp
+        return getattr(self._config, name)
