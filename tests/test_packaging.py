@@ -1,0 +1,64 @@
+"""Packaging: kernels/, eval_tasks/, serve/ ship as lcx.*; `import lcx` needs only core deps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAPPED = {"lcx.kernels": "kernels", "lcx.eval_tasks": "eval_tasks", "lcx.serve": "serve"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _source_packages() -> set[str]:
+    """Every folder with an __init__.py under lcx/ and the mapped folders, as dotted names."""
+    found = set()
+    roots = {"lcx": ROOT / "lcx", **{k: ROOT / v for k, v in MAPPED.items()}}
+    for name, root in roots.items():
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    return found
+
+
+def test_every_package_is_listed_in_pyproject():
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    missing = _source_packages() - listed
+    assert not missing, f"add to [tool.setuptools].packages in pyproject.toml: {sorted(missing)}"
+    assert _pyproject()["tool"]["setuptools"]["package-dir"] == {"lcx": "lcx", **MAPPED}
+
+
+def test_import_lcx_pulls_no_optional_or_heavy_package():
+    code = (
+        "import sys, lcx, lcx.rope, lcx.kernels, lcx.eval_tasks, lcx.serve\n"
+        "bad = [m for m in ('triton', 'vllm', 'lm_eval', 'flash_attn', 'transformers') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "", f"import lcx imported {out.stdout.strip()}"
+
+
+@pytest.mark.slow
+def test_wheel_contains_mapped_packages_and_no_generic_top_level(tmp_path):
+    """A regular (non-editable) install ships lcx/kernels etc. and no top-level `kernels`."""
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, env=env, capture_output=True)
+    (wheel,) = tmp_path.glob("lcx-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for pkg in MAPPED:
+        assert f"{pkg.replace('.', '/')}/__init__.py" in names
+    tops = {n.split("/")[0] for n in names}
+    assert tops <= {"lcx", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, tops
+    top_level = [n for n in names if n.endswith("top_level.txt")]
+    if top_level:
+        assert zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["lcx"]
