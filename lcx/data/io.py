@@ -1,0 +1,93 @@
+"""Atomic file writes and the environment record every result file carries.
+
+A reader (another process, a crashed run being resumed) must never see half a file, so each
+write goes to a temporary file in the same directory, is flushed to disk, and is moved over the
+target with `os.replace` (atomic on POSIX when both are on one filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call `write(tmp_path)` and move the result to `path` atomically. Returns `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    return atomic_write(path, write)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> Path:
+    """`fig.savefig` through a temporary file (format taken from `path`'s suffix)."""
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, **kwargs))
+
+
+def git_info(repo: str | os.PathLike | None = None) -> dict[str, Any]:
+    """`{"sha": ..., "dirty": bool}` of the lcx checkout, or sha None outside a git checkout."""
+    repo = Path(repo) if repo else Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10, check=True).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None}
+    return {"sha": sha, "dirty": dirty}
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded next to every result."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git": git_info(),
+    }
+
+
+__all__ = ["atomic_savefig", "atomic_write", "atomic_write_json", "atomic_write_text", "environment", "git_info"]

@@ -1,0 +1,537 @@
+"""`lcx train lm`: train a small Llama-style causal LM on Shakespeare + the KJV Bible.
+
+The model is a stock `transformers.LlamaForCausalLM`, so `lcx.patch`, `save_pretrained` and
+every HF tool work on it unchanged. Default shape (`ModelConfig()`), ~5.0M parameters:
+
+    vocab 4096 (byte-level BPE, tied input/output embeddings)   1.05M
+    5 layers x [q 256x256, k/v 256x128 (GQA: 4 query heads share 2 kv heads), o 256x256,
+                SwiGLU 256->768->256, 2 RMSNorms]                5 x 0.79M
+    head_dim 64, RoPE theta 10000, trained at 256 positions (max_position_embeddings)
+
+Training: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only), linear warmup then cosine
+decay to `min_lr_ratio * lr`, gradient clipping at 1.0, float32. Each step's batch is
+`batch_size` random windows of `seq_len + 1` tokens from the train token stream; the window
+offsets come from a generator seeded with `(seed, step)`, so a batch depends only on the seed
+and the step number. With the saved optimizer state this makes `--resume` continue exactly as an
+uninterrupted run would (bitwise on the same machine and thread count; tested).
+
+Validation loss: mean token NLL over `val_windows` fixed windows of `seq_len + 1` tokens spread
+evenly over the held-out stream (all held-out works contribute), every `eval_every` steps.
+
+Files in `--out` (written atomically, temp file + `os.replace`):
+    config.json, generation_config.json, model.safetensors   HF model (float32)
+    tokenizer.json, tokenizer_config.json                     HF tokenizer
+    train_config.json                                         resolved TrainConfig + runtime
+    state.pt                                                  resume state (removed at the end
+                                                              unless --keep-state)
+The log (`--log`, default `<out>/train_log.json`) holds per-step losses, validation losses, wall
+time, tokens seen, the config, the environment and the git SHA; a PNG curve is written beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lcx.data.io import atomic_savefig, atomic_write, atomic_write_json, environment
+
+# ---------------------------------------------------------------------------------- configs
+
+
+def _from_dict(cls, d: Mapping[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; accepted: {sorted(names)}")
+    return cls(**d)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the Llama-style model. `attention` picks an entry of `ATTENTION_VARIANTS`."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention={self.attention!r} is not known; known: {sorted(ATTENTION_VARIANTS)}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        return _from_dict(cls, d)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines the trained weights (runtime knobs such as threads are not here)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    steps: int = 800
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    val_windows: int = 128
+    ckpt_every: int = 100
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, Mapping):
+            object.__setattr__(self, "model", ModelConfig.from_dict(self.model))
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "val_windows", "ckpt_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError("weight_decay must be >= 0 and grad_clip > 0")
+        if self.seq_len > self.model.max_position_embeddings:
+            raise ValueError(f"seq_len ({self.seq_len}) exceeds max_position_embeddings "
+                             f"({self.model.max_position_embeddings})")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+        return _from_dict(cls, d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# -------------------------------------------------------------------------------- the model
+
+
+def llama_config(mc: ModelConfig, *, bos_token_id: int = 0, eos_token_id: int = 1, pad_token_id: int = 2):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_hidden_layers,
+        num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        max_position_embeddings=mc.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(mc.rope_theta)},
+        tie_word_embeddings=mc.tie_word_embeddings,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+
+
+def _build_sdpa(config) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+# Attention variants a model can be trained with: name -> builder(LlamaConfig) -> model. A new
+# variant (e.g. SWAT's sigmoid sliding-window attention) registers its builder here; it gets the
+# same LlamaConfig and must return an HF causal LM whose forward takes `input_ids`.
+ATTENTION_VARIANTS: dict[str, Callable[[Any], torch.nn.Module]] = {
+    "sdpa": _build_sdpa,
+}
+
+
+def build_model(mc: ModelConfig, *, seed: int | None = None, **token_ids: int) -> torch.nn.Module:
+    """A freshly initialised model; with `seed`, the initialisation is reproducible."""
+    config = llama_config(mc, **token_ids)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return ATTENTION_VARIANTS[mc.attention](config)
+
+
+# -------------------------------------------------------------------------------- schedule
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup over `warmup_steps` (step 0 gets lr/warmup), then cosine to min_lr_ratio*lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) `[B, T]` for `step`: B random windows of T+1 tokens, a function of (seed, step)."""
+    n = stream.numel() - cfg.seq_len - 1
+    if n < 1:
+        raise ValueError(f"train stream has {stream.numel()} tokens; need more than seq_len + 1 = {cfg.seq_len + 1}")
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    offsets = torch.randint(0, n + 1, (cfg.batch_size,), generator=g)
+    idx = offsets[:, None] + torch.arange(cfg.seq_len + 1)[None, :]  # [B, T+1]
+    win = stream[idx].long()
+    return win[:, :-1], win[:, 1:]
+
+
+def val_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
+    """`[N, seq_len+1]` windows at evenly spaced offsets over the whole held-out stream."""
+    n = stream.numel() - seq_len - 1
+    if n < 0:
+        raise ValueError(f"validation stream has {stream.numel()} tokens; need at least seq_len + 1")
+    count = min(count, n // (seq_len + 1) + 1)  # keep them non-overlapping
+    offsets = torch.linspace(0, n, count).round().long()
+    return stream[offsets[:, None] + torch.arange(seq_len + 1)[None, :]].long()
+
+
+def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL (nats). inputs, targets: `[B, T]`."""
+    logits = model(input_ids=inputs, use_cache=False).logits  # [B, T, V]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 32) -> float:
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        w = windows[i : i + batch_size]
+        total += lm_loss(model, w[:, :-1], w[:, 1:]).item() * w[:, 1:].numel()
+        count += w[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+# -------------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module
+    log: dict[str, Any]
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False,
+    )
+
+
+def _save_hf(model, tokenizer, out: Path, extra: dict[str, Any]) -> None:
+    """save_pretrained into a temporary directory, then move each file into `out`."""
+    import tempfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".save-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "train_config.json"), "w") as f:
+            json.dump(extra, f, indent=2)
+        for name in sorted(os.listdir(tmp)):
+            os.replace(os.path.join(tmp, name), out / name)
+
+
+def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses = log["step"], log["loss"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, losses, lw=0.6, alpha=0.45, color="tab:blue", label="train (per step)")
+    k = max(1, len(losses) // 50)
+    if len(losses) >= k > 1:
+        sm = torch.tensor(losses).unfold(0, k, 1).mean(1).tolist()
+        ax.plot(steps[k - 1 :], sm, color="tab:blue", label=f"train ({k}-step mean)")
+    if log["val"]:
+        ax.plot([v["step"] for v in log["val"]], [v["loss"] for v in log["val"]], "o-", color="tab:red",
+                label="validation (held-out works)")
+    cfg = log["config"]
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"tiny Llama LM, {log.get('n_params', 0) / 1e6:.2f}M params, batch {cfg['batch_size']}x{cfg['seq_len']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+
+
+def train(
+    cfg: TrainConfig,
+    out: str | os.PathLike,
+    *,
+    tokenizer,
+    train_ids: Sequence[int] | torch.Tensor,
+    val_ids: Sequence[int] | torch.Tensor,
+    resume: bool = False,
+    keep_state: bool = False,
+    log_path: str | os.PathLike | None = None,
+    plot: bool = True,
+    progress: bool = True,
+    extra_log: Mapping[str, Any] | None = None,
+) -> TrainResult:
+    """Train `cfg` on token streams; write the HF model, tokenizer, log and curve under `out`.
+
+    `resume=True` continues from `<out>/state.pt` (which must have been written with the same
+    config); the result is identical to an uninterrupted run.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path) if log_path else out / "train_log.json"
+    state_path = out / "state.pt"
+    train_stream = torch.as_tensor(train_ids, dtype=torch.int32)
+    val = val_windows(torch.as_tensor(val_ids, dtype=torch.int32), cfg.seq_len, cfg.val_windows)
+    if len(tokenizer) > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {cfg.model.vocab_size}")
+
+    model = build_model(cfg.model, seed=cfg.seed, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = _optimizer(model, cfg)
+    log: dict[str, Any] = {
+        "config": cfg.to_dict(), "n_params": n_params, "train_tokens": int(train_stream.numel()),
+        "val_tokens_scored": int(val[:, 1:].numel()), "step": [], "loss": [], "lr": [], "val": [],
+        "wall_time_s": 0.0, "tokens_seen": 0, **(dict(extra_log) if extra_log else {}),
+    }
+    start = 0
+    if resume:
+        if not state_path.is_file():
+            raise FileNotFoundError(f"--resume: no {state_path} (nothing to resume, or the run already finished)")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        if state["config"] != cfg.to_dict():
+            diff = sorted(k for k in cfg.to_dict() if state["config"].get(k) != cfg.to_dict()[k])
+            raise ValueError(f"--resume: config differs from the saved run in {diff}")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        log, start = state["log"], state["step"]
+        log.setdefault("resumed_at_step", []).append(start)
+
+    def checkpoint(step: int, final: bool) -> None:
+        meta = {"train_config": cfg.to_dict(), "n_params": n_params, "steps_done": step,
+                "runtime": {"threads": torch.get_num_threads()}}
+        for k in ("git", "tokenizer"):
+            if k in log:
+                meta[k] = log[k]
+        _save_hf(model, tokenizer, out, meta)
+        atomic_write_json(log_path, log)
+        if plot:
+            plot_curve(log, log_path.with_suffix(".png"))
+        if final and not keep_state:
+            state_path.unlink(missing_ok=True)
+        else:
+            atomic_write(state_path, lambda tmp: torch.save(
+                {"config": cfg.to_dict(), "step": step, "model": model.state_dict(),
+                 "optimizer": opt.state_dict(), "log": log}, tmp))
+
+    model.train()
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc="train", unit="step",
+               dynamic_ncols=True)
+    t_last, ema = time.perf_counter(), None
+    for step in range(start, cfg.steps):
+        lr = lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batch_at(train_stream, cfg, step)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = loss.item()
+        if not math.isfinite(loss_v):
+            raise FloatingPointError(f"loss became {loss_v} at step {step}; lower --lr")
+        log["step"].append(step + 1)
+        log["loss"].append(loss_v)
+        log["lr"].append(lr)
+        log["tokens_seen"] += tokens_per_step
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            log["val"].append({"step": done, "loss": evaluate(model, val)})
+        now = time.perf_counter()
+        log["wall_time_s"] += now - t_last
+        t_last = now
+        ema = loss_v if ema is None else 0.95 * ema + 0.05 * loss_v
+        post = {"loss": f"{ema:.3f}", "lr": f"{lr:.1e}",
+                "tok/s": f"{log['tokens_seen'] / max(log['wall_time_s'], 1e-9):.0f}"}
+        if log["val"]:
+            post["val"] = f"{log['val'][-1]['loss']:.3f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+        if done % cfg.ckpt_every == 0 or done == cfg.steps:
+            if done == cfg.steps:
+                log["final_val_loss"] = log["val"][-1]["loss"]
+                log["tokens_per_s"] = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
+            checkpoint(done, final=done == cfg.steps)
+            t_last = time.perf_counter()  # checkpoint I/O is not training time
+    bar.close()
+    if start >= cfg.steps:  # resumed a run that had already finished
+        checkpoint(cfg.steps, final=True)
+    return TrainResult(model, log)
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+_FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
+    "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
+    "warmup_steps": "warmup_steps", "eval_every": "eval_every",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    d = TrainConfig()
+    parser.epilog = (
+        "Trains a byte-level BPE tokenizer (vocab 4096) on the train split, then a ~5M-parameter\n"
+        "Llama model (5 layers, hidden 256, 4 query heads / 2 kv heads, head_dim 64, tied\n"
+        "embeddings, RoPE theta 10000, 256 positions). The defaults reproduce the bundled\n"
+        "lcx/assets/tiny-llama-5m (about 15 minutes on 2 CPU cores):\n"
+        "  lcx train lm --out lcx/assets/tiny-llama-5m --log results/train_tiny_lm.json --threads 2\n"
+        "Quick check that everything runs:\n"
+        "  lcx train lm --out /tmp/tiny --steps 20 --eval-every 10\n"
+    )
+    parser.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
+    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d.steps})")
+    parser.add_argument("--batch-size", type=int, default=None, help=f"sequences per step (default {d.batch_size})")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"training sequence length, <= 256 positions of the model (default {d.seq_len})")
+    parser.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr:g})")
+    parser.add_argument("--warmup-steps", type=int, default=None, help=f"linear warmup steps (default {d.warmup_steps})")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help=f"validation (and checkpoint) interval in steps (default {d.eval_every})")
+    parser.add_argument("--seed", type=int, default=None, help=f"seed for init and batch order (default {d.seed})")
+    parser.add_argument("--attention", choices=sorted(ATTENTION_VARIANTS), default=None,
+                        help="attention implementation the model is trained with (default sdpa)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice); results are bitwise reproducible "
+                             "only at the same thread count")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from <out>/state.pt; config flags, if given, must match the saved run")
+    parser.add_argument("--keep-state", action="store_true",
+                        help="keep <out>/state.pt (optimizer state, ~3x model size) after the last step")
+    parser.add_argument("--log", default=None,
+                        help="training log JSON (default <out>/train_log.json); the PNG curve goes beside it")
+    parser.add_argument("--tokenizer", default=None,
+                        help="use the tokenizer in this directory instead of training one on the train split")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training one (default 4096)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None) -> TrainConfig:
+    given = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items() if getattr(args, dest) is not None}
+    if saved is not None:
+        cfg = TrainConfig.from_dict(saved)
+        for key, value in given.items():
+            if getattr(cfg, key) != value:
+                raise ValueError(f"--resume: --{key.replace('_', '-')} {value} differs from the saved run's "
+                                 f"{getattr(cfg, key)}; resume with the same settings")
+        if args.attention is not None and args.attention != cfg.model.attention:
+            raise ValueError(f"--resume: --attention {args.attention} differs from the saved {cfg.model.attention}")
+        return cfg
+    model = ModelConfig(vocab_size=args.vocab_size, attention=args.attention or "sdpa")
+    return TrainConfig(model=model, **given)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from lcx.data import encode_documents, load_corpus, train_tokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    saved = None
+    if args.resume:
+        if not (out / "state.pt").is_file():
+            raise FileNotFoundError(f"--resume: no {out / 'state.pt'} (nothing to resume, or the run already finished)")
+        saved = torch.load(out / "state.pt", map_location="cpu", weights_only=False)["config"]
+    cfg = _config_from_args(args, saved)
+
+    t0 = time.perf_counter()
+    train_docs, val_docs = load_corpus("train"), load_corpus("validation")
+    if args.resume:
+        tokenizer = AutoTokenizer.from_pretrained(out)  # the run's own tokenizer
+        tok_info = {"source": "resumed"}
+    elif args.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tok_info = {"source": str(args.tokenizer)}
+    else:
+        tokenizer = train_tokenizer([d.text for d in train_docs], vocab_size=args.vocab_size)
+        tok_info = {"source": "trained on the train split", "vocab_size": len(tokenizer)}
+    train_ids = encode_documents(tokenizer, [d.text for d in train_docs])
+    val_ids = encode_documents(tokenizer, [d.text for d in val_docs])
+    print(f"corpus: {len(train_docs)} train documents ({len(train_ids):,} tokens), {len(val_docs)} held-out "
+          f"({len(val_ids):,} tokens); tokenizer + encoding {time.perf_counter() - t0:.1f}s; "
+          f"{torch.get_num_threads()} threads", flush=True)
+    env = environment()
+    res = train(cfg, out, tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, resume=args.resume,
+                keep_state=args.keep_state, log_path=args.log, progress=not args.no_progress,
+                extra_log={"git": env.pop("git"), "environment": env, "tokenizer": tok_info,
+                           "held_out": [d.name for d in val_docs]})
+    log = res.log
+    print(f"done: {cfg.steps} steps, {log['tokens_seen']:,} tokens in {log['wall_time_s']:.0f}s "
+          f"({log['tokens_per_s']:.0f} tok/s); final val loss {log['final_val_loss']:.4f} "
+          f"(ppl {math.exp(log['final_val_loss']):.1f}); model in {out}")
+    return 0
