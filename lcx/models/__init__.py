@@ -1,0 +1,31 @@
+"""Model loading: presets, local HF directories, GGUF files (cached), and the tiny test model.
+
+>>> from lcx.models import load_model
+>>> model, tokenizer = load_model("smollm2-135m")   # or a path, or "tiny-5m"
+"""
+
+from .loading import (
+    PRESETS,
+    Preset,
+    cache_root,
+    gguf_cache_dir,
+    is_gguf_cached,
+    load_model,
+    model_family,
+    resolve_source,
+)
+from .tiny import save_tiny_llama, tiny_config, tiny_llama
+
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "cache_root",
+    "gguf_cache_dir",
+    "is_gguf_cached",
+    "load_model",
+    "model_family",
+    "resolve_source",
+    "save_tiny_llama",
+    "tiny_config",
+    "tiny_llama",
+]

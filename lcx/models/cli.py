@@ -1,0 +1,86 @@
+"""`lcx models`: list the model presets, or load one model and summarise it.
+
+    lcx models                       # presets, their files, presence and GGUF cache status
+    lcx models --load smollm2-135m   # load (building the GGUF cache if needed) and summarise
+    lcx models --load path/to/dir --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load", metavar="NAME_OR_PATH",
+                        help="load this preset, HF directory or .gguf file and print a summary")
+    parser.add_argument("--dtype", default="float32",
+                        help="parameter dtype for --load (float32, bfloat16, float16)")
+    parser.add_argument("--device", default="cpu", help="device for --load (cpu, cuda, ...)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.load:
+        return _load(args.load, args.dtype, args.device)
+    return _list()
+
+
+def _list() -> int:
+    from .loading import PRESETS, cache_root, gguf_cache_dir, is_gguf_cached
+
+    for p in PRESETS.values():
+        path = p.path()
+        present = p.is_present()
+        print(f"{p.name}  [{p.format}]  {'present' if present else 'MISSING'}")
+        print(f"  {p.description}")
+        print(f"  source: {path if path is not None else '(unknown)'}")
+        if not present:
+            print(f"  to get it: {p.how_to_get}")
+        elif p.format == "gguf":
+            cached = is_gguf_cached(path)
+            state = "cached" if cached else "not cached yet: the first load dequantizes, ~20-30 s"
+            print(f"  cache:  {gguf_cache_dir(path)} ({state})")
+        print()
+    print(f"cache root: {cache_root()} (set LCX_CACHE_DIR to move it)")
+    return 0
+
+
+def summarize(model: Any) -> dict[str, Any]:
+    """Architecture facts of a loaded HF causal LM, as a flat dict (used by `--load`)."""
+    c = model.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    rope = getattr(c, "rope_parameters", None) or {
+        "rope_theta": getattr(c, "rope_theta", None), **(getattr(c, "rope_scaling", None) or {})}
+    return {
+        "model_type": c.model_type,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "heads": heads,
+        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_parameters": dict(rope),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
+    }
+
+
+def _load(name: str, dtype: str, device: str) -> int:
+    from .loading import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(name, dtype=dtype, device=device)
+    dt = time.perf_counter() - t0
+    info = summarize(model)
+    print(f"{name}: loaded in {dt:.1f} s")
+    print(f"  parameters               {info.pop('parameters') / 1e6:.2f} M")
+    for k, v in info.items():
+        print(f"  {k:<24} {v}")
+    print(f"  {'tokenizer':<24} {type(tok).__name__}, {len(tok)} tokens, bos={tok.bos_token!r} "
+          f"eos={tok.eos_token!r} pad={tok.pad_token!r}, chat template: "
+          f"{'yes' if tok.chat_template else 'no'}")
+    return 0

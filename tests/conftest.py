@@ -1,0 +1,45 @@
+"""Shared pytest fixtures and markers for lcx.
+
+Tests never touch the network: the Hugging Face hub is switched off before anything imports
+transformers. Tests marked `gpu` are skipped when CUDA is unavailable.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [it for it in items if "gpu" in it.keywords]
+    if not gpu_items:
+        return
+    import torch  # only now: no device query at import time
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for it in gpu_items:
+        it.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """`(model, tokenizer)` from `lcx.models.tiny_llama(seed=0)`: 2 layers, hidden 64, 4/2 heads,
+    head_dim 16, vocab 259 (byte tokenizer). Shared by the whole session: do not mutate it
+    (or undo what you did, e.g. `lcx.unpatch`); call `tiny_llama()` for a private copy."""
+    from lcx.models.tiny import tiny_llama
+
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A Hugging Face directory holding the `tiny_model` weights and tokenizer (read-only)."""
+    from lcx.models.tiny import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model", seed=0)
