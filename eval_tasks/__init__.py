@@ -1,1 +1,35 @@
-"""lcx.eval_tasks: lm-evaluation-harness tasks shipped with lcx (installed as `lcx.eval_tasks`)."""
+"""lcx.eval_tasks: lm-evaluation-harness tasks shipped with lcx (installed as `lcx.eval_tasks`).
+
+One folder per task (YAML + small Python module + README):
+
+- `passkey`, `passkey_ll` — Landmark-Attention passkey retrieval at RULER-style context lengths
+  (`--metadata '{"max_seq_lengths": [...]}'`), generation and log-likelihood variants.
+- `modadd_shift` (group) — `(a + b) mod 97` on held-out pairs: in distribution, moved to other
+  character offsets, and in natural-language templates never used in training.
+- `lcx_ppl` — perplexity / bits per byte of held-out works of the lcx corpus, by context length.
+
+lm-eval finds these tasks by itself once lcx is installed (a start-up hook, `lcx._lmeval_hook`,
+adds `TASKS_DIR` to every `TaskManager`; opt out with `LCX_NO_LMEVAL_HOOK=1`). Explicitly:
+`lm_eval --include_path <TASKS_DIR> ...` or `python -m lcx.eval_tasks ...`.
+
+This module stays import-light: it never imports lm_eval (tests/test_packaging.py checks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TASKS_DIR: Path = Path(__file__).resolve().parent
+
+# Task and group names this package defines (tests check every YAML is listed here).
+TASK_NAMES: tuple[str, ...] = (
+    "passkey",
+    "passkey_ll",
+    "modadd_shift",
+    "modadd_shift_id",
+    "modadd_shift_pos",
+    "modadd_shift_template",
+    "lcx_ppl",
+)
+
+__all__ = ["TASKS_DIR", "TASK_NAMES"]

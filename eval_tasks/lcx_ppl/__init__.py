@@ -1,0 +1,1 @@
+"""`lcx_ppl`: perplexity and bits per byte of held-out works, by context length."""

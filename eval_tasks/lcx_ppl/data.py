@@ -1,0 +1,79 @@
+"""Docs for `lcx_ppl`: windows of held-out works of the lcx corpus, cut in the model's tokens.
+
+Text: `lcx.data.corpus.load_corpus("validation")`, works held out of training whole (four
+Shakespeare plays, four Bible books), one document per work (the modern edition where a play
+has two, so near-duplicate text is not scored twice).
+
+Windows. Each work is tokenized once with the model's tokenizer and cut into consecutive,
+non-overlapping windows of `max(max_seq_lengths)` tokens (a final partial window is dropped).
+A doc is one window; its text for length L is the window's first L tokens, decoded by character
+offsets and re-checked to tokenize to at most L tokens. lm-eval's `loglikelihood_rolling` then
+scores those L tokens in one forward pass of L positions (the backend's BOS/EOS prefix plus the
+first L-1 tokens), so bucket L measures the model at context L; buckets of one doc are nested
+prefixes of the same text. Docs are interleaved across works, so `--limit k` samples several
+works. Metadata: `max_seq_lengths` (default 256, 512, 1024), `max_docs` (default: all windows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lcx.eval_tasks.common import get_int, lengths_from, n_tokens, round_robin, tokenizer_from
+
+DEFAULT_LENGTHS = (256, 512, 1024)
+
+
+def works(split: str = "validation") -> list[tuple[str, str]]:
+    """`(work, text)` for each work of the split, one edition per work, sorted by work."""
+    from lcx.data.corpus import load_corpus
+
+    chosen: dict[str, Any] = {}
+    for d in load_corpus(split):
+        prev = chosen.get(d.work)
+        # prefer the modern edition (`*_gut`) over the First Folio (`*_gut_f`)
+        if prev is None or (prev.name.endswith("_f") and not d.name.endswith("_f")):
+            chosen[d.work] = d
+    return [(w, chosen[w].text) for w in sorted(chosen)]
+
+
+def windows(tokenizer: Any, text: str, lengths: list[int]) -> list[dict]:
+    """Non-overlapping windows of max(lengths) tokens; per window the text of each prefix length."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offs = enc["offset_mapping"]
+    size = max(lengths)
+    out = []
+    for start in range(0, len(offs) - size + 1, size):
+        texts, counts = [], []
+        for L in lengths:
+            end = start + L  # exclusive token index
+            while True:
+                chunk = text[offs[start][0]:offs[end - 1][1]]
+                c = n_tokens(tokenizer, chunk)
+                if c <= L or end - 1 <= start:
+                    break
+                end -= 1  # re-tokenized text came out longer: drop a token and retry
+            texts.append(chunk)
+            counts.append(c)
+        out.append({"start_token": start, "texts": texts, "n_tokens": counts})
+    return out
+
+
+def make_docs(tokenizer: Any, lengths: list[int], max_docs: int | None = None) -> list[dict]:
+    per_work = []
+    for work, text in works("validation"):
+        per_work.append([{"work": work, "answer": work, "lengths": list(lengths), "prompts": w["texts"],
+                          "n_tokens": w["n_tokens"], "start_token": w["start_token"]}
+                         for w in windows(tokenizer, text, lengths)])
+    docs = round_robin(per_work)
+    if not docs:
+        raise ValueError(f"lcx_ppl: no held-out work has {max(lengths)} tokens; use smaller max_seq_lengths")
+    return docs[:max_docs] if max_docs else docs
+
+
+def dataset(**meta: Any):
+    """lm-eval `custom_dataset`: `{"test": Dataset}`."""
+    import datasets
+
+    docs = make_docs(tokenizer_from(meta), lengths_from(meta, DEFAULT_LENGTHS),
+                     get_int(meta, "max_docs", 0) or None)
+    return {"test": datasets.Dataset.from_list(docs, split=datasets.Split.TEST)}
