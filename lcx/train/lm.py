@@ -324,11 +324,13 @@ def train(
     plot: bool = True,
     progress: bool = True,
     extra_log: Mapping[str, Any] | None = None,
+    stop_after: int | None = None,
 ) -> TrainResult:
     """Train `cfg` on token streams; write the HF model, tokenizer, log and curve under `out`.
 
     `resume=True` continues from `<out>/state.pt` (which must have been written with the same
-    config); the result is identical to an uninterrupted run.
+    config); the result is identical to an uninterrupted run. `stop_after=k` stops once k steps
+    are done (counted from step 0), leaving a checkpoint to resume from: a time-boxed run.
     """
     from tqdm.auto import tqdm
 
@@ -421,6 +423,10 @@ def train(
                 log["tokens_per_s"] = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
             checkpoint(done, final=done == cfg.steps)
             t_last = time.perf_counter()  # checkpoint I/O is not training time
+        if stop_after is not None and done >= stop_after and done < cfg.steps:
+            if done % cfg.ckpt_every:
+                checkpoint(done, final=False)
+            break
     bar.close()
     if start >= cfg.steps:  # resumed a run that had already finished
         checkpoint(cfg.steps, final=True)
@@ -464,6 +470,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only at the same thread count")
     parser.add_argument("--resume", action="store_true",
                         help="continue from <out>/state.pt; config flags, if given, must match the saved run")
+    parser.add_argument("--stop-after", type=int, default=None, metavar="N",
+                        help="stop after N steps with a checkpoint; continue later with --resume")
     parser.add_argument("--keep-state", action="store_true",
                         help="keep <out>/state.pt (optimizer state, ~3x model size) after the last step")
     parser.add_argument("--log", default=None,
@@ -529,8 +537,12 @@ def run(args: argparse.Namespace) -> int:
     res = train(cfg, out, tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, resume=args.resume,
                 keep_state=args.keep_state, log_path=args.log, progress=not args.no_progress,
                 extra_log={"git": env.pop("git"), "environment": env, "tokenizer": tok_info,
-                           "held_out": [d.name for d in val_docs]})
+                           "held_out": [d.name for d in val_docs]},
+                stop_after=args.stop_after)
     log = res.log
+    if "final_val_loss" not in log:
+        print(f"stopped after {log['step'][-1]} of {cfg.steps} steps; continue with --resume")
+        return 0
     print(f"done: {cfg.steps} steps, {log['tokens_seen']:,} tokens in {log['wall_time_s']:.0f}s "
           f"({log['tokens_per_s']:.0f} tok/s); final val loss {log['final_val_loss']:.4f} "
           f"(ppl {math.exp(log['final_val_loss']):.1f}); model in {out}")
