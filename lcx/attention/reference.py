@@ -1,0 +1,172 @@
+"""Exact reference attention: the definition every backend is tested against.
+
+Two entry points, both `[B, T, H, D]` in, `[B, Tq, H, Dv]` out (plus lse `[B, H, Tq]`):
+
+- `attention_ref(q, k, v, *, mask, alibi_slopes, activation, scale, q_offset)` takes q/k
+  ALREADY rotated (or position-free): logits `s_ij = scale * q_i.k_j - m_h |i - j|`.
+- `lambda_attention_ref(q, k, v, *, rotary, n_global, n_local, limit_distance, ...)` takes q/k
+  UNROTATED: LM-Infinite's Λ-mask with its distance cap (see `lcx.attention.rotary`).
+
+Activation over the visible keys V(i) (mask, `lcx.masks` convention):
+  softmax: o_i = sum_j exp(s_ij) v_j / Z_i,   Z_i = sum_{j in V(i)} exp(s_ij)
+  sigmoid: o_i = sum_j sigmoid(s_ij) v_j        (SWAT; no normalisation), Z_i = sum sigmoid(s_ij)
+and lse_i = log Z_i: the log of the row's total weight (what `merge_attention` combines).
+A row with no visible key gives o_i = 0 and lse_i = -inf.
+
+Precision: q.k and P.v run in the input dtype (float64 in, float64 throughout); mask, bias,
+activation and lse run in at least float32, as a low-precision kernel would. Run it in
+float64 to check a backend, and in the backend's dtype to measure the error budget
+(`lcx.testing`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lcx.masks import MaskMod, causal_mask, lambda_mask, mask_matrix
+
+from .alibi import alibi_bias
+from .rotary import lambda_inputs, rotate_qk
+from .spec import AttentionSpec, LambdaParams, Rotary, check_call, scale_of
+
+NEG_INF = float("-inf")
+
+
+def normalize_scores(
+    scores: torch.Tensor, visible: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and lse from logits: scores `[..., Tq, n]`, visible bool broadcastable.
+
+    The activation step of the definition above (shared by the blockwise backend).
+    Returns weights `[..., Tq, n]` (0 where masked) and lse `[..., Tq]`.
+    """
+    s = scores.masked_fill(~visible, NEG_INF)
+    if activation == "softmax":
+        m = s.amax(dim=-1, keepdim=True).detach()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows
+        e = torch.exp(s - m)
+        z = e.sum(dim=-1, keepdim=True)
+        lse = (m + torch.log(z)).squeeze(-1)  # log 0 = -inf on empty rows
+        return e / torch.where(z > 0, z, torch.ones_like(z)), lse
+    if activation == "sigmoid":
+        return torch.sigmoid(s), torch.logsumexp(torch.nn.functional.logsigmoid(s), dim=-1)
+    raise ValueError(f"activation={activation!r}")
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]` -> `[B, H, Tq, Tk]` in q's dtype (GQA by repeat)."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # [B, Tk, H, D]
+    return torch.einsum("bqhd,bkhd->bhqk", q, k)
+
+
+def _finish(
+    weights: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, n_heads: int, return_lse: bool
+):
+    v = v.repeat_interleave(n_heads // v.shape[2], dim=2)  # [B, Tk, H, Dv]
+    out = torch.einsum("bhqk,bkhd->bqhd", weights.to(v.dtype), v)  # [B, Tq, H, Dv]
+    return (out, lse) if return_lse else out
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: MaskMod | None = causal_mask,
+    alibi_slopes=None,
+    activation: str = "softmax",
+    scale: float | None = None,
+    q_offset: int | None = None,
+    return_lse: bool = False,
+):
+    """Attention of rotated q `[B, Tq, H, D]` on k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]`.
+
+    Returns out `[B, Tq, H, Dv]` (q's dtype), and lse `[B, H, Tq]` (>= float32) if asked.
+    """
+    spec = AttentionSpec(mask=mask, activation=activation, alibi_slopes=alibi_slopes, scale=scale)
+    off = check_call(q, k, v, spec, q_offset, None)
+    Tq, Tk, H = q.shape[1], k.shape[1], q.shape[2]
+    wide = _wide(q.dtype)
+    s = _scores(q, k).to(wide) * scale_of(spec, q.shape[-1])  # [B, H, Tq, Tk]
+    if spec.alibi_slopes is not None:
+        slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float64, device=q.device)
+        i = torch.arange(off, off + Tq, device=q.device)
+        s = s + alibi_bias(slopes, i, torch.arange(Tk, device=q.device), wide)
+    visible = mask_matrix(mask, Tq, Tk, q_offset=off, device=q.device)  # [Tq, Tk]
+    weights, lse = normalize_scores(s, visible, activation)
+    return _finish(weights, lse, v, H, return_lse)
+
+
+def lambda_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rotary: Rotary,
+    n_global: int,
+    n_local: int,
+    limit_distance: int | None = None,
+    activation: str = "softmax",
+    scale: float | None = None,
+    q_offset: int | None = None,
+    return_lse: bool = False,
+):
+    """LM-Infinite attention of UNROTATED q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`.
+
+    Visible keys are `lambda_mask(n_global, n_local)`. Key j for query i is scored
+      - as a local key, scale * R(p_i) q_i . R(p_j) k_j, if i - n_local < j <= i;
+      - as a global key, scale * R(d) q_i . R(0) k_j with d = min(limit_distance, Tk - 1),
+        if j < n_global and i - j >= n_local;
+    so a global key inside the window is counted once, as local. One softmax (or sigmoid)
+    runs over both kinds, as in the official implementation. limit_distance defaults to
+    n_local. Rotation: `rotary` (positions of the keys; the query at index i has p_i).
+    """
+    lp = LambdaParams(n_global, n_local, limit_distance)
+    spec = AttentionSpec(
+        mask=lambda_mask(n_global, n_local), activation=activation, scale=scale, lambda_params=lp
+    )
+    off = check_call(q, k, v, spec, q_offset, rotary)
+    Tq, Tk, H = q.shape[1], k.shape[1], q.shape[2]
+    li = lambda_inputs(q, k, rotary, lp, off)
+    n_glob = li.k_glob.shape[1]
+    wide, sc = _wide(q.dtype), scale_of(spec, q.shape[-1])
+    s_loc = _scores(li.q_rot, li.k_rot).to(wide) * sc  # [B, H, Tq, Tk]
+    s_glob = _scores(li.q_cap, li.k_glob).to(wide) * sc  # [B, H, Tq, G']
+    i = torch.arange(off, off + Tq, device=q.device)[:, None]
+    j = torch.arange(n_glob, device=q.device)[None, :]
+    is_global = i - j >= n_local  # [Tq, G']: outside the window (hence j < i)
+    s = torch.cat((torch.where(is_global, s_glob, s_loc[..., :n_glob]), s_loc[..., n_glob:]), -1)
+    visible = mask_matrix(spec.mask, Tq, Tk, q_offset=off, device=q.device)
+    weights, lse = normalize_scores(s, visible, activation)
+    return _finish(weights, lse, v, H, return_lse)
+
+
+def attention_ref_spec(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: AttentionSpec,
+    *,
+    q_offset: int | None = None,
+    rotary: Rotary | None = None,
+    return_lse: bool = False,
+):
+    """The reference under the backend signature (registered as backend "ref")."""
+    off = check_call(q, k, v, spec, q_offset, rotary)
+    lp = spec.lambda_params
+    if lp is not None:
+        return lambda_attention_ref(
+            q, k, v, rotary=rotary, n_global=lp.n_global, n_local=lp.n_local,
+            limit_distance=lp.limit_distance, activation=spec.activation, scale=spec.scale,
+            q_offset=off, return_lse=return_lse,
+        )  # fmt: skip
+    if rotary is not None:
+        q, k = rotate_qk(q, k, rotary, off)
+    return attention_ref(
+        q, k, v, mask=spec.mask, alibi_slopes=spec.alibi_slopes, activation=spec.activation,
+        scale=spec.scale, q_offset=off, return_lse=return_lse,
+    )  # fmt: skip

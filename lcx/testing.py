@@ -1,0 +1,59 @@
+"""Numerical tolerances for tests, in one place.
+
+Rule (flash-attention's): run the exact reference in float64 (`exact`) and again in the
+backend's own dtype (`ref_lowp`). A backend output `actual` passes when
+
+    max|actual - exact| <= RATIO * max|ref_lowp - exact| + ATOL_FLOOR[dtype] * max(1, max|exact|)
+
+i.e. a backend may be at most twice as wrong as the straightforward PyTorch computation in
+the same precision; the floor (a few units in the last place of the output scale) keeps the
+rule meaningful when the reference happens to be nearly exact. The same rule covers
+gradients and log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RATIO = 2.0
+ATOL_FLOOR = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,  # eps 9.8e-4
+    torch.bfloat16: 1.6e-2,  # eps 7.8e-3
+}
+
+
+def max_abs_err(x: torch.Tensor, exact: torch.Tensor) -> float:
+    """Max |x - exact| in float64; -inf == -inf counts as exact (empty rows of an lse)."""
+    x64, e64 = x.detach().to(torch.float64), exact.detach().to(torch.float64)
+    if x64.shape != e64.shape:
+        raise AssertionError(f"shape {tuple(x64.shape)} != {tuple(e64.shape)}")
+    same_inf = torch.isinf(x64) & torch.isinf(e64) & (torch.sign(x64) == torch.sign(e64))
+    diff = torch.where(same_inf, torch.zeros_like(x64), (x64 - e64).abs())
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def error_budget(ref_lowp: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> float:
+    finite = exact.detach()[torch.isfinite(exact.detach())]
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return RATIO * max_abs_err(ref_lowp, exact) + ATOL_FLOOR[dtype] * scale
+
+
+def assert_within_budget(
+    actual: torch.Tensor, ref_lowp: torch.Tensor, exact: torch.Tensor, *, what: str = "output"
+) -> None:
+    """Assert the rule above; `ref_lowp.dtype` names the precision."""
+    err, budget = max_abs_err(actual, exact), error_budget(ref_lowp, exact, ref_lowp.dtype)
+    if not err <= budget:
+        raise AssertionError(
+            f"{what}: error {err:.3g} vs float64 exceeds budget {budget:.3g} "
+            f"({RATIO} x reference-in-{ref_lowp.dtype} error {max_abs_err(ref_lowp, exact):.3g} "
+            f"+ floor {ATOL_FLOOR[ref_lowp.dtype]:.1g})"
+        )
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a freshly allocated kernel output with NaN so unwritten elements fail the test."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**31))
