@@ -71,6 +71,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
     attention: str = "sdpa"
+    window: int | None = None  # keys per query, itself included; windowed variants only (swat)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -87,6 +88,12 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.attention not in ATTENTION_VARIANTS:
             raise ValueError(f"attention={self.attention!r} is not known; known: {sorted(ATTENTION_VARIANTS)}")
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+        if (self.window is not None) != (self.attention in WINDOWED_VARIANTS):
+            raise ValueError(f"window is required by and only by the windowed attention variants "
+                             f"{sorted(WINDOWED_VARIANTS)}; got attention={self.attention!r}, window={self.window!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
@@ -171,6 +178,7 @@ def llama_config(mc: ModelConfig, *, bos_token_id: int = 0, eos_token_id: int = 
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
+        **({"sliding_window": mc.window} if mc.window is not None else {}),
     )
 
 
@@ -181,12 +189,21 @@ def _build_sdpa(config) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _build_swat(config) -> torch.nn.Module:
+    from lcx.models.swat import build_swat_model  # window: config.sliding_window
+
+    return build_swat_model(config)
+
+
 # Attention variants a model can be trained with: name -> builder(LlamaConfig) -> model. A new
 # variant (e.g. SWAT's sigmoid sliding-window attention) registers its builder here; it gets the
 # same LlamaConfig and must return an HF causal LM whose forward takes `input_ids`.
 ATTENTION_VARIANTS: dict[str, Callable[[Any], torch.nn.Module]] = {
     "sdpa": _build_sdpa,
+    "swat": _build_swat,  # SWAT (arXiv 2502.18845): sigmoid, window, balanced ALiBi; lcx.models.swat
 }
+# Variants that take ModelConfig.window (passed to the builder as LlamaConfig.sliding_window).
+WINDOWED_VARIANTS = frozenset({"swat"})
 
 
 def build_model(mc: ModelConfig, *, seed: int | None = None, **token_ids: int) -> torch.nn.Module:
@@ -303,7 +320,9 @@ def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
     cfg = log["config"]
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"tiny Llama LM, {log.get('n_params', 0) / 1e6:.2f}M params, batch {cfg['batch_size']}x{cfg['seq_len']}")
+    att = cfg["model"].get("attention", "sdpa")
+    att = "" if att == "sdpa" else f" ({att}" + (f", w={cfg['model']['window']})" if cfg["model"].get("window") else ")")
+    ax.set_title(f"tiny Llama LM{att}, {log.get('n_params', 0) / 1e6:.2f}M params, batch {cfg['batch_size']}x{cfg['seq_len']}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -356,7 +375,7 @@ def train(
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume: no {state_path} (nothing to resume, or the run already finished)")
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
         if state["config"] != cfg.to_dict():
             diff = sorted(k for k in cfg.to_dict() if state["config"].get(k) != cfg.to_dict()[k])
             raise ValueError(f"--resume: config differs from the saved run in {diff}")
@@ -450,6 +469,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "embeddings, RoPE theta 10000, 256 positions). The defaults reproduce the bundled\n"
         "lcx/assets/tiny-llama-5m (about 15 minutes on 2 CPU cores):\n"
         "  lcx train lm --out lcx/assets/tiny-llama-5m --log results/train_tiny_lm.json --threads 2\n"
+        "The same model with SWAT attention (sigmoid, 128-key window, balanced ALiBi + RoPE):\n"
+        "  lcx train lm --attention swat --window 128 --tokenizer lcx/assets/tiny-llama-5m \\\n"
+        "      --out lcx/assets/tiny-swat-5m --log results/train_tiny_swat.json --threads 2\n"
         "Quick check that everything runs:\n"
         "  lcx train lm --out /tmp/tiny --steps 20 --eval-every 10\n"
     )
@@ -465,6 +487,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help=f"seed for init and batch order (default {d.seed})")
     parser.add_argument("--attention", choices=sorted(ATTENTION_VARIANTS), default=None,
                         help="attention implementation the model is trained with (default sdpa)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="keys each query sees, itself included (required by --attention swat, e.g. 128)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); results are bitwise reproducible "
                              "only at the same thread count")
@@ -492,8 +516,10 @@ def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None)
                                  f"{getattr(cfg, key)}; resume with the same settings")
         if args.attention is not None and args.attention != cfg.model.attention:
             raise ValueError(f"--resume: --attention {args.attention} differs from the saved {cfg.model.attention}")
+        if args.window is not None and args.window != cfg.model.window:
+            raise ValueError(f"--resume: --window {args.window} differs from the saved {cfg.model.window}")
         return cfg
-    model = ModelConfig(vocab_size=args.vocab_size, attention=args.attention or "sdpa")
+    model = ModelConfig(vocab_size=args.vocab_size, attention=args.attention or "sdpa", window=args.window)
     return TrainConfig(model=model, **given)
 
 
@@ -514,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if not (out / "state.pt").is_file():
             raise FileNotFoundError(f"--resume: no {out / 'state.pt'} (nothing to resume, or the run already finished)")
-        saved = torch.load(out / "state.pt", map_location="cpu", weights_only=False)["config"]
+        saved = torch.load(out / "state.pt", map_location="cpu", weights_only=True)["config"]
     cfg = _config_from_args(args, saved)
 
     t0 = time.perf_counter()

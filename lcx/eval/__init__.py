@@ -1,0 +1,1 @@
+"""Evaluation entry points (`lcx eval ppl`): perplexity by context length under a RoPE spec."""

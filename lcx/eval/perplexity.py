@@ -1,0 +1,337 @@
+"""Perplexity by context length, optionally under a RoPE spec (`lcx eval ppl`).
+
+Which tokens are scored (the same for every length, so lengths are comparable):
+
+    held-out texts -> one token stream (each text followed by </s>, no <s>)
+    stream cut into consecutive chunks of C = max(lengths) tokens; k = budget // C of them,
+    evenly spaced over the stream (so every part of the held-out set is sampled):
+
+        stream  |chunk 0|chunk 1|chunk 2|chunk 3|chunk 4|chunk 5| ...     (k = 2 chosen: 0, 5)
+        n = C   [-------- window --------]                               1 window per chunk
+        n = C/4 [-win-][-win-][-win-][-win-]                             4 windows per chunk
+
+    each chunk is tiled by floor(C/n) non-overlapping windows of n tokens, and each window is
+    one independent forward pass from position 0. In a window, every token but the first is
+    scored (n - 1 predictions, the first token has no context), so a length n scores
+    k * floor(C/n) * (n - 1) tokens out of the same k * C-token budget.
+
+`nll` is the mean over all scored tokens; `tail_nll` only over the targets at the last `tail`
+positions of each window (positions n - tail .. n - 1, all of them when n <= tail) — the
+positions that are farthest beyond a short training context, so extrapolation failures show
+there first. `ppl = exp(nll)`. NLL is in nats, summed in float64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MAX_TOKENS = 32768
+DEFAULT_TAIL = 256
+
+
+@dataclass(frozen=True)
+class LengthResult:
+    """Perplexity at one context length. NLL in nats per token."""
+
+    length: int
+    windows: int
+    tokens: int  # scored tokens: windows * (length - 1)
+    nll: float
+    ppl: float
+    tail: int  # positions per window in the tail metric
+    tail_tokens: int
+    tail_nll: float
+    tail_ppl: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def select_windows(n_tokens: int, lengths: Sequence[int], max_tokens: int) -> dict[int, list[int]]:
+    """Start offsets of the windows of each length (see the module docstring).
+
+    Every length's windows are non-overlapping and lie inside the same k chunks of C = max(lengths)
+    tokens, k = max(1, max_tokens // C) (fewer if the stream is shorter), so they cover at most
+    max(max_tokens, C) tokens.
+    """
+    lengths = sorted(set(int(n) for n in lengths))
+    if not lengths or lengths[0] < 2:
+        raise ValueError(f"lengths must be integers >= 2, got {lengths}")
+    C = lengths[-1]
+    available = n_tokens // C
+    if available < 1:
+        raise ValueError(f"the texts have {n_tokens} tokens; the longest length {C} needs at least {C}")
+    k = min(available, max(1, max_tokens // C))  # at least one chunk
+    chunks = sorted({round(i * (available - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
+    return {n: [c * C + j * n for c in chunks for j in range(C // n)] for n in lengths}
+
+
+@torch.inference_mode()
+def _window_nll(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Per-target NLL `[B, n-1]` (float64) of windows `batch: [B, n]` (targets at positions 1..n-1)."""
+    logits = model(input_ids=batch, use_cache=False).logits  # [B, n, V]
+    logits = logits[:, :-1].float()
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
+    return nll.view(batch.shape[0], -1).double()
+
+
+def perplexity_by_length(
+    model: torch.nn.Module,
+    tokenizer,
+    texts: Sequence[str] | Iterable[str],
+    lengths: Sequence[int],
+    *,
+    spec: Any = None,
+    max_tokens_per_length: int = DEFAULT_MAX_TOKENS,
+    batch_size: int | None = None,
+    tail: int = DEFAULT_TAIL,
+    progress: bool = True,
+) -> dict[int, LengthResult]:
+    """Mean NLL and perplexity of `model` on `texts` at each context length in `lengths`.
+
+    spec: a `RopeSpec` or HF-style dict (partial is fine: theta and L come from the model),
+        applied with `lcx.patching.patched` for the duration of the call; None = the model as is.
+    max_tokens_per_length: token budget per length (same windows for every length; see the
+        module docstring for exactly which tokens are scored).
+    batch_size: windows per forward pass; default max(1, 8192 // n).
+    Returns `{length: LengthResult}` in increasing length order.
+    """
+    from lcx.data.tokenizer import encode_documents
+
+    ids = torch.tensor(encode_documents(tokenizer, list(texts)), dtype=torch.long)
+    return perplexity_of_stream(model, ids, lengths, spec=spec, max_tokens_per_length=max_tokens_per_length,
+                                batch_size=batch_size, tail=tail, progress=progress)
+
+
+def perplexity_of_stream(
+    model: torch.nn.Module,
+    ids: torch.Tensor | Sequence[int],
+    lengths: Sequence[int],
+    *,
+    spec: Any = None,
+    max_tokens_per_length: int = DEFAULT_MAX_TOKENS,
+    batch_size: int | None = None,
+    tail: int = DEFAULT_TAIL,
+    progress: bool = True,
+) -> dict[int, LengthResult]:
+    """`perplexity_by_length` on an already tokenized stream `ids: [N]` (encode once, score many specs)."""
+    from tqdm.auto import tqdm
+
+    if tail < 1:
+        raise ValueError(f"tail must be >= 1, got {tail}")
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    starts = select_windows(ids.numel(), lengths, max_tokens_per_length)
+    total = sum(len(s) for s in starts.values())
+    out: dict[int, LengthResult] = {}
+    was_training = model.training
+    model.eval()
+    ctx = _patched(model, spec)
+    with ctx, tqdm(total=total, desc="ppl", unit="win", disable=not progress, dynamic_ncols=True) as bar:
+        for n, st in starts.items():
+            bs = batch_size or max(1, 8192 // n)
+            idx = torch.tensor(st)[:, None] + torch.arange(n)[None, :]  # [W, n]
+            total_nll, tail_nll, tail_tokens = 0.0, 0.0, 0
+            t0 = max(1, n - tail)  # first target position counted in the tail
+            for i in range(0, len(st), bs):
+                nll = _window_nll(model, ids[idx[i : i + bs]])  # [b, n-1]; column j = target j+1
+                total_nll += nll.sum().item()
+                tail_nll += nll[:, t0 - 1 :].sum().item()
+                tail_tokens += nll[:, t0 - 1 :].numel()
+                bar.update(nll.shape[0])
+                bar.set_postfix({"n": n}, refresh=False)
+            tokens = len(st) * (n - 1)
+            mean, tmean = total_nll / tokens, tail_nll / tail_tokens
+            out[n] = LengthResult(n, len(st), tokens, mean, math.exp(mean), n - t0, tail_tokens, tmean,
+                                  math.exp(tmean))
+    model.train(was_training)
+    return out
+
+
+def _patched(model, spec):
+    import contextlib
+
+    if spec is None:
+        return contextlib.nullcontext(model)
+    from lcx.patching import patched
+
+    return patched(model, spec)
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def _parse_value(text: str) -> Any:
+    """`16` -> 16, `0.5` -> 0.5, `true` -> True, `[1,2]` -> [1, 2], anything else -> the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        return text
+
+
+def _rope_keys() -> list[str]:
+    from lcx.rope import RopeSpec
+
+    return [f.name for f in dataclasses.fields(RopeSpec) if f.name != "rope_type"]
+
+
+def add_rope_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--rope TYPE`, one `--<key>` flag per RopeSpec key, and `--rope-param KEY=VALUE`."""
+    from lcx.rope import ROPE_TYPES
+
+    g = parser.add_argument_group(
+        "RoPE spec", "Hugging Face key names. Keys left out come from the model when they can "
+        "(rope_theta, original_max_position_embeddings = the model's max_position_embeddings).")
+    g.add_argument("--rope", default=None, choices=sorted(ROPE_TYPES), metavar="TYPE",
+                   help=f"rope_type to apply: {', '.join(sorted(ROPE_TYPES))} (default: the model unchanged)")
+    for key in _rope_keys():
+        g.add_argument(f"--{key.replace('_', '-')}", dest=f"rope__{key}", type=_parse_value, default=None,
+                       metavar="V", help=argparse.SUPPRESS if key not in _SHOWN_KEYS else f"RopeSpec `{key}`")
+    g.add_argument("--rope-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any RopeSpec key (repeatable), e.g. --rope-param beta_fast=16 "
+                        "--rope-param short_factor=[1,1,...]; every key also has its own flag, e.g. "
+                        "--beta-fast, --attention-factor, --truncate-length, --low-freq-factor")
+
+
+_SHOWN_KEYS = {"factor", "original_max_position_embeddings", "rope_theta", "truncate_length"}
+
+
+def rope_spec_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The (possibly partial) HF-style spec dict the flags describe, or None for no change."""
+    d: dict[str, Any] = {}
+    for key in _rope_keys():
+        v = getattr(args, f"rope__{key}", None)
+        if v is not None:
+            d[key] = v
+    for item in args.rope_param:
+        if "=" not in item:
+            raise ValueError(f"--rope-param expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        d[k.strip().replace("-", "_")] = _parse_value(v.strip())
+    if args.rope is None:
+        if d:
+            raise ValueError(f"RoPE keys {sorted(d)} given without --rope TYPE")
+        return None
+    return {"rope_type": args.rope, **d}
+
+
+def _parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths expects comma-separated integers, got {text!r}") from None
+    if not lengths or min(lengths) < 2:
+        raise argparse.ArgumentTypeError(f"--lengths must be integers >= 2, got {text!r}")
+    return sorted(set(lengths))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "Scoring: the held-out text is one token stream; the same k chunks of max(lengths) tokens\n"
+        "(k = --max-tokens // max(lengths), spread evenly over the stream) are cut into\n"
+        "non-overlapping windows of each length; every token of a window but the first is scored.\n"
+        "`tail` columns score only the last 256 positions of each window.\n\n"
+        "Examples:\n"
+        "  lcx eval ppl --model tiny-5m --lengths 256,1024,4096\n"
+        "  lcx eval ppl --model tiny-5m --rope yarn --factor 16 --lengths 256,512,1024 --out yarn.json\n"
+        "  lcx eval ppl --model tiny-5m --rope yarn --factor 16 --rope-param beta_fast=16\n"
+        "  lcx eval ppl --model tiny-5m --rope truncate --truncate-length 128\n"
+    )
+    parser.add_argument("--model", default="tiny-5m", help="preset name or local HF directory / .gguf (default tiny-5m)")
+    parser.add_argument("--lengths", type=_parse_lengths, default=[256, 512, 1024],
+                        help="comma-separated context lengths (default 256,512,1024)")
+    parser.add_argument("--split", default="validation", choices=("validation", "train", "all"),
+                        help="lcx corpus split to score (default validation: works held out of training)")
+    parser.add_argument("--text-file", action="append", default=None, metavar="PATH",
+                        help="score these UTF-8 text files instead of the corpus (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"token budget per length (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--batch-size", type=int, default=None, help="windows per forward (default 8192 // length)")
+    parser.add_argument("--tail", type=int, default=DEFAULT_TAIL,
+                        help=f"positions per window in the tail metric (default {DEFAULT_TAIL})")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (atomically)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_rope_arguments(parser)
+
+
+def load_texts(split: str = "validation", files: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+    """(names, texts) of the corpus split, or of the given files."""
+    if files:
+        return list(files), [Path(f).read_text(encoding="utf-8") for f in files]
+    from lcx.data import load_corpus
+
+    docs = load_corpus(split)
+    return [d.name for d in docs], [d.text for d in docs]
+
+
+def resolve_spec(model, spec: Mapping[str, Any] | None):
+    """Validate a (partial) spec against the model now, so a bad key fails before any work."""
+    if spec is None:
+        return None
+    from lcx.rope import RopeSpec
+
+    return RopeSpec.for_model(spec, model.config)
+
+
+def format_table(rows: Mapping[str, Mapping[int, LengthResult]], *, tail: bool = False) -> str:
+    """Plain-text table: one row per method, one column per length, ppl (or tail ppl)."""
+    lengths = sorted({n for r in rows.values() for n in r})
+    w = max(12, *(len(k) for k in rows)) + 2
+    head = "method".ljust(w) + "".join(f"{n:>10d}" for n in lengths)
+    lines = [head, "-" * len(head)]
+    for name, r in rows.items():
+        cells = "".join(f"{(r[n].tail_ppl if tail else r[n].ppl):>10.2f}" if n in r else f"{'':>10}" for n in lengths)
+        lines.append(name.ljust(w) + cells)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lcx.data.io import atomic_write_json, environment
+    from lcx.models import load_model
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    raw = rope_spec_from_args(args)
+    model, tok = load_model(args.model)
+    spec = resolve_spec(model, raw)  # ValueError naming the key on a bad spec
+    names, texts = load_texts(args.split, args.text_file)
+    res = perplexity_by_length(model, tok, texts, args.lengths, spec=spec, max_tokens_per_length=args.max_tokens,
+                               batch_size=args.batch_size, tail=args.tail, progress=not args.no_progress)
+    label = spec.describe() if spec is not None else "model as loaded"
+    print(f"model {args.model}, RoPE {label}; texts: {args.text_file or args.split} ({len(texts)} documents)")
+    print(f"{'length':>8} {'windows':>8} {'tokens':>8} {'nll':>8} {'ppl':>10} {'tail nll':>9} {'tail ppl':>10}")
+    for n, r in res.items():
+        print(f"{n:>8d} {r.windows:>8d} {r.tokens:>8d} {r.nll:>8.4f} {r.ppl:>10.2f} {r.tail_nll:>9.4f} {r.tail_ppl:>10.2f}")
+    if args.out:
+        atomic_write_json(args.out, {
+            "model": str(args.model), "spec": spec.to_dict() if spec is not None else None,
+            "texts": {"source": args.text_file or args.split, "documents": names},
+            "max_tokens_per_length": args.max_tokens, "tail": args.tail,
+            "results": [r.to_dict() for r in res.values()], "environment": environment(),
+        })
+        print(f"wrote {args.out}")
+    return 0
+
+
+__all__ = ["LengthResult", "add_rope_arguments", "format_table", "load_texts", "perplexity_by_length",
+           "perplexity_of_stream",
+           "resolve_spec", "rope_spec_from_args", "select_windows"]
