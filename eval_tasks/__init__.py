@@ -6,7 +6,8 @@ One folder per task (YAML + small Python module + README):
   (`--metadata '{"max_seq_lengths": [...]}'`), generation and log-likelihood variants.
 - `modadd_shift` (group) — `(a + b) mod 97` on held-out pairs: in distribution, moved to other
   character offsets, and in natural-language templates never used in training.
-- `lcx_ppl` — perplexity / bits per byte of held-out works of the lcx corpus, by context length.
+- `lcx_ppl`, `lcx_ppl_tail` — perplexity / bits per byte of held-out works of the lcx corpus, by
+  context length (whole bucket, or its second half given the first).
 
 lm-eval finds these tasks by itself once lcx is installed (a start-up hook, `lcx._lmeval_hook`,
 adds `TASKS_DIR` to every `TaskManager`; opt out with `LCX_NO_LMEVAL_HOOK=1`). Explicitly:
@@ -30,6 +31,7 @@ TASK_NAMES: tuple[str, ...] = (
     "modadd_shift_pos",
     "modadd_shift_template",
     "lcx_ppl",
+    "lcx_ppl_tail",
 )
 
 __all__ = ["TASKS_DIR", "TASK_NAMES"]

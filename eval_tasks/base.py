@@ -66,8 +66,9 @@ class VariantTask(ConfigurableTask):
         for i, prompt in enumerate(prompts):
             if self.OUTPUT_TYPE == "generate_until":
                 args: tuple = (head + prompt + tail, deepcopy(self.config.generation_kwargs))
-            elif self.OUTPUT_TYPE == "loglikelihood":
-                args = (head + prompt + tail, f"{self.config.target_delimiter}{doc['answer']}")
+            elif self.OUTPUT_TYPE == "loglikelihood":  # per-variant continuations, else the answer
+                cont = doc["continuations"][i] if doc.get("continuations") else doc["answer"]
+                args = (head + prompt + tail, f"{self.config.target_delimiter}{cont}")
             elif self.OUTPUT_TYPE == "loglikelihood_rolling":
                 args = (prompt,)
             else:

@@ -67,6 +67,9 @@ HFLM_KEYS = frozenset({
     "prefix_token_id", "softmax_dtype", "mixed_precision_dtype", "think_end_token",
     "enable_thinking", "chat_template_args",
 })
+# Accepted and ignored: lm-eval adds trust_remote_code=True to model_args with --trust_remote_code;
+# lcx.load_model never runs remote code.
+IGNORED_KEYS = frozenset({"trust_remote_code"})
 ROPE_KEYS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
 
 
@@ -81,6 +84,8 @@ def split_model_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None
     attn_keys = ATTENTION_METHODS[attention].keys if attention in ATTENTION_METHODS else frozenset()
     attn = {k: kwargs.pop(k) for k in list(kwargs) if k in attn_keys}
     hflm = {k: kwargs.pop(k) for k in list(kwargs) if k in HFLM_KEYS}
+    for k in IGNORED_KEYS:
+        kwargs.pop(k, None)
     if kwargs:
         raise ValueError(
             f"lcx model: unknown model_args {sorted(kwargs)}; accepted: pretrained, dtype, device, "

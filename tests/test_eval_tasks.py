@@ -132,6 +132,7 @@ def test_ppl_windows_fit_and_are_nested(byte_tok):
     from lcx.eval_tasks.lcx_ppl import data
 
     docs = data.make_docs(byte_tok, PPL_LENGTHS, max_docs=40)
+    tails = data.make_docs(byte_tok, PPL_LENGTHS, max_docs=40, tail=True)
     assert len(docs) == 40
     assert len({d["work"] for d in docs[:8]}) == 8, "docs are interleaved across held-out works"
     from lcx.data.corpus import VALIDATION_WORKS
@@ -142,6 +143,11 @@ def test_ppl_windows_fit_and_are_nested(byte_tok):
             assert count == n_tokens(byte_tok, text) <= L
             assert count >= L - 1
         assert all(d["prompts"][-1].startswith(t) for t in d["prompts"])
+    for d, t in zip(docs, tails):
+        for L, whole, ctx, cont in zip(d["lengths"], d["prompts"], t["prompts"], t["continuations"]):
+            assert ctx + cont == whole
+            assert n_tokens(byte_tok, ctx) == L // 2
+            assert n_tokens(byte_tok, ctx) + n_tokens(byte_tok, cont) <= L
 
 
 # --------------------------------------------------------------------------- scoring
@@ -172,12 +178,18 @@ class _ScriptedLM(LM):
         out = []
         for r in requests:
             ctx, cont = r.args
-            greedy = cont.strip() == self._say(ctx)
-            out.append((0.0 if greedy else -5.0, greedy))
+            if cont.strip().isdigit():  # passkey_ll
+                greedy = cont.strip() == self._say(ctx)
+                out.append((0.0 if greedy else -5.0, greedy))
+            else:  # lcx_ppl_tail: the continuation's bytes
+                out.append((self._text_ll(cont), self.right))
         return out
 
+    def _text_ll(self, text: str) -> float:
+        return 0.0 if self.right else -8 * math.log(2) * len(text.encode())
+
     def loglikelihood_rolling(self, requests):
-        return [0.0 if self.right else -8 * math.log(2) * len(r.args[0].encode()) for r in requests]
+        return [self._text_ll(r.args[0]) for r in requests]
 
 
 def _evaluate(lm, tasks, meta):
@@ -195,7 +207,7 @@ def scored(tok_meta):
     out = {}
     for right in (True, False):
         res = _evaluate(_ScriptedLM(right), ["passkey", "passkey_ll", "modadd_shift"], meta)
-        res.update(_evaluate(_ScriptedLM(right), ["lcx_ppl"], ppl_meta))
+        res.update(_evaluate(_ScriptedLM(right), ["lcx_ppl", "lcx_ppl_tail"], ppl_meta))
         out[right] = res
     return out
 
@@ -221,9 +233,10 @@ def test_accuracy_tasks_score_exactly_one_or_zero(scored, right):
         assert all(v == want for v in metrics.values()), (task, metrics)
 
 
-def test_perplexity_task_arithmetic(scored):
+@pytest.mark.parametrize("task", ["lcx_ppl", "lcx_ppl_tail"])
+def test_perplexity_task_arithmetic(scored, task):
     for L in PPL_LENGTHS:
-        oracle, wrong = scored[True]["lcx_ppl"], scored[False]["lcx_ppl"]
+        oracle, wrong = scored[True][task], scored[False][task]
         assert oracle[f"word_perplexity_{L},none"] == 1.0
         assert oracle[f"bits_per_byte_{L},none"] == 0.0
         assert wrong[f"bits_per_byte_{L},none"] == pytest.approx(8.0, rel=1e-12)
@@ -248,7 +261,8 @@ def test_every_task_yaml_is_known():
 def test_lcx_model_args_are_checked():
     from lcx.lmeval_model import split_model_args
 
-    rope, attn, attn_params, hflm = split_model_args({"rope_type": "yarn", "factor": 4, "batch_size": 1})
+    rope, attn, attn_params, hflm = split_model_args({"rope_type": "yarn", "factor": 4, "batch_size": 1,
+                                                      "trust_remote_code": True})
     assert rope == {"rope_type": "yarn", "factor": 4} and attn is None and hflm == {"batch_size": 1}
     with pytest.raises(ValueError, match="unknown model_args.*'facter'"):
         split_model_args({"rope_type": "yarn", "facter": 4})

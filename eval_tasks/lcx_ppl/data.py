@@ -36,44 +36,63 @@ def works(split: str = "validation") -> list[tuple[str, str]]:
     return [(w, chosen[w].text) for w in sorted(chosen)]
 
 
-def windows(tokenizer: Any, text: str, lengths: list[int]) -> list[dict]:
-    """Non-overlapping windows of max(lengths) tokens; per window the text of each prefix length."""
+def windows(tokenizer: Any, text: str, lengths: list[int], tail: bool = False) -> list[dict]:
+    """Non-overlapping windows of max(lengths) tokens; per window the text of each prefix length.
+
+    With `tail=True` each prefix of L tokens is also split at token L // 2: `contexts[i]` is its
+    first half and `continuations[i]` the rest (together at most L tokens when re-tokenized).
+    """
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offs = enc["offset_mapping"]
     size = max(lengths)
     out = []
     for start in range(0, len(offs) - size + 1, size):
-        texts, counts = [], []
+        texts, counts, contexts, continuations = [], [], [], []
         for L in lengths:
             end = start + L  # exclusive token index
+            cut = offs[start + L // 2][0]  # character where the second half starts
             while True:
                 chunk = text[offs[start][0]:offs[end - 1][1]]
                 c = n_tokens(tokenizer, chunk)
-                if c <= L or end - 1 <= start:
+                if tail:
+                    ctx, cont = text[offs[start][0]:cut], text[cut:offs[end - 1][1]]
+                    c = max(c, n_tokens(tokenizer, ctx) + n_tokens(tokenizer, cont))
+                if c <= L or end - 1 <= start + L // 2:
                     break
                 end -= 1  # re-tokenized text came out longer: drop a token and retry
             texts.append(chunk)
             counts.append(c)
-        out.append({"start_token": start, "texts": texts, "n_tokens": counts})
+            if tail:
+                contexts.append(ctx)
+                continuations.append(cont)
+        w = {"start_token": start, "texts": texts, "n_tokens": counts}
+        if tail:
+            w.update(contexts=contexts, continuations=continuations)
+        out.append(w)
     return out
 
 
-def make_docs(tokenizer: Any, lengths: list[int], max_docs: int | None = None) -> list[dict]:
+def make_docs(tokenizer: Any, lengths: list[int], max_docs: int | None = None, tail: bool = False) -> list[dict]:
     per_work = []
     for work, text in works("validation"):
-        per_work.append([{"work": work, "answer": work, "lengths": list(lengths), "prompts": w["texts"],
-                          "n_tokens": w["n_tokens"], "start_token": w["start_token"]}
-                         for w in windows(tokenizer, text, lengths)])
+        docs = []
+        for w in windows(tokenizer, text, lengths, tail):
+            doc = {"work": work, "answer": work, "lengths": list(lengths), "prompts": w["texts"],
+                   "n_tokens": w["n_tokens"], "start_token": w["start_token"]}
+            if tail:  # scored: continuation given context (loglikelihood)
+                doc.update(prompts=w["contexts"], continuations=w["continuations"])
+            docs.append(doc)
+        per_work.append(docs)
     docs = round_robin(per_work)
     if not docs:
         raise ValueError(f"lcx_ppl: no held-out work has {max(lengths)} tokens; use smaller max_seq_lengths")
     return docs[:max_docs] if max_docs else docs
 
 
-def dataset(**meta: Any):
-    """lm-eval `custom_dataset`: `{"test": Dataset}`."""
+def dataset(tail: bool = False, **meta: Any):
+    """lm-eval `custom_dataset`: `{"test": Dataset}` (YAML `dataset_kwargs: {tail: true}` for lcx_ppl_tail)."""
     import datasets
 
     docs = make_docs(tokenizer_from(meta), lengths_from(meta, DEFAULT_LENGTHS),
-                     get_int(meta, "max_docs", 0) or None)
+                     get_int(meta, "max_docs", 0) or None, tail=bool(tail))
     return {"test": datasets.Dataset.from_list(docs, split=datasets.Split.TEST)}

@@ -5,6 +5,7 @@
 - `bits_per_byte_L`   = -sum log p / sum bytes / ln 2
 
 i.e. lm-eval's own perplexity metrics (wikitext's), computed separately for each length bucket.
+`lcx_ppl` counts the whole bucket; `lcx_ppl_tail` the second half (its continuation) only.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ class PerplexityTask(VariantTask):
     def metric_specs(self, meta: dict[str, Any], config: dict[str, Any]) -> list[MetricSpec]:
         return [(f"{m}_{L}", agg, False) for L in lengths_from(meta, DEFAULT_LENGTHS) for m, agg in METRICS]
 
-    def score(self, doc: dict[str, Any], results: list[float]) -> dict[str, tuple[float, int]]:
+    def score(self, doc: dict[str, Any], results: list[Any]) -> dict[str, tuple[float, int]]:
         out = {}
-        for L, text, ll in zip(doc["lengths"], doc["prompts"], results, strict=True):
+        # lcx_ppl scores the whole text (rolling); lcx_ppl_tail the continuation given the context
+        texts = doc.get("continuations") or doc["prompts"]
+        for L, text, r in zip(doc["lengths"], texts, results, strict=True):
+            ll = r[0] if isinstance(r, (tuple, list)) else r
             words, nbytes = count_words(text), len(text.encode("utf-8"))
             out[f"word_perplexity_{L}"] = (ll, words)
             out[f"byte_perplexity_{L}"] = (ll, nbytes)
