@@ -24,6 +24,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "list model presets and where their files come from"),
     (("rope",), "lcx.rope.cli",
      "print inv_freq / wavelengths of a RoPE spec (and check it against transformers)"),
+    (("serve",), "lcx.serve.cli",
+     "OpenAI-compatible server (completions, chat, streaming, logprobs) over lcx's batching engine"),
 ]
 
 _GROUP_HELP = {

@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""Serving benchmark: throughput and latency of `lcx serve` under a fixed concurrent load.
+
+    python scripts/bench_serving.py                      # tiny-5m, 16 clients x 4 requests, 3 repeats
+    python scripts/bench_serving.py --model smollm2-135m --clients 8 --gen-len 64
+
+For each server configuration (batched: --max-batch = clients; baseline: --max-batch 1, i.e. one
+request at a time through the same scheduler) the script starts `lcx serve` as a subprocess, sends
+warm-up requests, then `repeats` times: `clients` threads each send `requests` greedy completions
+back to back (fixed prompt and generation lengths: token-id prompts, ignore_eos). Reported:
+generated tokens/s over the wall time (median over repeats), request latency p50/p99 (all
+repeats pooled), and the batched/baseline throughput ratio from the same run. Writes
+results/serving_cpu.json (config, environment, git SHA, numbers) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class Server:
+    def __init__(self, model: str, max_batch: int, threads: int, dtype: str, log_dir: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"server-b{max_batch}.log"
+        cmd = [sys.executable, "-m", "lcx.cli", "serve", "--model", model, "--served-model-name", "bench",
+               "--port", str(self.port), "--max-batch", str(max_batch), "--threads", str(threads),
+               "--dtype", dtype, "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+
+    def __enter__(self) -> "Server":
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+
+def run_load(url: str, prompt: list[int], args) -> dict:
+    """`clients` threads x `requests` sequential completions; returns latencies and wall time."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": args.gen_len, "temperature": 0, "ignore_eos": True}
+    lat: list[float] = []
+    gen_tokens = [0]
+    errors: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(args.clients)
+
+    def client() -> None:
+        with httpx.Client(timeout=600) as c:
+            barrier.wait()
+            for _ in range(args.requests):
+                t0 = time.perf_counter()
+                r = c.post(url + "/v1/completions", json=body)
+                dt = time.perf_counter() - t0
+                with lock:
+                    if r.status_code != 200:
+                        errors.append(r.text[:200])
+                        continue
+                    n = r.json()["usage"]["completion_tokens"]
+                    if n != args.gen_len:
+                        errors.append(f"incomplete response: {n} of {args.gen_len} tokens")
+                    lat.append(dt)
+                    gen_tokens[0] += n
+
+    threads = [threading.Thread(target=client) for _ in range(args.clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} failed request(s), e.g. {errors[0]}")
+    return {"wall_s": wall, "latencies_s": lat, "generated_tokens": gen_tokens[0]}
+
+
+def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Path) -> dict:
+    with Server(args.model, max_batch, args.threads, args.dtype, log_dir) as srv:
+        warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, max_batch), "requests": 1})
+        run_load(srv.url, prompt, warm)
+        runs = [run_load(srv.url, prompt, args) for _ in range(args.repeats)]
+        stats = srv.stats()
+    lat = [x for r in runs for x in r["latencies_s"]]
+    tps = [r["generated_tokens"] / r["wall_s"] for r in runs]
+    total_tps = [r["generated_tokens"] * (1 + args.prompt_len / args.gen_len) / r["wall_s"] for r in runs]
+    return {
+        "name": name, "max_batch": max_batch,
+        "gen_tokens_per_s": statistics.median(tps), "gen_tokens_per_s_runs": tps,
+        "total_tokens_per_s": statistics.median(total_tps),
+        "requests_per_s": statistics.median(len(r["latencies_s"]) / r["wall_s"] for r in runs),
+        "latency_p50_s": _percentile(lat, 0.5), "latency_p99_s": _percentile(lat, 0.99),
+        "wall_s_runs": [r["wall_s"] for r in runs],
+        "requests": len(lat),
+        "engine_max_batch_size": stats["engine"]["max_batch_size"],
+        "engine_batch_size_hist": stats["engine"]["batch_size_hist"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-5m")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client per repeat")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="server torch threads (1: best on a shared 2-core box)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default=str(ROOT / "results" / "serving_cpu.json"))
+    args = ap.parse_args()
+
+    from lcx.models import PRESETS, load_model
+
+    if args.model in PRESETS and not PRESETS[args.model].is_present():
+        print(f"model {args.model!r} not present; using a tiny random Llama instead", file=sys.stderr)
+        from lcx.models.tiny import save_tiny_llama
+
+        args.model = str(save_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=0))
+    _, tok = load_model(args.model)
+    text = ("Now is the winter of our discontent made glorious summer by this sun of York; " * 40)
+    prompt = tok(text, add_special_tokens=False)["input_ids"][: args.prompt_len]
+    if len(prompt) != args.prompt_len:
+        raise SystemExit(f"could not build a {args.prompt_len}-token prompt")
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as d:
+        configs = [bench_config("batched", args.clients, prompt, args, Path(d)),
+                   bench_config("max_batch_1", 1, prompt, args, Path(d))]
+    batched, base = configs
+    ratio = batched["gen_tokens_per_s"] / base["gen_tokens_per_s"]
+
+    import torch
+    import transformers
+
+    out = {
+        "benchmark": "serving_cpu",
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "environment": {
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "device": "cpu",
+        },
+        "git_sha": _git_sha(),
+        "results": configs,
+        "batched_over_max_batch_1_throughput": ratio,
+        "notes": [
+            "Built-in engine only. The vLLM comparison (same load against `vllm serve` with the lcx "
+            "plugin) is pending: vLLM is not installed on the CPU machines; a later session adds it.",
+            "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
+            "latency: per request, send to full response, all repeats pooled.",
+            "max_batch_1 is the same server and scheduler with --max-batch 1: requests are decoded one "
+            "at a time (FIFO), the no-batching baseline.",
+            "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so.",
+        ],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
+          f"prompt {args.prompt_len} / gen {args.gen_len} tokens, server threads {args.threads}")
+    print(f"{'config':<12} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9}")
+    for c in configs:
+        print(f"{c['name']:<12} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
+              f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c['engine_max_batch_size']:>9}")
+    print(f"batched / max_batch_1 throughput: {ratio:.2f}x  -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Request bodies of the OpenAI-compatible API and the OpenAI error format.
+
+Bodies are validated strictly from the raw JSON (pydantic strict mode: `"5"` is not an integer,
+`true` is not a number) and unknown fields are rejected by name: a field lcx does not implement
+would otherwise be silently ignored. Fields OpenAI defines but lcx cannot honour (penalties,
+logit_bias, best_of > 1, suffix) are accepted only at their neutral value.
+
+Errors are `{"error": {"message", "type", "param", "code"}}`, OpenAI's shape, with a 4xx status
+for the client's mistakes and 500 for the server's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_PROMPTS = 1024  # prompts x n in one request
+
+
+class APIError(Exception):
+    """An error response: HTTP `status` and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Fields shared by both completion endpoints."""
+
+    model: str | None = None
+    temperature: float = 1.0  # OpenAI's default: sample unless told otherwise
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise bad_request(f"{name} is not supported by the lcx server (only 0)", name, "unsupported_parameter")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by the lcx server", "logit_bias", "unsupported_parameter")
+
+    def stop_list(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must be non-empty", "stop")
+        return stop
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[Any] = [p]
+        elif not p:
+            raise bad_request("prompt is empty", "prompt")
+        elif isinstance(p[0], int):
+            out = [list(p)]
+        else:
+            out = list(p)
+        if any(len(x) == 0 for x in out):
+            raise bad_request("prompt is empty: every prompt needs at least one character or token", "prompt")
+        return out
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of not in (None, 1, self.n):
+            raise bad_request("best_of other than n is not supported by the lcx server", "best_of",
+                              "unsupported_parameter")
+        if self.suffix:
+            raise bad_request("suffix is not supported by the lcx server", "suffix", "unsupported_parameter")
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Messages may carry fields lcx does not use (name, tool_call_id, ...): they go to the
+    # chat template, which decides. Only role and content are checked.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(part.text for part in self.content)
+        d.setdefault("content", "")
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A 400 `APIError` naming the first offending field."""
+    errs = e.errors()
+    first = errs[0] if errs else {"type": "", "loc": (), "msg": str(e)}
+    if first["type"] == "json_invalid":
+        return bad_request(f"malformed JSON body: {first['msg']}", None, "invalid_json")
+    loc = [str(x) for x in first["loc"]]
+    if not loc and first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return bad_request("the request body must be a JSON object", None, "invalid_type")
+    param = loc[0] if loc else None
+    if param == "prompt":
+        return bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                           "token-id lists, and not empty", "prompt", "invalid_type")
+    if first["type"] == "missing":
+        return bad_request(f"missing required field {param!r}", param, "missing_field")
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"unknown field {'.'.join(loc)!r} (the lcx server rejects fields it does not implement)",
+                           param, "unknown_field")
+    got = first.get("input")
+    got_s = repr(got)
+    got_s = got_s if len(got_s) <= 60 else got_s[:57] + "..."
+    return bad_request(f"invalid value for {'.'.join(loc)!r}: {first['msg']} (got {got_s})", param, "invalid_type")
