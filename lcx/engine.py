@@ -36,6 +36,11 @@ smallest set of tokens whose probability reaches `top_p`, sampled with the reque
 Logprobs (generated and prompt) are of the model's raw distribution, log_softmax(logits), before
 temperature/top-p, as in vLLM.
 
+Length-dependent RoPE types (dynamic NTK, longrope) pick their basis per forward from the
+largest position in it (`lcx.patching`, as transformers): in a batch that is the longest row's, so
+for them a request's output depends on what it is batched with (as with HF batched `generate`);
+run with `max_batch=1` for per-request semantics. Static types have no such effect.
+
 Limits: `max_model_len` bounds prompt + max_tokens; a request over it is rejected with
 `ValueError` (never truncated). Methods come from `EngineConfig.methods` and `ENGINE_METHODS`;
 unknown names raise. The extension point for bounded caches (LM-Infinite, sliding window,
@@ -288,6 +293,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     max_batch_size: int = 0
+    prefill_s: float = 0.0  # wall time in prefill / decode steps (forward + sampling + text)
+    decode_s: float = 0.0
     batch_size_hist: dict[int, int] = field(default_factory=dict)  # decode-step batch size -> steps
     finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
 
@@ -524,11 +531,15 @@ class Engine:
         """
         events: list[StepEvent] = []
         if self._seqs:
+            t0 = time.perf_counter()
             events += self._decode_step()
+            self.stats.decode_s += time.perf_counter() - t0
         free = self.config.max_batch - len(self._seqs)
         if self._waiting and free > 0:
             admit, self._waiting = self._waiting[:free], self._waiting[free:]
+            t0 = time.perf_counter()
             events += self._prefill(admit)
+            self.stats.prefill_s += time.perf_counter() - t0
         for ev in events:
             if ev.finished:
                 self._ids.discard(ev.request_id)
@@ -621,6 +632,7 @@ class Engine:
             self._pos = torch.cat([self._pos, newpos[:, None]], 1)
         events: list[StepEvent] = []
         done: list[int] = []
+        greedy, lps = self._batch_greedy_and_logprobs(logits, self._seqs) if logits is not None else (None, None)
         for i, s in enumerate(self._seqs):
             if i in failed:
                 log.error("decode failed for request %s: %r", s.rid, failed[i])
@@ -630,7 +642,7 @@ class Engine:
                 continue
             try:
                 ev = StepEvent(s.rid)
-                self._accept(s, logits[i], ev)
+                self._accept(s, logits[i], ev, greedy=greedy[i], logprobs=None if lps is None else lps[i])
                 self._fill_event(s, ev)
             except Exception as e:  # noqa: BLE001
                 log.exception("post-processing failed for request %s", s.rid)
@@ -752,9 +764,11 @@ class Engine:
         # Logprobs and sampling in at least float32 (bf16/fp16 logits are too coarse).
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
-    def _logprob_rows(self, logits: torch.Tensor, chosen: Sequence[int], k: int) -> list[TokenLogprob]:
-        """TokenLogprob per row of `logits [n, V]` for tokens `chosen [n]`, with top-k."""
-        lp = torch.log_softmax(logits, dim=-1)
+    def _logprob_rows(self, logits: torch.Tensor, chosen: Sequence[int], k: int,
+                      log_probs: torch.Tensor | None = None) -> list[TokenLogprob]:
+        """TokenLogprob per row of `logits [n, V]` for tokens `chosen [n]`, with top-k
+        (`log_probs`: log_softmax(logits) of a single row [V], if already computed)."""
+        lp = torch.log_softmax(logits, dim=-1) if log_probs is None else log_probs[None]
         idx = torch.tensor(list(chosen), device=lp.device)
         picked = lp.gather(1, idx[:, None]).squeeze(1).tolist()
         if k > 0:
@@ -766,10 +780,17 @@ class Engine:
             out.append(TokenLogprob(int(t), float(v), top))
         return out
 
-    def _sample(self, s: _Seq, logits: torch.Tensor) -> int:
+    def _batch_greedy_and_logprobs(self, logits: torch.Tensor, seqs: list[_Seq]):
+        """Batch-level work done once per step: argmax of every row ([B] list) and, if any row
+        wants logprobs, log_softmax of all rows ([B, V])."""
+        greedy = logits.argmax(-1).tolist()
+        lps = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        return greedy, lps
+
+    def _sample(self, s: _Seq, logits: torch.Tensor, greedy: int | None = None) -> int:
         p = s.params
         if p.temperature == 0:
-            return int(logits.argmax())
+            return int(logits.argmax()) if greedy is None else greedy
         probs = torch.softmax(logits.double().cpu() / p.temperature, dim=-1)
         if p.top_p < 1.0:
             sp, si = probs.sort(descending=True)
@@ -778,14 +799,16 @@ class Engine:
             probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
         return int(torch.multinomial(probs, 1, generator=s.gen))
 
-    def _accept(self, s: _Seq, logits: torch.Tensor, ev: StepEvent) -> None:
-        """Sample the next token of `s` from `logits [V]`, record it, check stop conditions."""
-        tok = self._sample(s, logits)
+    def _accept(self, s: _Seq, logits: torch.Tensor, ev: StepEvent, *, greedy: int | None = None,
+                logprobs: torch.Tensor | None = None) -> None:
+        """Sample the next token of `s` from `logits [V]`, record it, check stop conditions.
+        `greedy` (argmax) and `logprobs` (log_softmax of logits) may come precomputed for the batch."""
+        tok = self._sample(s, logits, greedy)
         s.out_ids.append(tok)
         ev.token_ids.append(tok)
         self.stats.generated_tokens += 1
         if s.params.logprobs is not None:
-            lp = self._logprob_rows(logits[None], [tok], s.params.logprobs)[0]
+            lp = self._logprob_rows(logits[None], [tok], s.params.logprobs, log_probs=logprobs)[0]
             s.logprobs.append(lp)
             ev.logprobs.append(lp)
         if tok in s.stop_ids:

@@ -131,6 +131,7 @@ def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Pa
     with Server(args.model, max_batch, args.threads, args.dtype, log_dir) as srv:
         warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, max_batch), "requests": 1})
         run_load(srv.url, prompt, warm)
+        s0 = srv.stats()["engine"]
         runs = [run_load(srv.url, prompt, args) for _ in range(args.repeats)]
         stats = srv.stats()
     lat = [x for r in runs for x in r["latencies_s"]]
@@ -144,6 +145,10 @@ def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Pa
         "latency_p50_s": _percentile(lat, 0.5), "latency_p99_s": _percentile(lat, 0.99),
         "wall_s_runs": [r["wall_s"] for r in runs],
         "requests": len(lat),
+        # share of the wall time the engine worker spent in prefill/decode steps (the rest: HTTP,
+        # JSON, waiting for requests); low values mean the server, not the model, is the bottleneck
+        "engine_busy_fraction": (stats["engine"]["prefill_s"] + stats["engine"]["decode_s"] - s0["prefill_s"]
+                                 - s0["decode_s"]) / sum(r["wall_s"] for r in runs),
         "engine_max_batch_size": stats["engine"]["max_batch_size"],
         "engine_batch_size_hist": stats["engine"]["batch_size_hist"],
     }
@@ -211,10 +216,11 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
           f"prompt {args.prompt_len} / gen {args.gen_len} tokens, server threads {args.threads}")
-    print(f"{'config':<12} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9}")
+    print(f"{'config':<12} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
     for c in configs:
         print(f"{c['name']:<12} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
-              f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c['engine_max_batch_size']:>9}")
+              f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c['engine_max_batch_size']:>9} "
+              f"{c['engine_busy_fraction']:>5.2f}")
     print(f"batched / max_batch_1 throughput: {ratio:.2f}x  -> {args.out}")
     return 0
 

@@ -318,10 +318,10 @@ def test_failure_of_one_request_spares_the_others(model64, monkeypatch):
     eng = Engine(model, tok)
     orig_sample = eng._sample
 
-    def bad_sample(s, logits):
+    def bad_sample(s, logits, greedy=None):
         if s.prompt_ids == prompts[2] and len(s.out_ids) == 3:
             raise RuntimeError("injected sampling failure")
-        return orig_sample(s, logits)
+        return orig_sample(s, logits, greedy)
 
     monkeypatch.setattr(eng, "_sample", bad_sample)
     outs = eng.generate(prompts, sp)

@@ -374,10 +374,10 @@ def test_engine_failure_on_one_request_gives_500_and_others_continue(tiny_model)
     poison = tok("POISON", add_special_tokens=False)["input_ids"]
     orig = eng._sample
 
-    def sample(s, logits):
+    def sample(s, logits, greedy=None):
         if s.prompt_ids == poison and len(s.out_ids) == 2:
             raise RuntimeError("injected failure")
-        return orig(s, logits)
+        return orig(s, logits, greedy)
 
     eng._sample = sample
     good = {p: Engine(model, tok).generate([tok(p, add_special_tokens=False)["input_ids"]],
@@ -428,3 +428,29 @@ def test_lm_eval_local_completions(server, tiny_model_dir, tmp_path):
         acc = res[task]["320,none"]
         assert 0.0 <= acc <= 1.0
     assert _stats(server)["scheduler"]["finished"] - before >= 4  # 2 docs x 2 tasks reached the server
+
+
+# -------------------------------------------------------------------------------- CLI
+def test_cli_methods_and_errors(tiny_model_dir, capsys):
+    """`lcx serve` flags: --rope flags become the `rope` method; unknown or doubly given methods
+    fail before the model is loaded (exit 2, one line naming the problem)."""
+    import argparse
+
+    from lcx.cli import main
+    from lcx.serve.cli import add_arguments, methods_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--model", "m", "--rope", "yarn", "--factor", "4"])
+    assert methods_from_args(args) == {"rope": {"rope_type": "yarn", "factor": 4.0}}
+    assert methods_from_args(ap.parse_args(["--model", "m"])) == {}
+    cases = [
+        (["--methods", '{"lm_infinite": {}}'], "'lm_infinite' is planned"),
+        (["--methods", '{"bogus": {}}'], "unknown engine method 'bogus'"),
+        (["--methods", "{oops"], "--methods is not valid JSON"),
+        (["--methods", '{"rope": {"rope_type": "ntk", "factor": 2}}', "--rope", "yarn"], "both with --rope flags"),
+        (["--max-batch", "0"], "max_batch must be a positive integer"),
+    ]
+    for extra, msg in cases:
+        assert main(["serve", "--model", str(tiny_model_dir), *extra]) == 2
+        assert msg in capsys.readouterr().err
