@@ -114,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx-tokens", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--kinds", nargs="+", default=["insertion", "deletion", "multi"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--backend", default="ref", help="re-rotation backend: ref | triton | cuda")
+    ap.add_argument("--timing-repeats", type=int, default=1,
+                    help="run each update this many times, report the median wall time")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "pie_code_edit.json")
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = make_samples(tok, args.samples, ctx, kinds=args.kinds, seed=args.seed + ctx, files=files)
         for s in samples:
             (r,) = evaluate(model, tok, [s], backend=args.backend, max_new_tokens=args.max_new_tokens,
-                            log=lambda m: print(f"ctx={ctx} {m}", flush=True))
+                            timing_repeats=args.timing_repeats, log=lambda m: print(f"ctx={ctx} {m}", flush=True))
             r.sample["ctx_tokens"] = ctx
             results.append(r)
             record["samples"] = [asdict(x) for x in results]

@@ -25,7 +25,7 @@ from lcx.cache import (
     rope_basis,
     update_cache,
 )
-from lcx.cache.code_edit_eval import evaluate, make_samples, summarize, token_edits
+from lcx.cache.code_edit_eval import evaluate, make_samples, next_line, summarize, token_edits
 from lcx.patching import patch, patched
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rotate_by_positions_ref
 
@@ -183,6 +183,27 @@ def test_unpatched_hf_model_uses_its_own_basis(tiny_model):
     torch.testing.assert_close(pie.keys[0], ref.keys[0], **HF_KEY_TOL)
 
 
+def test_deleting_everything_leaves_an_empty_cache(model):
+    for name in EDIT_STRATEGIES:
+        res = update_cache(model, _prefill(model, _ids(9, 0)), [Edit(0, 9)], strategy=name)
+        assert len(res.cache) == 0 and res.cache.keys[0].shape[2] == 0 and res.cost.tokens_encoded == 0
+
+
+def test_unpatched_length_dependent_model_pie_refuses_recompute_from_zero():
+    """An unpatched HF model with dynamic NTK: its basis is not knowable from outside, so the
+    cache records none; pie refuses, recompute re-encodes everything."""
+    from lcx.models.tiny import tiny_llama
+
+    model, _ = tiny_llama(seed=0, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    old, edits = _ids(30, 10), _edits([(10, 10, 2)])
+    cache = _prefill(model, old)
+    assert not cache.has_single_basis
+    with pytest.raises(ValueError, match="no one known RoPE basis"):
+        update_cache(model, cache.clone(), edits, strategy="pie")
+    rec = update_cache(model, cache, edits, strategy="recompute")
+    assert rec.cost.tokens_encoded == 32 and "reencoded_from_zero" in rec.cost.details
+
+
 def test_pie_repairs_a_conflict_cache(model):
     """pie rotates each key from the position it carries to its index: with no edits it re-syncs
     a stale (conflict) cache to the exact layer-0 keys."""
@@ -292,7 +313,7 @@ def test_longrope_pie_works_above_L_and_refuses_across(model):
         cache = _prefill(model, old[:L])
         cache.extend(model, torch.tensor([old[L:L + 2]]))
         assert not cache.has_single_basis
-        with pytest.raises(ValueError, match="one RoPE basis"):
+        with pytest.raises(ValueError, match="no one known RoPE basis"):
             update_cache(model, cache, _edits([(L + 1, L + 1, 1)]), strategy="pie")
 
 
@@ -322,6 +343,17 @@ def test_pie_next_tokens_close_to_recompute(model):
             agree[name] += int(logits[name].argmax() == logits["recompute"].argmax())
     assert sum(err["pie"]) < sum(err["conflict"]), err
     assert agree["pie"] >= agree["conflict"] and agree["pie"] >= n_trials // 2, agree
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("\n    x = 1\n", ("    x = 1", True)),  # the line after the generated line break
+    ("\n    x = 1", ("    x = 1", False)),  # not finished yet
+    ("\n\n  y\n", ("  y", True)),  # blank lines are skipped
+    (")\n", ("", False)),
+    ("abc", ("", False)),
+])
+def test_next_line(text, expected):
+    assert next_line(text) == expected
 
 
 def test_code_edit_eval_smoke(tiny_model):

@@ -180,7 +180,8 @@ def test_triton_under_interpreter():
                            "-k", "triton and not under_interpreter", __file__],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-2000:]
+    summary = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 
 # ----------------------------------------------------------------------------- CUDA C++

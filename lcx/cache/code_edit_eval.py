@@ -9,9 +9,12 @@ Protocol (after PIE, arXiv 2407.03157, whose RepoBench-C setting we cannot downl
    `multi` (2-3 insertions / deletions / line replacements at different places). The edited
    window is re-tokenized and the token-level difference (difflib opcodes on token ids) gives
    the `Edit`s in original coordinates, so edits come from text edits.
-3. Cache. The original window minus its last token is prefilled once; each strategy updates a
+3. Cache. The prompt is the window without its final line break (BPE merges a newline with
+   the next line's indentation, so a prompt ending in a bare newline token is out of
+   distribution). The prompt minus its last token is prefilled once; each strategy updates a
    copy of that cache with the edits (its cost is recorded); then the last token is fed and
-   the model completes the line greedily (until a newline, at most `max_new_tokens`).
+   the model decodes greedily: the completion is the first non-blank line after the line
+   break it generates (at most `max_new_tokens` tokens).
 4. Scores. Exact match (whitespace-stripped) and edit similarity (`difflib` ratio) of every
    strategy's completion against `recompute`'s completion (recompute is exact) and against the
    true next line; compute as tokens encoded, approximate FLOPs and wall time of the update.
@@ -163,8 +166,9 @@ def _try_sample(tokenizer, path: Path, kind: str, ctx_tokens: int, rng: random.R
     new_window = list(window)
     for s, e, repl in reversed(ops):  # right to left keeps earlier line indices valid
         new_window[s:e] = repl
-    old_ids = _encode(tokenizer, "".join(window))
-    new_ids = _encode(tokenizer, "".join(new_window))
+    # the prompt stops before the window's final line break (see `greedy_line`)
+    old_ids = _encode(tokenizer, "".join(window)[:-1])
+    new_ids = _encode(tokenizer, "".join(new_window)[:-1])
     edits = token_edits(old_ids[:-1], new_ids[:-1])
     # the last token (fed at decode time) must survive unchanged and something must change
     if not edits or old_ids[-1] != new_ids[-1] or apply_edits(old_ids[:-1], edits) != new_ids[:-1]:
@@ -175,23 +179,39 @@ def _try_sample(tokenizer, path: Path, kind: str, ctx_tokens: int, rng: random.R
 
 
 @torch.no_grad()
+def next_line(text: str) -> tuple[str, bool]:
+    """The first non-blank line after the first newline of `text`, and whether it is complete
+    (a newline ends it). `text` continues a prompt that stops before its last line break."""
+    parts = text.split("\n")[1:]
+    for i, part in enumerate(parts):
+        if part.strip():
+            return part, i + 1 < len(parts)
+    return "", False
+
+
+@torch.no_grad()
 def greedy_line(model: nn.Module, tokenizer: Any, cache: PositionedKVCache, next_id: int,
-                max_new_tokens: int = 32) -> tuple[str, int]:
-    """Feed `next_id` at `cache.next_position`, then decode greedily until the generated text
-    holds a newline (or `max_new_tokens`). Returns (the line without the newline, tokens
-    generated). Mutates `cache` (appends the decoded tokens)."""
+                max_new_tokens: int = 48) -> tuple[str, int]:
+    """Feed `next_id` at `cache.next_position`, decode greedily and return `(next_line(text),
+    tokens generated)`, stopping once that line is complete (or after `max_new_tokens`).
+    Mutates `cache` (appends the decoded tokens).
+
+    The prompt ends before the line break of its last line, not after it: BPE vocabularies
+    merge a newline with the next line's indentation ("\\n" + 7 spaces is one SmolLM2 token),
+    so a prompt ending in a bare "\\n" token is out of distribution for an indented line.
+    """
     dev = cache.token_ids.device
     ids: list[int] = []
     _, logits = cache.extend_logits(model, torch.tensor([[next_id]], device=dev))
     for _ in range(max_new_tokens):
         tok = int(logits[0].argmax())
         ids.append(tok)
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if "\n" in text or tok == getattr(tokenizer, "eos_token_id", None):
+        if next_line(tokenizer.decode(ids, skip_special_tokens=True))[1]:
+            break
+        if tok == getattr(tokenizer, "eos_token_id", None):
             break
         _, logits = cache.extend_logits(model, torch.tensor([[tok]], device=dev))
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    return text.split("\n", 1)[0], len(ids)
+    return next_line(tokenizer.decode(ids, skip_special_tokens=True))[0], len(ids)
 
 
 def edit_similarity(a: str, b: str) -> float:
@@ -212,8 +232,12 @@ class SampleResult:
 @torch.no_grad()
 def evaluate(model: nn.Module, tokenizer: Any, samples: Sequence[CodeEditSample], *,
              strategies: Sequence[str] = ("recompute", "pie", "conflict"), backend: str = "ref",
-             max_new_tokens: int = 32, log: Any = None) -> list[SampleResult]:
-    """Run every strategy on every sample (see the module docstring); recompute must be included."""
+             max_new_tokens: int = 48, timing_repeats: int = 1, log: Any = None) -> list[SampleResult]:
+    """Run every strategy on every sample (see the module docstring); recompute must be included.
+
+    With `timing_repeats > 1` each update runs that many times on fresh copies of the cache and
+    `wall_s` is the median (all runs in `wall_s_runs`); the completion uses the last run.
+    """
     if "recompute" not in strategies:
         raise ValueError("strategies must include 'recompute' (the reference completion)")
     for s in strategies:
@@ -225,14 +249,18 @@ def evaluate(model: nn.Module, tokenizer: Any, samples: Sequence[CodeEditSample]
         base = PositionedKVCache.prefill(model, torch.tensor([sm.old_ids[:-1]], device=dev))
         res = SampleResult(sample=sm.to_json())
         for name in strategies:
-            out = update_cache(model, base.clone(), sm.edits, strategy=name, backend=backend)
+            walls = []
+            for _ in range(max(1, timing_repeats)):
+                out = update_cache(model, base.clone(), sm.edits, strategy=name, backend=backend)
+                walls.append(out.cost.wall_s)
+            out.cost.wall_s = statistics.median(walls)
             if out.cache.token_ids[0].tolist() != sm.new_ids[:-1]:
                 raise AssertionError(f"{name} produced the wrong token sequence")
             t0 = time.perf_counter()
             line, n_gen = greedy_line(model, tokenizer, out.cache, sm.new_ids[-1], max_new_tokens)
             res.completions[name] = line
             cost = asdict(out.cost)
-            cost.update(decode_tokens=n_gen, decode_s=time.perf_counter() - t0)
+            cost.update(decode_tokens=n_gen, decode_s=time.perf_counter() - t0, wall_s_runs=walls)
             res.cost[name] = cost
         results.append(res)
         if log is not None:
@@ -283,4 +311,4 @@ def summarize(results: Sequence[SampleResult], strategies: Sequence[str] = ("rec
 
 
 __all__ = ["CodeEditSample", "EDIT_KINDS", "SampleResult", "edit_similarity", "evaluate", "exact_match",
-           "greedy_line", "make_samples", "stdlib_files", "summarize", "token_edits"]
+           "greedy_line", "make_samples", "next_line", "stdlib_files", "summarize", "token_edits"]

@@ -270,8 +270,13 @@ class PositionedKVCache:
         cost = ForwardCost(tokens=n, flops=forward_flops(model.config, n, len(self)))
         if n == 0:
             return (cost, torch.zeros(B, 0, model.config.hidden_size, device=dev)) if return_hidden else cost
-        fwd_basis = rope_basis(model, int(positions.max()) + 1)
-        if len(self) == 0:
+        try:
+            fwd_basis = rope_basis(model, int(positions.max()) + 1)
+        except ValueError:  # basis not knowable (unpatched HF dynamic/longrope): record none
+            fwd_basis = None
+        if fwd_basis is None:
+            self.inv_freq = None
+        elif len(self) == 0:
             self.inv_freq, self.attention_factor = fwd_basis
         elif not _same_basis(self.basis, fwd_basis):
             self.inv_freq = None  # the cache now mixes bases (length-dependent RoPE type)

@@ -150,7 +150,8 @@ def apply_edits(token_ids: Sequence[int], edits: Sequence[Edit]) -> list[int]:
 
 @dataclass
 class EditCost:
-    """What an update cost: tokens encoded, keys re-rotated (slots x layers), FLOPs, wall time.
+    """What an update cost: tokens encoded, slots whose keys were re-rotated (in every layer),
+    FLOPs, wall time.
 
     `flops` = decoder FLOPs of the encoded tokens (`lcx.cache.kv.forward_flops`) + 6 per rotated
     pair and layer-head for the re-rotation (4 multiplies, 2 adds; trig not counted).
@@ -194,7 +195,7 @@ def _encode_spans(model: nn.Module, plan: EditPlan, kept: PositionedKVCache, cos
         pieces = [work]
     cost.tokens_encoded += fwd.tokens
     cost.flops += fwd.flops
-    return PositionedKVCache.cat(pieces)
+    return PositionedKVCache.cat(pieces) if pieces else kept.select(slice(0, 0))  # all deleted
 
 
 def _rotation_flops(cache: PositionedKVCache, n_slots: int) -> float:
@@ -202,6 +203,13 @@ def _rotation_flops(cache: PositionedKVCache, n_slots: int) -> float:
         return 0.0
     B, Hkv = cache.keys[0].shape[:2]
     return 6.0 * B * Hkv * cache.inv_freq.shape[0] * n_slots * cache.num_layers
+
+
+def _basis_or_none(model: nn.Module, seq_len: int) -> tuple[torch.Tensor, float] | None:
+    try:
+        return rope_basis(model, seq_len)
+    except ValueError:
+        return None
 
 
 def edit_recompute(model: nn.Module, cache: PositionedKVCache, edits: Sequence[Edit], *,
@@ -219,8 +227,8 @@ def edit_recompute(model: nn.Module, cache: PositionedKVCache, edits: Sequence[E
     t0 = time.perf_counter()
     new_ids = torch.tensor([apply_edits(ids_old.tolist(), edits)], dtype=torch.long, device=dev)
     start = plan.first_change
-    if plan.n_new and not _same_basis(cache.basis, rope_basis(model, plan.n_new)) and start > 0:
-        start, cost.details["reencoded_from_zero"] = 0, "RoPE basis changed with the length"
+    if plan.n_new and start > 0 and not _same_basis(cache.basis, _basis_or_none(model, plan.n_new)):
+        start, cost.details["reencoded_from_zero"] = 0, "the RoPE basis changed with the length (or is unknown)"
     if plan.n_new == plan.n_old == start:  # nothing changed
         out = cache
     else:
@@ -236,12 +244,12 @@ def _check_pie_basis(model: nn.Module, cache: PositionedKVCache, plan: EditPlan)
     if not cache.rope_applied:
         return
     if not cache.has_single_basis:
-        raise ValueError("pie: the cached keys do not share one RoPE basis (a length-dependent RoPE type "
-                         "changed basis between forwards), so a position delta has no single rotation; "
-                         "use strategy='recompute'")
+        raise ValueError("pie: the cached keys have no one known RoPE basis (a length-dependent RoPE type "
+                         "changed basis between forwards, or an unpatched model's rotary module hides it), "
+                         "so a position delta has no single rotation; use strategy='recompute'")
     hint = ("(length-dependent RoPE type: dynamic NTK beyond L, or longrope across L); "
             "use strategy='recompute'")
-    if plan.n_new and not _same_basis(cache.basis, rope_basis(model, plan.n_new)):
+    if plan.n_new and not _same_basis(cache.basis, rope_basis(model, plan.n_new)):  # may raise: unknown basis
         raise ValueError(f"pie: the edited length {plan.n_new} has another RoPE basis than the cached "
                          f"keys (written at length {plan.n_old}) {hint}")
     for seg in plan.segments:

@@ -1,0 +1,266 @@
+"""Apply an attention method to a loaded Hugging Face Llama-family model, in place and reversibly.
+
+    model, tok = lcx.load_model("tiny-5m")
+    with lcx.patched(model, {"rope_type": "yarn", "factor": 4}), \\
+         attention_patched(model, lm_infinite(n_global=16, n_local=1024)):
+        logits = model(ids).logits          # LM-Infinite + YaRN
+    # the model as loaded again
+
+Why the attention module's forward is replaced (and not only an `AttentionInterface` function
+registered): transformers hands an attention function q and k already rotated, and no
+positions; LM-Infinite needs them unrotated (its global keys are scored at a capped distance)
+and StreamingLLM renumbers positions. So `patch_attention` gives every `self_attn` module of
+the model an instance-level `forward` (transformers 5.17 `LlamaAttention.forward` minus the
+rotation) that projects q/k/v and calls `method.attend` on UNROTATED q/k with an
+`lcx.attention.Rotary` holding the keys' positions. The RoPE basis is read at call time from
+the model's rotary module (`lcx.cache.rope_basis`), so RoPE specs applied with `lcx.patch`
+compose with any method, in either order. The config's `_attn_implementation` is switched to
+`"lcx_attention_method"`, registered with transformers' attention and mask interfaces: the
+mask function builds no mask (the method owns masking and causality; no [T, T] mask is ever
+materialised) and refuses padding; the attention function itself is never called by a patched
+module and raises if something calls it. `unpatch_attention` deletes the instance forwards and
+restores `_attn_implementation`.
+
+Semantics stated once:
+- **The KV cache holds keys BEFORE RoPE** while a model is patched (whatever `Cache` it is
+  given). Do not mix a cache filled by a patched model with an unpatched one, or vice versa.
+- **Positions.** With a `DynamicCache` (or no cache), key j of the Tk returned by the cache has
+  position `position_ids[:, 0] - (Tk - Tq) + j`: the cache is the contiguous history of the
+  sequence. `position_ids` must be contiguous in each row (no padding, no packing; raises
+  otherwise). With `lcx.methods.BoundedKVCache` the cache itself records each slot's position.
+- **Queries are the last Tq keys** (`lcx.masks` convention) for prefill, chunked prefill and
+  decode alike.
+
+Supported: model types llama, mistral, qwen2 (q/k/v/o projections, rotate-half RoPE on the
+full head, no q/k norm). Not supported (raises): padding in `attention_mask`, attention
+dropout in training mode, models whose attention module has q/k norms (qwen3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from lcx.attention import BACKENDS, Rotary
+
+from .spec import AttentionMethod, method_from_dict
+
+ATTN_IMPLEMENTATION = "lcx_attention_method"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DEFAULT_BACKEND = "blockwise"
+_STATE = "_lcx_attention_method"  # on the model: _Patch; on each attention module: _ModuleState
+
+
+@dataclass
+class _Patch:
+    method: AttentionMethod
+    backend: str
+    original_attn_implementation: Any
+
+
+@dataclass
+class _ModuleState:
+    method: AttentionMethod
+    backend: str
+    decoder: "weakref.ref[nn.Module]"  # owns rotary_emb: the RoPE basis is read from it per call
+
+
+# ------------------------------------------------------------------------ transformers hooks
+
+
+def _unpatched_attention_function(module, query, key, value, attention_mask, **kwargs):
+    raise RuntimeError(
+        f"config._attn_implementation is {ATTN_IMPLEMENTATION!r} but this attention module is not "
+        "patched by lcx.methods.patch_attention (its forward is the stock one); call patch_attention "
+        "on the model, or set another attn_implementation")
+
+
+def _no_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask function: the method masks (and is causal) by itself; refuse padding it cannot honour."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise NotImplementedError(
+            "lcx attention methods do not support padding (attention_mask has zeros); run unpadded rows")
+    return None
+
+
+def register() -> None:
+    """Register `"lcx_attention_method"` with transformers' attention/mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _unpatched_attention_function)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+# ------------------------------------------------------------------------ the patched forward
+
+
+def _key_positions(position_ids: torch.Tensor | None, n_queries: int, n_keys: int,
+                   device: torch.device) -> torch.Tensor:
+    """Positions `[Tk]` or `[B, Tk]` of the Tk keys of a contiguous history (see module doc)."""
+    past = n_keys - n_queries
+    if position_ids is None:
+        return torch.arange(n_keys, device=device)
+    pid = position_ids.to(device)  # [B or 1, Tq]
+    start = pid[:, :1]  # [B, 1]
+    if not torch.equal(pid, start + torch.arange(n_queries, device=device)):
+        raise ValueError("lcx attention methods need contiguous position_ids in each row "
+                         "(no padding, no packed sequences)")
+    if pid.shape[0] > 1 and not torch.equal(start, start[:1].expand_as(start)):
+        return start - past + torch.arange(n_keys, device=device)  # [B, Tk]
+    first = int(start[0, 0]) - past
+    if first < 0:
+        raise ValueError(f"position_ids start at {int(start[0, 0])} but the cache holds {past} earlier keys")
+    return torch.arange(first, first + n_keys, device=device)
+
+
+def lcx_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`LlamaAttention.forward` with the rotation moved inside `method.attend` (instance-bound).
+
+    hidden_states `[B, Tq, hidden]` -> (attn_output `[B, Tq, hidden]`, None). `position_embeddings`
+    (HF's cos/sin) are ignored: positions come from `position_ids` or the bounded cache.
+    """
+    from lcx.cache.kv import rope_basis
+
+    from .bounded_cache import BoundedKVCache
+
+    st: _ModuleState = getattr(self, _STATE)
+    if attention_mask is not None:
+        raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
+    if self.training and self.attention_dropout:
+        raise NotImplementedError("lcx attention methods have no attention dropout")
+    B, Tq, _ = hidden_states.shape
+    D = self.head_dim
+    q = self.q_proj(hidden_states).view(B, Tq, -1, D)  # [B, Tq, H, D], unrotated
+    k = self.k_proj(hidden_states).view(B, Tq, -1, D)  # [B, Tq, Hkv, D]
+    v = self.v_proj(hidden_states).view(B, Tq, -1, D)
+    if past_key_values is not None:
+        # HF caches are [B, Hkv, T, D]; hand them unrotated keys, read back [B, Tk, Hkv, D] views.
+        k_all, v_all = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+        k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)
+    Tk = k.shape[1]
+    position_ids = kwargs.get("position_ids")
+    if isinstance(past_key_values, BoundedKVCache):
+        true_pos = past_key_values.key_positions(self.layer_idx)  # [Tk]
+        if position_ids is not None and not torch.equal(position_ids[0].to(true_pos.device), true_pos[-Tq:]):
+            raise ValueError("position_ids disagree with the positions the bounded cache assigned "
+                             f"({position_ids[0].tolist()[:4]}... vs {true_pos[-Tq:].tolist()[:4]}...)")
+        rot_pos = past_key_values.rotary_positions(self.layer_idx)
+        seq_len = int(true_pos[-1]) + 1
+    else:
+        rot_pos = _key_positions(position_ids, Tq, Tk, q.device)
+        seq_len = int(rot_pos.max()) + 1
+    decoder = st.decoder()
+    if decoder is None:
+        raise RuntimeError("the model this attention module was patched for no longer exists")
+    inv_freq, af = rope_basis(decoder, seq_len)
+    rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
+    out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend, scale=self.scaling)  # [B, Tq, H, D]
+    return self.o_proj(out.reshape(B, Tq, -1)), None
+
+
+# ------------------------------------------------------------------------ patch / unpatch
+
+
+def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"lcx attention methods support model_type in {list(SUPPORTED_MODEL_TYPES)}; "
+                         f"got {model_type!r} ({type(model).__name__})")
+    decoder = getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not hasattr(decoder, "rotary_emb"):
+        raise ValueError(f"{type(model).__name__} has no model.layers / model.rotary_emb where transformers "
+                         "5.x Llama-family models keep them")
+    attns = []
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        missing = [a for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
+                   if not hasattr(attn, a)]
+        if attn is None or missing:
+            raise ValueError(f"layer {i}: no self_attn with {missing or 'attributes'} (unsupported attention module)")
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            raise ValueError(f"layer {i}: attention with q/k norms is not supported")
+        attns.append(attn)
+    return decoder, attns
+
+
+def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any], *,
+                    backend: str = DEFAULT_BACKEND) -> nn.Module:
+    """Run every attention layer of `model` with `method` (in place; returns the model).
+
+    method:  an `AttentionMethod` (`lm_infinite(...)`, `sliding_window(...)`, `sinks(...)`,
+             `causal()`) or its dict (`{"type": "lm_infinite", "n_global": 16, ...}`).
+    backend: the `lcx.attention` backend of every call ("blockwise": memory O(T * (G + L)) for
+             windowed methods; a speed choice, every backend computes the same thing).
+    Patching a patched model replaces the method; `unpatch_attention` restores the model as loaded.
+    """
+    method = method_from_dict(method)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not an lcx.attention backend; known: {sorted(BACKENDS)}")
+    decoder, attns = _decoder_and_layers(model)
+    register()
+    prev: _Patch | None = getattr(model, _STATE, None)
+    original = prev.original_attn_implementation if prev is not None else model.config._attn_implementation
+    ref = weakref.ref(decoder)
+    for attn in attns:
+        setattr(attn, _STATE, _ModuleState(method, backend, ref))
+        attn.forward = types.MethodType(lcx_attention_forward, attn)
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    setattr(model, _STATE, _Patch(method, backend, original))
+    return model
+
+
+def unpatch_attention(model: nn.Module) -> nn.Module:
+    """Undo `patch_attention` (a no-op on an unpatched model)."""
+    prev: _Patch | None = getattr(model, _STATE, None)
+    if prev is None:
+        return model
+    _, attns = _decoder_and_layers(model)
+    for attn in attns:
+        attn.__dict__.pop("forward", None)
+        attn.__dict__.pop(_STATE, None)
+    model.config._attn_implementation = prev.original_attn_implementation
+    delattr(model, _STATE)
+    return model
+
+
+def current_attention(model: nn.Module) -> AttentionMethod | None:
+    """The method a patched model runs, or None."""
+    prev: _Patch | None = getattr(model, _STATE, None)
+    return prev.method if prev is not None else None
+
+
+@contextlib.contextmanager
+def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, Any] | None, *,
+                      backend: str = DEFAULT_BACKEND) -> Iterator[nn.Module]:
+    """Context manager: `patch_attention` on entry (no-op for None), previous state on exit."""
+    if method is None:
+        yield model
+        return
+    prev: _Patch | None = getattr(model, _STATE, None)
+    patch_attention(model, method, backend=backend)
+    try:
+        yield model
+    finally:
+        if prev is None:
+            unpatch_attention(model)
+        else:
+            patch_attention(model, prev.method, backend=prev.backend)
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "attention_patched", "current_attention",
+           "lcx_attention_forward", "patch_attention", "register", "unpatch_attention"]

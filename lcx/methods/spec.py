@@ -1,0 +1,251 @@
+"""Attention methods for whole models: what a layer computes, and what a bounded cache keeps.
+
+A method is a frozen, validated dataclass; `ATTENTION_METHODS` is the only list of them.
+Every method is called the same way, on UNROTATED q/k (so methods that change positions,
+LM-Infinite's distance cap and StreamingLLM's renumbering, can):
+
+    method.attend(q, k, v, rotary=Rotary(inv_freq, key_positions, attention_factor),
+                  backend="blockwise", scale=None) -> out [B, Tq, H, Dv]
+
+q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]`: the queries are the last Tq of
+the Tk keys (`lcx.masks` window convention), `rotary.positions` the keys' RoPE positions.
+
+Methods
+-------
+- `causal()`                  full causal attention (the unpatched model; a control).
+- `lm_infinite(G, L, limit)`  LM-Infinite (arXiv 2308.16137): Λ-mask, G global + L local keys,
+                              global keys scored at distance min(limit, Tk - 1) (default L);
+                              `lcx.attention.lambda_attention_ref` defines it.
+- `sliding_window(w)`         a window of w keys, itself included (`sliding_window(w - 1)` mask).
+- `sinks(S, w)`               StreamingLLM (arXiv 2309.17453): S sink keys + a window of w keys,
+                              positions renumbered as StreamingLLM's cache does
+                              (`lcx.methods.streaming`). `sinks(S, w, renumber=False)` is the bare
+                              `attention_sinks` mask at true positions (no renumbering).
+
+Bounded cache (`lcx.methods.bounded_cache`): a method that only ever looks at the first
+`n_first` keys and the last `n_recent` keys (the query included) can decode with a cache of
+`n_first + n_recent - 1` keys per layer. What each method computes on that compressed cache
+equals what it computes on the full cache (see `bounded_cache` for the argument, and the
+tests); `renumber_in_cache` says whether the compressed cache rotates keys by their slot index
+(StreamingLLM) or by their true position (the others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+from lcx.attention import AttentionSpec, Rotary, attention
+from lcx.masks import attention_sinks, causal_mask
+from lcx.masks import sliding_window as sliding_window_mask
+from lcx.masks.base import check_count
+
+
+@dataclass(frozen=True)
+class AttentionMethod:
+    """Base class; see the module docstring. Subclasses set `name` and implement `_spec`."""
+
+    name: ClassVar[str] = ""
+    renumber_in_cache: ClassVar[bool] = False
+
+    # --------------------------------------------------------------- what the layer computes
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        rotary: Rotary,
+        backend: str = "blockwise",
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Unrotated q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> out `[B, Tq, H, Dv]`."""
+        return attention(q, k, v, _spec_for(self, scale), backend=backend, rotary=rotary)
+
+    def attention_spec(self, scale: float | None = None) -> AttentionSpec:
+        """The `lcx.attention` spec of this method (for methods that are one attention call)."""
+        return _spec_for(self, scale)
+
+    def _spec(self, scale: float | None) -> AttentionSpec:
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- what a bounded cache keeps
+    @property
+    def cache_window(self) -> tuple[int, int] | None:
+        """(n_first, n_recent): the keys any query can see are among the first n_first and the
+        last n_recent (itself included); None for an unbounded method."""
+        return None
+
+    def check_bounded(self) -> None:
+        """Raise `ValueError` if a bounded cache cannot reproduce this method exactly."""
+        if self.cache_window is None:
+            raise ValueError(f"attention method {self.name!r} sees every key; it has no bounded cache")
+
+    # --------------------------------------------------------------- config as data
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.name, **dataclasses.asdict(self)}
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        return f"{self.name}({params})"
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_for(method: AttentionMethod, scale: float | None) -> AttentionSpec:
+    return method._spec(scale)
+
+
+@dataclass(frozen=True)
+class Causal(AttentionMethod):
+    """Full causal attention, computed by lcx (a control: equals the unpatched model)."""
+
+    name: ClassVar[str] = "causal"
+
+    def _spec(self, scale):
+        return AttentionSpec(mask=causal_mask, scale=scale)
+
+
+@dataclass(frozen=True)
+class LMInfinite(AttentionMethod):
+    """LM-Infinite (arXiv 2308.16137): G global + L local keys, global distance capped.
+
+    n_global: first keys every query sees (paper: 10-100 behave alike).
+    n_local:  window of keys, the query itself included (paper: the pretraining length).
+    limit_distance: distance at which global keys outside the window are scored (default
+        n_local); the query is rotated to min(limit_distance, Tk - 1), global keys to 0.
+    """
+
+    name: ClassVar[str] = "lm_infinite"
+    n_global: int
+    n_local: int
+    limit_distance: int | None = None
+
+    def __post_init__(self) -> None:
+        check_count("n_global", self.n_global, 0)
+        check_count("n_local", self.n_local, 1)
+        if self.limit_distance is None:
+            object.__setattr__(self, "limit_distance", self.n_local)
+        check_count("limit_distance", self.limit_distance, 0)
+
+    def _spec(self, scale):
+        return AttentionSpec.lm_infinite(self.n_global, self.n_local, self.limit_distance, scale=scale)
+
+    @property
+    def cache_window(self):
+        return (self.n_global, self.n_local)
+
+    def check_bounded(self) -> None:
+        # The global branch rotates the query to min(limit_distance, Tk - 1). A compressed
+        # cache has Tk <= n_global + n_local, so it reproduces the full cache only if the cap
+        # never exceeds n_global + n_local - 1 (no global keys: nothing is capped).
+        cap = self.n_global + self.n_local - 1
+        if self.n_global > 0 and self.limit_distance > cap:
+            raise ValueError(
+                f"limit_distance={self.limit_distance} > n_global + n_local - 1 = {cap}: with a bounded "
+                f"cache the capped distance min(limit_distance, Tk - 1) would depend on evicted keys; "
+                f"use limit_distance <= {cap} (default n_local) or a full cache")
+
+
+@dataclass(frozen=True)
+class SlidingWindow(AttentionMethod):
+    """Causal sliding window of `window` keys, the query itself included."""
+
+    name: ClassVar[str] = "sliding_window"
+    window: int
+
+    def __post_init__(self) -> None:
+        check_count("window", self.window, 1)
+
+    def _spec(self, scale):
+        return AttentionSpec(mask=sliding_window_mask(self.window - 1), scale=scale)
+
+    @property
+    def cache_window(self):
+        return (0, self.window)
+
+
+@dataclass(frozen=True)
+class Sinks(AttentionMethod):
+    """StreamingLLM (arXiv 2309.17453): `n_sink` first keys + a window of `window` keys.
+
+    renumber=True (StreamingLLM): positions are renumbered inside the cache, so a query sees
+        the sinks as if they sat just before its window (`lcx.methods.streaming`).
+    renumber=False: the bare `attention_sinks(n_sink, window - 1)` mask at true positions
+        (distances to the sinks grow without bound).
+    """
+
+    name: ClassVar[str] = "sinks"
+    n_sink: int
+    window: int
+    renumber: bool = True
+
+    def __post_init__(self) -> None:
+        check_count("n_sink", self.n_sink, 0)
+        check_count("window", self.window, 1)
+        if not isinstance(self.renumber, bool):
+            raise ValueError(f"renumber must be a bool, got {self.renumber!r}")
+
+    @property
+    def renumber_in_cache(self) -> bool:  # type: ignore[override]
+        return self.renumber
+
+    def _spec(self, scale):
+        return AttentionSpec(mask=attention_sinks(self.n_sink, self.window - 1), scale=scale)
+
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None):
+        if not self.renumber:
+            return super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale)
+        from .streaming import streaming_attention
+
+        return streaming_attention(q, k, v, rotary=rotary, n_sink=self.n_sink, window=self.window,
+                                   backend=backend, scale=scale)
+
+    @property
+    def cache_window(self):
+        return (self.n_sink, self.window)
+
+
+# name -> class. The only list of attention methods; tests iterate over it.
+ATTENTION_METHODS: dict[str, type[AttentionMethod]] = {
+    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks)
+}
+
+
+def causal() -> Causal:
+    return Causal()
+
+
+def lm_infinite(n_global: int, n_local: int, limit_distance: int | None = None) -> LMInfinite:
+    return LMInfinite(n_global, n_local, limit_distance)
+
+
+def sliding_window(window: int) -> SlidingWindow:
+    return SlidingWindow(window)
+
+
+def sinks(n_sink: int, window: int, renumber: bool = True) -> Sinks:
+    return Sinks(n_sink, window, renumber)
+
+
+def method_from_dict(d: Mapping[str, Any] | AttentionMethod) -> AttentionMethod:
+    """`{"type": "lm_infinite", "n_global": 16, "n_local": 256}` -> method; unknown keys raise."""
+    if isinstance(d, AttentionMethod):
+        return d
+    d = dict(d)
+    kind = d.pop("type", None)
+    if kind not in ATTENTION_METHODS:
+        raise ValueError(f"attention method type {kind!r} is not known; known: {sorted(ATTENTION_METHODS)}")
+    cls = ATTENTION_METHODS[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"attention method {kind!r}: unknown key(s) {unknown}; accepted: {sorted(names)}")
+    missing = sorted(f.name for f in dataclasses.fields(cls)
+                     if f.name not in d and f.default is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"attention method {kind!r}: missing key(s) {missing}")
+    return cls(**d)
