@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -54,6 +55,7 @@ log = logging.getLogger("lcx.serve")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -160,8 +162,9 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             engine.validate(prompt_ids, params)
         except ContextLengthError as e:
             raise bad_request(str(e), e.param, "context_length_exceeded") from None
-        except ValueError as e:
-            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+        except ValueError as e:  # SamplingParams name the field first; the engine's errors are the prompt's
+            first = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), first if first in SAMPLING_FIELDS else "prompt") from None
         return params
 
     def check_n(n: int, n_prompts: int) -> None:

@@ -147,6 +147,21 @@ def test_completion_batch_of_prompts_and_n(client, ref):
         assert c.text == _greedy(ref, ref.encode(prompts[c.index // 2])).text
 
 
+def test_stop_strings_and_seeded_sampling(client, ref):
+    ids = ref.encode("stop here")
+    full = _greedy(ref, ids, n=24, ignore_eos=True).text
+    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=24, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+    kw = dict(model=MODEL, prompt="sample", max_tokens=GEN, temperature=0.8, top_p=0.9, seed=11)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    want = ref.generate([ref.encode("sample")], SamplingParams(max_tokens=GEN, temperature=0.8, top_p=0.9,
+                                                               seed=11))[0]
+    assert a.choices[0].text == want.text
+
+
 def test_chat(client, ref):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi!"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=GEN, temperature=0)
@@ -222,6 +237,31 @@ def test_echo_prompt_logprobs_match_forward(server, ref):
         assert len(tl) == len(ids) + max_tokens and tl[0] is None
         torch.testing.assert_close(tl[1:len(ids)], want, rtol=0, atol=1e-9)
         assert ch["text"].startswith("The pass key is 12345.")
+
+
+def test_streaming_echo_with_logprobs(server, ref):
+    body = {"model": MODEL, "prompt": "echo me", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    r = _post(server, "/v1/completions", dict(body, stream=True))
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["text"] == "echo me"  # the prompt comes first
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    tl = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+    torch.testing.assert_close(tl[1:], whole["logprobs"]["token_logprobs"][1:], rtol=0, atol=1e-12)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = _stats(server)["scheduler"]["aborted"]
+    body = {"model": MODEL, "prompt": "long", "max_tokens": MAX_MODEL_LEN - 10, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one chunk, then hang up
+    deadline = time.monotonic() + 30
+    while _stats(server)["scheduler"]["aborted"] == before:
+        assert time.monotonic() < deadline, "the server kept decoding for a client that left"
+        time.sleep(0.1)
 
 
 def test_requests_arriving_together_are_prefilled_together(server, client):
