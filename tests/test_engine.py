@@ -363,3 +363,22 @@ def test_abort(model64):
             got[ev.request_id] += ev.token_ids
     assert [got[r] for r in rids[1:]] == good[1:]
     assert got[rids[0]] == good[0][:len(got[rids[0]])]
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_matches_cpu():
+    """The same engine code on a CUDA model: prompt logprobs and the first sampled token agree
+    with the CPU run (float32; later greedy tokens may differ at near-ties)."""
+    model, tok = tiny_llama(seed=0)
+    gpu_model, _ = tiny_llama(seed=0)
+    gpu_model = gpu_model.to("cuda")
+    prompts = _prompts(tok)
+    sp = SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    cpu = Engine(model, tok).generate(prompts, sp)
+    gpu = Engine(gpu_model, tok).generate(prompts, sp)
+    for a, b in zip(cpu, gpu):
+        got = [e.logprob for e in b.prompt_logprobs[1:]] + [b.logprobs[0].logprob]
+        want = [e.logprob for e in a.prompt_logprobs[1:]] + [a.logprobs[0].logprob]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-4)
+        assert a.token_ids[0] == b.token_ids[0]
+        assert len(b.token_ids) == GEN
