@@ -381,3 +381,13 @@ def test_lm_infinite_cache_stores_unrotated_keys(model32):
 def test_method_dataclasses_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         lm_infinite(1, 2).n_local = 3
+
+
+def test_bounded_cache_refuses_foreign_fillers(model32):
+    """Only a model patched with the cache's own method may fill it (keys must arrive unrotated)."""
+    m, _ = model32
+    ids = _ids(12)
+    with pytest.raises(ValueError, match="not patched"):
+        m(ids, past_key_values=BoundedKVCache(lm_infinite(2, 4)), use_cache=True)
+    with attention_patched(m, sinks(2, 4)), pytest.raises(ValueError, match="running sinks"):
+        m(ids, past_key_values=BoundedKVCache(lm_infinite(2, 4)), use_cache=True)

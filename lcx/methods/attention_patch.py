@@ -147,13 +147,15 @@ def lcx_attention_forward(
     q = self.q_proj(hidden_states).view(B, Tq, -1, D)  # [B, Tq, H, D], unrotated
     k = self.k_proj(hidden_states).view(B, Tq, -1, D)  # [B, Tq, Hkv, D]
     v = self.v_proj(hidden_states).view(B, Tq, -1, D)
+    bounded = isinstance(past_key_values, BoundedKVCache)
     if past_key_values is not None:
         # HF caches are [B, Hkv, T, D]; hand them unrotated keys, read back [B, Tk, Hkv, D] views.
-        k_all, v_all = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+        extra = {"lcx_method": st.method} if bounded else {}  # the bounded cache checks who fills it
+        k_all, v_all = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, **extra)
         k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)
     Tk = k.shape[1]
     position_ids = kwargs.get("position_ids")
-    if isinstance(past_key_values, BoundedKVCache):
+    if bounded:
         true_pos = past_key_values.key_positions(self.layer_idx)  # [Tk]
         if position_ids is not None and not torch.equal(position_ids[0].to(true_pos.device), true_pos[-Tq:]):
             raise ValueError("position_ids disagree with the positions the bounded cache assigned "

@@ -133,6 +133,16 @@ class BoundedKVCache(Cache):
         else:
             super().__init__(layers=layers)
 
+    def update(self, key_states, value_states, layer_idx, *args, lcx_method=None, **kwargs):
+        """Filled only by a model patched with the same method (keys must arrive unrotated)."""
+        if lcx_method != self.method:
+            raise ValueError(
+                f"BoundedKVCache({self.method.describe()}) is filled by "
+                + ("a model not patched with lcx.methods.patch_attention (its keys would be rotated, "
+                   "and nothing would rotate them at read time)" if lcx_method is None
+                   else f"a model running {lcx_method.describe()}"))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def key_positions(self, layer_idx: int) -> torch.Tensor:
         """True positions `[Tk]` of the keys the last `update` of this layer returned."""
         return self.layers[layer_idx]._call_positions
@@ -183,6 +193,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     cache_bytes: list[int] = field(default_factory=list)  # after prefill, then after each decode step
+    step_s: list[float] = field(default_factory=list)  # wall time of each decode forward
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -221,15 +232,17 @@ def greedy_generate(
     t1 = time.perf_counter()
     if record_cache_bytes:
         sizes.append(cache_nbytes(cache))
-    toks = [nxt]
+    toks, steps = [nxt], []
     for _ in range(max_new_tokens - 1):
+        ts = time.perf_counter()
         out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1)
+        steps.append(time.perf_counter() - ts)
         toks.append(nxt)
         if record_cache_bytes:
             sizes.append(cache_nbytes(cache))
     t2 = time.perf_counter()
-    return GenerationResult(torch.stack(toks, dim=1), t1 - t0, t2 - t1, sizes)
+    return GenerationResult(torch.stack(toks, dim=1), t1 - t0, t2 - t1, sizes, steps)
 
 
 __all__ = ["BoundedKVCache", "BoundedLayer", "GenerationResult", "cache_len", "cache_nbytes", "greedy_generate"]

@@ -69,7 +69,7 @@ def streaming_attention_ref(
     """The definition (module docstring), dense: UNROTATED q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`,
     v `[B, Tk, Hkv, Dv]` -> out `[B, Tq, H, Dv]` (and lse `[B, H, Tq]`). O(Tq * Tk) memory."""
     off = _check(q, k, n_sink, window, q_offset)
-    (B, Tq, H, D), Tk, Hkv = q.shape, k.shape[1], k.shape[2]
+    (_, Tq, H, D), Tk, Hkv = q.shape, k.shape[1], k.shape[2]
     sc = scale if scale is not None else D ** -0.5
     wide = torch.promote_types(q.dtype, torch.float32)
     q_rot, k_rot = rotate_qk(q, k, rotary, off)  # true positions
