@@ -18,6 +18,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "RoPE extrapolation table: perplexity of the bundled model at 256..4k tokens per RoPE type"),
     (("train", "lm"), "lcx.train.lm",
      "train a small Llama-style LM on public-domain text (Shakespeare + KJV Bible)"),
+    (("train", "stream"), "lcx.train.stream",
+     "train + evaluate the streaming word-transduction task: group vs interleaved positions"),
     (("eval", "ppl"), "lcx.eval.perplexity",
      "perplexity of a model on held-out text at several context lengths, with a RoPE spec"),
     (("models",), "lcx.models.cli",

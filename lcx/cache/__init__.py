@@ -21,6 +21,7 @@ from .pie import (
     update_cache,
 )
 from .rerotate import REROTATE_BACKENDS, rerotate, rerotate_ref
+from .streaming import StreamingConfig, StreamingSession, StreamResult, stream_generate
 
 __all__ = [
     "EDIT_STRATEGIES",
@@ -31,11 +32,15 @@ __all__ = [
     "EditResult",
     "ForwardCost",
     "PositionedKVCache",
+    "StreamResult",
+    "StreamingConfig",
+    "StreamingSession",
     "apply_edits",
     "forward_flops",
     "plan_edits",
     "rerotate",
     "rerotate_ref",
     "rope_basis",
+    "stream_generate",
     "update_cache",
 ]
