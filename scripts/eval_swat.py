@@ -65,6 +65,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def summarize(out: dict) -> None:
+    """Add `best_rope`, `summary` (SWAT / softmax RoPE / softmax best RoPE per length) and
+    `best_softmax_per_length` (an oracle picking the best method at each length) to `out`."""
+    res, lengths = out["results"], [r["length"] for r in out["results"]["swat"]]
+    methods = list(res["softmax"])
+
+    def score(rows):
+        long = [r["nll"] for r in rows if r["length"] > TRAIN_LENGTH]
+        return sum(long) / len(long) if long else rows[0]["nll"]
+
+    best = min((m for m in methods if m != "default"), key=lambda m: score(res["softmax"][m]), default="default")
+    out["best_rope"] = best
+    out["summary"] = {
+        str(L): {"swat": res["swat"][i]["ppl"], "softmax_rope": res["softmax"]["default"][i]["ppl"],
+                 f"softmax_{best}": res["softmax"][best][i]["ppl"]}
+        for i, L in enumerate(lengths)
+    }
+    out["best_softmax_per_length"] = {}
+    for i, L in enumerate(lengths):
+        m = min(methods, key=lambda m: res["softmax"][m][i]["ppl"])
+        t = min(methods, key=lambda m: res["softmax"][m][i]["tail_ppl"])
+        out["best_softmax_per_length"][str(L)] = {
+            "method": m, "ppl": res["softmax"][m][i]["ppl"],
+            "tail_method": t, "tail_ppl": res["softmax"][t][i]["tail_ppl"],
+            "swat_ppl": res["swat"][i]["ppl"], "swat_tail_ppl": res["swat"][i]["tail_ppl"]}
+
+
 def plot(res: dict, best: str, path: Path) -> None:
     import matplotlib
 
@@ -164,19 +191,8 @@ def main(argv=None) -> int:
         out["config"]["methods"][name] = spec
         out["results"]["softmax"][name] = run(f"softmax/{name}", model, tok, spec)
 
-    def score(rows):
-        long = [r["nll"] for r in rows if r["length"] > TRAIN_LENGTH]
-        return sum(long) / len(long) if long else rows[0]["nll"]
-
-    best = min((m for m in methods if m != "default"), key=lambda m: score(out["results"]["softmax"][m]),
-               default="default")
-    out["best_rope"] = best
-    out["summary"] = {
-        str(L): {"swat": out["results"]["swat"][i]["ppl"],
-                 "softmax_rope": out["results"]["softmax"]["default"][i]["ppl"],
-                 f"softmax_{best}": out["results"]["softmax"][best][i]["ppl"]}
-        for i, L in enumerate(lengths)
-    }
+    summarize(out)
+    best = out["best_rope"]
     path = Path(args.out)
     atomic_write_json(path, out)
     plot(out["results"], best, path.with_suffix(".png"))
@@ -185,6 +201,8 @@ def main(argv=None) -> int:
     for L, row in out["summary"].items():
         vals = list(row.values())
         print(f"{L:>7s} {vals[0]:8.2f} {vals[1]:8.2f} {vals[2]:10.2f}")
+    print("best softmax method at each length (oracle):",
+          ", ".join(f"{L}: {b['method']} {b['ppl']:.2f}" for L, b in out["best_softmax_per_length"].items()))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
