@@ -96,10 +96,10 @@ def _locate_smollm2() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
 
 
-def _locate_tiny_5m() -> Path:
+def _asset(name: str):
     # importlib.resources resolves inside the installed package for both editable and regular
     # installs (lcx ships assets/** as package data).
-    return Path(str(resources.files("lcx") / "assets" / "tiny-llama-5m"))
+    return lambda: Path(str(resources.files("lcx") / "assets" / name))
 
 
 PRESETS: dict[str, Preset] = {
@@ -120,7 +120,16 @@ PRESETS: dict[str, Preset] = {
             description="lcx's bundled ~5M-parameter Llama trained on Shakespeare + KJV Bible",
             how_to_get="Create it with `lcx train lm` (see `lcx train lm --help`), which writes "
                        "lcx/assets/tiny-llama-5m/.",
-            locate=_locate_tiny_5m,
+            locate=_asset("tiny-llama-5m"),
+        ),
+        Preset(
+            name="tiny-swat-5m",
+            format="hf",
+            description="lcx's bundled ~5M SWAT Llama (sigmoid attention, 128-key window, balanced "
+                        "ALiBi + RoPE), same data and budget as tiny-5m",
+            how_to_get="Create it with `lcx train lm --attention swat --window 128 --tokenizer "
+                       "lcx/assets/tiny-llama-5m --out lcx/assets/tiny-swat-5m`.",
+            locate=_asset("tiny-swat-5m"),
         ),
     )
 }
@@ -221,7 +230,12 @@ def is_gguf_cached(gguf_path: str | os.PathLike) -> bool:
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    # SWAT checkpoints name lcx's attention function; importing lcx.models.swat registers it
+    # with transformers (done here, not at `import lcx`, to keep that light).
+    from lcx.models.swat import from_pretrained_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                 **from_pretrained_kwargs(path))
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
