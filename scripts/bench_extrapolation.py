@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""Length extrapolation of attention methods (and RoPE scaling) on tiny-5m: perplexity + passkey.
+
+    python scripts/bench_extrapolation.py                        # -> results/extrapolation_tiny.{json,png}
+    python scripts/bench_extrapolation.py --quick --out /tmp/x.json
+    python scripts/bench_extrapolation.py --resume               # skip (method, metric) already in --out
+
+No fine-tuning: every method is applied at inference to the bundled tiny-5m (trained at 256
+tokens). Methods (`METHODS`): vanilla; LM-Infinite (G global, L = 256 local keys); sliding
+window of 256; StreamingLLM sinks (4 sinks + 256 window, positions renumbered); YaRN x32
+(256 -> 8192); LM-Infinite (L = 1024) + YaRN x4 (the window is covered by YaRN's range).
+
+Perplexity: `lcx.eval.perplexity.perplexity_by_length` on the validation split (works held out
+of training), same windows for every length; see its docstring. Attention methods run through
+`lcx.methods.attention_patched` (backend blockwise: O(n * (G + L)) memory); RoPE specs through
+`lcx.patching.patched` (inside perplexity_by_length).
+
+Passkey: prompts from `lcx.eval_tasks.passkey.data.make_docs` (Landmark Attention's prompt,
+sized in tiny-5m tokens), depths 0..100%. Scored without generation and controlled for how
+likely the digits are a priori: the continuation " <key>" is teacher-forced after the prompt
+and after a control prompt whose needle carries another key; `gain` = the difference of the two
+log-likelihoods (0 for a model that ignores the needle), `choice_acc` = P(gain > 0) (chance
+0.5), `exact_acc` = fraction where greedy decoding reproduces the key (argmax at every key
+token). A 5M-parameter model trained on Shakespeare/KJV retrieves weakly even inside its
+window, so the gain is the informative column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+N_GLOBAL = 16  # LM-Infinite global keys (paper: 10-100 behave alike)
+TRAIN_LEN = 256
+
+
+def methods(n_global: int) -> dict[str, dict]:
+    """name -> {"rope": HF-style spec or None, "attention": lcx.methods dict or None}."""
+    return {
+        "vanilla": {"rope": None, "attention": None},
+        f"lm_infinite_G{n_global}_L256": {"rope": None, "attention": {"type": "lm_infinite", "n_global": n_global,
+                                                                       "n_local": 256}},
+        "sliding_window_256": {"rope": None, "attention": {"type": "sliding_window", "window": 256}},
+        "sinks_4_256": {"rope": None, "attention": {"type": "sinks", "n_sink": 4, "window": 256}},
+        "yarn_x32": {"rope": {"rope_type": "yarn", "factor": 32.0}, "attention": None},
+        f"lm_infinite_G{n_global}_L1024+yarn_x4": {"rope": {"rope_type": "yarn", "factor": 4.0},
+                                                    "attention": {"type": "lm_infinite", "n_global": n_global,
+                                                                  "n_local": 1024}},
+    }
+
+
+def _contexts(model, m: dict):
+    import contextlib
+
+    from lcx.methods import attention_patched
+    from lcx.patching import patched
+
+    stack = contextlib.ExitStack()
+    if m["rope"] is not None:
+        stack.enter_context(patched(model, m["rope"]))
+    if m["attention"] is not None:
+        stack.enter_context(attention_patched(model, m["attention"], backend="blockwise"))
+    return stack
+
+
+@torch.inference_mode()
+def _continuation_ll(model, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+    """log p(cont | ctx) (teacher-forced) and whether greedy decoding would produce cont."""
+    logits = model(input_ids=torch.tensor([ctx + cont]), use_cache=False, logits_to_keep=len(cont) + 1).logits
+    lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # [len(cont), V]: predictions of cont
+    t = torch.tensor(cont)
+    return float(lp[torch.arange(len(cont)), t].sum()), bool((lp.argmax(-1) == t).all())
+
+
+def passkey(model, tok, lengths: list[int], depths: list[float], samples: int, seed: int) -> dict:
+    """Passkey retrieval scored without generation, controlled for the key's prior:
+    ll_key = log p(" K" | prompt with K), ll_ctrl = log p(" K" | same prompt with the needle's key
+    replaced by K' != K); retrieval gain = ll_key - ll_ctrl (0 for a model that ignores the needle)."""
+    from lcx.eval_tasks.passkey.data import make_docs
+
+    docs = make_docs(tok, lengths, depths, samples, seed)
+    per_len: dict[int, list[dict]] = {L: [] for L in lengths}
+    for d in docs:
+        rng = random.Random(f"control:{d['key']}")
+        key = d["key"]
+        other = key
+        while other == key:
+            other = str(rng.randint(10_000, 99_999))
+        cont = tok(" " + key, add_special_tokens=False)["input_ids"]
+        for L, prompt in zip(d["lengths"], d["prompts"]):
+            control = prompt.replace(key, other)
+            ll_key, exact = _continuation_ll(model, tok(prompt, add_special_tokens=False)["input_ids"], cont)
+            ll_ctrl, _ = _continuation_ll(model, tok(control, add_special_tokens=False)["input_ids"], cont)
+            per_len[L].append({"depth": d["depth"], "key": key, "control_key": other,
+                               "prompt_tokens": len(tok(prompt, add_special_tokens=False)["input_ids"]),
+                               "ll_key": ll_key, "ll_control": ll_ctrl, "gain": ll_key - ll_ctrl, "exact": exact})
+    out = {}
+    for L, recs in per_len.items():
+        out[str(L)] = {"n": len(recs), "choice_acc": sum(r["gain"] > 0 for r in recs) / len(recs),
+                       "exact_acc": sum(r["exact"] for r in recs) / len(recs),
+                       "mean_gain": sum(r["gain"] for r in recs) / len(recs),
+                       "mean_ll_key": sum(r["ll_key"] for r in recs) / len(recs), "records": recs}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-5m")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--n-global", type=int, default=N_GLOBAL)
+    ap.add_argument("--max-tokens", type=int, default=32768, help="perplexity token budget per length")
+    ap.add_argument("--depths", type=int, default=5, help="passkey depth grid size (0..100%%)")
+    ap.add_argument("--samples", type=int, default=4, help="passkey prompts per depth")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", nargs="+", default=None, help="subset of method names")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="lengths 256..1024, 4k tokens, 2 depths")
+    ap.add_argument("--resume", action="store_true", help="keep (method, metric) entries already in --out")
+    ap.add_argument("--redo", nargs="+", default=[], choices=("perplexity", "passkey"),
+                    help="with --resume: recompute these metrics (e.g. passkey with more --samples)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "extrapolation_tiny.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.lengths, args.max_tokens, args.depths = [256, 512, 1024], 4096, 2
+
+    from transformers.utils import logging as hf_logging
+
+    from lcx.data.io import atomic_savefig, atomic_write_json, environment, git_info
+    from lcx.eval.perplexity import load_texts, perplexity_by_length
+    from lcx.models import load_model
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    model.eval()
+    all_methods = methods(args.n_global)
+    todo = {k: v for k, v in all_methods.items() if args.methods is None or k in args.methods}
+    unknown = set(args.methods or []) - set(all_methods)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {list(all_methods)}")
+    names, texts = load_texts("validation")
+    depths = [0.5] if args.depths == 1 else [i / (args.depths - 1) for i in range(args.depths)]
+    out = Path(args.out)
+    prev = json.loads(out.read_text()) if args.resume and out.exists() else {}
+    results = prev.get("results", {}) if args.resume else {}
+    seconds = prev.get("seconds", {}) if args.resume else {}
+    for r in results.values():
+        for metric in args.redo:
+            r.pop(metric, None)
+    config = {"model": args.model, "train_length": TRAIN_LEN, "lengths": args.lengths, "methods": todo,
+              "max_tokens_per_length": args.max_tokens, "texts": {"split": "validation", "documents": names},
+              "passkey": {"builder": "lcx.eval_tasks.passkey.data.make_docs", "depths": depths,
+                          "samples_per_depth": args.samples, "seed": args.seed,
+                          "scoring": "gain = log p(' <key>' | prompt) - log p(' <key>' | prompt with another key in "
+                                     "the needle); choice_acc = P(gain > 0); exact_acc = greedy reproduces the key"},
+              "attention_backend": "blockwise", "threads": args.threads}
+    t_all = time.time()
+
+    def save():
+        atomic_write_json(out, {"description": "perplexity and passkey vs context length per attention / RoPE "
+                                               "method on tiny-5m, applied at inference without fine-tuning",
+                                "config": config, "git": git_info(ROOT), "environment": environment(),
+                                "seconds": seconds, "results": results})
+
+    for name, m in todo.items():
+        r = results.setdefault(name, {})
+        if "perplexity" not in r:
+            t0 = time.time()
+            with _contexts(model, {"rope": None, "attention": m["attention"]}):
+                res = perplexity_by_length(model, tok, texts, args.lengths, spec=m["rope"],
+                                           max_tokens_per_length=args.max_tokens, progress=False)
+            r["perplexity"] = [x.to_dict() for x in res.values()]
+            seconds[f"{name}/perplexity"] = time.time() - t0
+            print(f"{name:<32} ppl  " + "  ".join(f"{x.length}:{x.ppl:.1f}" for x in res.values())
+                  + f"   ({seconds[f'{name}/perplexity']:.0f} s)", flush=True)
+            save()
+        if "passkey" not in r:
+            t0 = time.time()
+            with _contexts(model, m):
+                r["passkey"] = passkey(model, tok, args.lengths, depths, args.samples, args.seed)
+            seconds[f"{name}/passkey"] = time.time() - t0
+            print(f"{name:<32} pass " + "  ".join(f"{L}:{v['choice_acc']:.2f}/{v['mean_gain']:+.2f}"
+                                                  for L, v in r["passkey"].items())
+                  + f"   ({seconds[f'{name}/passkey']:.0f} s)", flush=True)
+            save()
+    seconds["total_this_run"] = time.time() - t_all
+    save()
+    print_table(results, args.lengths)
+    plot(results, args.lengths, out.with_suffix(".png"), atomic_savefig)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def print_table(results: dict, lengths: list[int]) -> None:
+    w = max(len(k) for k in results) + 2
+    print("perplexity (all scored tokens) | tail ppl (last 256 positions)")
+    print("method".ljust(w) + "".join(f"{L:>9d}" for L in lengths))
+    for key in ("ppl", "tail_ppl"):
+        for name, r in results.items():
+            by = {x["length"]: x[key] for x in r.get("perplexity", [])}
+            print(f"{name} [{key}]".ljust(w + 10)[: w + 10] + "".join(
+                f"{by[L]:>9.1f}" if L in by else f"{'':>9}" for L in lengths))
+    print("passkey choice_acc / mean gain (nats) / exact_acc")
+    for name, r in results.items():
+        pk = r.get("passkey", {})
+        print(name.ljust(w) + "".join(f"{pk[str(L)]['choice_acc']:>5.2f}/{pk[str(L)]['mean_gain']:+.1f}/"
+                                      f"{pk[str(L)]['exact_acc']:.1f}"
+                                      if str(L) in pk else f"{'':>9}" for L in lengths))
+
+
+def plot(results: dict, lengths: list[int], path: Path, savefig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, r in results.items():
+        pp = r.get("perplexity", [])
+        if pp:
+            axes[0].plot([x["length"] for x in pp], [x["ppl"] for x in pp], marker="o", label=name)
+            axes[1].plot([x["length"] for x in pp], [x["tail_ppl"] for x in pp], marker="o", label=name)
+        pk = r.get("passkey", {})
+        if pk:
+            Ls = sorted(int(L) for L in pk)
+            axes[2].plot(Ls, [pk[str(L)]["mean_gain"] for L in Ls], marker="o", label=name)
+    for ax, title in zip(axes, ("perplexity (all tokens)", "tail perplexity (last 256 positions)",
+                                "passkey: retrieval gain log p(key|needle) - log p(key|other needle)")):
+        ax.set_xscale("log", base=2)
+        ax.axvline(TRAIN_LEN, color="gray", ls=":", lw=1)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[2].axhline(0.0, color="gray", ls="--", lw=1)
+    axes[2].set_ylabel("nats")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("tiny-5m (trained at 256 tokens): attention methods and RoPE scaling without fine-tuning")
+    fig.tight_layout()
+    savefig(fig, path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
