@@ -12,9 +12,9 @@ Methods come from `--model_args` keys:
   `original_max_position_embeddings`, `beta_fast`, ..., lists as `short_factor=[...]`), Hugging
   Face names; unset keys come from the model (`lcx.patch`). Without `rope_type` the model runs
   as loaded.
-- Attention (`attention=<name>` plus that method's keys): the extension point for LM-Infinite,
-  sliding windows and StreamingLLM. `ATTENTION_METHODS` is empty until lcx can patch attention
-  into a model, so any `attention=` value raises `ValueError` naming what is supported.
+- Attention (`attention=<name>` plus that method's keys): LM-Infinite (`lm_infinite`: n_global,
+  n_local, limit_distance), sliding windows (`sliding_window`: window) and StreamingLLM
+  (`sinks`: n_sink, window), from `lcx.methods`; composable with any RoPE spec.
 
 Everything else is lm-eval's HFLM (this class subclasses it with the model preloaded), which
 does loglikelihood, loglikelihood_rolling and generate_until with the method in effect. One
@@ -56,10 +56,24 @@ class AttentionMethod:
     apply: Callable[[Any, dict[str, Any]], None]
 
 
-# name -> method. Registered here once lcx.attention can run inside a Hugging Face model.
-ATTENTION_METHODS: dict[str, AttentionMethod] = {}
-# Planned entries, named in the error message so users know what is coming and where.
-PLANNED_ATTENTION = ("lm_infinite", "sliding_window", "streaming_llm")
+def _from_lcx_methods() -> dict[str, AttentionMethod]:
+    """One entry per `lcx.methods.ATTENTION_METHODS` method (the only list of methods):
+    `attention=lm_infinite,n_global=16,n_local=256`, `attention=sliding_window,window=256`,
+    `attention=sinks,n_sink=4,window=256`. Applied with `lcx.methods.patch_attention`
+    (blockwise backend: prefill memory O(T·window))."""
+    from lcx.methods.attention_patch import patch_attention
+    from lcx.methods.spec import ATTENTION_METHODS as METHODS
+    from lcx.methods.spec import method_from_dict
+
+    def make(name: str) -> AttentionMethod:
+        keys = frozenset(f.name for f in dataclasses.fields(METHODS[name]))
+        return AttentionMethod(name, keys, lambda model, p: patch_attention(model, method_from_dict({"type": name, **p})))
+
+    return {name: make(name) for name in METHODS if name != "causal"}
+
+
+# name -> method.
+ATTENTION_METHODS: dict[str, AttentionMethod] = _from_lcx_methods()
 
 # HFLM arguments that still mean something with a preloaded model.
 HFLM_KEYS = frozenset({
@@ -114,9 +128,7 @@ class LcxLM(HFLM):
         rope, attention, attn_params, hflm = split_model_args(kwargs)
         if attention is not None and attention not in ATTENTION_METHODS:
             raise ValueError(
-                f"lcx model: attention={attention!r} is not supported yet; supported: "
-                f"{sorted(ATTENTION_METHODS) or 'none'} (planned: {', '.join(PLANNED_ATTENTION)}, "
-                "once lcx.attention can patch a model; register them in lcx.lmeval_model.ATTENTION_METHODS)")
+                f"lcx model: attention={attention!r} is not known; supported: {sorted(ATTENTION_METHODS)}")
         if not isinstance(pretrained, str):
             raise TypeError("lcx model: pretrained must be a path or preset name (a string)")
         dtype = torch.float32 if dtype in (None, "auto") else dtype

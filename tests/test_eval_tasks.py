@@ -270,11 +270,34 @@ def test_lcx_model_args_are_checked():
         split_model_args({"factor": 4})
 
 
-def test_lcx_model_rejects_unsupported_attention(tiny_model_dir):
+def test_lcx_model_rejects_unknown_attention_and_its_keys(tiny_model_dir):
     from lcx.lmeval_model import LcxLM
 
-    with pytest.raises(ValueError, match="attention='lm_infinite' is not supported.*planned: lm_infinite"):
-        LcxLM(pretrained=str(tiny_model_dir), attention="lm_infinite")
+    with pytest.raises(ValueError, match="attention='nope' is not known; supported: .*lm_infinite"):
+        LcxLM(pretrained=str(tiny_model_dir), attention="nope")
+    with pytest.raises(ValueError, match="unknown model_args.*'window'"):
+        LcxLM(pretrained=str(tiny_model_dir), attention="lm_infinite", n_global=2, n_local=8, window=3)
+
+
+def test_lcx_model_applies_lm_infinite(tiny_model_dir):
+    """attention=lm_infinite in model_args runs the same computation as lcx.methods directly."""
+    import torch
+
+    import lcx
+    from lcx.lmeval_model import LcxLM
+    from lcx.methods import attention_patched, lm_infinite
+
+    lm = LcxLM(pretrained=str(tiny_model_dir), attention="lm_infinite", n_global=2, n_local=16,
+               rope_type="yarn", factor=2)
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = lm.model(ids).logits
+        model, _ = lcx.load_model(str(tiny_model_dir))
+        with lcx.patched(model, {"rope_type": "yarn", "factor": 2}), attention_patched(model, lm_infinite(2, 16)):
+            want = model(ids).logits
+        plain = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from lcx.attention import AttentionSpec, Rotary, attention
+from lcx.attention import AttentionSpec, LambdaParams, Rotary, attention
 from lcx.masks import attention_sinks, causal_mask
 from lcx.masks import sliding_window as sliding_window_mask
 from lcx.masks.base import check_count
@@ -125,11 +125,9 @@ class LMInfinite(AttentionMethod):
     limit_distance: int | None = None
 
     def __post_init__(self) -> None:
-        check_count("n_global", self.n_global, 0)
-        check_count("n_local", self.n_local, 1)
-        if self.limit_distance is None:
-            object.__setattr__(self, "limit_distance", self.n_local)
-        check_count("limit_distance", self.limit_distance, 0)
+        # One validation for LM-Infinite's parameters: lcx.attention.LambdaParams.
+        lp = LambdaParams(self.n_global, self.n_local, self.limit_distance)
+        object.__setattr__(self, "limit_distance", lp.limit_distance)
 
     def _spec(self, scale):
         return AttentionSpec.lm_infinite(self.n_global, self.n_local, self.limit_distance, scale=scale)
