@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from lcx.measure import reset_peak, status_bytes  # noqa: E402
 
 BACKENDS = ("ref", "sdpa", "blockwise", "flex", "flex_compiled")
 H, D, B = 8, 64, 1
@@ -145,16 +146,6 @@ def lambda_flash_split(q, k, v, *, n_global: int, n_local: int, rotary=None, lim
 # ------------------------------------------------------------------------------ child
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, threads: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -198,10 +189,10 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
     with torch.inference_mode():
         out, first, _ = timed()
         del out
-        before = _status_bytes("VmRSS")
-        _reset_peak()
+        before = status_bytes("VmRSS")
+        reset_peak()
         out, w, c = timed()
-        peak = _status_bytes("VmHWM") - before
+        peak = status_bytes("VmHWM") - before
         del out
         walls, cpus = [w], [c]
         start = time.perf_counter()

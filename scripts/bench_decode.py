@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -42,17 +41,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lcx.measure import reset_peak, status_bytes  # noqa: E402
+
 CASES = ("vanilla_full", "lminf_full", "lminf_bounded", "sinks_bounded")
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def child(case: str, n: int, args) -> dict:
@@ -81,17 +72,17 @@ def child(case: str, n: int, args) -> dict:
     ctx = attention_patched(model, method) if method is not None else contextlib.nullcontext()
     with ctx, torch.inference_mode():
         cache = BoundedKVCache(method) if case.endswith("bounded") else DynamicCache()
-        before = _status_bytes("VmRSS")
-        _reset_peak()
+        before = status_bytes("VmRSS")
+        reset_peak()
         t0, c0 = time.perf_counter(), time.process_time()
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        prefill_peak = _status_bytes("VmHWM") - before
+        prefill_peak = status_bytes("VmHWM") - before
         cache_after_prefill = cache_nbytes(cache)
         nxt = out.logits[:, -1].argmax(-1)
         del out
-        before = _status_bytes("VmRSS")
-        _reset_peak()
+        before = status_bytes("VmRSS")
+        reset_peak()
         toks, steps, cpu = [int(nxt)], [], []
         for _ in range(args.new_tokens - 1):
             ts, cs = time.perf_counter(), time.process_time()
@@ -100,7 +91,7 @@ def child(case: str, n: int, args) -> dict:
             steps.append(time.perf_counter() - ts)
             cpu.append(time.process_time() - cs)
             toks.append(int(nxt))
-        decode_peak = _status_bytes("VmHWM") - before
+        decode_peak = status_bytes("VmHWM") - before
     med = statistics.median(cpu)
     return {"prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "decode_step_median_cpu_s": med,
             "decode_step_median_wall_s": statistics.median(steps), "decode_step_mean_cpu_s": statistics.mean(cpu),
