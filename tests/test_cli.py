@@ -38,3 +38,14 @@ def test_train_stream_writes_results(tmp_path):
     assert data["reencoded_tokens_saved"] > 0
     assert set(data["encoded_tokens"]) == {"interleaved", "group"}
     assert out.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["rope", "--rope", "llama3", "--factor", "8", "--original-max-position-embeddings", "8192", "--check-hf"],
+    ["rope", "--rope", "yarn", "--factor", "16", "--original-max-position-embeddings", "256", "--check-hf"],
+], ids=["llama3", "yarn"])
+def test_rope_check_hf_as_in_readme(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rel = float(out.rsplit("max relative difference vs transformers:", 1)[1])
+    assert rel < 2e-6

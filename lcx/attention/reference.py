@@ -57,13 +57,13 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def gqa_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]` -> `[B, H, Tq, Tk]` in q's dtype (GQA by repeat)."""
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # [B, Tk, H, D]
     return torch.einsum("bqhd,bkhd->bhqk", q, k)
 
 
-def _finish(
+def gqa_weighted_values(
     weights: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, n_heads: int, return_lse: bool
 ):
     v = v.repeat_interleave(n_heads // v.shape[2], dim=2)  # [B, Tk, H, Dv]
@@ -91,14 +91,14 @@ def attention_ref(
     off = check_call(q, k, v, spec, q_offset, None)
     Tq, Tk, H = q.shape[1], k.shape[1], q.shape[2]
     wide = _wide(q.dtype)
-    s = _scores(q, k).to(wide) * scale_of(spec, q.shape[-1])  # [B, H, Tq, Tk]
+    s = gqa_scores(q, k).to(wide) * scale_of(spec, q.shape[-1])  # [B, H, Tq, Tk]
     if spec.alibi_slopes is not None:
         slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float64, device=q.device)
         i = torch.arange(off, off + Tq, device=q.device)
         s = s + alibi_bias(slopes, i, torch.arange(Tk, device=q.device), wide)
     visible = mask_matrix(mask, Tq, Tk, q_offset=off, device=q.device)  # [Tq, Tk]
     weights, lse = normalize_scores(s, visible, activation)
-    return _finish(weights, lse, v, H, return_lse)
+    return gqa_weighted_values(weights, lse, v, H, return_lse)
 
 
 def lambda_attention_ref(
@@ -134,15 +134,15 @@ def lambda_attention_ref(
     li = lambda_inputs(q, k, rotary, lp, off)
     n_glob = li.k_glob.shape[1]
     wide, sc = _wide(q.dtype), scale_of(spec, q.shape[-1])
-    s_loc = _scores(li.q_rot, li.k_rot).to(wide) * sc  # [B, H, Tq, Tk]
-    s_glob = _scores(li.q_cap, li.k_glob).to(wide) * sc  # [B, H, Tq, G']
+    s_loc = gqa_scores(li.q_rot, li.k_rot).to(wide) * sc  # [B, H, Tq, Tk]
+    s_glob = gqa_scores(li.q_cap, li.k_glob).to(wide) * sc  # [B, H, Tq, G']
     i = torch.arange(off, off + Tq, device=q.device)[:, None]
     j = torch.arange(n_glob, device=q.device)[None, :]
     is_global = i - j >= n_local  # [Tq, G']: outside the window (hence j < i)
     s = torch.cat((torch.where(is_global, s_glob, s_loc[..., :n_glob]), s_loc[..., n_glob:]), -1)
     visible = mask_matrix(spec.mask, Tq, Tk, q_offset=off, device=q.device)
     weights, lse = normalize_scores(s, visible, activation)
-    return _finish(weights, lse, v, H, return_lse)
+    return gqa_weighted_values(weights, lse, v, H, return_lse)
 
 
 def attention_ref_spec(

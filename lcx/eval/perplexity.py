@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from lcx.rope.cli import add_spec_arguments, spec_dict_from_args
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_TAIL = 256
@@ -170,63 +170,6 @@ def _patched(model, spec):
 # ------------------------------------------------------------------------------------- CLI
 
 
-def _parse_value(text: str) -> Any:
-    """`16` -> 16, `0.5` -> 0.5, `true` -> True, `[1,2]` -> [1, 2], anything else -> the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        low = text.lower()
-        if low in ("true", "false"):
-            return low == "true"
-        return text
-
-
-def _rope_keys() -> list[str]:
-    from lcx.rope import RopeSpec
-
-    return [f.name for f in dataclasses.fields(RopeSpec) if f.name != "rope_type"]
-
-
-def add_rope_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--rope TYPE`, one `--<key>` flag per RopeSpec key, and `--rope-param KEY=VALUE`."""
-    from lcx.rope import ROPE_TYPES
-
-    g = parser.add_argument_group(
-        "RoPE spec", "Hugging Face key names. Keys left out come from the model when they can "
-        "(rope_theta, original_max_position_embeddings = the model's max_position_embeddings).")
-    g.add_argument("--rope", default=None, choices=sorted(ROPE_TYPES), metavar="TYPE",
-                   help=f"rope_type to apply: {', '.join(sorted(ROPE_TYPES))} (default: the model unchanged)")
-    for key in _rope_keys():
-        g.add_argument(f"--{key.replace('_', '-')}", dest=f"rope__{key}", type=_parse_value, default=None,
-                       metavar="V", help=argparse.SUPPRESS if key not in _SHOWN_KEYS else f"RopeSpec `{key}`")
-    g.add_argument("--rope-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="any RopeSpec key (repeatable), e.g. --rope-param beta_fast=16 "
-                        "--rope-param short_factor=[1,1,...]; every key also has its own flag, e.g. "
-                        "--beta-fast, --attention-factor, --truncate-length, --low-freq-factor")
-
-
-_SHOWN_KEYS = {"factor", "original_max_position_embeddings", "rope_theta", "truncate_length"}
-
-
-def rope_spec_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The (possibly partial) HF-style spec dict the flags describe, or None for no change."""
-    d: dict[str, Any] = {}
-    for key in _rope_keys():
-        v = getattr(args, f"rope__{key}", None)
-        if v is not None:
-            d[key] = v
-    for item in args.rope_param:
-        if "=" not in item:
-            raise ValueError(f"--rope-param expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        d[k.strip().replace("-", "_")] = _parse_value(v.strip())
-    if args.rope is None:
-        if d:
-            raise ValueError(f"RoPE keys {sorted(d)} given without --rope TYPE")
-        return None
-    return {"rope_type": args.rope, **d}
-
-
 def _parse_lengths(text: str) -> list[int]:
     try:
         lengths = [int(x) for x in text.split(",") if x.strip()]
@@ -265,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=None, help="write the results as JSON here (atomically)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_rope_arguments(parser)
+    add_spec_arguments(parser)
 
 
 def load_texts(split: str = "validation", files: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
@@ -310,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    raw = rope_spec_from_args(args)
+    raw = spec_dict_from_args(args)
     model, tok = load_model(args.model)
     spec = resolve_spec(model, raw)  # ValueError naming the key on a bad spec
     names, texts = load_texts(args.split, args.text_file)
@@ -332,6 +275,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["LengthResult", "add_rope_arguments", "format_table", "load_texts", "perplexity_by_length",
+__all__ = ["LengthResult", "format_table", "load_texts", "perplexity_by_length",
            "perplexity_of_stream",
-           "resolve_spec", "rope_spec_from_args", "select_windows"]
+           "resolve_spec", "select_windows"]

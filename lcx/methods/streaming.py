@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from lcx.attention import AttentionSpec, Rotary, attention, merge_attention, normalize_scores
+from lcx.attention.reference import gqa_scores, gqa_weighted_values
 from lcx.attention.rotary import lambda_global_mask, rotate_qk
 from lcx.masks import attention_sinks, mask_matrix, sliding_window
 from lcx.masks.base import check_count, default_q_offset
@@ -69,23 +70,20 @@ def streaming_attention_ref(
     """The definition (module docstring), dense: UNROTATED q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`,
     v `[B, Tk, Hkv, Dv]` -> out `[B, Tq, H, Dv]` (and lse `[B, H, Tq]`). O(Tq * Tk) memory."""
     off = _check(q, k, n_sink, window, q_offset)
-    (_, Tq, H, D), Tk, Hkv = q.shape, k.shape[1], k.shape[2]
+    (_, Tq, H, D), Tk = q.shape, k.shape[1]
     sc = scale if scale is not None else D ** -0.5
     wide = torch.promote_types(q.dtype, torch.float32)
     q_rot, k_rot = rotate_qk(q, k, rotary, off)  # true positions
     q_sink = _rotate(q, rotary, _sink_query_positions(rotary, Tk, off, Tq, n_sink + window - 1, q.device))
-    kk = k_rot.repeat_interleave(H // Hkv, dim=2)  # [B, Tk, H, D]
-    s_win = torch.einsum("bqhd,bkhd->bhqk", q_rot, kk).to(wide) * sc  # [B, H, Tq, Tk]
-    s_sink = torch.einsum("bqhd,bkhd->bhqk", q_sink, kk).to(wide) * sc
+    s_win = gqa_scores(q_rot, k_rot).to(wide) * sc  # [B, H, Tq, Tk]
+    s_sink = gqa_scores(q_sink, k_rot).to(wide) * sc
     i = torch.arange(off, off + Tq, device=q.device)[:, None]
     j = torch.arange(Tk, device=q.device)[None, :]
     is_sink = (j < n_sink) & (i - j >= window)  # [Tq, Tk]
     s = torch.where(is_sink, s_sink, s_win)
     visible = mask_matrix(attention_sinks(n_sink, window - 1), Tq, Tk, q_offset=off, device=q.device)
     w, lse = normalize_scores(s, visible, "softmax")
-    vv = v.repeat_interleave(H // Hkv, dim=2)
-    out = torch.einsum("bhqk,bkhd->bqhd", w.to(v.dtype), vv)  # [B, Tq, H, Dv]
-    return (out, lse) if return_lse else out
+    return gqa_weighted_values(w, lse, v, H, return_lse)
 
 
 def streaming_attention(

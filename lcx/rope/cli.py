@@ -1,54 +1,79 @@
 """`lcx rope`: show what a RoPE spec does to each rotary channel.
 
     lcx rope --rope yarn --factor 16 --original-max-position-embeddings 256 --head-dim 64
-    lcx rope --rope llama3 --param factor=8 --param original_max_position_embeddings=8192 --check-hf
+    lcx rope --rope llama3 --factor 8 --original-max-position-embeddings 8192 --check-hf
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from typing import Any
 
 
-def add_spec_arguments(parser: argparse.ArgumentParser, *, default_type: str | None = "default") -> None:
-    """The RoPE flags every lcx command shares (--rope, --factor, --rope-theta, --param K=V)."""
+def _parse_value(text: str) -> Any:
+    """`16` -> 16, `0.5` -> 0.5, `true` -> True, `[1,2]` -> [1, 2], anything else -> the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        return text
+
+
+def _rope_keys() -> list[str]:
+    from .spec import RopeSpec
+
+    return [f.name for f in dataclasses.fields(RopeSpec) if f.name != "rope_type"]
+
+
+_SHOWN_KEYS = {"factor", "original_max_position_embeddings", "rope_theta", "truncate_length"}
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser, *, default_type: str | None = None) -> None:
+    """The RoPE flags every lcx command shares: `--rope TYPE`, one `--<key>` flag per RopeSpec
+    key (`--factor`, `--beta-fast`, ...), and `--rope-param KEY=VALUE` (JSON values allowed)."""
     from .types import ROPE_TYPES
 
-    g = parser.add_argument_group("RoPE spec (Hugging Face key names; unset keys come from the model)")
-    g.add_argument("--rope", dest="rope_type", default=default_type, choices=sorted(ROPE_TYPES),
-                   help="RoPE type (default: %(default)s)")
-    g.add_argument("--factor", type=float, default=None, help="context extension factor s = new / original length")
-    g.add_argument("--rope-theta", type=float, default=None, help="RoPE base b (default: the model's)")
-    g.add_argument("--original-max-position-embeddings", type=int, default=None,
-                   help="original context L (default: the model's max_position_embeddings)")
-    g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other RopeSpec key, e.g. --param beta_fast=16 --param truncate_length=256; "
-                        "JSON values allowed (lists for short_factor/long_factor)")
+    g = parser.add_argument_group(
+        "RoPE spec", "Hugging Face key names. Keys left out come from the model when they can "
+        "(rope_theta, original_max_position_embeddings = the model's max_position_embeddings).")
+    g.add_argument("--rope", default=default_type, choices=sorted(ROPE_TYPES), metavar="TYPE",
+                   help=f"rope_type to apply: {', '.join(sorted(ROPE_TYPES))} "
+                        f"(default: {default_type or 'the model unchanged'})")
+    for key in _rope_keys():
+        g.add_argument(f"--{key.replace('_', '-')}", dest=f"rope__{key}", type=_parse_value, default=None,
+                       metavar="V", help=argparse.SUPPRESS if key not in _SHOWN_KEYS else f"RopeSpec `{key}`")
+    g.add_argument("--rope-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any RopeSpec key (repeatable), e.g. --rope-param beta_fast=16 "
+                        "--rope-param short_factor=[1,1,...]; every key also has its own flag, e.g. "
+                        "--beta-fast, --attention-factor, --truncate-length, --low-freq-factor")
 
 
 def spec_dict_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
-    """A partial spec dict from the shared flags (None when no RoPE type was chosen)."""
-    if getattr(args, "rope_type", None) is None:
-        return None
-    d: dict[str, Any] = {"rope_type": args.rope_type}
-    for key in ("factor", "rope_theta", "original_max_position_embeddings"):
-        if getattr(args, key, None) is not None:
-            d[key] = getattr(args, key)
-    for item in args.param:
+    """The (possibly partial) HF-style spec dict the flags describe, or None for no change."""
+    d: dict[str, Any] = {}
+    for key in _rope_keys():
+        v = getattr(args, f"rope__{key}", None)
+        if v is not None:
+            d[key] = v
+    for item in args.rope_param:
         if "=" not in item:
-            raise ValueError(f"--param expects KEY=VALUE, got {item!r}")
+            raise ValueError(f"--rope-param expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
-        try:
-            d[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            d[k.strip()] = v
-    return d
+        d[k.strip().replace("-", "_")] = _parse_value(v.strip())
+    if args.rope is None:
+        if d:
+            raise ValueError(f"RoPE keys {sorted(d)} given without --rope TYPE")
+        return None
+    return {"rope_type": args.rope, **d}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_spec_arguments(parser)
+    add_spec_arguments(parser, default_type="default")
     parser.add_argument("--head-dim", type=int, default=64, help="head dimension (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="current sequence length, for length-dependent types (dynamic, longrope)")
@@ -83,7 +108,11 @@ def run(args: argparse.Namespace) -> int:
 
             cfg = LlamaConfig(hidden_size=args.head_dim * 4, num_attention_heads=4, head_dim=args.head_dim,
                               max_position_embeddings=spec.original_max_position_embeddings or 2048)
-            cfg.rope_parameters = spec.to_dict()
+            hf_params = spec.to_dict()
+            if spec.rope_type == "llama3":  # transformers has no defaults for these two keys
+                hf_params.setdefault("low_freq_factor", 1.0)
+                hf_params.setdefault("high_freq_factor", 4.0)
+            cfg.rope_parameters = hf_params
             fn = (LlamaRotaryEmbedding.compute_default_rope_parameters if spec.rope_type == "default"
                   else ROPE_INIT_FUNCTIONS[spec.rope_type])
             theirs, af_hf = fn(cfg, None, seq_len=args.seq_len) if spec.rope_type != "default" else fn(cfg)
