@@ -363,7 +363,7 @@ def test_backend_forward_float64(backend, spec_name):
         torch.testing.assert_close(got, attention_ref_spec(*qkv, spec, rotary=rot), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "sdpa"])
+@pytest.mark.parametrize("backend", ["blockwise", "sdpa", "flash"])
 @pytest.mark.parametrize("spec_name", ["window8", "lambda4_16", "swat16_rope", "alibi"])
 def test_backend_forward_long(backend, spec_name):
     """~1000 tokens: several blockwise query blocks (BLOCK_Q = 128), window and Λ reads."""

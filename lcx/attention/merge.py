@@ -55,6 +55,27 @@ def merge_attention(
     return (w_a * o_a.to(wide) + w_b * o_b.to(wide)).to(o_a.dtype), lse
 
 
+def merge_many(
+    outs: list[torch.Tensor], lses: list[torch.Tensor], *, dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax merge of k >= 1 passes over disjoint key sets in one sweep (same rule as
+    `merge_attention`): o = sum_p exp(lse_p - lse) o_p, lse = logsumexp_p lse_p.
+
+    outs: `[..., Dv]` tensors whose time axis is `dim` of the lse's `[B, H, T]` layout when
+    dim=2 (`[B, H, T, Dv]` outputs), or `[B, T, H, Dv]` outputs with dim=1. Rows where every
+    pass is empty (lse = -inf) get o = 0, lse = -inf.
+    """
+    wide = torch.promote_types(outs[0].dtype, torch.float32)
+    stacked = torch.stack([x.to(torch.promote_types(x.dtype, torch.float32)) for x in lses])  # [k, B, H, T]
+    lse = torch.logsumexp(stacked, 0)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w = torch.exp(stacked - safe)  # [k, B, H, T]
+    if dim == 1:
+        w = w.transpose(2, 3)  # [k, B, T, H]
+    o = sum(wi.unsqueeze(-1).to(wide) * oi.to(wide) for wi, oi in zip(w, outs))
+    return o.to(outs[0].dtype), lse
+
+
 def lambda_two_pass(
     kernel: Kernel,
     q: torch.Tensor,
