@@ -28,13 +28,7 @@ import torch
 from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, attention_ref_spec
 from lcx.attention.cuda_backend import decode_keys
 from lcx.kernels.cuda import CU_FILES, NVCC_ARCHS
-from lcx.kernels.cuda.lambda_decode import (
-    BINDING_SOURCE,
-    DecodeKeys,
-    decode_tables,
-    default_splits,
-    heads_per_block,
-)
+from lcx.kernels.cuda.lambda_decode import decode_tables, default_splits, heads_per_block
 from lcx.masks import attention_sinks, causal_mask, lambda_mask, mask_matrix, sliding_window
 from lcx.rope import RopeSpec, compute_inv_freq
 from lcx.testing import assert_within_budget, poison_
