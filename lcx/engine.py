@@ -1,5 +1,6 @@
 """A small native inference engine: batched prefill + decode with a KV cache over an HF Llama-family
-model, with lcx methods (RoPE specs now) chosen at start-up.
+model, with lcx methods (RoPE specs; LM-Infinite, sliding window, StreamingLLM sinks) chosen at
+start-up.
 
     engine = Engine.from_pretrained("tiny-5m", EngineConfig(methods={"rope": {"rope_type": "yarn", "factor": 4}}))
     outs = engine.generate([engine.encode("ROMEO:"), engine.encode("JULIET:")],
@@ -43,8 +44,13 @@ run with `max_batch=1` for per-request semantics. Static types have no such effe
 
 Limits: `max_model_len` bounds prompt + max_tokens; a request over it is rejected with
 `ValueError` (never truncated). Methods come from `EngineConfig.methods` and `ENGINE_METHODS`;
-unknown names raise. The extension point for bounded caches (LM-Infinite, sliding window,
-StreamingLLM) is `EngineMethod.kv_policy`: see there.
+unknown names raise. Attention methods (`"attention": {"type": "lm_infinite", "n_global": 16,
+"n_local": 1024}`, `sliding_window`, `sinks`; `lcx.methods`) patch the model's attention and
+evict, after every step, the cached slots no later query of the row can see
+(`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
+`BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
+own keys (`lcx_key_positions`, `lcx.methods.attention_patch`); tokens equal unbatched decoding
+with a `BoundedKVCache` (tests/test_engine_attention.py).
 """
 
 from __future__ import annotations
@@ -212,24 +218,66 @@ def _rope_context_len(model: nn.Module, spec: Any) -> int | None:
     return int(L * spec.factor) if L else None
 
 
+@dataclass(frozen=True)
+class ResolvedAttention:
+    """What the `attention` engine method resolved to: the `lcx.methods` method, the
+    `lcx.attention` backend of every call, and whether the cache is bounded."""
+
+    method: Any
+    backend: str
+    bounded: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.method.to_dict(), "backend": self.backend, "bounded_cache": self.bounded}
+
+
+def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAttention:
+    from .methods import method_from_dict, patch_attention
+    from .methods.attention_patch import DEFAULT_BACKEND
+
+    params = dict(params)
+    backend = params.pop("backend", DEFAULT_BACKEND)
+    method = method_from_dict(params)
+    patch_attention(model, method, backend=backend)
+    try:
+        method.check_bounded()
+        bounded = True
+    except ValueError:  # e.g. LM-Infinite with limit_distance > G + L - 1: keep the whole cache
+        bounded = False
+    return ResolvedAttention(method, backend, bounded)
+
+
+def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
+    if not resolved.bounded:
+        return None
+    n_first, n_recent = resolved.method.cache_window
+
+    def keep_window(mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # the next query of row b sits at newest[b] + 1 and sees positions < n_first or
+        # > newest[b] + 1 - n_recent (BoundedLayer.update keeps the same slots)
+        newest = pos.max(1, keepdim=True).values  # [B, 1]
+        return mask & ((pos < n_first) | (pos > newest + 1 - n_recent))
+
+    return keep_window
+
+
 # name -> method. The only list of engine methods; tests iterate over it.
 ENGINE_METHODS: dict[str, EngineMethod] = {
     "rope": EngineMethod(
         name="rope", apply=_apply_rope, context_len=_rope_context_len,
         description="a RoPE spec from lcx.rope (HF key names; unset keys come from the model)"),
+    "attention": EngineMethod(
+        name="attention", apply=_apply_attention, kv_policy=_attention_kv_policy,
+        description="an lcx.methods attention method ({'type': 'lm_infinite'|'sliding_window'|'sinks', ...}, "
+                    "optional 'backend') with a bounded per-row KV cache"),
 }
-# Named in the error for an unsupported method, so users know what is coming and where.
-PLANNED_METHODS = ("lm_infinite", "sliding_window", "streaming_llm")
 
 
 def check_method(name: str) -> EngineMethod:
-    """The registered method `name`; `ValueError` naming the supported (and planned) ones otherwise."""
+    """The registered method `name`; `ValueError` naming the supported ones otherwise."""
     if name in ENGINE_METHODS:
         return ENGINE_METHODS[name]
-    planned = f" ({name!r} is planned: it needs an attention patch for HF models first)" \
-        if name in PLANNED_METHODS else ""
-    raise ValueError(f"unknown engine method {name!r}{planned}; supported: {sorted(ENGINE_METHODS)}; "
-                     f"planned: {list(PLANNED_METHODS)}")
+    raise ValueError(f"unknown engine method {name!r}; supported: {sorted(ENGINE_METHODS)}")
 
 
 # ============================================================================================
@@ -366,6 +414,8 @@ class Engine:
             if policy is not None:
                 self._kv_policies.append(policy)
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
+        # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
+        self._row_attention = "attention" in self.resolved_methods
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.vocab_size = int(model.config.vocab_size)
@@ -603,11 +653,18 @@ class Engine:
         pos = mask.long().cumsum(1) - 1  # [b, T]: index within the request; -1 on padding
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         cache = DynamicCache()
-        out = self.model.model(input_ids=ids, attention_mask=mask.long(), position_ids=pos.clamp(min=0),
-                               past_key_values=cache, use_cache=True)
+        out = self.model.model(input_ids=ids, position_ids=pos.clamp(min=0), past_key_values=cache,
+                               use_cache=True, **self._mask_kwargs(mask, pos))
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
         return keys, values, mask, pos, out.last_hidden_state
+
+    def _mask_kwargs(self, mask: torch.Tensor, pos: torch.Tensor | None) -> dict[str, Any]:
+        """Visibility of the cached + new slots for the model's forward: a 2D attention mask, or
+        for attention methods the per-row key positions (-1 where not visible)."""
+        if self._row_attention:
+            return {"lcx_key_positions": pos.masked_fill(~mask, -1)}
+        return {"attention_mask": mask.long()}
 
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> list[StepEvent]:
@@ -672,8 +729,11 @@ class Engine:
         ids = torch.tensor([[s.out_ids[-1]] for s in seqs], device=self.device)  # [b, 1]
         pos = torch.tensor([[s.next_position] for s in seqs], device=self.device)  # [b, 1]
         attn = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=self.device)], 1)
-        out = self.model.model(input_ids=ids, attention_mask=attn.long(), position_ids=pos,
-                               past_key_values=cache, use_cache=True)
+        kpos = None
+        if self._row_attention:
+            kpos = torch.cat([self._pos if full else self._pos[sel], pos], 1)  # [b, T+1]
+        out = self.model.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                               **self._mask_kwargs(attn, kpos))
         logits = self._lm_head(out.last_hidden_state[:, -1])  # [b, V]
         return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
@@ -926,7 +986,6 @@ def _is_num(x: Any) -> bool:
 __all__ = [
     "ENGINE_METHODS",
     "ContextLengthError",
-    "PLANNED_METHODS",
     "Engine",
     "EngineConfig",
     "EngineMethod",

@@ -9,7 +9,6 @@ import torch
 
 from lcx.engine import (
     ENGINE_METHODS,
-    PLANNED_METHODS,
     ContextLengthError,
     Engine,
     EngineConfig,
@@ -265,12 +264,11 @@ def test_sampling_params_reject_bad_values(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_unknown_and_planned_methods_are_rejected():
-    with pytest.raises(ValueError, match=r"unknown engine method 'nope'; supported: \['rope'\]"):
+def test_unknown_methods_are_rejected():
+    with pytest.raises(ValueError, match=r"unknown engine method 'nope'; supported: \['attention', 'rope'\]"):
         EngineConfig(methods={"nope": {}})
-    for name in PLANNED_METHODS:
-        with pytest.raises(ValueError, match=f"'{name}' is planned"):
-            EngineConfig(methods={name: {}})
+    with pytest.raises(ValueError, match="attention method type 'lm_infinit' is not known"):
+        Engine(*tiny_llama(seed=0), EngineConfig(methods={"attention": {"type": "lm_infinit"}}))
     with pytest.raises(ValueError, match=r"unknown EngineConfig key\(s\) \['max_len'\]"):
         EngineConfig.from_dict({"max_len": 5})
     with pytest.raises(ValueError, match="unknown RoPE key"):

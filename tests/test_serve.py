@@ -485,7 +485,8 @@ def test_cli_methods_and_errors(tiny_model_dir, capsys):
     assert methods_from_args(args) == {"rope": {"rope_type": "yarn", "factor": 4.0}}
     assert methods_from_args(ap.parse_args(["--model", "m"])) == {}
     cases = [
-        (["--methods", '{"lm_infinite": {}}'], "'lm_infinite' is planned"),
+        (["--methods", '{"lm_infinite": {}}'], "unknown engine method 'lm_infinite'"),
+        (["--methods", '{"attention": {"type": "lm_infinite", "n_global": 4, "n_local": 0}}'], "n_local must be >= 1"),
         (["--methods", '{"bogus": {}}'], "unknown engine method 'bogus'"),
         (["--methods", "{oops"], "--methods is not valid JSON"),
         (["--methods", '{"rope": {"rope_type": "ntk", "factor": 2}}', "--rope", "yarn"], "both with --rope flags"),

@@ -30,6 +30,14 @@ Semantics stated once:
   otherwise). With `lcx.methods.BoundedKVCache` the cache itself records each slot's position.
 - **Queries are the last Tq keys** (`lcx.masks` convention) for prefill, chunked prefill and
   decode alike.
+- **Padded / ragged batches** (what `lcx.engine` runs): pass `lcx_key_positions` `[B, Tk]` (long)
+  as a keyword of the model's forward and no `attention_mask`. Entry (b, j) is the position of
+  the row's j-th key (the cache's keys followed by the Tq new ones), or -1 where that slot is not
+  a key of row b (left padding, evicted slot). Each row's keys are then the slots >= 0, in
+  order; they must be [first n_first | a contiguous run ending at the row's newest token]
+  (a full history, or what a bounded cache keeps) and the row's queries its last new slots.
+  Attention runs per row on its own keys (projections and MLPs stay batched), exactly as an
+  unpadded row with a `BoundedKVCache` would; padded query slots get zeros.
 
 Supported: model types llama, mistral, qwen2 (q/k/v/o projections, rotate-half RoPE on the
 full head, no q/k norm). Not supported (raises): padding in `attention_mask`, attention
@@ -85,7 +93,8 @@ def _no_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> No
     """Mask function: the method masks (and is causal) by itself; refuse padding it cannot honour."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise NotImplementedError(
-            "lcx attention methods do not support padding (attention_mask has zeros); run unpadded rows")
+            "lcx attention methods take no padded attention_mask (it has zeros); pass lcx_key_positions "
+            "[B, Tk] instead (see lcx.methods.attention_patch), or run unpadded rows")
     return None
 
 
@@ -155,6 +164,13 @@ def lcx_attention_forward(
         k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)
     Tk = k.shape[1]
     position_ids = kwargs.get("position_ids")
+    decoder = st.decoder()
+    if decoder is None:
+        raise RuntimeError("the model this attention module was patched for no longer exists")
+    row_pos = kwargs.get("lcx_key_positions")
+    if row_pos is not None:
+        out = _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, self.scaling)
+        return self.o_proj(out.reshape(B, Tq, -1)), None
     if bounded:
         true_pos = past_key_values.key_positions(self.layer_idx)  # [Tk]
         if position_ids is not None and not torch.equal(position_ids[0].to(true_pos.device), true_pos[-Tq:]):
@@ -165,13 +181,41 @@ def lcx_attention_forward(
     else:
         rot_pos = _key_positions(position_ids, Tq, Tk, q.device)
         seq_len = int(rot_pos.max()) + 1
-    decoder = st.decoder()
-    if decoder is None:
-        raise RuntimeError("the model this attention module was patched for no longer exists")
     inv_freq, af = rope_basis(decoder, seq_len)
     rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
     out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend, scale=self.scaling)  # [B, Tq, H, D]
     return self.o_proj(out.reshape(B, Tq, -1)), None
+
+
+def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float):
+    """Per-row attention of a padded batch (see "Padded / ragged batches" in the module doc).
+
+    q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated), row_pos `[B, Tk]` -> out `[B, Tq, H, D]`.
+    """
+    from lcx.cache.kv import rope_basis
+
+    B, Tq = q.shape[:2]
+    Tk = k.shape[1]
+    if row_pos.shape != (B, Tk):
+        raise ValueError(f"lcx_key_positions has shape {tuple(row_pos.shape)}; expected {(B, Tk)}")
+    inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1)  # one basis per batch (as HF)
+    inv_freq = inv_freq.to(q.device)
+    out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+    for b in range(B):
+        valid = row_pos[b] >= 0  # [Tk]
+        nq = int(valid[Tk - Tq:].sum())  # the row's real queries: its last new slots
+        if nq == 0:
+            continue
+        if not bool(valid[Tk - nq:].all()):
+            raise ValueError(f"row {b}: its new tokens must be the last slots (left padding only)")
+        idx = valid.nonzero().squeeze(1)
+        pos = row_pos[b, idx]  # [Tk_b] true positions
+        rot = torch.arange(len(idx), device=q.device) if st.method.renumber_in_cache else pos
+        out[b : b + 1, Tq - nq :] = st.method.attend(
+            q[b : b + 1, Tq - nq :], k[b : b + 1, idx], v[b : b + 1, idx],
+            rotary=Rotary(inv_freq, rot, af), backend=st.backend, scale=scale,
+        )  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------ patch / unpatch

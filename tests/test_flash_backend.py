@@ -1,0 +1,96 @@
+"""The `flash` backend's decomposition (lcx/attention/flash_backend.py) on shapes that reach
+every branch: head rows + chunked body with r = W / C > 1 key chunks per window, chunked
+prefill off the chunk grid, decode, GQA, LM-Infinite with bounded-cache (true) positions.
+
+test_attention.py runs `flash` through the shared backend grid (small windows, r = 1); this
+module covers the long-window paths in float64 (exact to 1e-12: no rounding excuse) and once
+in float32 against the derived budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lcx.attention import AttentionSpec, Rotary, attention, attention_ref_spec
+from lcx.attention.flash_backend import chunk_size, mask_structure
+from lcx.masks import attention_sinks, causal_mask, global_tokens, lambda_mask, sliding_window
+from lcx.rope import RopeSpec, compute_inv_freq
+from lcx.testing import assert_within_budget
+
+F64, F32 = torch.float64, torch.float32
+INV_FREQ = compute_inv_freq(RopeSpec(rope_type="default", rope_theta=500.0), 8, 4096)[0]
+
+# (n_global, n_local): chunk_size(256) = 128 (r = 2), chunk_size(512) = 128 (r = 4)
+WINDOWS = ((5, 256), (0, 256), (3, 512), (7, 300))
+# (Tk, Tq): full prefill, chunked prefill off the grid, short chunk, decode, odd lengths
+SHAPES = ((700, 700), (701, 301), (1100, 1100), (257, 257), (513, 130), (900, 1), (1031, 517))
+
+
+def _qkv(Tq, Tk, H=4, Hkv=2, D=8, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, Tq, H, D, generator=g, dtype=F64)
+    k = torch.randn(1, Tk, Hkv, D, generator=g, dtype=F64)
+    v = torch.randn(1, Tk, Hkv, D, generator=g, dtype=F64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _specs(G, L):
+    yield "mask", (AttentionSpec(mask=lambda_mask(G, L)) if G else AttentionSpec(mask=sliding_window(L - 1))), None
+    if G:
+        yield "lm_infinite", AttentionSpec.lm_infinite(G, L), Rotary(INV_FREQ)
+
+
+@pytest.mark.parametrize("G,L", WINDOWS, ids=lambda x: str(x))
+@pytest.mark.parametrize("Tk,Tq", SHAPES, ids=lambda x: str(x))
+def test_flash_long_windows_float64(G, L, Tk, Tq):
+    q, k, v = _qkv(Tq, Tk)
+    for name, spec, rot in _specs(G, L):
+        want, want_lse = attention_ref_spec(q, k, v, spec, rotary=rot, return_lse=True)
+        got, lse = attention(q, k, v, spec, backend="flash", rotary=rot, return_lse=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12, msg=lambda m: f"{name} lse: {m}")
+
+
+def test_flash_float32_within_budget():
+    exact = _qkv(1031, 1031, H=8, Hkv=2, D=64)
+    low = tuple(x.to(F32) for x in exact)
+    for _, spec, rot in _specs(9, 512):
+        want = attention_ref_spec(*exact, spec, rotary=rot)
+        ref32 = attention_ref_spec(*low, spec, rotary=rot)
+        got = attention(*low, spec, backend="flash", rotary=rot)
+        assert_within_budget(got, ref32, want, what=f"flash {spec.name}")
+
+
+def test_flash_bounded_cache_positions():
+    """Decode on a compressed cache (first G keys + recent run, true positions) equals the
+    last row of full-sequence LM-Infinite, as BoundedKVCache relies on."""
+    G, L, T = 4, 256, 1000
+    q, k, v = _qkv(T, T)
+    spec = AttentionSpec.lm_infinite(G, L)
+    full = attention_ref_spec(q, k, v, spec, rotary=Rotary(INV_FREQ))[:, -1:]
+    keep = torch.cat((torch.arange(G), torch.arange(T - L, T)))  # the window: the last L keys
+    rot = Rotary(INV_FREQ, positions=keep)
+    for backend in ("ref", "flash"):
+        got = attention(q[:, -1:], k[:, keep], v[:, keep], spec, backend=backend, rotary=rot)
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-12, msg=lambda m: f"{backend}: {m}")
+
+
+def test_chunk_size_and_mask_structure():
+    assert chunk_size(1024) == 128 and chunk_size(256) == 128 and chunk_size(300) == 150
+    assert chunk_size(17) == 17 and chunk_size(200) == 200
+    assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
+    assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
+    assert mask_structure(AttentionSpec(mask=lambda_mask(4, 16))) == (4, 15)
+    assert mask_structure(AttentionSpec(mask=attention_sinks(4, 15))) == (4, 15)
+    assert mask_structure(AttentionSpec(mask=global_tokens(4))) is None
+
+
+def test_flash_refuses_what_it_cannot_do():
+    q, k, v = _qkv(17, 17, dtype=F32)
+    with pytest.raises(NotImplementedError, match="softmax-only"):
+        attention(q, k, v, AttentionSpec.swat(window=8, n_heads=4), backend="flash")
+    with pytest.raises(NotImplementedError, match="global_tokens"):
+        attention(q, k, v, AttentionSpec(mask=global_tokens(4)), backend="flash")
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        attention(q.requires_grad_(), k, v, AttentionSpec(mask=sliding_window(7)), backend="flash")
