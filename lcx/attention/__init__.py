@@ -23,6 +23,7 @@ from .backends import (
 )
 from .cuda_backend import attention_cuda  # registers the "cuda" backend (compiled on first call)
 from .merge import lambda_two_pass, merge_attention
+from .flash_backend import attention_flash  # registers the "flash" backend
 from .triton_backend import attention_triton  # registers the "triton" backend
 from .reference import attention_ref, attention_ref_spec, lambda_attention_ref, normalize_scores
 from .rotary import LambdaInputs, lambda_concat_inputs, lambda_global_mask, lambda_inputs, rotate_qk
@@ -43,6 +44,7 @@ __all__ = [
     "alibi_slopes",
     "attention",
     "attention_blockwise",
+    "attention_flash",
     "attention_flex",
     "attention_flex_compiled",
     "attention_ref",
