@@ -288,6 +288,38 @@ def test_kernel_rows_without_keys_and_strided_inputs():
                                attention_ref_spec(*low((q, k, v), F32), spec), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec_name", ["lambda4_16", "sinks4_window8", "swat16_rope"])
+def test_kernel_skips_blocks_outside_the_mask(spec_name):
+    """Block skipping, observed: keys that no query of the call can see (between the global
+    keys and the window, beyond one block of slack) are NaN in k and v. A kernel that read
+    them would put NaN in the output (0 * NaN = NaN in P.V); forward and gradients stay finite,
+    and their gradients are exactly zero."""
+    _skip_unless_triton()
+    from lcx.kernels.triton.lambda_attention import DEFAULT_CONFIG
+
+    dev, blk = _device(), max(_config().block_n, DEFAULT_CONFIG.block_n)  # the dispatcher: default blocks
+    B, Tq, Tk, H, Hkv, D = 1, 16, 300, 2, 2, 16
+    spec, rot = _spec(spec_name, H), _rotary(spec_name, D)
+    q, k, v = make_qkv((B, Tq, Tk, H, Hkv, D))
+    lo, hi = 8, Tk - Tq - 16 - 2 * blk  # unread: after the globals' block, before the window's
+    lo = -(-lo // blk) * blk  # block-aligned start (the first block holds the global keys)
+    k[:, lo:hi], v[:, lo:hi] = float("nan"), float("nan")
+    q32, k32, v32 = low((q, k, v), F32, dev)
+    for splits in (1, 3):
+        out, lse = _kernel_forward(q32, k32, v32, spec, rot, num_splits=splits)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    clean = make_qkv((B, Tq, Tk, H, Hkv, D))
+    want = attention_ref_spec(*low(clean, F32), spec, rotary=rot)
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=2e-5)
+    if spec.lambda_params is None:  # backward: dQ reads the same blocks; dK/dV of unread keys = 0
+        qg, kg, vg = low((q, k, v), F32, dev, requires_grad=True)
+        out = attention(qg, kg, vg, spec, backend="triton", rotary=rot)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (qg, kg, vg))
+        assert torch.isfinite(dq).all()
+        assert (dk[:, lo:hi] == 0).all() and (dv[:, lo:hi] == 0).all()
+        assert torch.isfinite(dk[:, hi:]).all() and torch.isfinite(dv[:, hi:]).all()
+
+
 # ----------------------------------------------------------------------------- kernels: backward
 @pytest.mark.parametrize("shape,spec_name,dtype", BWD_SMOKE)
 def test_kernel_backward(shape, spec_name, dtype):

@@ -391,7 +391,8 @@ def lambda_attention_triton(
 
     cfg = config
     n_rows = Tq * group
-    BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
+    # decode: few rows (Tq * GROUP); a 16-row tile (the tl.dot minimum) instead of block_m
+    BLOCK_M, BLOCK_N = min(cfg.block_m, _pow2(n_rows)), cfg.block_n
     visited = NG + (min(Tk, LEFT + 1) if LEFT >= 0 else 0) + BLOCK_M // group
     S = num_splits or default_num_splits(n_rows, visited, B * Hkv, BLOCK_M, BLOCK_N, dev)
     BLOCK_DV = _pow2(Dv)
