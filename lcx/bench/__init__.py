@@ -1,0 +1,5 @@
+"""Benchmarks run from the CLI (`lcx bench ...`): timed on the device, written under results/.
+
+- `lcx.bench.kernels`: every GPU kernel against its baseline, with roofline numbers, and a
+  regression check against the stored baseline of the same GPU (`lcx bench kernels --check`).
+"""
