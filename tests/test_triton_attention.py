@@ -466,6 +466,86 @@ def test_mask_shapes():
     assert mask_shape(and_masks(sliding_window(3), causal_mask)) is None
 
 
+# ----------------------------------------------------------------------------- ahead-of-time compile
+# The interpreter runs the kernels' Python, not Triton's compiler: type rules, tl.dot shape
+# constraints, control flow and shared-memory needs are checked only by compiling to PTX and
+# cubin. Triton compiles for a target without a GPU (bundled ptxas), so these run everywhere.
+# (kernel, pointer dtypes, float args, constexprs)
+_FWD = dict(GROUP=4, HALF=64, PASS=0, DV=128, BLOCK_M=64, BLOCK_N=64, BLOCK_H=64, BLOCK_P=16, BLOCK_DV=128,
+            ROTARY=True, CAP=True, ALIBI=False, SIGMOID=False, NUM_SPLITS=1, DOT_F32=False, PRECISION="tf32")
+_BWD = dict(GROUP=4, D=128, DV_=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ALIBI=True,
+            SIGMOID=True, DOT_F32=False, PRECISION="tf32")
+_ROPE = dict(HALF=64, N_PASS=0, INVERSE=False, F64=False, EMULATE=False, BLOCK_T=32, BLOCK_H=2, BLOCK_F=64, BLOCK_P=1)
+AOT_CASES = {
+    "fwd-bf16-lambda-d128": ("lambda_attention._attn_fwd_kernel", "bf16", _FWD),
+    "fwd-fp32-alibi-sigmoid-partial-splitk": ("lambda_attention._attn_fwd_kernel", "fp32", dict(
+        _FWD, HALF=8, PASS=8, DV=24, BLOCK_H=16, BLOCK_DV=32, ROTARY=False, CAP=False, ALIBI=True,
+        SIGMOID=True, NUM_SPLITS=4, PRECISION="ieee")),
+    "fwd-fp16-decode-rows16": ("lambda_attention._attn_fwd_kernel", "fp16", dict(_FWD, BLOCK_M=16, NUM_SPLITS=8)),
+    "combine-fp16": ("lambda_attention._combine_kernel", "fp16", dict(
+        GROUP=4, DV=128, NUM_SPLITS=8, BLOCK_R=16, BLOCK_DV=128, SIGMOID=False, EMULATE=False)),
+    "bwd-dkdv-bf16-swat-d128": ("swat._bwd_dkdv_kernel", "bf16", _BWD),
+    "bwd-dq-bf16-swat-d128": ("swat._bwd_dq_kernel", "bf16", _BWD),
+    "bwd-dkdv-fp32-softmax-d64": ("swat._bwd_dkdv_kernel", "fp32", dict(
+        _BWD, D=64, DV_=64, BLOCK_D=64, BLOCK_DV=64, ALIBI=False, SIGMOID=False, PRECISION="ieee")),
+    "bwd-dq-fp32-softmax-d64": ("swat._bwd_dq_kernel", "fp32", dict(
+        _BWD, D=64, DV_=64, BLOCK_D=64, BLOCK_DV=64, ALIBI=False, SIGMOID=False, PRECISION="ieee")),
+    "rope-bf16": ("rope._rope_kernel", "bf16", _ROPE),
+    "rope-fp32-inverse-partial": ("rope._rope_kernel", "fp32", dict(_ROPE, HALF=16, N_PASS=8, INVERSE=True,
+                                                                    BLOCK_F=16, BLOCK_P=8)),
+}
+AOT_SMOKE = ("fwd-bf16-lambda-d128", "bwd-dkdv-bf16-swat-d128", "bwd-dq-bf16-swat-d128", "rope-bf16")
+_FP32_PTRS = {"COS", "SIN", "CAP_CS", "SLOPES", "LSE", "PART_O", "PART_ML", "DELTA"}
+_FLOATS = {"scale", "k_glob_factor"}
+_INTS = {"Tq", "Tk", "T", "H", "Hkv", "q_offset", "n_rows", "n_pad", "NG", "LEFT"}
+
+
+def _compile(case: str, arch: int):
+    """triton.compile one kernel specialisation for cuda sm_<arch>; returns the compiled kernel."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path, dtype, consts = AOT_CASES[case]
+    mod, name = path.split(".")
+    fn = getattr(importlib.import_module(f"lcx.kernels.triton.{mod}"), name)
+    sig = {}
+    for a in fn.arg_names:
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in _FLOATS:
+            sig[a] = "fp32"
+        elif a in _INTS or a.startswith("stride_"):
+            sig[a] = "i32"
+        else:  # a tensor
+            sig[a] = "*fp32" if a in _FP32_PTRS else f"*{dtype}"
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2})
+
+
+def _check_compiles(case, arch):
+    if INTERPRET:
+        pytest.skip("compiling is checked outside the interpreter")
+    pytest.importorskip("triton")
+    compiled = _compile(case, arch)
+    assert compiled.asm.get("cubin"), "no cubin"
+    assert compiled.metadata.shared <= 227 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("case", AOT_SMOKE)
+def test_triton_kernels_compile_for_sm90(case):
+    _check_compiles(case, 90)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("case", sorted(AOT_CASES))
+def test_triton_kernels_compile_every_variant(case, arch):
+    _check_compiles(case, arch)
+
+
 # ----------------------------------------------------------------------------- interpreter runs
 def _run_interpreter(marker_expr: str):
     if INTERPRET:

@@ -189,9 +189,9 @@ def _attn_fwd_kernel(
         if CAP:
             ka_raw, kb_raw = ka, kb
         if ROTARY:
-            c_rows = b * stride_cb + j.to(tl.int64) * stride_ct
-            ck = _load_rows(COS, c_rows, ch, HALF, 1, col_ok)
-            sk = _load_rows(SIN, c_rows, ch, HALF, 1, col_ok)
+            ck_rows = b * stride_cb + j.to(tl.int64) * stride_ct
+            ck = _load_rows(COS, ck_rows, ch, HALF, 1, col_ok)
+            sk = _load_rows(SIN, ck_rows, ch, HALF, 1, col_ok)
             ka_f, kb_f = ka.to(tl.float32), kb.to(tl.float32)
             ka = _cast(ka_f * ck - kb_f * sk, K.dtype.element_ty, DOT_F32)
             kb = _cast(kb_f * ck + ka_f * sk, K.dtype.element_ty, DOT_F32)
