@@ -7,7 +7,9 @@ Where the kernel cases (`test_kernel_*`) run:
   subprocess with `TRITON_INTERPRET=1` set before triton is imported (setting it here would
   turn every later Triton kernel of the session into an interpreted one), on CPU tensors,
   with small blocks so the grids have many programs, block tails and split-K partials;
-  `test_triton_under_interpreter_slow` (`slow`) runs the extended grid the same way.
+  `test_triton_under_interpreter_slow` (`slow`) runs the extended grid the same way;
+- everywhere: `test_triton_kernels_compile_*` compile the kernels to cubin for sm_80/sm_90
+  (Triton's compiler and bundled ptxas need no GPU), which the interpreter never exercises.
 
 Tolerance: `lcx.testing` (error vs float64 at most 2x the reference's own error in the same
 precision, plus a floor). Kernel outputs (out, lse, dq, dk, dv, rotated x) are written into
