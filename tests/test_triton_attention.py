@@ -483,7 +483,13 @@ AOT_CASES = {
     "fwd-fp32-alibi-sigmoid-partial-splitk": ("lambda_attention._attn_fwd_kernel", "fp32", dict(
         _FWD, HALF=8, PASS=8, DV=24, BLOCK_H=16, BLOCK_DV=32, ROTARY=False, CAP=False, ALIBI=True,
         SIGMOID=True, NUM_SPLITS=4, PRECISION="ieee")),
-    "fwd-fp16-decode-rows16": ("lambda_attention._attn_fwd_kernel", "fp16", dict(_FWD, BLOCK_M=16, NUM_SPLITS=8)),
+    # ints equal to 1 become constexprs at launch (Triton's specialisation): decode Tq = 1 etc.
+    "fwd-fp16-decode-rows16": ("lambda_attention._attn_fwd_kernel", "fp16", dict(
+        _FWD, BLOCK_M=16, NUM_SPLITS=8, Tq=1, NG=1, LEFT=1, Hkv=1, stride_qd=1, stride_kd=1, stride_vd=1,
+        stride_od=1, stride_lt=1)),
+    "bwd-dkdv-fp16-ones": ("swat._bwd_dkdv_kernel", "fp16", dict(_BWD, Tq=1, NG=1, LEFT=1, q_offset=1, Hkv=1)),
+    "bwd-dq-fp16-ones": ("swat._bwd_dq_kernel", "fp16", dict(_BWD, Tq=1, NG=1, LEFT=1, q_offset=1, H=1, Hkv=1,
+                                                             GROUP=1)),
     "combine-fp16": ("lambda_attention._combine_kernel", "fp16", dict(
         GROUP=4, DV=128, NUM_SPLITS=8, BLOCK_R=16, BLOCK_DV=128, SIGMOID=False, EMULATE=False)),
     "bwd-dkdv-bf16-swat-d128": ("swat._bwd_dkdv_kernel", "bf16", _BWD),
