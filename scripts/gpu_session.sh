@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build the CUDA extensions, run the GPU tests, benchmark the kernels
+# and check them against the stored baseline of this GPU. Everything worth keeping goes to $OUT.
+#
+#   OUT=/some/dir bash scripts/gpu_session.sh        # from the repository root
+#
+# Assumes (the lcx device machines): torch with CUDA, triton, nvcc, ninja; no network, no
+# flash-attn; the repository copied in as the working directory, lcx possibly not installed.
+# Stages have their own time limits so the whole run stays under 10 minutes; a failing stage is
+# recorded in $OUT/summary.txt and the next one still runs. Exit status: 0 only if every stage
+# passed (a regression >10% against the baseline counts as a failure).
+#
+# Outputs: summary.txt, env.txt, build.log, pytest_gpu.xml (junit) + pytest_gpu.log,
+# bench.log, and the kernel result JSON(s) (results/kernels/<gpu>.json when no baseline existed,
+# else <gpu>.latest.json) — commit a new baseline from $OUT into results/kernels/.
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu_session_out}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1 MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/build/torch_extensions}
+STATUS=0
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: >"$OUT/summary.txt"
+t_start=$(date +%s)
+stage() {  # stage NAME LIMIT_S LOG CMD...: run with a time limit, record pass/fail
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$(date +%s)
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  if [ $rc -eq 0 ]; then summary "PASS $name (${dt}s)"; else summary "FAIL $name rc=$rc (${dt}s; see $(basename "$log"))"; STATUS=1; fi
+  return $rc
+}
+
+# ---- environment
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  python -c "import triton; print('triton', triton.__version__)" 2>&1
+  nvcc --version 2>&1 | tail -1; ninja --version 2>&1 | sed 's/^/ninja /'
+  git rev-parse HEAD 2>&1; git status --short 2>&1 | head -20
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# ---- make `import lcx` (with lcx.kernels -> kernels/) work without network
+if ! python -c "import lcx.kernels.cuda, lcx.bench.kernels" >/dev/null 2>&1; then
+  if ! pip install --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
+    # fallback: a package tree of symlinks (pyproject's package-dir mapping), first on sys.path
+    SHIM=$ROOT/build/lcx_shim; rm -rf "$SHIM"; mkdir -p "$SHIM/lcx"
+    for f in "$ROOT"/lcx/*; do ln -s "$f" "$SHIM/lcx/$(basename "$f")"; done
+    ln -s "$ROOT/kernels" "$SHIM/lcx/kernels"; ln -s "$ROOT/eval_tasks" "$SHIM/lcx/eval_tasks"
+    ln -s "$ROOT/serve" "$SHIM/lcx/serve"
+    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+    summary "note: pip install -e failed (see install.log); using a symlinked package tree on PYTHONPATH"
+  fi
+fi
+LCX="python -m lcx.cli"
+
+# ---- 1. build the CUDA extensions (torch.utils.cpp_extension.load; cached in TORCH_EXTENSIONS_DIR)
+stage build 240 "$OUT/build.log" python - <<'EOF'
+import time, torch
+assert torch.cuda.is_available(), "no CUDA device"
+from lcx.kernels.cuda import lambda_decode, rerotate
+for mod in (rerotate, lambda_decode):
+    t = time.time()
+    mod.load_extension(verbose=True)
+    print(f"built {mod.__name__} in {time.time() - t:.1f}s", flush=True)
+EOF
+
+# ---- 2. the GPU tests (every kernel against its reference)
+stage pytest_gpu 270 "$OUT/pytest_gpu.log" python -m pytest -q -m gpu -p no:cacheprovider \
+  --junitxml="$OUT/pytest_gpu.xml" -o junit_family=xunit2
+tail -n 30 "$OUT/pytest_gpu.log" | grep -E "passed|failed|error|skipped" | tail -n 1 | sed 's/^/  /' | tee -a "$OUT/summary.txt"
+
+# ---- 3. kernel benchmark + regression check against this GPU's stored baseline
+left=$(( 570 - ($(date +%s) - t_start) ))
+if [ $left -lt 60 ]; then summary "SKIP bench: only ${left}s left"; STATUS=1; else
+  SLUG=$(python -c "from lcx.bench.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
+  if [ -z "$SLUG" ]; then
+    stage bench "$left" "$OUT/bench.log" $LCX bench kernels  # reports why (no GPU)
+  elif [ -f "results/kernels/$SLUG.json" ]; then
+    stage bench_check "$left" "$OUT/bench.log" $LCX bench kernels --repeats 15 --check
+  else
+    stage bench_baseline "$left" "$OUT/bench.log" $LCX bench kernels --repeats 15
+    summary "new baseline results/kernels/$SLUG.json: commit it from \$OUT"
+  fi
+  cp results/kernels/*.json "$OUT/" 2>/dev/null
+  grep -E "REGRESSION|MISSING|OK$|FAILED$|skipped|NOT met| met " "$OUT/bench.log" | head -n 40 | sed 's/^/  /' >>"$OUT/summary.txt"
+fi
+summary "total $(( $(date +%s) - t_start ))s, status $STATUS"
+exit $STATUS
