@@ -272,6 +272,26 @@ def test_kernel_decode_bounded_cache_call(positions):
     assert_within_budget(got.cpu(), ref32[0], want[0])
 
 
+@pytest.mark.slow  # ~10 s under the interpreter, mostly building the model
+def test_kernel_bounded_cache_generation_in_a_model():
+    """End to end: LM-Infinite in a (random tiny) Llama, Triton backend with the bounded cache
+    (prefill, then Tq = 1 calls on G + L unrotated HF-cache views) gives the same greedy tokens
+    as the reference backend with the full cache."""
+    _skip_unless_triton()
+    from lcx.methods import BoundedKVCache, attention_patched, greedy_generate, lm_infinite
+    from lcx.models.tiny import tiny_llama
+
+    m, _ = tiny_llama(seed=2)
+    m = m.eval().to(_device())
+    method = lm_infinite(4, 16)
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(5)).to(_device())
+    with attention_patched(m, method, backend="ref"):
+        full = greedy_generate(m, ids, 6)
+    with attention_patched(m, method, backend="triton"):
+        bounded = greedy_generate(m, ids, 6, cache=BoundedKVCache(method))
+    assert torch.equal(bounded.tokens.cpu(), full.tokens.cpu())
+
+
 def test_kernel_rows_without_keys_and_strided_inputs():
     """Rows that see nothing give 0 and lse -inf; q/k/v may be non-contiguous views (HF cache)."""
     _skip_unless_triton()
