@@ -42,7 +42,8 @@ rounded to the input dtype before the dot, as the reference does.
 Activation: softmax by online softmax; sigmoid (o = sum sigmoid(s) v, lse = log sum sigmoid(s))
 through the same loop on logits logsigmoid(s) with o = acc * exp(m), so nothing overflows.
 Numerics: dots accumulate in float32 (fp32 inputs: IEEE, not TF32); the interpreter gets
-float32 dot operands (it mis-multiplies bf16 `tl.dot`).
+float32 dot operands (it mis-multiplies bf16 `tl.dot`) and rounds to bfloat16 on the bits
+(`_cast`: its own float32 -> bfloat16 conversion truncates, where GPUs round to nearest).
 
 Run on CPU tensors with `TRITON_INTERPRET=1` set before triton is first imported (tests).
 """
