@@ -14,6 +14,8 @@ from importlib import import_module
 # (command path, module, one-line help). The module is imported only when the command runs
 # or its --help is asked for.
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("report",), "lcx.report",
+     "the main job: passkey, perplexity and decoding vs context length for every method -> results/report/"),
     (("demo",), "lcx.demo",
      "RoPE extrapolation table: perplexity of the bundled model at 256..4k tokens per RoPE type"),
     (("train", "lm"), "lcx.train.lm",

@@ -814,6 +814,11 @@ class Engine:
         self._mask, self._pos = self._mask[:, idx], self._pos[:, idx]
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the running batch's cached keys and values (0 when idle)."""
+        return sum(t.nbytes for t in (*self._keys, *self._values))
+
+    @property
     def cache_len(self) -> int:
         """Columns of the running batch's KV cache (0 when idle)."""
         return 0 if self._mask is None else int(self._mask.shape[1])

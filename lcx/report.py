@@ -1,0 +1,502 @@
+"""`lcx report`: one command from install to an extrapolation report.
+
+    lcx report                                   # bundled tiny-5m, ~10 min on 2 CPU cores
+    lcx report --model smollm2-135m --lengths 2048,4096,8192 --methods vanilla,yarn,lm_infinite
+    lcx report --quick --out /tmp/r              # plumbing check in a minute or two
+
+For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe
+truncation, LM-Infinite, sliding window, StreamingLLM sinks, LM-Infinite + YaRN, and SWAT when
+the model has a SWAT sibling, e.g. tiny-5m -> tiny-swat-5m) it measures, beyond the model's
+training context L0:
+
+- passkey accuracy by context length x needle depth and perplexity by context length, through
+  lm-eval's `simple_evaluate` on the lcx tasks `passkey` and `lcx_ppl` with the `lcx` lm-eval
+  model (`lcx.lmeval_model.LcxLM`, the same model class as `lm_eval --model lcx`);
+- decoding speed (tokens/s after a prompt of L tokens) and KV-cache memory by context length,
+  through `lcx.engine.Engine` with the method as an engine method (`rope` / `attention`), i.e.
+  the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).
+
+No method is re-implemented here: each is a `{"rope": ..., "attention": ...}` config handed to
+those two components (`METHOD_TABLE`). Defaults scale with the model: RoPE factor s =
+max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local = L0, windows L0.
+
+Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
+number), `passkey_heatmap.png`, `ppl_by_length.png`, `decode_by_length.png`, `README.md` (the
+summary tables + images), and `cells/` — one JSON per (method, measurement), written atomically
+as it finishes. A re-run with the same settings keeps completed cells (resume after an
+interruption; `--fresh` recomputes); a cell whose settings changed is recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "truncate", "lm_infinite",
+                   "sliding_window", "sinks", "lm_infinite+yarn", "swat")
+# model -> its SWAT sibling (same data and budget, sigmoid window attention); `swat` runs there
+SWAT_SIBLINGS = {"tiny-5m": "tiny-swat-5m"}
+PPL_METRIC = "word_perplexity"
+CELL_KINDS = ("lmeval", "decode")
+
+
+# ============================================================================================
+# Config
+# ============================================================================================
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """What `lcx report` measures. Lengths default to L0 x (1, 2, 4, 8) of the model's context L0."""
+
+    model: str = "tiny-5m"
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    lengths: tuple[int, ...] | None = None
+    depths: int = 3
+    samples_per_depth: int = 1
+    ppl_docs: int = 4
+    decode_lengths: tuple[int, ...] | None = None
+    decode_tokens: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHOD_TABLE]
+        if unknown:
+            raise ValueError(f"unknown report method(s) {unknown}; known: {list(METHOD_TABLE)}")
+        if not self.methods:
+            raise ValueError("methods must name at least one method")
+        for name in ("lengths", "decode_lengths"):
+            v = getattr(self, name)
+            if v is not None and (not v or any(not isinstance(x, int) or x < 16 for x in v)):
+                raise ValueError(f"{name} must be integers >= 16, got {v!r}")
+        for name, lo in (("depths", 1), ("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+    def resolved(self, context: int) -> "ReportConfig":
+        lengths = self.lengths or tuple(context * m for m in (1, 2, 4, 8))
+        return dataclasses.replace(self, lengths=tuple(sorted(lengths)),
+                                   decode_lengths=tuple(sorted(self.decode_lengths or lengths)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+# ============================================================================================
+# Methods: name -> config of the components that run them
+# ============================================================================================
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method as configs: `rope` (an lcx RoPE spec dict), `attention` (an lcx.methods dict),
+    `model` (None: the report's model; else a preset that replaces it, e.g. SWAT's sibling)."""
+
+    rope: dict[str, Any] | None = None
+    attention: dict[str, Any] | None = None
+    model: str | None = None
+
+    def engine_methods(self) -> dict[str, Any]:
+        return {k: v for k, v in (("rope", self.rope), ("attention", self.attention)) if v}
+
+    def lmeval_kwargs(self) -> dict[str, Any]:
+        """`--model lcx` model_args (as keyword arguments of `LcxLM`)."""
+        kw: dict[str, Any] = dict(self.rope or {})
+        if self.attention:
+            attn = dict(self.attention)
+            kw["attention"] = attn.pop("type")
+            kw.update(attn)
+        return kw
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _lm_infinite(L0: int) -> dict[str, Any]:
+    return {"type": "lm_infinite", "n_global": 10, "n_local": L0}
+
+
+# name -> (model, L0, factor) -> MethodRun | str (a str: why the method cannot run for this model)
+METHOD_TABLE: dict[str, Callable[[str, int, float], "MethodRun | str"]] = {
+    "vanilla": lambda model, L0, s: MethodRun(),
+    "linear": lambda model, L0, s: MethodRun(rope={"rope_type": "linear", "factor": s}),
+    "ntk": lambda model, L0, s: MethodRun(rope={"rope_type": "ntk", "factor": s}),
+    "dynamic": lambda model, L0, s: MethodRun(rope={"rope_type": "dynamic", "factor": s}),
+    "yarn": lambda model, L0, s: MethodRun(rope={"rope_type": "yarn", "factor": s}),
+    "truncate": lambda model, L0, s: MethodRun(rope={"rope_type": "truncate"}),
+    "lm_infinite": lambda model, L0, s: MethodRun(attention=_lm_infinite(L0)),
+    "sliding_window": lambda model, L0, s: MethodRun(attention={"type": "sliding_window", "window": L0}),
+    "sinks": lambda model, L0, s: MethodRun(attention={"type": "sinks", "n_sink": 4, "window": L0 - 4}),
+    "lm_infinite+yarn": lambda model, L0, s: MethodRun(rope={"rope_type": "yarn", "factor": max(1.0, s / 2)},
+                                                       attention=_lm_infinite(L0)),
+    "swat": lambda model, L0, s: (MethodRun(model=SWAT_SIBLINGS[model]) if model in SWAT_SIBLINGS
+                                  else f"no SWAT model trained for {model!r} (known: {SWAT_SIBLINGS})"),
+}
+
+
+def model_context(model: str) -> int:
+    """The model's `max_position_embeddings`, from its config (no weights loaded when possible)."""
+    from .models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
+
+    kind, path = resolve_source(model)
+    if kind == "gguf":
+        if not is_gguf_cached(path):
+            load_model(path)  # builds lcx's dequantization cache once
+        path = gguf_cache_dir(path)
+    return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+
+
+# ============================================================================================
+# Cells
+# ============================================================================================
+
+def _tasks_dir() -> str:
+    from lcx.eval_tasks import TASKS_DIR
+
+    return str(TASKS_DIR)
+
+
+def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig) -> dict[str, Any]:
+    """passkey + lcx_ppl through lm-eval's `simple_evaluate` with the `lcx` model."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from .lmeval_model import LcxLM
+
+    lm = LcxLM(pretrained=run.model or model, batch_size=1, **run.lmeval_kwargs())
+    meta = {"tokenizer": run.model or model, "max_seq_lengths": list(cfg.lengths), "depths": cfg.depths,
+            "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
+    t0 = time.perf_counter()
+    tm = TaskManager(include_path=_tasks_dir(), metadata=meta)
+    res = simple_evaluate(model=lm, tasks=["passkey", "lcx_ppl"], task_manager=tm,
+                          metadata=meta, log_samples=True, verbosity="WARNING")
+    wall = time.perf_counter() - t0
+    pk = res["results"]["passkey"]
+    grid: dict[str, dict[str, list[float]]] = {}
+    for s in res["samples"]["passkey"]:
+        row = grid.setdefault(f"{s['doc']['depth']:.3f}", {})
+        for L in cfg.lengths:
+            row.setdefault(str(L), []).append(float(s[str(L)]))
+    ppl = res["results"]["lcx_ppl"]
+    return {
+        "passkey_by_length": {str(L): pk[f"{L},none"] for L in cfg.lengths},
+        "passkey_by_depth_length": {d: {L: sum(v) / len(v) for L, v in row.items()}
+                                    for d, row in sorted(grid.items(), key=lambda kv: float(kv[0]))},
+        "passkey_docs": len(res["samples"]["passkey"]),
+        "ppl_by_length": {str(L): {m: ppl[f"{m}_{L},none"] for m in
+                                   ("word_perplexity", "byte_perplexity", "bits_per_byte")} for L in cfg.lengths},
+        "ppl_docs": res["n-samples"]["lcx_ppl"]["effective"],
+        "wall_s": round(wall, 2),
+    }
+
+
+def _prompt_ids(tokenizer: Any, n: int) -> list[int]:
+    """n tokens of held-out text (the lcx corpus validation split, documents concatenated)."""
+    from .data.corpus import load_corpus
+
+    ids: list[int] = []
+    for doc in load_corpus("validation"):
+        ids += tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n:
+            return ids[:n]
+    raise ValueError(f"the held-out corpus has only {len(ids)} tokens; asked for {n}")
+
+
+def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig) -> dict[str, Any]:
+    """Prefill L tokens, then greedy-decode `decode_tokens` with lcx's engine, per length L."""
+    import torch
+
+    from .engine import Engine, EngineConfig, SamplingParams
+    from .models import load_model
+
+    m, tok = load_model(run.model or model)
+    longest = max(cfg.decode_lengths)
+    engine = Engine(m, tok, EngineConfig(methods=run.engine_methods(), max_batch=1,
+                                         max_model_len=longest + cfg.decode_tokens + 1))
+    prompt_all = _prompt_ids(tok, longest)
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for L in cfg.decode_lengths:
+            engine.add_request(prompt_all[:L], SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True))
+            t0 = time.perf_counter()
+            engine.step()  # prefill + first token
+            prefill = time.perf_counter() - t0
+            peak, steps, t1 = engine.kv_cache_bytes, 0, time.perf_counter()
+            while engine.has_work():
+                engine.step()
+                steps += 1
+                peak = max(peak, engine.kv_cache_bytes)
+            decode = time.perf_counter() - t1
+            out[str(L)] = {"prefill_s": round(prefill, 4), "decode_s": round(decode, 4), "decode_steps": steps,
+                           "tokens_per_s": steps / decode if decode > 0 else float("nan"),
+                           "kv_cache_mb": peak / 2**20}
+    return {"by_length": out, "threads": torch.get_num_threads()}
+
+
+CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
+
+
+def cell_settings(kind: str, model: str, name: str, run: MethodRun, cfg: ReportConfig) -> dict[str, Any]:
+    """What a cell's numbers depend on; a stored cell is reused only if these are equal."""
+    common = {"kind": kind, "model": run.model or model, "method": name, "run": run.to_dict(), "seed": cfg.seed}
+    if kind == "lmeval":
+        return {**common, "lengths": list(cfg.lengths), "depths": cfg.depths,
+                "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}
+    return {**common, "decode_lengths": list(cfg.decode_lengths), "decode_tokens": cfg.decode_tokens}
+
+
+def _cell_path(out: Path, name: str, kind: str) -> Path:
+    return out / "cells" / f"{name.replace('+', '_plus_')}.{kind}.json"
+
+
+def load_cell(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """A completed cell with exactly these settings, or None (missing, corrupt or different)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if d.get("settings") == settings and "result" in d else None
+
+
+# ============================================================================================
+# The run
+# ============================================================================================
+
+def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, progress: bool = True,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every (method, cell) not already stored in `out/cells`, then write the report."""
+    from tqdm.auto import tqdm
+
+    from .data.io import atomic_write_json, environment, git_info
+
+    t_start = time.perf_counter()
+    context = model_context(cfg.model)
+    cfg = cfg.resolved(context)
+    factor = max(cfg.lengths) / context
+    runs: dict[str, MethodRun] = {}
+    skipped: dict[str, str] = {}
+    for name in cfg.methods:
+        r = METHOD_TABLE[name](cfg.model, context, max(1.0, factor))
+        if isinstance(r, str):
+            skipped[name] = r
+            log(f"skipping {name}: {r}")
+        else:
+            runs[name] = r
+    cells: dict[str, dict[str, Any]] = {name: {} for name in runs}
+    todo = [(name, kind) for name in runs for kind in CELL_KINDS]
+    bar = tqdm(todo, desc="report cells", unit="cell", disable=not progress)
+    reused = 0
+    for name, kind in bar:
+        bar.set_postfix_str(f"{name}/{kind}")
+        settings = cell_settings(kind, cfg.model, name, runs[name], cfg)
+        path = _cell_path(out, name, kind)
+        stored = None if fresh else load_cell(path, settings)
+        if stored is not None:
+            cells[name][kind] = stored["result"]
+            reused += 1
+            continue
+        t0 = time.perf_counter()
+        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg)
+        atomic_write_json(path, {"settings": settings, "result": result, "wall_s": time.perf_counter() - t0})
+        cells[name][kind] = result
+    if reused:
+        log(f"reused {reused} completed cell(s) from {out / 'cells'} (--fresh recomputes)")
+    record = {
+        "description": "lcx report: context-extension methods beyond the training context",
+        "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
+                   "methods_resolved": {n: r.to_dict() for n, r in runs.items()}, "methods_skipped": skipped,
+                   "tasks": ["passkey", "lcx_ppl"], "ppl_metric": PPL_METRIC},
+        "environment": environment(), "git": git_info(Path(__file__).resolve().parents[1]),
+        "wall_s": round(time.perf_counter() - t_start, 1), "cells_reused": reused,
+        "results": cells,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", record)
+    plot_report(record, out)
+    from .data.io import atomic_write_text
+
+    atomic_write_text(out / "README.md", markdown(record))
+    return record
+
+
+# ============================================================================================
+# Plots and Markdown
+# ============================================================================================
+
+def plot_report(record: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .data.io import atomic_savefig
+
+    res, ctx = record["results"], record["config"]["context"]
+    names = list(res)
+    lengths = [int(L) for L in record["config"]["lengths"]]
+    ncol = min(4, len(names))
+    nrow = math.ceil(len(names) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.1 * ncol, 2.6 * nrow), squeeze=False, constrained_layout=True)
+    im = None
+    for ax, name in zip(axes.flat, names):
+        grid = res[name]["lmeval"]["passkey_by_depth_length"]
+        depths = list(grid)
+        im = ax.imshow([[grid[d][str(L)] for L in lengths] for d in depths], vmin=0, vmax=1, cmap="RdYlGn",
+                       aspect="auto")
+        ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
+        if ctx in lengths:
+            ax.axvline(lengths.index(ctx) + 0.5, color="k", lw=1, ls="--")
+        ax.set_title(name, fontsize=9)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.6, label="passkey accuracy")
+    fig.suptitle(f"passkey accuracy: needle depth x context length ({record['config']['model']}, "
+                 f"trained context {ctx}, dashed)", fontsize=10)
+    atomic_savefig(fig, out / "passkey_heatmap.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    for i, name in enumerate(names):
+        by = res[name]["lmeval"]["ppl_by_length"]
+        ax.plot(lengths, [by[str(L)][PPL_METRIC] for L in lengths], marker="o", label=name,
+                ls="-" if i < 10 else "--", color=f"C{i % 10}")
+    ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"{PPL_METRIC.replace('_', ' ')} (lcx_ppl, lower is better)")
+    ax.set_title(f"perplexity by context length · {record['config']['model']}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    atomic_savefig(fig, out / "ppl_by_length.png", dpi=110)
+    plt.close(fig)
+
+    dl = [int(L) for L in record["config"]["decode_lengths"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for i, name in enumerate(names):
+        by = res[name]["decode"]["by_length"]
+        style = dict(marker="o", label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
+        a1.plot(dl, [by[str(L)]["tokens_per_s"] for L in dl], **style)
+        a2.plot(dl, [by[str(L)]["kv_cache_mb"] for L in dl], **style)
+    for a, label in ((a1, "decode tokens / s"), (a2, "KV cache (MB, peak)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("prompt length (tokens)")
+        a.set_ylabel(label)
+        a.axvline(ctx, color="k", lw=1, ls=":")
+    a2.set_yscale("log")
+    a1.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"decoding with lcx.engine after a prompt of L tokens · {record['config']['model']}", fontsize=10)
+    atomic_savefig(fig, out / "decode_by_length.png", dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def markdown(record: dict[str, Any]) -> str:
+    c, res = record["config"], record["results"]
+    lengths, dl = c["lengths"], c["decode_lengths"]
+    env = record["environment"]
+    lines = [f"# lcx report · {c['model']}", "",
+             f"Trained context L0 = {c['context']}; lengths {lengths}; RoPE factor s = {c['rope_factor']:g} "
+             f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s "
+             f"({record['cells_reused']} cells reused from an earlier run).", "",
+             "## Passkey accuracy by context length", "",
+             "| method | " + " | ".join(str(L) for L in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]
+    for name, r in res.items():
+        pk = r["lmeval"]["passkey_by_length"]
+        lines.append(f"| {name} | " + " | ".join(_fmt(pk[str(L)], ".2f") for L in lengths) + " |")
+    lines += ["", f"![passkey heatmap](passkey_heatmap.png)", "",
+              f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: windows of L tokens of held-out text)", "",
+              "| method | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for name, r in res.items():
+        by = r["lmeval"]["ppl_by_length"]
+        lines.append(f"| {name} | " + " | ".join(_fmt(by[str(L)][PPL_METRIC], ".1f") for L in lengths) + " |")
+    lines += ["", "![perplexity by length](ppl_by_length.png)", "",
+              f"## Decoding ({c['decode_tokens']} greedy tokens after a prompt of L tokens, lcx.engine, batch 1)", "",
+              "| method | " + " | ".join(f"{L} tok/s" for L in dl) + " | " + " | ".join(f"{L} KV MB" for L in dl) + " |",
+              "|---|" + "---:|" * (2 * len(dl))]
+    for name, r in res.items():
+        by = r["decode"]["by_length"]
+        lines.append(f"| {name} | " + " | ".join(_fmt(by[str(L)]["tokens_per_s"], ".0f") for L in dl) + " | "
+                     + " | ".join(_fmt(by[str(L)]["kv_cache_mb"], ".2f") for L in dl) + " |")
+    lines += ["", "![decoding by length](decode_by_length.png)", "", "## Methods (resolved)", ""]
+    for name, m in c["methods_resolved"].items():
+        lines.append(f"- **{name}**: `{json.dumps({k: v for k, v in m.items() if v})}`")
+    for name, why in c["methods_skipped"].items():
+        lines.append(f"- **{name}**: skipped — {why}")
+    lines += ["", "## Settings and environment", "", "```json",
+              json.dumps({k: v for k, v in c.items() if k not in ("methods_resolved", "methods_skipped")}, indent=1),
+              "```", "",
+              f"torch {env.get('torch')}, transformers {env.get('transformers')}, python {env.get('python')}, "
+              f"{env.get('cpu_count', '?')} CPUs; git {record['git'].get('sha', '?')[:12]}"
+              f"{' (dirty)' if record['git'].get('dirty') else ''}.",
+              "Timings come from whatever machine ran the report; compare methods within one report.", ""]
+    return "\n".join(lines)
+
+
+# ============================================================================================
+# CLI
+# ============================================================================================
+
+QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8)
+
+
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n", 2)[2].split("Output")[0]
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--model", default="tiny-5m", help="preset, HF directory or .gguf (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="comma-separated subset of: " + ", ".join(METHOD_TABLE) + " (default: all)")
+    p.add_argument("--lengths", type=_int_list, default=None,
+                   help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
+    p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths)")
+    p.add_argument("--depths", type=int, default=ReportConfig.depths, help="needle depths per length (default: %(default)s)")
+    p.add_argument("--samples-per-depth", type=int, default=ReportConfig.samples_per_depth)
+    p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs, help="held-out documents for perplexity")
+    p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="recompute every cell (default: reuse completed ones)")
+    p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    extra = dict(QUICK) if args.quick else {}
+    try:
+        cfg = ReportConfig(
+            model=args.model, methods=tuple(m for m in args.methods.split(",") if m), lengths=args.lengths,
+            decode_lengths=args.decode_lengths,
+            depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,
+            ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),
+            seed=args.seed)
+    except ValueError as e:
+        print(f"lcx report: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = run_report(cfg, args.out, fresh=args.fresh)
+    print(markdown(record).split("## Methods")[0])
+    print(f"wrote {args.out / 'README.md'}, report.json and 3 PNGs")
+    return 0
