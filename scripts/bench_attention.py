@@ -12,10 +12,9 @@ Cases, all in one run (ratios are against the baseline of the same run):
   lm_infinite/<backend> LM-Infinite, AttentionSpec.lm_infinite(G, L): unrotated q/k + Rotary, so
                         its time includes RoPE (float64 tables) and the capped global branch.
 with G = 64 global and L = 1024 local keys (the issue's setting) and backends ref, sdpa,
-blockwise, flex, flex_compiled, plus `flash_split`: a PROTOTYPE kernel defined in this script
-(`lambda_flash_split`, not an lcx.attention backend) that assembles Λ from torch's fused CPU
-flash kernel (causal / unmasked calls merged by log-sum-exp) to show what a fused Λ backend
-buys on CPU. One thread by default: on a shared, oversubscribed machine two OpenMP threads
+blockwise, flex, flex_compiled and flash (torch's fused CPU flash kernel: the window as one
+batched call over strided key chunks, the global keys as a second call, merged by
+log-sum-exp; see lcx/attention/flash_backend.py). One thread by default: on a shared, oversubscribed machine two OpenMP threads
 per process turn every small op into a synchronisation stall.
 
 Every case runs in its own subprocess. Time, `median_s`: median CPU time of the process
@@ -50,97 +49,14 @@ sys.path.insert(0, str(ROOT))
 
 from lcx.measure import reset_peak, status_bytes  # noqa: E402
 
-BACKENDS = ("ref", "sdpa", "blockwise", "flex", "flex_compiled")
+BACKENDS = ("ref", "sdpa", "blockwise", "flex", "flex_compiled", "flash")
 H, D, B = 8, 64, 1
 
 
-PROTOTYPE = "flash_split"  # not an lcx.attention backend: see `lambda_flash_split` below
 
 
 def cases() -> list[str]:
-    return ["dense_sdpa"] + [f"{kind}/{b}" for kind in ("lambda", "lm_infinite") for b in (*BACKENDS, PROTOTYPE)]
-
-
-# ------------------------------------------------------------------------------ prototype kernel
-
-
-def lambda_flash_split(q, k, v, *, n_global: int, n_local: int, rotary=None, limit_distance=None,
-                       block: int | None = None):
-    """PROTOTYPE (benchmark only, not an lcx.attention backend): Λ-mask / LM-Infinite prefill
-    (Tq = Tk) from torch's fused CPU flash kernel, which returns the log-sum-exp
-    (`aten._scaled_dot_product_flash_attention_for_cpu`), so no [Tq, Tk] scores exist and every
-    call but a few takes the kernel's causal or unmasked fast path. Query blocks of b keys
-    (b divides L = n_local; default L/4); block [i0, i0+b) with i0 >= G + L - 1 reads:
-
-          diagonal   keys [i0, i0+b)           causal                        (is_causal)
-          rectangle  keys [i0-L+b, i0)         visible to every query         (unmasked)
-          triangle   keys [i0-L+1, i0-L+b)     query t sees key index u iff u >= t:
-                                               anti-causal, run as causal on both sequences
-                                               reversed (query t = b-1 sees none of them)
-          globals    keys [0, G)               outside every window of the block (unmasked;
-                                               LM-Infinite: capped q vs keys at position 0)
-
-    The first blocks and a last partial block use one call per branch with an explicit mask.
-    Parts merge by their lse (the rule of lcx.attention.merge_attention). q, k, v `[B, T, H, D]`
-    (H == Hkv); without `rotary`, q/k are taken as rotated and the result is the plain Λ-mask.
-    """
-    import torch
-
-    from lcx.attention import LambdaParams
-    from lcx.attention.rotary import lambda_inputs
-
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    B, T, H, D = q.shape
-    G, L = n_global, n_local
-    b = block or max(1, L // 4)
-    if L % b:
-        raise ValueError(f"block {b} must divide n_local {L}")
-    if rotary is not None:
-        li = lambda_inputs(q, k, rotary, LambdaParams(G, L, limit_distance), 0)
-        q, k, q_cap, k_glob = li.q_rot, li.k_rot, li.q_cap, li.k_glob
-    else:
-        q_cap, k_glob = q, k[:, :G]
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, D] views
-    qch, kgh = q_cap.transpose(1, 2), k_glob.transpose(1, 2)
-    neg = float("-inf")
-    out = torch.empty_like(qh)
-
-    def masked(qb, kb, vb, vis):  # vis [n, m] bool; rows without a visible key get lse = -inf
-        empty = ~vis.any(-1)
-        am = torch.zeros(vis.shape, dtype=qb.dtype).masked_fill_(~vis, neg)
-        am[empty] = 0.0
-        o, lse = op(qb, kb, vb, 0.0, False, attn_mask=am)
-        return o.masked_fill(empty[:, None], 0.0), lse.masked_fill(empty, neg)
-
-    for i0 in range(0, T, b):
-        i1 = min(T, i0 + b)
-        n = i1 - i0
-        parts = []
-        if i0 >= G + L - 1 and n == b:
-            parts.append(op(qh[:, :, i0:i1], kh[:, :, i0:i1], vh[:, :, i0:i1], 0.0, True))
-            if L > b:
-                parts.append(op(qh[:, :, i0:i1], kh[:, :, i0 - L + b:i0], vh[:, :, i0 - L + b:i0], 0.0, False))
-            if b > 1:
-                lo = i0 - L + 1
-                qf = qh[:, :, i0:i1 - 1].flip(2)  # queries t = b-2 .. 0 (t = b-1 sees no triangle key)
-                o, lse = op(qf, kh[:, :, lo:lo + b - 1].flip(2), vh[:, :, lo:lo + b - 1].flip(2), 0.0, True)
-                parts.append((torch.cat((o.flip(2), torch.zeros_like(o[:, :, :1])), 2),
-                              torch.cat((lse.flip(2), torch.full_like(lse[:, :, :1], neg)), 2)))
-            if G:
-                parts.append(op(qch[:, :, i0:i1], kgh, vh[:, :, :G], 0.0, False))
-        else:
-            i = torch.arange(i0, i1)[:, None]
-            lo = max(0, i0 - L + 1)
-            j = torch.arange(lo, i1)[None, :]
-            parts.append(masked(qh[:, :, i0:i1], kh[:, :, lo:i1], vh[:, :, lo:i1], (j <= i) & (i - j < L)))
-            g = min(G, i1)
-            if g:
-                jg = torch.arange(g)[None, :]
-                parts.append(masked(qch[:, :, i0:i1], kgh[:, :, :g], vh[:, :, :g], i - jg >= L))
-        lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)  # [B, H, n]
-        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-        out[:, :, i0:i1] = sum(p[0] * torch.exp(p[1] - lse)[..., None] for p in parts)
-    return out.transpose(1, 2)
+    return ["dense_sdpa"] + [f"{kind}/{b}" for kind in ("lambda", "lm_infinite") for b in BACKENDS]
 
 
 # ------------------------------------------------------------------------------ child
@@ -174,12 +90,8 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
             inv_freq, af = compute_inv_freq(RopeSpec.from_dict({"rope_type": "default", "rope_theta": 10000.0}), D)
             rotary = Rotary(inv_freq, None, af)
 
-        if backend == PROTOTYPE:
-            def call():
-                return lambda_flash_split(q, k, v, n_global=G, n_local=L, rotary=rotary)
-        else:
-            def call():
-                return attention(q, k, v, spec, backend=backend, rotary=rotary)
+        def call():
+            return attention(q, k, v, spec, backend=backend, rotary=rotary)
 
     def timed():
         w0, c0 = time.perf_counter(), time.process_time()
@@ -351,14 +263,14 @@ def plot(results: dict, todo: list[str], lengths: list[int], path: Path, savefig
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = {b: f"C{i + 1}" for i, b in enumerate((*BACKENDS, PROTOTYPE))}
+    colors = {b: f"C{i + 1}" for i, b in enumerate(BACKENDS)}
     for c in todo:
         pts = [(T, results[c][str(T)]) for T in lengths if results[c].get(str(T), {}).get("status") == "ok"]
         if not pts:
             continue
         kind, _, backend = c.partition("/")
         style = dict(marker="o", color=colors.get(backend, "C0"), ls="--" if kind == "lm_infinite" else "-",
-                     lw=2.5 if c == "dense_sdpa" or backend in ("blockwise", PROTOTYPE) else 1.2)
+                     lw=2.5 if c == "dense_sdpa" or backend in ("blockwise", "flash") else 1.2)
         if c == "dense_sdpa":
             style.update(color="black")
         axes[0].plot([t for t, _ in pts], [r["median_s"] * 1e3 for _, r in pts], label=c, **style)
