@@ -104,3 +104,56 @@ def test_engine_rejects_bad_attention_params():
     with pytest.raises(ValueError, match="not an lcx.attention backend"):
         Engine(model, tok, EngineConfig(methods={"attention": {"type": "sliding_window", "window": 8,
                                                                "backend": "nope"}}))
+
+
+def test_served_lm_infinite_concurrent_requests(model64):
+    """`lcx serve`'s app over an LM-Infinite engine: concurrent completions (batched together)
+    return what unbatched bounded-cache decoding gives."""
+    import socket
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import uvicorn
+
+    from lcx.methods import unpatch_attention
+    from lcx.serve.app import create_app
+
+    model, tok = model64
+    params = METHODS["lm_infinite"]
+    method = method_from_dict(params)
+    prompts = _prompts(tok)
+    want = [tok.decode(_reference(model, method, p)) for p in prompts]
+    engine = Engine(model, tok, EngineConfig(methods={"attention": params}, max_model_len=256))
+    app = create_app(engine, model_name="m", batch_window_s=0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+
+        def call(p):
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "m", "prompt": p, "max_tokens": GEN, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(call, prompts))
+        assert got == want
+        snap = app.state.scheduler.snapshot()
+        assert snap["engine"]["max_batch_size"] > 1  # decoded together, not one by one
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        unpatch_attention(model)
