@@ -81,9 +81,9 @@ if [ $left -lt 60 ]; then summary "SKIP bench: only ${left}s left"; STATUS=1; el
   if [ -z "$SLUG" ]; then
     stage bench "$left" "$OUT/bench.log" $LCX bench kernels  # reports why (no GPU)
   elif [ -f "results/kernels/$SLUG.json" ]; then
-    stage bench_check "$left" "$OUT/bench.log" $LCX bench kernels --repeats 15 --check
+    stage bench_check "$left" "$OUT/bench.log" $LCX bench kernels --warmup 3 --repeats 10 --check
   else
-    stage bench_baseline "$left" "$OUT/bench.log" $LCX bench kernels --repeats 15
+    stage bench_baseline "$left" "$OUT/bench.log" $LCX bench kernels --warmup 3 --repeats 10
     summary "new baseline results/kernels/$SLUG.json: commit it from \$OUT"
   fi
   cp results/kernels/*.json "$OUT/" 2>/dev/null

@@ -138,11 +138,14 @@ def test_cpu_smoke_run_writes_valid_json_and_check_exit_codes(tmp_path, capsys):
 
 
 def test_skips_are_recorded_not_raised():
-    """A case whose implementation cannot run is a row {"skipped": reason}."""
+    """A case whose implementation cannot run is a row {"skipped": reason}; checkpoints after each case."""
     case = bk.Case("rope", "cuda_only", "x", lambda device, tiny: (_ for _ in ()).throw(bk.Skip("needs a CUDA GPU")),
                    cpu=True)
     broken = bk.Case("rope", "broken", "x", lambda device, tiny: 1 / 0, cpu=True)
-    res = bk.run_cases([case, broken], "cpu", warmup=0, repeats=1, progress=False)
+    seen = []
+    res = bk.run_cases([case, broken], "cpu", warmup=0, repeats=1, progress=False,
+                       checkpoint=lambda r: seen.append((r["complete"], len(r["kernels"]))))
+    assert seen == [(False, 1), (False, 2)] and res["complete"] is True  # partial results after every case
     assert res["kernels"]["rope/cuda_only/x"]["skipped"] == "needs a CUDA GPU"
     assert res["kernels"]["rope/broken/x"]["skipped"].startswith("ZeroDivisionError")
     copied = copy.deepcopy(res)

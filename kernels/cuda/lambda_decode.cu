@@ -282,13 +282,13 @@ lambda_decode_combine(const LcxLambdaDecodeArgs a, int D) {
   for (int64_t i = 0; i < S; ++i) M = fmaxf(M, ls[i]);
   float Z = 0.f;
   if (M > -INFINITY)
-    for (int64_t i = 0; i < S; ++i) Z += ls[i] > -INFINITY ? __expf(ls[i] - M) : 0.f;
-  const float lse = Z > 0.f ? M + __logf(Z) : -INFINITY;
+    for (int64_t i = 0; i < S; ++i) Z += ls[i] > -INFINITY ? expf(ls[i] - M) : 0.f;
+  const float lse = Z > 0.f ? M + logf(Z) : -INFINITY;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float o = 0.f;
     if (Z > 0.f)
       for (int64_t i = 0; i < S; ++i)
-        if (ls[i] > -INFINITY) o = fmaf(__expf(ls[i] - lse), os[i * D + d], o);
+        if (ls[i] > -INFINITY) o = fmaf(expf(ls[i] - lse), os[i * D + d], o);
     static_cast<T*>(a.out)[b * a.o_sb + h * a.o_sh + d] = from_float<T>(o);
   }
   if (threadIdx.x == 0) a.lse[b * a.lse_sb + h * a.lse_sh] = lse;

@@ -22,7 +22,8 @@ Timing (GPU): CUDA events around each call, `warmup` calls first (compilation, a
 median of `repeats`; inputs rotate over enough buffers that together exceed 4x the L2 cache,
 so no call finds its inputs cached by the previous one. A case whose implementation is missing
 or refuses the shape is recorded as `{"skipped": reason}`, never an error.
-CPU (`--device cpu`): tiny shapes, wall clock, for tests of this module only; the JSON says
+The JSON is rewritten after every case (`"complete": false` until the end), so a run cut off
+by a time limit keeps what it measured. CPU (`--device cpu`): tiny shapes, wall clock, for tests of this module only; the JSON says
 `"smoke": true` and the compare refuses it.
 
 Regression check (`compare`, a pure function): a kernel more than `threshold` (10%) slower
@@ -322,18 +323,14 @@ def _rope_case(impl: str):
 
 
 def _build_cases() -> list[Case]:
+    # cheap bandwidth-bound cases first, long compiles (flex) and the 128k prefill last, so a run
+    # cut off by a time limit keeps the most rows
     cases = [
         Case("rerotate", "triton", "32k", _rerotate("triton"), goal=_bandwidth_goal),
         Case("rerotate", "cuda", "32k", _rerotate("cuda"), goal=_bandwidth_goal),
         Case("rerotate", "ref", "32k", _rerotate("ref"), cpu=True),
-    ]
-    for n, label in ((8192, "8k"), (32768, "32k"), (131072, "128k")):
-        base = f"lambda_prefill/sdpa_flash_causal/{label}"
-        cases += [
-            Case("lambda_prefill", "sdpa_flash_causal", label, _prefill("sdpa_flash_causal", n), cpu=label == "8k"),
-            Case("lambda_prefill", "triton", label, _prefill("triton", n), baseline=base, goal=_prefill_goal),
-        ]
-    cases += [
+        Case("rope", "ref", "32k", _rope_case("ref"), cpu=True),
+        Case("rope", "triton", "32k", _rope_case("triton"), baseline="rope/ref/32k", goal=_bandwidth_goal),
         Case("lambda_decode", "sdpa_full_cache", "32k", _decode("sdpa_full_cache", 32768), cpu=True),
         Case("lambda_decode", "sdpa_full_cache", "128k", _decode("sdpa_full_cache", 131072)),
     ]
@@ -343,6 +340,12 @@ def _build_cases() -> list[Case]:
                           goal=_bandwidth_goal if impl == "cuda" else None))
     cases.append(Case("lambda_decode", "blockwise", "G64+L4096", _decode("blockwise"),
                       baseline="lambda_decode/sdpa_full_cache/32k", cpu=True))
+    for n, label in ((8192, "8k"), (32768, "32k"), (131072, "128k")):
+        base = f"lambda_prefill/sdpa_flash_causal/{label}"
+        cases += [
+            Case("lambda_prefill", "sdpa_flash_causal", label, _prefill("sdpa_flash_causal", n), cpu=label == "8k"),
+            Case("lambda_prefill", "triton", label, _prefill("triton", n), baseline=base, goal=_prefill_goal),
+        ]
     for T, label in ((8192, "8k"), (32768, "32k")):
         base = f"swat/flex_compiled/{label}"
         cases += [
@@ -350,10 +353,6 @@ def _build_cases() -> list[Case]:
             Case("swat", "triton", label, _swat("triton", T), baseline=base,
                  goal=_faster_than_baseline("fwd+bwd faster than flex_attention with the same masks")),
         ]
-    cases += [
-        Case("rope", "ref", "32k", _rope_case("ref"), cpu=True),
-        Case("rope", "triton", "32k", _rope_case("triton"), baseline="rope/ref/32k", goal=_bandwidth_goal),
-    ]
     return cases
 
 
@@ -448,52 +447,66 @@ def select(cases: list[Case], only: list[str] | None, device: str) -> list[Case]
     return out
 
 
-def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, progress: bool = True) -> dict:
-    """Time `cases` on `device`; returns the result dict (see the module docstring)."""
+def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, progress: bool = True,
+              checkpoint: Callable[[dict], Any] | None = None) -> dict:
+    """Time `cases` on `device`; returns the result dict (see the module docstring).
+
+    `checkpoint(partial_result)` is called after every case (`"complete": false` until the
+    last), so a run cut off by a time limit still leaves the cases it finished.
+    """
     from tqdm import tqdm
 
     tiny = device == "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); "
                          "use --device cpu for the CPU smoke configuration")
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     ceilings = measure_ceilings(device, tiny=tiny)
+    env = versions()
     rows: dict[str, dict] = {}
+
+    def assemble(complete: bool) -> dict:
+        for case in cases:
+            row = rows.get(case.name, {})
+            if case.goal is not None and "median_ms" in row:
+                goal = case.goal(row, rows)
+                if goal is not None:
+                    row["goal"] = goal
+        return {
+            "schema": SCHEMA,
+            "gpu": name,
+            "gpu_slug": gpu_slug(name),
+            "device": device,
+            "smoke": device != "cuda",
+            "complete": complete,
+            "timing": "cuda_events" if device == "cuda" else "wall_clock (CPU smoke, tiny shapes)",
+            "config": {"warmup": warmup, "repeats": repeats, "statistic": "median",
+                       "input_rotation": "buffers until > 4 x L2", "threshold": THRESHOLD},
+            "environment": env,
+            "ceilings": ceilings,
+            "kernels": rows,
+        }
+
     bar = tqdm(cases, desc="kernels", unit="case", disable=not progress, file=sys.stderr)
     for case in bar:
         bar.set_postfix_str(case.name)
         try:
             prep = case.setup(device, tiny)
             times = time_case(prep, device, warmup=warmup, repeats=repeats)
+            rows[case.name] = _row(case, prep, times, ceilings)
         except Skip as e:
             rows[case.name] = {"group": case.group, "impl": case.impl, "size": case.size, "skipped": str(e)}
-            continue
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape is a recorded skip
+            msg = str(e).splitlines()[0][:300] if str(e) else ""
             rows[case.name] = {"group": case.group, "impl": case.impl, "size": case.size,
-                               "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
-            continue
+                               "skipped": f"{type(e).__name__}: {msg}"}
         finally:
+            prep = None  # free this case's buffers before the next one allocates
             if device == "cuda":
                 torch.cuda.empty_cache()
-        rows[case.name] = _row(case, prep, times, ceilings)
-    for case in cases:
-        if case.goal is not None and "median_ms" in rows[case.name]:
-            goal = case.goal(rows[case.name], rows)
-            if goal is not None:
-                rows[case.name]["goal"] = goal
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return {
-        "schema": SCHEMA,
-        "gpu": name,
-        "gpu_slug": gpu_slug(name),
-        "device": device,
-        "smoke": device != "cuda",
-        "timing": "cuda_events" if device == "cuda" else "wall_clock (CPU smoke, tiny shapes)",
-        "config": {"warmup": warmup, "repeats": repeats, "statistic": "median",
-                   "input_rotation": "buffers until > 4 x L2", "threshold": THRESHOLD},
-        "environment": versions(),
-        "ceilings": ceilings,
-        "kernels": rows,
-    }
+        if checkpoint is not None:
+            checkpoint(assemble(False))
+    return assemble(True)
 
 
 def validate(result: dict) -> None:
@@ -613,13 +626,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"no case matches --only {args.only} on {args.device}; see --list")
         if args.device == "cpu":
             torch.set_num_threads(1)
-        result = run_cases(cases, args.device, warmup=args.warmup, repeats=args.repeats)
-        print(_table(result))
         out = args.out
-        if out is None and not result["smoke"]:
-            out = RESULTS_DIR / f"{result['gpu_slug']}{'.latest' if args.check is not None else ''}.json"
-        if out is not None:
-            atomic_write_json(out, result)
+        if out is None and args.device == "cuda" and torch.cuda.is_available():
+            slug = gpu_slug(torch.cuda.get_device_name())
+            out = RESULTS_DIR / f"{slug}{'.latest' if args.check is not None else ''}.json"
+        save = None if out is None else (lambda r: atomic_write_json(out, r))
+        result = run_cases(cases, args.device, warmup=args.warmup, repeats=args.repeats, checkpoint=save)
+        print(_table(result))
+        if save is not None:
+            save(result)
             print(f"wrote {out}")
     if args.check is None:
         return 0
