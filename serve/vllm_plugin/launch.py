@@ -39,6 +39,11 @@ def vllm_env(private_dir: str | os.PathLike, *, threads: int | None = None,
              kv_cache_gb: int = 1, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for a vLLM-on-CPU process; `private_dir` holds its TMPDIR and cache root."""
     private = Path(private_dir)
+    if len(str(private.resolve())) > 48:
+        # vLLM puts ZeroMQ IPC sockets (ipc://$TMPDIR/<uuid>) there; a Unix socket path is at
+        # most 107 bytes, so a deep directory (e.g. pytest's tmp_path) fails at start-up.
+        raise ValueError(f"vLLM's private directory {str(private)!r} is too long for its IPC sockets; "
+                         "use a short one, e.g. tempfile.mkdtemp(prefix='lcx-vllm-')")
     (private / "tmp").mkdir(parents=True, exist_ok=True)
     (private / "cache").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if base is None else base)

