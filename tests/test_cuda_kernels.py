@@ -4,7 +4,9 @@
 Where things run:
 - compile checks: wherever nvcc exists (default suite); the torch bindings are syntax-checked
   against torch's headers with g++ (`slow`: ~20 s each);
-- CPU (default suite): the backend's `supports` refusals, the key ranges it derives from each
+- CPU (default suite): `lambda_decode.cu` itself compiled with g++ against a host emulation of
+  the CUDA built-ins (tests/cuda_emu) and run on CPU threads over a small grid; the backend's
+  `supports` refusals, the key ranges it derives from each
   mask (against `mask_matrix`), and the kernel's algebra (keys rotated through
   `k . R(-p) y`, the capped query, split-K merge) mirrored in PyTorch from the same
   `decode_tables` against `lambda_attention_ref`;
@@ -261,6 +263,119 @@ def test_kernel_algebra_matches_reference(name, pos, partial):
         # float32 tables (float64 angles rounded once): ~1e-7 relative, not float64's 1e-16
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the .cu on CPU threads
+# lambda_decode.cu itself, compiled with g++ against tests/cuda_emu/include (a host emulation of
+# the CUDA built-ins it uses: one std::thread per CUDA thread, barriers for __syncthreads and warp
+# shuffles) and called through its extern "C" launcher with ctypes. This runs the real indexing,
+# shuffles, shared-memory merge and split-K combine without a GPU; what it cannot show is
+# GPU-specific (memory model, alignment faults, speed) - the `gpu` tests below cover that.
+EMU_INCLUDE = ROOT / "tests" / "cuda_emu" / "include"
+EMU_GRID = [  # (B, Tk, H, Hkv, D), dtype, spec, positions, n_splits
+    ((2, 61, 4, 2, 32), torch.float32, "lm_infinite", "bounded", 3),
+    ((1, 45, 8, 1, 64), torch.bfloat16, "lm_infinite_cap7", "per-batch", 1),
+    ((2, 37, 6, 2, 128), torch.float16, "window", "arange", 2),
+    ((1, 50, 2, 2, 32), torch.bfloat16, "sinks", "arange", 4),
+    ((3, 1, 2, 1, 64), torch.float32, "causal", "arange", 1),
+    ((1, 70, 4, 1, 256), torch.float32, "lm_infinite", "bounded", 2),
+    ((1, 29, 2, 1, 32), torch.float16, "full", "arange", 29),
+]
+
+
+def _ctypes_args():
+    import ctypes as C
+
+    p, i64 = C.c_void_p, C.c_int64
+    fields = [("q", p), ("k", p), ("v", p), ("q_sb", i64), ("q_sh", i64), ("k_sb", i64), ("k_st", i64),
+              ("k_sh", i64), ("v_sb", i64), ("v_st", i64), ("v_sh", i64), ("out", p), ("lse", p),
+              ("o_sb", i64), ("o_sh", i64), ("lse_sb", i64), ("lse_sh", i64), ("ws_o", p), ("ws_lse", p),
+              ("kcos", p), ("ksin", p), ("qtab", p), ("tab_sb", i64), ("qtab_sb", i64), ("B", i64), ("H", i64),
+              ("Hkv", i64), ("Tk", i64), ("half", i64), ("g_hi", i64), ("w_lo", i64), ("w_hi", i64),
+              ("capped", C.c_int), ("scale_log2", C.c_float), ("n_splits", i64), ("chunk", i64)]
+    # the header is the contract: every field, in order
+    header = (ROOT / "kernels" / "cuda" / "lambda_decode.h").read_text()
+    body = header[header.index("struct LcxLambdaDecodeArgs {"):header.index("};")]
+    import re
+
+    declared = re.findall(r"\b(\w+)(?=[,;])", re.sub(r"//[^\n]*", "", body))
+    assert declared == [f for f, _ in fields], declared
+    return type("LcxLambdaDecodeArgs", (C.Structure,), {"_fields_": fields})
+
+
+@pytest.fixture(scope="module")
+def emulated_lib(tmp_path_factory):
+    import ctypes
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    so = tmp_path_factory.mktemp("emu") / "lambda_decode_emu.so"
+    cu = ROOT / "kernels" / "cuda" / "lambda_decode.cu"
+    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{EMU_INCLUDE}",
+                           "-x", "c++", str(cu), "-o", str(so)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lib = ctypes.CDLL(str(so))
+    lib.lcx_lambda_decode_launch.restype = ctypes.c_int
+    return lib, _ctypes_args()
+
+
+def _emulated_decode(emu, q, k, v, keys, scale, tables, n_splits):
+    """What lambda_decode_binding.cpp does, with CPU tensors: outputs poisoned, workspace, args."""
+    import ctypes
+
+    from lcx.kernels.cuda.lambda_decode import LOG2E, heads_per_block
+
+    lib, Args = emu
+    B, _, H, D = q.shape
+    out, lse = poison_(torch.empty_like(q)), poison_(torch.empty(B, H, 1))
+    ws_o, ws_lse = poison_(torch.empty(B, H, n_splits, D)), poison_(torch.empty(B, H, n_splits))
+    n_vis = keys.n_visible
+    a = Args(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), q_sb=q.stride(0), q_sh=q.stride(2),
+             k_sb=k.stride(0), k_st=k.stride(1), k_sh=k.stride(2), v_sb=v.stride(0), v_st=v.stride(1),
+             v_sh=v.stride(2), out=out.data_ptr(), lse=lse.data_ptr(), o_sb=out.stride(0), o_sh=out.stride(2),
+             lse_sb=lse.stride(0), lse_sh=lse.stride(1), ws_o=ws_o.data_ptr(), ws_lse=ws_lse.data_ptr(),
+             B=B, H=H, Hkv=k.shape[2], Tk=k.shape[1], g_hi=keys.g_hi, w_lo=keys.w_lo, w_hi=keys.w_hi,
+             capped=int(keys.capped), scale_log2=scale * LOG2E, n_splits=n_splits,
+             chunk=max(1, -(-n_vis // n_splits)))
+    if tables is not None:
+        bt = tables.kcos.shape[0]
+        a.kcos, a.ksin, a.qtab = tables.kcos.data_ptr(), tables.ksin.data_ptr(), tables.qtab.data_ptr()
+        a.half = tables.kcos.shape[-1]
+        a.tab_sb = 0 if bt == 1 else k.shape[1] * a.half
+        a.qtab_sb = 0 if bt == 1 else 4 * a.half
+    dtype = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[q.dtype]
+    err = lib.lcx_lambda_decode_launch(dtype, D, heads_per_block(H, k.shape[2]), ctypes.byref(a), None)
+    assert err == 0, f"launcher refused the arguments ({err})"
+    return out, lse
+
+
+@pytest.mark.parametrize("case", EMU_GRID, ids=[f"{_id(c[:4])}-S{c[4]}" for c in EMU_GRID])
+def test_cu_source_on_emulated_threads_matches_ref(case, emulated_lib):
+    shape, dtype, name, pos, n_splits = case
+    (q, k, v), rot = _case(shape, dtype, pos, "cpu")
+    spec = SPECS[name]()
+    Tk, D = k.shape[1], q.shape[-1]
+    lp = spec.lambda_params
+    tables = decode_tables(rot.inv_freq, rot.key_positions(Tk, q.device), Tk - 1,
+                           lp.effective_limit(Tk) if lp else 0, rot.attention_factor)
+    out, lse = _emulated_decode(emulated_lib, q, k, v, decode_keys(spec, Tk, Tk - 1), D ** -0.5, tables,
+                                min(n_splits, decode_keys(spec, Tk, Tk - 1).n_visible))
+    assert not out.isnan().any() and not lse.isnan().any(), "kernel left elements unwritten"
+    exact, exact_lse = attention_ref_spec(*(t.double() for t in (q, k, v)), spec, rotary=rot, return_lse=True)
+    lowp, lowp_lse = attention_ref_spec(q, k, v, spec, rotary=rot, return_lse=True)
+    assert_within_budget(out, lowp, exact)
+    assert_within_budget(lse, lowp_lse, exact_lse, what="lse")
+
+
+def test_cu_source_on_emulated_threads_hf_layout_and_no_rotary(emulated_lib):
+    """Keys as the transposed view of an HF cache [B, Hkv, T, D]; no tables (pre-rotated keys)."""
+    (q, k, v), _ = _case((2, 40, 4, 2, 64), torch.float32, "arange", "cpu")
+    k_hf, v_hf = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    spec = SPECS["window"]()
+    out, lse = _emulated_decode(emulated_lib, q, k_hf, v_hf, decode_keys(spec, 40, 39), 0.125, None, 3)
+    want, want_lse = attention_ref_spec(q.double(), k.double(), v.double(), spec, return_lse=True)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- GPU

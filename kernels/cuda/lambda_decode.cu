@@ -38,6 +38,16 @@
 
 #include "lambda_decode.h"
 
+// Launch and dynamic shared memory go through these two macros so that tests can run this very
+// file on CPU threads (tests/cuda_emu/include: a host emulation of the CUDA built-ins used here).
+#ifndef LCX_LAUNCH
+#define LCX_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
+  kernel<<<grid, block, smem_bytes, stream>>>(__VA_ARGS__)
+#endif
+#ifndef LCX_DYNAMIC_SMEM
+#define LCX_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+#endif
+
 namespace {
 
 constexpr int kWarps = 4;
@@ -112,7 +122,7 @@ template <typename T, int D, int HPB>
 __global__ void __launch_bounds__(kThreads)
 lambda_decode_kernel(const LcxLambdaDecodeArgs a) {
   using G = Geometry<T, D, HPB>;
-  extern __shared__ float smem[];
+  LCX_DYNAMIC_SMEM(float, smem);
   const int64_t s = blockIdx.x;
   const int64_t h0 = static_cast<int64_t>(blockIdx.y) * HPB;
   const int64_t b = blockIdx.z;
@@ -299,12 +309,15 @@ int launch(const LcxLambdaDecodeArgs& a, cudaStream_t stream) {
   using G = Geometry<T, D, HPB>;
   const dim3 grid(static_cast<unsigned>(a.n_splits), static_cast<unsigned>(a.H / HPB),
                   static_cast<unsigned>(a.B));
-  const size_t smem = static_cast<size_t>(G::SMEM) * sizeof(float);  // <= 48 KiB for all instances
-  lambda_decode_kernel<T, D, HPB><<<grid, kThreads, smem, stream>>>(a);
+  const size_t smem_bytes = static_cast<size_t>(G::SMEM) * sizeof(float);  // <= 48 KiB for all instances
+  static_assert(G::SMEM * sizeof(float) <= 48 * 1024, "dynamic shared memory above the default limit");
+  const auto kernel = lambda_decode_kernel<T, D, HPB>;
+  LCX_LAUNCH(kernel, grid, kThreads, smem_bytes, stream, a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || a.n_splits == 1) return static_cast<int>(err);
-  lambda_decode_combine<T><<<dim3(static_cast<unsigned>(a.H), static_cast<unsigned>(a.B)), kThreads, 0,
-                             stream>>>(a, D);
+  const auto combine = lambda_decode_combine<T>;
+  const dim3 grid2(static_cast<unsigned>(a.H), static_cast<unsigned>(a.B));
+  LCX_LAUNCH(combine, grid2, kThreads, 0, stream, a, D);
   return static_cast<int>(cudaGetLastError());
 }
 
