@@ -442,11 +442,14 @@ def test_flex_compiled_buckets_lengths():
 
 # ----------------------------------------------------------------------------- dispatcher, specs
 def test_every_backend_runs_plain_causal_forward():
+    """Every backend can do plain causal attention; on CPU tensors a GPU-only backend (cuda, or
+    triton outside the interpreter) may refuse, but only for the device."""
     exact = make_qkv(SHAPES["prefill17_gqa"])
     for name, b in BACKENDS.items():
         assert b.supports(AttentionSpec()) is None, name  # method-only check, no call facts
         call = CallInfo.from_call(*low(exact, F32))
-        assert b.supports(AttentionSpec(), call) is None, name
+        reason = b.supports(AttentionSpec(), call)
+        assert reason is None or "CUDA" in reason or "TRITON_INTERPRET" in reason, (name, reason)
 
 
 def test_dispatcher_raises_with_reason_and_falls_back(caplog):
