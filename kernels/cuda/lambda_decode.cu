@@ -23,7 +23,7 @@
 // Work split: grid (S splits, H / HPB head tiles, B). A block owns HPB query heads of ONE kv
 // head (GQA: each key/value is read once per head tile, i.e. once when HPB = H / Hkv <= 8)
 // and a contiguous run of `chunk` visible keys. Inside a block, 4 warps are cut into groups
-// of TPK threads, one key per group per step (TPK * 16 bytes = one key row), each group with
+// of TPK threads, KT keys per group per step (TPK * 16 bytes = one key row), each group with
 // its own online-softmax state (log2 domain); the groups merge in shared memory at the end.
 // With S > 1 each block writes a normalised partial (o, lse) and lambda_decode_combine merges
 // the S partials (merge_attention's rule: weights exp(lse_s - lse)).
@@ -60,13 +60,16 @@ template <> struct VecOf<float> { static constexpr int n = 4; };
 template <> struct VecOf<__half> { static constexpr int n = 8; };
 template <> struct VecOf<__nv_bfloat16> { static constexpr int n = 8; };
 
-template <typename T> __device__ __forceinline__ void load16(const T* p, float* out);
-template <> __device__ __forceinline__ void load16<float>(const float* p, float* out) {
-  const float4 x = *reinterpret_cast<const float4*>(p);
-  out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
+// One 16-byte load per thread per row (kept raw until used, so several are in flight at once).
+template <typename T> __device__ __forceinline__ uint4 load_raw(const T* p) {
+  return *reinterpret_cast<const uint4*>(p);
 }
-template <> __device__ __forceinline__ void load16<__half>(const __half* p, float* out) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+template <typename T> __device__ __forceinline__ void unpack16(const uint4& raw, float* out);
+template <> __device__ __forceinline__ void unpack16<float>(const uint4& raw, float* out) {
+  out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
+  out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
+}
+template <> __device__ __forceinline__ void unpack16<__half>(const uint4& raw, float* out) {
   const __half2* h = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -74,8 +77,7 @@ template <> __device__ __forceinline__ void load16<__half>(const __half* p, floa
     out[2 * i] = f.x; out[2 * i + 1] = f.y;
   }
 }
-template <> __device__ __forceinline__ void load16<__nv_bfloat16>(const __nv_bfloat16* p, float* out) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4& raw, float* out) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -180,62 +182,92 @@ lambda_decode_kernel(const LcxLambdaDecodeArgs a) {
     for (int e = 0; e < G::EPT; ++e) acc[hh][e] = 0.f;
   }
 
-  // The trip count is uniform across the warp (shuffles below need every lane); groups whose
-  // key is past the end compute on nothing and skip the update.
-  for (int64_t vw = v_begin + warp * G::KPW; vw < v_end; vw += G::NGROUPS) {
-    const int64_t vi = vw + lane / G::TPK;
-    const bool valid = vi < v_end;
-    const int64_t j = vi < a.g_hi ? vi : a.w_lo + (vi - a.g_hi);
-    const bool glob = a.capped && vi < a.g_hi;
-    float kc[G::EPT], ks[G::EPT], vv[G::EPT];
-    if (valid) {
+  // Each step a group takes KT keys (v, v + NGROUPS, ...): all their loads are issued before
+  // any arithmetic (memory-level parallelism), and the running max/sum is rescaled once per
+  // step instead of once per key. The trip count is uniform across the warp (the shuffles
+  // need every lane); a key past the end loads nothing and scores -inf (weight 0).
+  constexpr int KT = 2;
+  for (int64_t vw = v_begin + warp * G::KPW; vw < v_end; vw += KT * G::NGROUPS) {
+    int64_t jj[KT];
+    bool valid[KT], glob[KT];
+    uint4 kraw[KT][G::NV], vraw[KT][G::NV];
+#pragma unroll
+    for (int u = 0; u < KT; ++u) {
+      const int64_t vi = vw + u * G::NGROUPS + lane / G::TPK;
+      valid[u] = vi < v_end;
+      jj[u] = vi < a.g_hi ? vi : a.w_lo + (vi - a.g_hi);
+      glob[u] = a.capped && vi < a.g_hi;
 #pragma unroll
       for (int n = 0; n < G::NV; ++n) {
         const int d0 = (n * G::TPK + t) * G::VEC;
-        load16<T>(kbase + j * a.k_st + d0, kc + n * G::VEC);
-        load16<T>(vbase + j * a.v_st + d0, vv + n * G::VEC);
+        kraw[u][n] = valid[u] ? load_raw<T>(kbase + jj[u] * a.k_st + d0) : uint4{0u, 0u, 0u, 0u};
+        vraw[u][n] = valid[u] ? load_raw<T>(vbase + jj[u] * a.v_st + d0) : uint4{0u, 0u, 0u, 0u};
       }
-    } else {
-#pragma unroll
-      for (int e = 0; e < G::EPT; ++e) kc[e] = vv[e] = 0.f;
     }
+    float sc[KT][HPB];  // log2-domain scores
 #pragma unroll
-    for (int e = 0; e < G::EPT; ++e) ks[e] = 0.f;
-    if (valid && !glob && rot > 0) {
-      const float* cr = kcos + j * a.half;
-      const float* sr = ksin + j * a.half;
+    for (int u = 0; u < KT; ++u) {
+      float kc[G::EPT], ks[G::EPT];
 #pragma unroll
-      for (int e = 0; e < G::EPT; ++e) {
-        const int d = G::channel(t, e);
-        if (d < rot) {
-          const int f = d < half ? d : d - half;
-          const float c = __ldg(cr + f), sn = __ldg(sr + f);
-          ks[e] = kc[e] * sn;
-          kc[e] = kc[e] * c;
+      for (int n = 0; n < G::NV; ++n) unpack16<T>(kraw[u][n], kc + n * G::VEC);
+#pragma unroll
+      for (int e = 0; e < G::EPT; ++e) ks[e] = 0.f;
+      if (valid[u] && !glob[u] && rot > 0) {
+        const float* cr = kcos + jj[u] * a.half;
+        const float* sr = ksin + jj[u] * a.half;
+#pragma unroll
+        for (int e = 0; e < G::EPT; ++e) {
+          const int d = G::channel(t, e);
+          if (d < rot) {
+            const int f = d < half ? d : d - half;
+            const float c = __ldg(cr + f), sn = __ldg(sr + f);
+            ks[e] = kc[e] * sn;
+            kc[e] = kc[e] * c;
+          }
         }
       }
+      const float* qsel = glob[u] ? qg : qa;
+#pragma unroll
+      for (int hh = 0; hh < HPB; ++hh) {
+        float part = 0.f;
+#pragma unroll
+        for (int e = 0; e < G::EPT; ++e) {
+          const int d = G::channel(t, e);
+          part = fmaf(kc[e], qsel[hh * D + d], part);
+          if (!glob[u]) part = fmaf(ks[e], qb[hh * D + d], part);
+        }
+#pragma unroll
+        for (int off = G::TPK / 2; off > 0; off /= 2) part += __shfl_xor_sync(0xffffffffu, part, off);
+        sc[u][hh] = valid[u] ? part : -INFINITY;
+      }
     }
-    const float* qsel = glob ? qg : qa;
+    float vv[KT][G::EPT];
+#pragma unroll
+    for (int u = 0; u < KT; ++u)
+#pragma unroll
+      for (int n = 0; n < G::NV; ++n) unpack16<T>(vraw[u][n], vv[u] + n * G::VEC);
 #pragma unroll
     for (int hh = 0; hh < HPB; ++hh) {
-      float part = 0.f;
+      float m_new = m[hh];
+#pragma unroll
+      for (int u = 0; u < KT; ++u) m_new = fmaxf(m_new, sc[u][hh]);
+      if (m_new == -INFINITY) continue;  // no key of this group yet
+      const float corr = exp2f(m[hh] - m_new);  // 0 while m = -inf
+      float p[KT], psum = 0.f;
+#pragma unroll
+      for (int u = 0; u < KT; ++u) {
+        p[u] = exp2f(sc[u][hh] - m_new);  // 0 for a key past the end
+        psum += p[u];
+      }
+      l[hh] = fmaf(l[hh], corr, psum);
 #pragma unroll
       for (int e = 0; e < G::EPT; ++e) {
-        const int d = G::channel(t, e);
-        part = fmaf(kc[e], qsel[hh * D + d], part);
-        if (!glob) part = fmaf(ks[e], qb[hh * D + d], part);
-      }
+        float x = acc[hh][e] * corr;
 #pragma unroll
-      for (int off = G::TPK / 2; off > 0; off /= 2) part += __shfl_xor_sync(0xffffffffu, part, off);
-      if (valid) {
-        const float m_new = fmaxf(m[hh], part);
-        const float corr = exp2f(m[hh] - m_new);  // 0 on the first key (m = -inf)
-        const float p = exp2f(part - m_new);
-        l[hh] = l[hh] * corr + p;
-#pragma unroll
-        for (int e = 0; e < G::EPT; ++e) acc[hh][e] = fmaf(acc[hh][e], corr, p * vv[e]);
-        m[hh] = m_new;
+        for (int u = 0; u < KT; ++u) x = fmaf(p[u], vv[u][e], x);
+        acc[hh][e] = x;
       }
+      m[hh] = m_new;
     }
   }
 

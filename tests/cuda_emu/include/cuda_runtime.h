@@ -69,6 +69,11 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
 }
 
 template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
 
