@@ -47,15 +47,13 @@ cat "$OUT/env.txt"
 # ---- make `import lcx` (with lcx.kernels -> kernels/) work without network
 if ! python -c "import lcx.kernels.cuda, lcx.bench.kernels" >/dev/null 2>&1; then
   if ! pip install --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
-    # fallback: a package tree of symlinks (pyproject's package-dir mapping), first on sys.path
-    SHIM=$ROOT/build/lcx_shim; rm -rf "$SHIM"; mkdir -p "$SHIM/lcx"
-    for f in "$ROOT"/lcx/*; do ln -s "$f" "$SHIM/lcx/$(basename "$f")"; done
-    ln -s "$ROOT/kernels" "$SHIM/lcx/kernels"; ln -s "$ROOT/eval_tasks" "$SHIM/lcx/eval_tasks"
-    ln -s "$ROOT/serve" "$SHIM/lcx/serve"
-    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-    summary "note: pip install -e failed (see install.log); using a symlinked package tree on PYTHONPATH"
+    # fallback: pyproject's package-dir mapping by symlinks inside this (disposable) copy
+    for d in kernels eval_tasks serve; do [ -e "lcx/$d" ] || ln -s "../$d" "lcx/$d"; done
+    trap 'for d in kernels eval_tasks serve; do [ -L "lcx/$d" ] && rm "lcx/$d"; done' EXIT
+    summary "note: pip install -e failed (see install.log); lcx/{kernels,eval_tasks,serve} symlinked for this run"
   fi
 fi
+python -c "import lcx.kernels.cuda, lcx.bench.kernels" >"$OUT/import.log" 2>&1 || { summary "FAIL import lcx (see import.log)"; STATUS=1; }
 LCX="python -m lcx.cli"
 
 # ---- 1. build the CUDA extensions (torch.utils.cpp_extension.load; cached in TORCH_EXTENSIONS_DIR)
@@ -70,7 +68,9 @@ for mod in (rerotate, lambda_decode):
 EOF
 
 # ---- 2. the GPU tests (every kernel against its reference)
-stage pytest_gpu 270 "$OUT/pytest_gpu.log" python -m pytest -q -m gpu -p no:cacheprovider \
+# (--continue-on-collection-errors: a module needing a package this machine lacks, e.g.
+# transformers, must not stop the kernel tests)
+stage pytest_gpu 270 "$OUT/pytest_gpu.log" python -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$OUT/pytest_gpu.xml" -o junit_family=xunit2
 tail -n 30 "$OUT/pytest_gpu.log" | grep -E "passed|failed|error|skipped" | tail -n 1 | sed 's/^/  /' | tee -a "$OUT/summary.txt"
 

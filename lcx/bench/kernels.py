@@ -425,9 +425,17 @@ def gpu_slug(name: str) -> str:
 
 
 def versions() -> dict[str, Any]:
-    from lcx.data.io import environment
+    """`lcx.data.io.environment()` plus triton and CUDA versions; degrades to the essentials on
+    a machine without transformers/tokenizers (GPU machines may have only torch + triton)."""
+    import platform
 
-    env = environment()
+    from lcx.data.io import environment, git_info
+
+    try:
+        env = environment()
+    except ImportError as e:
+        env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+               "git": git_info(), "note": f"partial environment ({e})"}
     try:
         import triton
 
@@ -436,7 +444,8 @@ def versions() -> dict[str, Any]:
         env["triton"] = f"unavailable ({type(e).__name__})"
     env["torch_cuda"] = torch.version.cuda
     if torch.cuda.is_available():
-        env["cuda_driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     return env
 
 
@@ -454,7 +463,11 @@ def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, prog
     `checkpoint(partial_result)` is called after every case (`"complete": false` until the
     last), so a run cut off by a time limit still leaves the cases it finished.
     """
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is optional
+        def tqdm(it, **kw):
+            return type("NoBar", (), {"__iter__": lambda self: iter(it), "set_postfix_str": lambda self, s: None})()
 
     tiny = device == "cpu"
     if device == "cuda" and not torch.cuda.is_available():
