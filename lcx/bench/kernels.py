@@ -11,8 +11,9 @@ Cases (`CASES`, one registry; each names its implementation and the baseline it 
                         flash SDPA causal (goal: speedup >= 0.6 n / (2 (G + L)))
     lambda_decode       one token over a bounded cache (G + L keys): cuda kernel, cuda/triton
                         backends, vs flash SDPA decode over the full 32k/128k cache
-    swat                sigmoid window attention fwd+bwd (SWAT): triton vs flex_attention
-                        (compiled) with the same mask and ALiBi
+    swat                sigmoid window attention fwd+bwd (SWAT): triton (and lcx's flex_compiled
+                        backend) vs torch's compiled flex_attention with the same mask and
+                        ALiBi, its block mask built once
     rope                fused RoPE application: triton vs apply_rotary_ref
 Each case has a bytes and a FLOPs formula (the minimum traffic / useful work), so a row
 reports GB/s and TFLOP/s and their fraction of the ceilings measured in the same run:
@@ -147,6 +148,29 @@ def _rerotate(impl: str):
 
 
 # --- Λ prefill: Tq = Tk = n; triton Λ kernel vs flash SDPA causal (no Λ: the dense baseline)
+def _sdpa_call(q, k, v, *, causal: bool, device: str):
+    """SDPA restricted to flash (GPU; memory-efficient as the second choice for decode shapes) or
+    math (CPU). GQA natively (`enable_gqa`) when the kernel takes it, else with K/V heads
+    repeated once here (outside the timed call). Returns (run(q, k, v), gqa_native)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = ([SDPBackend.FLASH_ATTENTION] if causal else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+                ) if device == "cuda" else [SDPBackend.MATH]
+    gqa = q.shape[1] != k.shape[1]
+
+    def run(q, k, v, enable_gqa=gqa):
+        with sdpa_kernel(backends):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
+
+    if not gqa:
+        return run, True
+    try:
+        run(q, k, v)
+        return run, True
+    except RuntimeError:  # this torch's kernel has no native GQA: dense MHA with repeated K/V
+        return None, False
+
+
 def _prefill(impl: str, n: int):
     def setup(device: str, tiny: bool) -> Prepared:
         from lcx.attention import AttentionSpec, Rotary, attention
@@ -155,20 +179,17 @@ def _prefill(impl: str, n: int):
         T, G, L = (96, 4, 16) if tiny else (n, G_LAMBDA, L_LAMBDA)
         dt = torch.bfloat16 if device == "cuda" else torch.float32
         if impl == "sdpa_flash_causal":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             nbytes = B * T * (2 * H + 2 * Hkv) * D * 2  # q, out + k, v
             m = _n_buffers(nbytes, device)
             qs = _randn((B, H, T, D), dt, device, m)
             kvs = _randn((B, Hkv, T, D), dt, device, m, seed=1)
-            backends = [SDPBackend.FLASH_ATTENTION] if device == "cuda" else [SDPBackend.MATH]
-
-            def run(i):
-                with sdpa_kernel(backends):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        qs[i % m], kvs[i % m], kvs[i % m], is_causal=True, enable_gqa=H != Hkv)
-
-            return Prepared(run, m, nbytes, 2.0 * B * H * T * T * D, dict(B=B, T=T, H=H, Hkv=Hkv, D=D))
+            call, native = _sdpa_call(qs[0], kvs[0], kvs[0], causal=True, device=device)
+            if not native:
+                kvs = [x.repeat_interleave(H // Hkv, dim=1) for x in kvs]
+                call, _ = _sdpa_call(qs[0], kvs[0], kvs[0], causal=True, device=device)
+            run = lambda i: call(qs[i % m], kvs[i % m], kvs[i % m])  # noqa: E731
+            return Prepared(run, m, nbytes, 2.0 * B * H * T * T * D,
+                            dict(B=B, T=T, H=H, Hkv=Hkv, D=D, gqa_native=native))
         _need_triton(device)
         spec = AttentionSpec.lm_infinite(n_global=G, n_local=L)
         nbytes = B * T * (2 * H + 2 * Hkv) * D * 2
@@ -203,22 +224,18 @@ def _decode(impl: str, full_len: int = 0):
         G, L = (4, 32) if tiny else (G_LAMBDA, L_LAMBDA)
         dt = torch.bfloat16 if device == "cuda" else torch.float32
         if impl == "sdpa_full_cache":  # vanilla decode over the whole (rotated) cache
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
             T = 300 if tiny else full_len
             nbytes = 2 * B * T * Hkv * D * 2 + 2 * B * H * D * 2
             m = _n_buffers(nbytes, device)
             qs = _randn((B, H, 1, D), dt, device, m)
             ks = _randn((B, Hkv, T, D), dt, device, m, seed=1)
-            backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if device == "cuda"
-                        else [SDPBackend.MATH])
-
-            def run(i):
-                with sdpa_kernel(backends):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        qs[i % m], ks[i % m], ks[i % m], enable_gqa=H != Hkv)
-
-            return Prepared(run, m, nbytes, 4.0 * B * H * T * D, dict(B=B, Tk=T, H=H, Hkv=Hkv, D=D))
+            call, native = _sdpa_call(qs[0], ks[0], ks[0], causal=False, device=device)
+            if not native:  # the repeated heads are read too: bytes as a dense cache
+                ks = [x.repeat_interleave(H // Hkv, dim=1) for x in ks]
+                call, _ = _sdpa_call(qs[0], ks[0], ks[0], causal=False, device=device)
+                nbytes = 2 * B * T * H * D * 2 + 2 * B * H * D * 2
+            run = lambda i: call(qs[i % m], ks[i % m], ks[i % m])  # noqa: E731
+            return Prepared(run, m, nbytes, 4.0 * B * H * T * D, dict(B=B, Tk=T, H=H, Hkv=Hkv, D=D, gqa_native=native))
         Tk = G + L
         spec = AttentionSpec.lm_infinite(n_global=G, n_local=L)
         pos = torch.cat((torch.arange(G), torch.arange(10**6 - L + 1, 10**6 + 1))).to(device)
@@ -259,21 +276,42 @@ def _swat(impl: str, T: int):
         B, H, D, W = (1, 2, 32, 16) if tiny else (1, 16, 128, 512)
         n = 64 if tiny else T
         dt = torch.bfloat16 if device == "cuda" else torch.float32
-        backend = {"triton": "triton", "flex_compiled": "flex_compiled", "blockwise": "blockwise"}[impl]
-        if backend == "triton":
-            _need_triton(device)
-        elif backend == "flex_compiled":
-            _need_cuda(device, "compiled flex_attention backward")
         spec = AttentionSpec.swat(window=W, n_heads=H)
         nbytes = 2 * 4 * B * n * H * D * 2  # fwd: q, k, v, out; bwd: the same again plus grads (approx. x2)
         m = _n_buffers(nbytes, device)
-        qkv = [[t.requires_grad_() for t in _randn((B, n, H, D), dt, device, 3, seed=s)] for s in range(m)]
-        grad = _randn((B, n, H, D), dt, device, 1, seed=99)[0]
+        layout = (B, H, n, D) if impl == "flex_attention" else (B, n, H, D)
+        qkv = [[t.requires_grad_() for t in _randn(layout, dt, device, 3, seed=s)] for s in range(m)]
+        grad = _randn(layout, dt, device, 1, seed=99)[0]
+        if impl == "flex_attention":
+            # torch's flex_attention itself, compiled, block mask built once (not per call as the
+            # lcx "flex_compiled" backend does): sigmoid as logsigmoid score_mod + o = o_softmax * Z
+            _need_cuda(device, "compiled flex_attention backward")
+            from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-        def run(i):
-            q, k, v = qkv[i % m]
-            out = attention(q, k, v, spec, backend=backend)
-            return torch.autograd.grad(out, (q, k, v), grad)
+            block_mask = create_block_mask(spec.mask, None, None, n, n, device=device)
+            slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=device)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return torch.nn.functional.logsigmoid(score - slopes[h] * (q_idx - kv_idx).abs())
+
+            flex = torch.compile(flex_attention, dynamic=False)
+
+            def run(i):
+                q, k, v = qkv[i % m]  # [B, H, n, D]
+                o, aux = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+                out = o * aux.lse.exp().unsqueeze(-1).to(o.dtype)
+                return torch.autograd.grad(out, (q, k, v), grad)
+        else:
+            backend = {"triton": "triton", "flex_compiled": "flex_compiled", "blockwise": "blockwise"}[impl]
+            if backend == "triton":
+                _need_triton(device)
+            elif backend == "flex_compiled":
+                _need_cuda(device, "compiled flex_attention backward")
+
+            def run(i):
+                q, k, v = qkv[i % m]  # [B, n, H, D]
+                out = attention(q, k, v, spec, backend=backend)
+                return torch.autograd.grad(out, (q, k, v), grad)
 
         visible = min(n, W)
         flops = 14.0 * B * H * n * visible * D  # fwd 4 (QK^T, PV) + bwd 10 (recompute S, dP, dV, dQ, dK)
@@ -347,9 +385,10 @@ def _build_cases() -> list[Case]:
             Case("lambda_prefill", "triton", label, _prefill("triton", n), baseline=base, goal=_prefill_goal),
         ]
     for T, label in ((8192, "8k"), (32768, "32k")):
-        base = f"swat/flex_compiled/{label}"
+        base = f"swat/flex_attention/{label}"
         cases += [
-            Case("swat", "flex_compiled", label, _swat("flex_compiled", T)),
+            Case("swat", "flex_attention", label, _swat("flex_attention", T)),
+            Case("swat", "flex_compiled", label, _swat("flex_compiled", T), baseline=base),
             Case("swat", "triton", label, _swat("triton", T), baseline=base,
                  goal=_faster_than_baseline("fwd+bwd faster than flex_attention with the same masks")),
         ]
