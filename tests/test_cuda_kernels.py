@@ -378,6 +378,26 @@ def test_cu_source_on_emulated_threads_hf_layout_and_no_rotary(emulated_lib):
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cu_source_on_emulated_threads_bounded_equals_full(dtype, emulated_lib):
+    """The last row of full-sequence Λ attention == the .cu on the compressed cache (true positions)."""
+    T, G, L = 150, 4, 32
+    spec = AttentionSpec.lm_infinite(n_global=G, n_local=L)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, T, h, 64, generator=g).to(dtype) for h in (4, 2, 2))
+    inv, _ = compute_inv_freq(RopeSpec(rope_theta=1e4), 64)
+    full = Rotary(inv, torch.arange(T))
+    want = attention_ref_spec(q.double(), k.double(), v.double(), spec, rotary=full)[:, -1:]
+    lowp = attention_ref_spec(q, k, v, spec, rotary=full)[:, -1:]
+    pos = torch.arange(T)
+    kept = (pos < G) | (pos > T - 1 - L)  # what BoundedKVCache returns for the step at T - 1
+    kk, vk, Tk = k[:, kept].contiguous(), v[:, kept].contiguous(), int(kept.sum())
+    tables = decode_tables(inv, pos[kept], Tk - 1, spec.lambda_params.effective_limit(Tk))
+    got, _ = _emulated_decode(emulated_lib, q[:, -1:].contiguous(), kk, vk, decode_keys(spec, Tk, Tk - 1),
+                              64 ** -0.5, tables, 2)
+    assert_within_budget(got, lowp, want)
+
+
 # ----------------------------------------------------------------------------- GPU
 def _check_against_ref(q, k, v, spec, rot, *, n_splits=None):
     from lcx.kernels.cuda.lambda_decode import lambda_decode_cuda
