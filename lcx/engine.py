@@ -248,9 +248,11 @@ def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAtt
 
 
 def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
-    if not resolved.bounded:
-        return None
-    n_first, n_recent = resolved.method.cache_window
+    return window_policy(*resolved.method.cache_window) if resolved.bounded else None
+
+
+def window_policy(n_first: int, n_recent: int) -> KVPolicy:
+    """Keep the slots a query can still see: positions < n_first and the last n_recent - 1."""
 
     def keep_window(mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # the next query of row b sits at newest[b] + 1 and sees positions < n_first or
@@ -416,6 +418,12 @@ class Engine:
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = "attention" in self.resolved_methods
+        from .models.swat import swat_params
+
+        swat = swat_params(model.config)
+        if swat is not None:  # a SWAT model: per-row window attention, cache bounded to w - 1 keys
+            self._row_attention = True
+            self._kv_policies.append(window_policy(0, swat.window))
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.vocab_size = int(model.config.vocab_size)

@@ -157,3 +157,26 @@ def test_served_lm_infinite_concurrent_requests(model64):
         server.should_exit = True
         thread.join(15)
         unpatch_attention(model)
+
+
+def test_engine_swat_model_batched_with_bounded_cache():
+    """A SWAT model (window w) in the engine: ragged prompts batched together decode what each
+    prompt alone decodes with a full DynamicCache, while the cache keeps <= w - 1 keys per row."""
+    from lcx.models.swat import build_swat_model
+
+    _, tok = tiny_llama(seed=0)
+    cfg = tiny_llama(seed=0)[0].config
+    torch.manual_seed(5)
+    model = build_swat_model(cfg, window=8).double().eval()
+    prompts = _prompts(tok)
+    with torch.no_grad():
+        want = [greedy_generate(model, torch.tensor([p]), GEN).tokens[0].tolist() for p in prompts]
+    engine = Engine(model, tok, EngineConfig(max_model_len=256))
+    sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
+    ids = [engine.add_request(p, sp) for p in prompts]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for ev in engine.step():
+            got[ev.request_id] += ev.token_ids
+        assert engine.cache_len <= len(prompts) * 7
+    assert [got[i] for i in ids] == want

@@ -187,6 +187,21 @@ def lcx_attention_forward(
     return self.o_proj(out.reshape(B, Tq, -1)), None
 
 
+def iter_rows(row_pos: torch.Tensor, n_queries: int):
+    """Rows of a padded batch described by `lcx_key_positions` `[B, Tk]` (-1: not a key of the
+    row): yields (b, idx [Tk_b] of the row's key slots, nq = its real queries, the last nq of
+    the n_queries new slots); rows without a real query are skipped."""
+    Tk = row_pos.shape[1]
+    for b in range(row_pos.shape[0]):
+        valid = row_pos[b] >= 0  # [Tk]
+        nq = int(valid[Tk - n_queries:].sum())
+        if nq == 0:
+            continue
+        if not bool(valid[Tk - nq:].all()):
+            raise ValueError(f"row {b}: its new tokens must be the last slots (left padding only)")
+        yield b, valid.nonzero().squeeze(1), nq
+
+
 def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float):
     """Per-row attention of a padded batch (see "Padded / ragged batches" in the module doc).
 
@@ -201,14 +216,7 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
     inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1)  # one basis per batch (as HF)
     inv_freq = inv_freq.to(q.device)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
-    for b in range(B):
-        valid = row_pos[b] >= 0  # [Tk]
-        nq = int(valid[Tk - Tq:].sum())  # the row's real queries: its last new slots
-        if nq == 0:
-            continue
-        if not bool(valid[Tk - nq:].all()):
-            raise ValueError(f"row {b}: its new tokens must be the last slots (left padding only)")
-        idx = valid.nonzero().squeeze(1)
+    for b, idx, nq in iter_rows(row_pos, Tq):
         pos = row_pos[b, idx]  # [Tk_b] true positions
         rot = torch.arange(len(idx), device=q.device) if st.method.renumber_in_cache else pos
         out[b : b + 1, Tq - nq :] = st.method.attend(

@@ -41,7 +41,9 @@ depend on i - j. Cost: O(Tq * w) scores per layer with the `blockwise` backend, 
 sliding-window cache O(w) memory per layer during decoding, so any length runs, far beyond the
 training length.
 
-Not supported (raises): padding (a 2-D attention_mask with zeros) and custom 4-D masks,
+Padded batches: pass `lcx_key_positions` `[B, Tk]` (-1 = not a key of the row) instead of a
+2-D mask, as `lcx.engine` does; each row then attends over its own (consecutive) keys.
+Not supported (raises): padding as a 2-D attention_mask with zeros, custom 4-D masks,
 attention dropout. Packed sequences (position_ids restarting inside a row) are not detected:
 SWAT windows would then cross the boundary.
 """
@@ -169,8 +171,28 @@ def swat_attention_forward(
         raise ValueError(f"{len(p.alibi_slopes)} SWAT alibi slopes for {query.shape[1]} heads")
     spec = _spec(p.window, p.alibi_slopes, None if scaling is None else float(scaling))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]
+    row_pos = kwargs.get("lcx_key_positions")
+    if row_pos is not None:  # a padded batch (lcx.engine): each row on its own keys
+        return _attend_rows(q, k, v, spec, row_pos.to(q.device), p.backend), None
     out = attention(q, k, v, spec, backend=p.backend)  # [B, Tq, H, D]; q_offset = Tk - Tq
     return out, None
+
+
+def _attend_rows(q, k, v, spec, row_pos: torch.Tensor, backend: str) -> torch.Tensor:
+    """Per-row SWAT of a padded batch (`lcx_key_positions`, as in `lcx.methods.attention_patch`).
+    The window and ALiBi see index differences, so a row's keys must be consecutive positions
+    (a full history, or the last keys of one: what the engine's eviction keeps)."""
+    from lcx.attention import attention
+    from lcx.methods.attention_patch import iter_rows
+
+    out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+    for b, idx, nq in iter_rows(row_pos, q.shape[1]):
+        pos = row_pos[b, idx]
+        if bool((pos.diff() != 1).any()):
+            raise ValueError(f"row {b}: SWAT needs consecutive key positions, got {pos.tolist()[:8]}...")
+        out[b : b + 1, q.shape[1] - nq :] = attention(
+            q[b : b + 1, q.shape[1] - nq :], k[b : b + 1, idx], v[b : b + 1, idx], spec, backend=backend)
+    return out
 
 
 def swat_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
