@@ -85,11 +85,15 @@ def _case(shape, dtype, pos_kind, device, seed=0):
 
 
 # ----------------------------------------------------------------------------- compile checks
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", NVCC_ARCHS)
 @pytest.mark.parametrize("cu", CU_FILES, ids=[p.stem for p in CU_FILES])
 def test_cuda_source_compiles_with_nvcc(cu, arch, tmp_path):
-    """Every .cu alone, as the CI step does: `nvcc -arch=sm_XX -O3 -c`."""
+    """Every .cu alone, as the CI step does: `nvcc -arch=sm_XX -O3 -c`. Skipped without nvcc,
+    unless LCX_REQUIRE_NVCC=1 (a CI machine that must check them) turns that into a failure."""
+    if NVCC is None:
+        if os.environ.get("LCX_REQUIRE_NVCC") == "1":
+            pytest.fail("nvcc not found and LCX_REQUIRE_NVCC=1")
+        pytest.skip("nvcc not found")
     obj = tmp_path / f"{cu.stem}_{arch}.o"
     proc = subprocess.run([NVCC, f"-arch={arch}", "-O3", "-c", str(cu), "-o", str(obj)],
                           capture_output=True, text=True, timeout=600)
