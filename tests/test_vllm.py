@@ -13,11 +13,11 @@ Checks:
 - the same prompts give *different* logprobs without the method (so the check can fail);
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
   text equals lcx's greedy decode, echo+logprobs equal lcx's prompt logprobs;
-- methods vLLM cannot run are refused before vLLM starts.
+- bad method configurations are refused before vLLM starts.
 
 The default test run skips this module (pyproject addopts `-m "not vllm"`); without the vLLM
 venv it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing venv fails.
-Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 10 minutes in all.
+Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 13 minutes in all.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ METHODS = {
     "sliding_window_48": {"attention": {"type": "sliding_window", "window": 48}},
     "truncate+sliding_window_100": {"rope": {"rope_type": "truncate"},
                                     "attention": {"type": "sliding_window", "window": 100}},
+    # Unrotated path (lcx.serve.vllm_plugin.method_attention): Λ-mask with capped distance ...
+    "lm_infinite_8_128": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 128}},
+    "yarn_x2+lm_infinite_4_200": {"rope": {"rope_type": "yarn", "factor": 2},
+                                  "attention": {"type": "lm_infinite", "n_global": 4, "n_local": 200}},
+    # ... and StreamingLLM's renumbered positions.
+    "sinks_4_96": {"attention": {"type": "sinks", "n_sink": 4, "window": 96}},
 }
 WORKER_TIMEOUT_S = 420
 START_TIMEOUT_S = 300
@@ -177,8 +183,8 @@ def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_pat
 
 @pytest.mark.parametrize("methods, match", [
     ({"rope": {"rope_type": "dynamic", "factor": 4}}, "length-dependent"),
-    ({"attention": {"type": "lm_infinite", "n_global": 4, "n_local": 64}}, "not supported inside vLLM"),
-    ({"attention": {"type": "sinks", "n_sink": 4, "window": 64}}, "not supported inside vLLM"),
+    ({"attention": {"type": "lm_infinite", "n_global": 4}}, "missing key"),
+    ({"attention": {"type": "flash"}}, "not known"),
     ({"rope": {"rope_type": "truncate"}, "window": 3}, "unknown vLLM method key"),
 ])
 def test_unsupported_methods_refused(methods, match):

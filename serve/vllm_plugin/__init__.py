@@ -1,4 +1,4 @@
-"""lcx's vLLM plugin: lcx methods (RoPE types, sliding window) inside vLLM's engine and server.
+"""lcx's vLLM plugin: lcx methods (RoPE types, sliding window, LM-Infinite, StreamingLLM) inside vLLM's engine and server.
 
 vLLM calls `register()` through the entry point group `vllm.general_plugins` (pyproject:
 `lcx = "lcx.serve.vllm_plugin:register"`) in every process it starts. It registers model classes
@@ -14,12 +14,12 @@ Use (what `lcx serve --engine vllm` does):
                       {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 64}})
     vllm.LLM(model_dir, hf_overrides=ov, dtype="float32")     # or: vllm serve ... --hf-overrides JSON
 
-See `.config` for what runs and for why LM-Infinite's Λ-mask and StreamingLLM do not (yet).
+See `.config` for what runs where (LM-Infinite and StreamingLLM: `.method_attention`).
 """
 
 from __future__ import annotations
 
-from .config import ARCHITECTURES, LCX_KEY, UNSUPPORTED_ATTENTION, VllmMethods, hf_overrides, rope_context_len
+from .config import ARCHITECTURES, LCX_KEY, UNROTATED_METHODS, VllmMethods, hf_overrides, rope_context_len
 
 _MODEL_CLASSES = {"LcxLlamaForCausalLM": "lcx.serve.vllm_plugin.model:LcxLlamaForCausalLM"}
 
@@ -35,5 +35,5 @@ def register() -> None:
             ModelRegistry.register_model(arch, target)
 
 
-__all__ = ["ARCHITECTURES", "LCX_KEY", "UNSUPPORTED_ATTENTION", "VllmMethods", "hf_overrides",
+__all__ = ["ARCHITECTURES", "LCX_KEY", "UNROTATED_METHODS", "VllmMethods", "hf_overrides",
            "register", "rope_context_len"]

@@ -21,7 +21,10 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
   manager then frees blocks that left every window; the overrides set `sliding_window` and
   `layer_types` (all "sliding_attention") in the HF config, which vLLM's Llama reads.
 - `attention: causal`: the unpatched model (a control).
-- `attention: lm_infinite` and `sinks` are refused, see `UNSUPPORTED_ATTENTION`.
+- `attention: lm_infinite` (Λ-mask, capped global distance) and `sinks` (StreamingLLM): the layer
+  skips vLLM's rotary, caches unrotated keys and calls the lcx method per request
+  (`.method_attention`): exact, but a Python loop over lcx's blockwise attention (slow), the
+  KV cache keeps every block, and only on vLLM's CPU backend.
 """
 
 from __future__ import annotations
@@ -37,24 +40,9 @@ METHOD_KEYS = ("rope", "attention")
 # HF architecture -> the lcx architecture registered with vLLM's ModelRegistry.
 ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
 
-# Why the Λ-mask and StreamingLLM sinks do not run inside vLLM (0.32, CPU backend): both need
-# (1) a mask vLLM's attention kernels cannot express: keys [0, G) plus the window. The CPU kernel
-#     (`ops.cpu_attention_with_kv_cache`) takes causal + `sliding_window` + per-head learned
-#     sink *logits* (`s_aux`), not sink *tokens*; it returns no log-sum-exp, so a second pass
-#     over the G global keys cannot be merged with the window pass (lcx.attention.merge needs lse);
-# (2) positions other than the cached ones: LM-Infinite scores global keys unrotated against a
-#     query rotated to min(limit, Tk - 1), StreamingLLM renumbers keys inside the cache. vLLM
-#     caches keys after RoPE in a paged, ISA-specific packed layout (`cpu_attn_reshape_and_cache`)
-#     that only the C++ kernel reads, so re-rotating cached keys needs an attention backend that
-#     owns its own cache layout and stores unrotated keys (a custom backend registered as
-#     AttentionBackendEnum.CUSTOM, with its own metadata builder): not built yet.
-UNSUPPORTED_ATTENTION = {
-    "lm_infinite": "LM-Infinite's Λ-mask needs global keys + window and re-rotated global keys; "
-                   "vLLM's CPU attention kernel has only causal + sliding_window over keys cached "
-                   "after RoPE (see lcx.serve.vllm_plugin.config)",
-    "sinks": "StreamingLLM renumbers positions inside the cache; vLLM caches keys after RoPE and "
-             "its kernels have no sink-token mask (see lcx.serve.vllm_plugin.config)",
-}
+# Attention methods that change positions (LM-Infinite's capped distance, StreamingLLM's
+# renumbering) run on unrotated q/k through `.method_attention` (exact, slow, CPU backend only).
+UNROTATED_METHODS = ("lm_infinite", "sinks")
 
 
 @dataclass(frozen=True)
@@ -73,9 +61,6 @@ class VllmMethods:
                 raise ValueError(
                     f"rope_type={self.rope.rope_type!r} is length-dependent (lcx recomputes its basis per "
                     "forward length); vLLM keeps one cos/sin cache, so it is not supported with --engine vllm")
-        if self.attention is not None and self.attention.name in UNSUPPORTED_ATTENTION:
-            raise ValueError(f"attention method {self.attention.name!r} is not supported inside vLLM: "
-                             f"{UNSUPPORTED_ATTENTION[self.attention.name]}")
 
     @classmethod
     def from_dict(cls, methods: Mapping[str, Any] | None, hf_config: Any = None) -> "VllmMethods":
@@ -109,7 +94,13 @@ class VllmMethods:
 
     @property
     def sliding_window(self) -> int | None:
-        return self.attention.window if self.attention is not None else None
+        """The window vLLM's own attention kernels run (lcx's sliding_window method only)."""
+        return self.attention.window if self.attention is not None and self.attention.name == "sliding_window" \
+            else None
+
+    @property
+    def needs_unrotated(self) -> bool:
+        return self.attention is not None and self.attention.name in UNROTATED_METHODS
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -161,5 +152,5 @@ def rope_context_len(hf_config: Any, methods: VllmMethods) -> int | None:
     return int(L * spec.factor) if L else None
 
 
-__all__ = ["ARCHITECTURES", "LCX_KEY", "UNSUPPORTED_ATTENTION", "VllmMethods", "hf_overrides",
+__all__ = ["ARCHITECTURES", "LCX_KEY", "UNROTATED_METHODS", "VllmMethods", "hf_overrides",
            "rope_context_len"]

@@ -16,6 +16,7 @@ from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, 
 from lcx.rope import RopeSpec, compute_inv_freq, rope_cos_sin
 
 from .config import VllmMethods
+from .method_attention import switch_to_method
 
 
 class LcxRotaryEmbedding(RotaryEmbedding):
@@ -44,7 +45,26 @@ class LcxRotaryEmbedding(RotaryEmbedding):
 
 
 class LcxLlamaAttention(LlamaAttention):
-    """LlamaAttention whose rotary embedding is the lcx spec of `config.lcx_methods` (if any)."""
+    """LlamaAttention whose rotary embedding is the lcx spec of `config.lcx_methods` (if any),
+    and which runs LM-Infinite / StreamingLLM on unrotated q/k (`.method_attention`)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        methods = VllmMethods.from_hf_config(config)
+        self.lcx_unrotated = methods.needs_unrotated
+        if self.lcx_unrotated:
+            spec = methods.rope or RopeSpec.for_model({}, config)
+            inv_freq, attention_factor = compute_inv_freq(spec, self.head_dim, None)
+            switch_to_method(self.attn, methods.attention, inv_freq, attention_factor)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.lcx_unrotated:
+            return super().forward(positions, hidden_states)
+        # No rotary here: the lcx method rotates inside attention (positions = cache indices).
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        output, _ = self.o_proj(self.attn(q, k, v))
+        return output
 
     def _init_rotary_emb(self, config, quant_config) -> None:
         methods = VllmMethods.from_hf_config(config)

@@ -12,6 +12,7 @@ tests/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM start fo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         lps = out.prompt_logprobs  # [None, {tok: Logprob}, ...], one entry per prompt token
         result.append([lps[i][ids[i]].logprob for i in range(1, len(ids))])
     Path(args.out).write_text(json.dumps({"logprobs": result, "overrides": overrides}))
+    # Shut the engine down while the interpreter is whole: left to interpreter teardown, vLLM's
+    # CPU engine sometimes aborts at exit ("terminate called without an active exception").
+    del llm, outs
+    gc.collect()
     return 0
 
 
