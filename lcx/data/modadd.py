@@ -64,6 +64,13 @@ SHIFT_OFFSETS: tuple[int, ...] = (8, 32, 128)
 
 PAD = " "
 
+# Character ids, shared by the encoder classifier and the exported decoder: the ids of
+# `lcx.models.tiny.byte_tokenizer` (0 <pad>, 1 <s>, 2 </s>, then 3 + byte). Every template is
+# ASCII, so one character is one id. The encoder uses `<s>` as its [CLS].
+PAD_ID, CLS_ID, EOS_ID = 0, 1, 2
+N_SPECIAL = 3
+VOCAB_SIZE = N_SPECIAL + 256
+
 
 @dataclass(frozen=True)
 class ModAddSplit:
@@ -113,6 +120,15 @@ def render(a: int, b: int, template: str = CANONICAL, offset: int = 0, *, marker
     if markers:
         body = f"{EXPR_OPEN}{body}{EXPR_CLOSE}"
     return pad * offset + body
+
+
+def encode_chars(text: str) -> list[int]:
+    """Character ids of `text` (byte value + `N_SPECIAL`; the byte tokenizer's ids).
+
+    >>> encode_chars("1+2=")
+    [52, 46, 53, 64]
+    """
+    return [N_SPECIAL + b for b in text.encode("utf-8")]
 
 
 def _check_operands(a: int, b: int) -> None:

@@ -1,0 +1,313 @@
+"""The modular-addition study (`lcx train modadd`): configs, data, models, training, resumable
+study runner, aggregation, and the decoder export evaluated through lm-eval's `lcx` model."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lcx.data import modadd
+from lcx.models.modadd import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
+from lcx.train import modadd as tm
+
+ROOT = Path(__file__).resolve().parents[1]
+PE_NAMES = sorted(POSITION_ENCODINGS)
+BATCH_SIZES = (1, 3)
+TINY_MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64}
+# A study small enough for tests: 2 configurations x 1 seed, a few steps each.
+TINY_RUN = {"steps": 3, "batch_size": 8, "eval_pairs": 7, "eval_offsets": [0, 8, 32, 128], "model": TINY_MODEL}
+TINY_STUDY = tm.StudyConfig(configs=(("baseline", "learned"), ("robust", "rope")), seeds=(0,), run=TINY_RUN)
+
+
+def _numbers(ids: torch.Tensor, length: int) -> list[int]:
+    text = bytes(int(i) - modadd.N_SPECIAL for i in ids[1:length]).decode()
+    return [int(x) for x in re.findall(r"\d+", text)][:2]
+
+
+# --------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("make, key", [
+    (lambda: tm.RunConfig.from_dict({"bogus_key": 1}), "bogus_key"),
+    (lambda: tm.RunConfig(position="sinusoid"), "position"),
+    (lambda: tm.RunConfig(recipe="robust-no_dropout"), "no_dropout"),
+    (lambda: tm.RunConfig(recipe="fancy"), "fancy"),
+    (lambda: tm.RunConfig(recipe="baseline+dropout"), "+dropout"),
+    (lambda: tm.RunConfig(steps=0), "steps"),
+    (lambda: tm.RunConfig(eval_offsets=(0, 8)), "eval_offsets"),
+    (lambda: tm.RunConfig(recipe="robust", batch_size=7), "batch_size"),
+    (lambda: tm.RunConfig(eval_offsets=(0, 8, 32, 128, 300)), "max_positions"),
+    (lambda: tm.Recipe(max_offset=-1), "max_offset"),
+    (lambda: tm.Recipe(curriculum=1), "curriculum"),
+    (lambda: tm.Recipe.from_dict({"mixup": True}), "mixup"),
+    (lambda: EncoderConfig(d_model=130), "n_heads"),
+    (lambda: EncoderConfig.from_dict({"width": 3}), "width"),
+    (lambda: tm.DecoderConfig(recipe="robust"), "consistency"),
+    (lambda: tm.StudyConfig(configs=(("robust",),)), "(recipe, position)"),
+    (lambda: tm.DecoderConfig.from_dict({"layers": 3}), "layers"),
+    (lambda: tm.StudyConfig(run={"seed": 3}), "seed"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_config_errors_name_the_key(make, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        make()
+
+
+def test_recipes_and_ablation_names():
+    robust = tm.recipe_by_name("robust")
+    assert all(getattr(robust, f) for f in tm.INTERVENTIONS)
+    assert not any(getattr(tm.recipe_by_name("baseline"), f) for f in tm.INTERVENTIONS)
+    for f in tm.INTERVENTIONS:
+        r = tm.recipe_by_name(f"robust-no_{f}")
+        assert [g for g in tm.INTERVENTIONS if not getattr(r, g)] == [f]
+    for f in tm.INTERVENTIONS:
+        r = tm.recipe_by_name(f"baseline+{f}")
+        assert [g for g in tm.INTERVENTIONS if getattr(r, g)] == [f]
+    assert tm.recipe_by_name("baseline+markers+templates-no_markers") == tm.recipe_by_name("baseline+templates")
+    assert tm.RunConfig.from_dict(tm.RunConfig(recipe="robust-no_markers").to_dict()) == tm.RunConfig(
+        recipe="robust-no_markers")
+
+
+def test_curriculum_widens_linearly():
+    r = tm.Recipe(curriculum=True, max_offset=32, curriculum_frac=0.5)
+    assert [r.max_offset_at(s, 100) for s in (0, 24, 49, 50, 99)] == [1, 16, 32, 32, 32]
+    assert tm.Recipe().max_offset_at(99, 100) == 0
+
+
+# --------------------------------------------------------------------------- data
+def test_training_batches_use_only_train_pairs_and_eval_uses_the_task_pairs():
+    from lcx.eval_tasks.modadd_shift.data import make_docs
+
+    split = modadd.split_pairs(0)
+    train = set(split.train)
+    assert not train & set(split.test)
+    for recipe in ("baseline", "robust"):
+        cfg = tm.RunConfig(recipe=recipe, batch_size=16, steps=10)
+        for step in (0, 9):
+            ids, lengths, labels, n = tm.batch_at(cfg, split.train, step)
+            for i in range(ids.shape[0]):
+                a, b = _numbers(ids[i], int(lengths[i]))
+                assert (a, b) in train and labels[i] == (a + b) % 97
+    docs = make_docs("id", {"num_pairs": 25})
+    assert [(d["a"], d["b"]) for d in docs] == list(split.test[:25])  # evaluate() reads split.test too
+
+
+def test_consistency_batch_pairs_rows_and_kl():
+    cfg = tm.RunConfig(recipe="robust", batch_size=12, steps=100)
+    ids, lengths, labels, n = tm.batch_at(cfg, modadd.split_pairs(0).train, 80)
+    assert n == 6 and torch.equal(labels[:n], labels[n:])
+    assert [_numbers(ids[i], int(lengths[i])) for i in range(n)] == \
+        [_numbers(ids[i + n], int(lengths[i + n])) for i in range(n)]
+    x = torch.randn(5, 97)
+    assert tm.symmetric_kl(x, x).abs() < 1e-6 and tm.symmetric_kl(x, torch.randn(5, 97)) > 0.1
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    cfg = tm.RunConfig(recipe="robust", batch_size=8)
+    train = modadd.split_pairs(0).train
+    assert torch.equal(tm.batch_at(cfg, train, 5)[0], tm.batch_at(cfg, train, 5)[0])
+    assert not torch.equal(tm.batch_at(cfg, train, 5)[0], tm.batch_at(cfg, train, 6)[0])
+
+
+# --------------------------------------------------------------------------- models
+@pytest.mark.parametrize("batch", BATCH_SIZES)
+@pytest.mark.parametrize("pe", PE_NAMES)
+def test_encoder_forward_backward(pe, batch):
+    torch.manual_seed(0)
+    model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL))
+    texts = [modadd.render(12, 34, t, o) for t, o in zip(modadd.TRAIN_TEMPLATES, (0, 5, 17))][:batch]
+    ids, lengths = tm.pack(texts)
+    logits = model(ids, lengths)
+    assert logits.shape == (batch, 97) and torch.isfinite(logits).all()
+    logits.logsumexp(-1).sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert model.tok.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("pe", PE_NAMES)
+def test_encoder_padding_does_not_change_logits(pe):
+    torch.manual_seed(0)
+    model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL)).eval()
+    short, long = modadd.render(3, 4), modadd.render(50, 60, modadd.OOD_TEMPLATES[0], 9)
+    alone = model(*tm.pack([short]))
+    together = model(*tm.pack([short, long]))[:1]
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pe", PE_NAMES)
+def test_position_semantics(pe):
+    """Only NoPE is blind to order: permuting the characters leaves its logits unchanged."""
+    torch.manual_seed(0)
+    model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL)).eval()
+    a, b = model(*tm.pack(["12+34="])), model(*tm.pack(["=43+21"]))
+    assert torch.allclose(a, b, atol=1e-5) == (pe == "nope")
+
+
+def test_alibi_bias_is_symmetric_distance():
+    model = ModAddEncoder(EncoderConfig(position="alibi", **TINY_MODEL))
+    bias = model.pe.bias(torch.arange(3))
+    m = torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])  # alibi_slopes(4)
+    want = -m[:, None, None] * torch.tensor([[0., 1, 2], [1, 0, 1], [2, 1, 0]])
+    torch.testing.assert_close(bias, want)
+
+
+# --------------------------------------------------------------------------- training
+def test_tiny_training_run_learns():
+    """A few hundred steps on the baseline: the loss falls well below chance (ln 97) and the
+    in-distribution accuracy rises above chance (1/97 ~ 1%)."""
+    torch.manual_seed(0)
+    cfg = tm.RunConfig(steps=150, batch_size=64, lr=3e-3, eval_pairs=200, eval_offsets=(0, 8, 32, 128),
+                       model={"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128})
+    _, res = tm.train_run(cfg, progress=False)
+    assert res["curve"]["loss"][-1] < math.log(97) - 1.0, res["curve"]["loss"]
+    assert res["metrics"]["train_id"] > 0.1, res["metrics"]
+    assert set(res["metrics"]["shift"]) == {"0", "8", "32", "128"}
+    assert 0 <= res["metrics"]["pos"] <= 1 and len(res["metrics"]["templates"]) == len(modadd.OOD_TEMPLATES)
+
+
+# --------------------------------------------------------------------------- study: resume + aggregate
+def test_study_resumes_and_redoes_corrupt_runs(tmp_path, monkeypatch):
+    calls = []
+    real = tm.train_run
+
+    def counting(cfg, **kw):
+        calls.append(cfg.name)
+        return real(cfg, **kw)
+
+    monkeypatch.setattr(tm, "train_run", counting)
+    tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
+    names = [c.name for c in TINY_STUDY.run_configs()]
+    assert calls == names
+    assert (tmp_path / "table.md").is_file() and (tmp_path / "shift.png").is_file()
+    assert (tmp_path / "ablation.png").is_file() and (tmp_path / "study_config.json").is_file()
+
+    calls.clear()
+    tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
+    assert calls == []  # everything finished: nothing is retrained
+
+    first, second = (tmp_path / "runs" / f"{n}.json" for n in names)
+    first.write_text(first.read_text()[:40])  # a crash mid-write (without the atomic rename)
+    other = json.loads(second.read_text())
+    other["config"]["steps"] = 99  # a run made with another config
+    second.write_text(json.dumps(other))
+    tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
+    assert calls == names
+    assert tm.load_run(first, TINY_STUDY.run_configs()[0]) is not None
+
+
+def _fake_run(runs: Path, recipe: str, position: str, seed: int, acc: float) -> None:
+    cfg = tm.RunConfig(recipe=recipe, position=position, seed=seed)
+    shift = {str(o): acc / (1 + o) for o in cfg.eval_offsets}
+    metrics = {"id": acc, "pos": acc / 2, "template": acc / 4, "train_id": 1.0, "shift": shift, "templates": [acc / 4] * 5}
+    (runs / f"{cfg.name}.json").write_text(json.dumps({"name": cfg.name, "config": cfg.to_dict(), "metrics": metrics,
+                                                       "train_s": 1.0}))
+
+
+def test_aggregate_table_from_run_files(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed, acc in ((0, 0.5), (1, 0.7), (2, 0.9)):
+        _fake_run(runs, "baseline", "learned", seed, acc)
+    _fake_run(runs, "robust", "learned", 0, 1.0)
+    (runs / "junk.json").write_text("{not json")
+    study = tm.StudyConfig(configs=(("baseline", "learned"), ("robust", "learned")), seeds=(0, 1, 2))
+    table = tm.aggregate(tmp_path, study)
+    base, robust = table["rows"]
+    assert base["id"]["mean"] == pytest.approx(0.7) and base["id"]["std"] == pytest.approx(0.2)
+    assert base["template"]["mean"] == pytest.approx(0.175) and base["seeds"] == [0, 1, 2]
+    assert base["shift"]["8"]["mean"] == pytest.approx(0.7 / 9)
+    assert robust["id"] == {"mean": 1.0, "std": 0.0}
+    assert table["missing_runs"] == ["robust__learned__s1", "robust__learned__s2"]
+    md = (tmp_path / "table.md").read_text()
+    assert "| baseline | learned | 3 | 70.0 ± 20.0 | 35.0 ± 10.0 | 17.5 ± 5.0 | 100.0 ± 0.0 |" in md
+    assert json.loads((tmp_path / "table.json").read_text())["rows"][0]["id"]["mean"] == pytest.approx(0.7)
+
+
+# --------------------------------------------------------------------------- decoder export + lm-eval
+@pytest.fixture(scope="module")
+def decoder_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("modadd") / "decoder"
+    cfg = tm.DecoderConfig(steps=10, batch_size=16, eval_pairs=5, hidden_size=32, intermediate_size=64)
+    tm.train_decoder(cfg, out, progress=False)
+    return out
+
+
+def test_decoder_export_loads_offline_and_greedy_matches_teacher_forcing(decoder_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(decoder_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(decoder_dir, local_files_only=True).eval()
+    prompt = modadd.render(12, 34, modadd.CANONICAL, 8)
+    assert tok(prompt, add_special_tokens=False).input_ids == modadd.encode_chars(prompt)
+    assert tok.decode(modadd.encode_chars(prompt + "5\n")) == prompt + "5\n"
+    meta = json.loads((decoder_dir / "train_config.json").read_text())
+    assert set(meta["metrics"]) >= {"id", "pos", "template"}
+    # The teacher-forced check counts a prompt right iff greedy generation emits answer + "\n".
+    pairs = modadd.split_pairs(0).test[:6]
+    for a, b in pairs:
+        p = modadd.render(a, b, modadd.CANONICAL, 0)
+        ids = torch.tensor([modadd.encode_chars(p)])
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        text = tok.decode(gen[0, ids.shape[1]:])
+        right = text.split("\n")[0] == modadd.answer(a, b) and "\n" in text
+        assert right == (tm.decoder_accuracy(model, [p], [modadd.answer(a, b)]) == 1.0), (p, text)
+
+
+def _lmeval_in_process(pretrained: str, limit: int) -> dict:
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from lcx.eval_tasks import TASKS_DIR
+    from lcx.lmeval_model import LcxLM
+
+    tm_ = TaskManager(include_path=str(TASKS_DIR))
+    lm = LcxLM(pretrained=pretrained, batch_size=8)
+    return simple_evaluate(model=lm, tasks=["modadd_shift"], task_manager=tm_, limit=limit,
+                           bootstrap_iters=0)["results"]
+
+
+def test_lmeval_lcx_model_evaluates_the_exported_decoder(decoder_dir):
+    """lm-eval's `lcx` model on the export: the same numbers as the trainer's own check."""
+    limit = 4
+    res = _lmeval_in_process(str(decoder_dir), limit)
+    assert {"modadd_shift", "modadd_shift_id", "modadd_shift_pos", "modadd_shift_template"} <= set(res)
+    model, _ = __import__("lcx").load_model(str(decoder_dir))
+    pairs = modadd.split_pairs(0).test[:limit]
+    answers = [modadd.answer(a, b) for a, b in pairs]
+    want_id = tm.decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], answers)
+    assert res["modadd_shift_id"]["exact_match,none"] == pytest.approx(want_id)
+    want_128 = tm.decoder_accuracy(model, [modadd.render(a, b, offset=128) for a, b in pairs], answers)
+    assert res["modadd_shift_pos"]["offset_128,none"] == pytest.approx(want_128)
+
+
+COMMITTED_DECODER = ROOT / "results" / "modadd" / "decoder"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (COMMITTED_DECODER / "config.json").is_file(), reason="no committed decoder export")
+def test_lm_eval_cli_on_the_committed_decoder(tmp_path):
+    """The literal command of the README on the committed export; its accuracy on the first
+    20 held-out pairs equals the trainer's check (which counts far above chance for a trained model)."""
+    exe = Path(sys.executable).with_name("lm_eval")
+    args = [str(exe) if exe.exists() else "lm_eval", "--model", "lcx", "--model_args",
+            f"pretrained={COMMITTED_DECODER}", "--tasks", "modadd_shift", "--limit", "20",
+            "--output_path", str(tmp_path)]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2",
+           "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (path,) = tmp_path.glob("**/results_*.json")
+    res = json.loads(path.read_text())["results"]
+    import lcx
+
+    model, _ = lcx.load_model(str(COMMITTED_DECODER))
+    pairs = modadd.split_pairs(0).test[:20]
+    want = tm.decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], [modadd.answer(a, b) for a, b in pairs])
+    assert res["modadd_shift_id"]["exact_match,none"] == pytest.approx(want)
+    assert want > 0.5
