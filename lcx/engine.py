@@ -226,9 +226,11 @@ class ResolvedAttention:
     method: Any
     backend: str
     bounded: bool
+    decode_backend: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.method.to_dict(), "backend": self.backend, "bounded_cache": self.bounded}
+        return {**self.method.to_dict(), "backend": self.backend, "decode_backend": self.decode_backend,
+                "bounded_cache": self.bounded}
 
 
 def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAttention:
@@ -237,14 +239,15 @@ def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAtt
 
     params = dict(params)
     backend = params.pop("backend", DEFAULT_BACKEND)
+    decode_backend = params.pop("decode_backend", None)
     method = method_from_dict(params)
-    patch_attention(model, method, backend=backend)
+    patch_attention(model, method, backend=backend, decode_backend=decode_backend)
     try:
         method.check_bounded()
         bounded = True
     except ValueError:  # e.g. LM-Infinite with limit_distance > G + L - 1: keep the whole cache
         bounded = False
-    return ResolvedAttention(method, backend, bounded)
+    return ResolvedAttention(method, backend, bounded, decode_backend)
 
 
 def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
@@ -271,7 +274,7 @@ ENGINE_METHODS: dict[str, EngineMethod] = {
     "attention": EngineMethod(
         name="attention", apply=_apply_attention, kv_policy=_attention_kv_policy,
         description="an lcx.methods attention method ({'type': 'lm_infinite'|'sliding_window'|'sinks', ...}, "
-                    "optional 'backend') with a bounded per-row KV cache"),
+                    "optional 'backend', 'decode_backend') with a bounded per-row KV cache"),
 }
 
 

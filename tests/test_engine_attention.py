@@ -180,3 +180,31 @@ def test_engine_swat_model_batched_with_bounded_cache():
             got[ev.request_id] += ev.token_ids
         assert engine.cache_len <= len(prompts) * 7
     assert [got[i] for i in ids] == want
+
+
+def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
+    """`decode_backend` (e.g. the decode-only "cuda" kernel on a GPU) runs the Tq = 1 calls;
+    prefill stays on `backend`. Same tokens with flash as the decode backend."""
+    import lcx.attention.backends as backends_mod
+    from lcx.methods import unpatch_attention
+
+    model, tok = model64
+    params = METHODS["lm_infinite"]
+    want = [_reference(model, method_from_dict(params), p) for p in _prompts(tok)[:2]]
+    seen: list[tuple[str, int]] = []
+    orig = backends_mod.attention
+
+    def spy(q, k, v, spec, *, backend, **kw):
+        seen.append((backend, q.shape[1]))
+        return orig(q, k, v, spec, backend=backend, **kw)
+
+    monkeypatch.setattr("lcx.methods.spec.attention", spy)
+    engine = Engine(model, tok, EngineConfig(methods={"attention": {**params, "decode_backend": "flash"}},
+                                             max_model_len=256))
+    try:
+        outs = engine.generate(_prompts(tok)[:2], SamplingParams(max_tokens=GEN, ignore_eos=True))
+        assert [o.token_ids for o in outs] == want
+        assert {b for b, tq in seen if tq == 1} == {"flash"} and {b for b, tq in seen if tq > 1} == {"blockwise"}
+        assert engine.resolved_methods["attention"].to_dict()["decode_backend"] == "flash"
+    finally:
+        unpatch_attention(model)

@@ -70,6 +70,7 @@ class _Patch:
     method: AttentionMethod
     backend: str
     original_attn_implementation: Any
+    decode_backend: str | None = None
 
 
 @dataclass
@@ -77,6 +78,10 @@ class _ModuleState:
     method: AttentionMethod
     backend: str
     decoder: "weakref.ref[nn.Module]"  # owns rotary_emb: the RoPE basis is read from it per call
+    decode_backend: str | None = None  # for calls with one query token (None: `backend`)
+
+    def backend_for(self, n_queries: int) -> str:
+        return self.decode_backend if n_queries == 1 and self.decode_backend else self.backend
 
 
 # ------------------------------------------------------------------------ transformers hooks
@@ -183,7 +188,7 @@ def lcx_attention_forward(
         seq_len = int(rot_pos.max()) + 1
     inv_freq, af = rope_basis(decoder, seq_len)
     rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
-    out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend, scale=self.scaling)  # [B, Tq, H, D]
+    out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=self.scaling)  # [B, Tq, H, D]
     return self.o_proj(out.reshape(B, Tq, -1)), None
 
 
@@ -221,7 +226,7 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
         rot = torch.arange(len(idx), device=q.device) if st.method.renumber_in_cache else pos
         out[b : b + 1, Tq - nq :] = st.method.attend(
             q[b : b + 1, Tq - nq :], k[b : b + 1, idx], v[b : b + 1, idx],
-            rotary=Rotary(inv_freq, rot, af), backend=st.backend, scale=scale,
+            rotary=Rotary(inv_freq, rot, af), backend=st.backend_for(nq), scale=scale,
         )  # fmt: skip
     return out
 
@@ -253,28 +258,31 @@ def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
 
 
 def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any], *,
-                    backend: str = DEFAULT_BACKEND) -> nn.Module:
+                    backend: str = DEFAULT_BACKEND, decode_backend: str | None = None) -> nn.Module:
     """Run every attention layer of `model` with `method` (in place; returns the model).
 
     method:  an `AttentionMethod` (`lm_infinite(...)`, `sliding_window(...)`, `sinks(...)`,
              `causal()`) or its dict (`{"type": "lm_infinite", "n_global": 16, ...}`).
     backend: the `lcx.attention` backend of every call ("blockwise": memory O(T * (G + L)) for
              windowed methods; a speed choice, every backend computes the same thing).
+    decode_backend: the backend of calls with one query token (decode), e.g. "cuda" (a
+             decode-only kernel) or "triton"; None: `backend` for those too.
     Patching a patched model replaces the method; `unpatch_attention` restores the model as loaded.
     """
     method = method_from_dict(method)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not an lcx.attention backend; known: {sorted(BACKENDS)}")
+    for name, b in (("backend", backend), ("decode_backend", decode_backend)):
+        if b is not None and b not in BACKENDS:
+            raise ValueError(f"{name}={b!r} is not an lcx.attention backend; known: {sorted(BACKENDS)}")
     decoder, attns = _decoder_and_layers(model)
     register()
     prev: _Patch | None = getattr(model, _STATE, None)
     original = prev.original_attn_implementation if prev is not None else model.config._attn_implementation
     ref = weakref.ref(decoder)
     for attn in attns:
-        setattr(attn, _STATE, _ModuleState(method, backend, ref))
+        setattr(attn, _STATE, _ModuleState(method, backend, ref, decode_backend))
         attn.forward = types.MethodType(lcx_attention_forward, attn)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
-    setattr(model, _STATE, _Patch(method, backend, original))
+    setattr(model, _STATE, _Patch(method, backend, original, decode_backend))
     return model
 
 
@@ -300,20 +308,20 @@ def current_attention(model: nn.Module) -> AttentionMethod | None:
 
 @contextlib.contextmanager
 def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, Any] | None, *,
-                      backend: str = DEFAULT_BACKEND) -> Iterator[nn.Module]:
+                      backend: str = DEFAULT_BACKEND, decode_backend: str | None = None) -> Iterator[nn.Module]:
     """Context manager: `patch_attention` on entry (no-op for None), previous state on exit."""
     if method is None:
         yield model
         return
     prev: _Patch | None = getattr(model, _STATE, None)
-    patch_attention(model, method, backend=backend)
+    patch_attention(model, method, backend=backend, decode_backend=decode_backend)
     try:
         yield model
     finally:
         if prev is None:
             unpatch_attention(model)
         else:
-            patch_attention(model, prev.method, backend=prev.backend)
+            patch_attention(model, prev.method, backend=prev.backend, decode_backend=prev.decode_backend)
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "attention_patched", "current_attention",
