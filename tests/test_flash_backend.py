@@ -94,3 +94,18 @@ def test_flash_refuses_what_it_cannot_do():
         attention(q, k, v, AttentionSpec(mask=global_tokens(4)), backend="flash")
     with pytest.raises(NotImplementedError, match="forward-only"):
         attention(q.requires_grad_(), k, v, AttentionSpec(mask=sliding_window(7)), backend="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Tk,Tq", [(4097, 4097), (4097, 1), (3001, 1000)], ids=lambda x: str(x))
+def test_flash_cuda_within_budget(dtype, Tk, Tq):
+    """On CUDA: torch's flash / memory-efficient kernels (or flash-attn when installed)."""
+    exact = _qkv(Tq, Tk, H=8, Hkv=2, D=64)
+    low = tuple(x.to(dtype).cuda() for x in exact)
+    for _, spec, rot in _specs(16, 1024):
+        rot_c = None if rot is None else Rotary(rot.inv_freq.cuda())
+        want = attention_ref_spec(*exact, spec, rotary=rot)
+        ref_lp = attention_ref_spec(*low, spec, rotary=rot_c).cpu()
+        got = attention(*low, spec, backend="flash", rotary=rot_c).cpu()
+        assert_within_budget(got, ref_lp, want, what=f"flash cuda {spec.name}")
