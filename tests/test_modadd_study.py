@@ -26,6 +26,15 @@ TINY_RUN = {"steps": 3, "batch_size": 8, "eval_pairs": 7, "eval_offsets": [0, 8,
 TINY_STUDY = tm.StudyConfig(configs=(("baseline", "learned"), ("robust", "rope")), seeds=(0,), run=TINY_RUN)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Training here is tiny; one thread avoids oversubscribing the shared CI cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _numbers(ids: torch.Tensor, length: int) -> list[int]:
     text = bytes(int(i) - modadd.N_SPECIAL for i in ids[1:length]).decode()
     return [int(x) for x in re.findall(r"\d+", text)][:2]
@@ -158,14 +167,13 @@ def test_alibi_bias_is_symmetric_distance():
 
 # --------------------------------------------------------------------------- training
 def test_tiny_training_run_learns():
-    """A few hundred steps on the baseline: the loss falls well below chance (ln 97) and the
-    in-distribution accuracy rises above chance (1/97 ~ 1%)."""
-    torch.manual_seed(0)
-    cfg = tm.RunConfig(steps=150, batch_size=64, lr=3e-3, eval_pairs=200, eval_offsets=(0, 8, 32, 128),
-                       model={"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128})
-    _, res = tm.train_run(cfg, progress=False)
-    assert res["curve"]["loss"][-1] < math.log(97) - 1.0, res["curve"]["loss"]
-    assert res["metrics"]["train_id"] > 0.1, res["metrics"]
+    """A short run on 24 training pairs: the loss falls far below chance (ln 97) and the pairs
+    it trained on are mostly answered right (chance: 1/97)."""
+    cfg = tm.RunConfig(steps=60, batch_size=32, lr=3e-3, weight_decay=0.0, warmup_steps=5, train_pairs=24,
+                       eval_pairs=24, eval_offsets=(0, 8, 32, 128), model=TINY_MODEL)
+    _, res = tm.train_run(cfg, progress=False, log_every=5)
+    assert res["curve"]["loss"][-1] < math.log(97) - 2.0, res["curve"]["loss"]
+    assert res["metrics"]["train_id"] > 0.5, res["metrics"]
     assert set(res["metrics"]["shift"]) == {"0", "8", "32", "128"}
     assert 0 <= res["metrics"]["pos"] <= 1 and len(res["metrics"]["templates"]) == len(modadd.OOD_TEMPLATES)
 

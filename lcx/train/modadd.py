@@ -167,6 +167,7 @@ class RunConfig:
     warmup_steps: int = 50
     grad_clip: float = 1.0
     eval_pairs: int = 1000
+    train_pairs: int = 0  # train on the first N pairs of the train half only (0: all 4,704)
     eval_offsets: tuple[int, ...] = EVAL_OFFSETS
     model: EncoderConfig = field(default_factory=EncoderConfig)
 
@@ -181,7 +182,7 @@ class RunConfig:
         if self.model.position != self.position:
             object.__setattr__(self, "model", dataclasses.replace(self.model, position=self.position))
         for name, minimum in (("seed", 0), ("split_seed", 0), ("steps", 1), ("batch_size", 2),
-                              ("warmup_steps", 0), ("eval_pairs", 1)):
+                              ("warmup_steps", 0), ("eval_pairs", 1), ("train_pairs", 0)):
             _check_int(name, getattr(self, name), minimum)
         if self.recipe_obj.consistency and self.batch_size % 2:
             raise ValueError(f"batch_size must be even with the consistency loss, got {self.batch_size}")
@@ -359,6 +360,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
     from tqdm.auto import tqdm
 
     split = split_pairs(cfg.split_seed)
+    train_pairs = split.train[: cfg.train_pairs] if cfg.train_pairs else split.train
     model = build_model(cfg)
     opt = _optimizer(model, cfg.lr, cfg.weight_decay)
     curve: dict[str, list] = {"step": [], "loss": []}
@@ -370,7 +372,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        ids, lengths, labels, n = batch_at(cfg, split.train, step)
+        ids, lengths, labels, n = batch_at(cfg, train_pairs, step)
         loss, parts = loss_fn(model, cfg, ids, lengths, labels, n)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -454,9 +456,17 @@ def load_run(path: Path, cfg: RunConfig | None = None) -> dict[str, Any] | None:
         return None
     if not isinstance(res, dict) or "metrics" not in res or "config" not in res:
         return None
-    if cfg is not None and res["config"] != cfg.to_dict():
+    if cfg is not None and not _same_config(res["config"], cfg):
         return None
     return res
+
+
+def _same_config(saved: Mapping[str, Any], cfg: RunConfig) -> bool:
+    """Compared as resolved configs: a key added later with its default still matches."""
+    try:
+        return RunConfig.from_dict(saved) == cfg
+    except (TypeError, ValueError):
+        return False
 
 
 def run_study(study: StudyConfig, out: str | Path, *, progress: bool = True, only_missing: bool = True,
@@ -516,8 +526,8 @@ def aggregate(out: str | Path, study: StudyConfig | None = None) -> dict[str, An
     out = Path(out)
     runs = [r for p in sorted((out / "runs").glob("*.json")) if (r := load_run(p)) is not None]
     if study is not None:
-        wanted = {c.name: c.to_dict() for c in study.run_configs()}
-        runs = [r for r in runs if wanted.get(r["name"]) == r["config"]]
+        wanted = {c.name: c for c in study.run_configs()}
+        runs = [r for r in runs if r.get("name") in wanted and _same_config(r["config"], wanted[r["name"]])]
         order = list(dict.fromkeys(study.configs))
     else:
         order = list(dict.fromkeys((r["config"]["recipe"], r["config"]["position"]) for r in runs))
@@ -640,10 +650,10 @@ class DecoderConfig:
     recipe: str = "baseline"
     seed: int = 0
     split_seed: int = 0
-    steps: int = 800
+    steps: int = 2000
     batch_size: int = 256
-    lr: float = 2e-3
-    weight_decay: float = 0.1
+    lr: float = 1e-3
+    weight_decay: float = 1.0
     warmup_steps: int = 50
     grad_clip: float = 1.0
     eval_pairs: int = 500
