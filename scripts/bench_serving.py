@@ -31,8 +31,12 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-# The plugin row: a RoPE type vLLM lacks + a sliding window (both run inside vLLM by the plugin).
-VLLM_METHODS = {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 48}}
+# vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
+# rotary table), and LM-Infinite (lcx's exact per-request path, lcx.serve.vllm_plugin.method_attention).
+VLLM_METHODS = {
+    "vllm_plugin_methods": {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 48}},
+    "vllm_plugin_lm_infinite": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 48}},
+}
 
 
 def _free_port() -> int:
@@ -208,7 +212,7 @@ def main() -> int:
                     help="also benchmark vLLM-on-CPU (plain, and with the lcx plugin's methods); auto: when "
                          "scripts/install_vllm_cpu.sh has installed it")
     ap.add_argument("--vllm-methods", default=json.dumps(VLLM_METHODS),
-                    help="JSON methods for the vLLM-with-plugin row (default: %(default)s)")
+                    help="JSON {row name: methods} for the vLLM-with-plugin rows (default: %(default)s)")
     ap.add_argument("--out", default=str(ROOT / "results" / "serving_cpu.json"))
     args = ap.parse_args()
 
@@ -240,17 +244,18 @@ def main() -> int:
         configs = [bench_config("batched", args.clients, prompt, args, Path(d)),
                    bench_config("max_batch_1", 1, prompt, args, Path(d))]
         if use_vllm:
-            configs += [bench_config("vllm", args.clients, prompt, args, Path(d), vllm_methods=None),
-                        bench_config("vllm_plugin_methods", args.clients, prompt, args, Path(d),
-                                     vllm_methods=vllm_methods)]
+            configs.append(bench_config("vllm", args.clients, prompt, args, Path(d), vllm_methods=None))
+            configs += [bench_config(name, args.clients, prompt, args, Path(d), vllm_methods=m)
+                        for name, m in vllm_methods.items()]
     by_name = {c["name"]: c for c in configs}
     batched, base = by_name["batched"], by_name["max_batch_1"]
     ratio = batched["gen_tokens_per_s"] / base["gen_tokens_per_s"]
     ratios = {"batched_over_max_batch_1_throughput": ratio}
     if use_vllm:
         ratios["vllm_over_batched_throughput"] = by_name["vllm"]["gen_tokens_per_s"] / batched["gen_tokens_per_s"]
-        ratios["vllm_plugin_methods_over_vllm_throughput"] = (by_name["vllm_plugin_methods"]["gen_tokens_per_s"]
-                                                              / by_name["vllm"]["gen_tokens_per_s"])
+        for name in vllm_methods:
+            ratios[f"{name}_over_vllm_throughput"] = (by_name[name]["gen_tokens_per_s"]
+                                                      / by_name["vllm"]["gen_tokens_per_s"])
 
     import torch
     import transformers
@@ -270,8 +275,10 @@ def main() -> int:
         "notes": [
             ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
              "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
-             "own Llama, no plugin. `vllm_plugin_methods`: the lcx plugin's model class running the `methods` "
-             "shown in the row (lcx RoPE basis in vLLM's rotary kernel, vLLM's sliding-window attention)."
+             "own Llama, no plugin. `vllm_plugin_*`: the lcx plugin's model class running the `methods` shown in "
+             "the row: vllm_plugin_methods = lcx RoPE table in vLLM's rotary kernel + vLLM's sliding-window "
+             "attention; vllm_plugin_lm_infinite = lcx's exact per-request path (Python loop over lcx's "
+             "blockwise attention on unrotated keys), expected to be much slower."
              if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
             "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
             "latency: per request, send to full response, all repeats pooled.",
@@ -284,10 +291,10 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
           f"prompt {args.prompt_len} / gen {args.gen_len} tokens, server threads {args.threads}")
-    print(f"{'config':<20} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
+    print(f"{'config':<24} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
     for c in configs:
         busy = f"{c['engine_busy_fraction']:>5.2f}" if "engine_busy_fraction" in c else f"{'-':>5}"
-        print(f"{c['name']:<20} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
+        print(f"{c['name']:<24} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
               f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c.get('engine_max_batch_size', '-'):>9} {busy}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
