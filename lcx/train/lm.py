@@ -24,6 +24,30 @@ Files in `--out` (written atomically, temp file + `os.replace`):
     train_config.json                                         resolved TrainConfig + runtime
     state.pt                                                  resume state (removed at the end
                                                               unless --keep-state)
+Fine-tuning (`--init PRESET_OR_DIR`, `TrainConfig.init`): start from an existing model's weights
+and tokenizer instead of a fresh init; its shape and attention variant (sdpa or SWAT) are kept
+and recorded as `TrainConfig.model`; the optimizer, schedule and batches are as above (the seed
+then only picks batches). `--resume` reloads the init model for its architecture, then the
+saved state.
+
+Passkey mix (`--passkey-mix F`, `TrainConfig.passkey_mix`): the first round(F * batch_size)
+rows of every batch start with a passkey-retrieval example in exactly the prompt format of the
+lm-eval `passkey` task (`lcx.eval_tasks.passkey.data`: task line, filler, needle, filler,
+question), followed by " <key>" and `</s>`; the rest of the row is the row's own text window,
+so no position is padding. An example is at most `seq_len` tokens: a random 5-digit key, a
+random depth in [0, 1] and a filler size drawn uniformly from 0 to the most that fits (the
+eval's own `PromptSizer`), all from `random.Random(f"{seed}:{step}:passkey")`, so a batch is
+still a function of (seed, step) and `--resume` stays exact. Prompt and answer are tokenized
+separately, as the eval tokenizes its context and then generates, and no BOS is added (the eval
+adds none). The loss is the usual mean next-token NLL over ALL positions: the template and
+filler are near-free after a few steps, the needle's first key is unpredictable noise the
+model cannot reduce, and the answer (plus the needle's second, short-range copy of the key) is
+the retrieval signal; keeping text and examples under one loss keeps the fine-tune a plain LM
+fine-tune whose held-out perplexity stays comparable. With a passkey mix, each evaluation also
+logs `passkey` (in `log["val"]`, and `final_val_passkey`): the fraction of `PASSKEY_VAL_COUNT` fixed held-out prompts (seq_len long,
+keys from their own seed) whose answer tokens are all the model's greedy predictions (what the
+lm-eval `passkey_ll` task scores).
+
 The log (`--log`, default `<out>/train_log.json`) holds per-step losses, validation losses, wall
 time, tokens seen, the config, the environment and the git SHA; a PNG curve is written beside it.
 """
@@ -35,6 +59,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +144,8 @@ class TrainConfig:
     eval_every: int = 100
     val_windows: int = 128
     ckpt_every: int = 100
+    init: str | None = None  # preset name or HF directory to fine-tune from (None: fresh init)
+    passkey_mix: float = 0.0  # fraction of each batch's rows that are passkey examples
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -140,6 +167,14 @@ class TrainConfig:
         if self.seq_len > self.model.max_position_embeddings:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds max_position_embeddings "
                              f"({self.model.max_position_embeddings})")
+        if self.init is not None and (not isinstance(self.init, str) or not self.init.strip()):
+            raise ValueError(f"init must be a model preset name or directory, got {self.init!r}")
+        mix = self.passkey_mix
+        if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
+            raise ValueError(f"passkey_mix must be a fraction in [0, 1], got {mix!r}")
+        if mix > 0 and passkey_rows(self) == 0:
+            raise ValueError(f"passkey_mix={mix} gives no passkey row in a batch of {self.batch_size} "
+                             f"(round(passkey_mix * batch_size) = 0); raise it or the batch size")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
@@ -214,6 +249,69 @@ def build_model(mc: ModelConfig, *, seed: int | None = None, **token_ids: int) -
     return ATTENTION_VARIANTS[mc.attention](config)
 
 
+def model_config_of(config: Any) -> ModelConfig:
+    """The `ModelConfig` of an HF Llama config (a model written by `lcx train lm`, or any plain
+    Llama-family checkpoint with default RoPE); SWAT configs map to attention="swat"."""
+    from lcx.models.swat import is_swat
+
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"init: only default RoPE can be fine-tuned here, got rope_parameters={rope}")
+    swat = is_swat(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=head_dim, max_position_embeddings=config.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        attention="swat" if swat else "sdpa", window=int(config.sliding_window) if swat else None,
+    )
+
+
+def resolve_init(init: str) -> Path:
+    """The HF directory of `--init` (a preset name or a directory, `lcx.load_model`'s rules)."""
+    from lcx.models import resolve_source
+
+    kind, path = resolve_source(init)
+    if kind != "hf":
+        raise ValueError(f"--init {init!r} is a {kind} file; fine-tuning needs a Hugging Face model directory")
+    return path
+
+
+def init_model_config(init: str) -> ModelConfig:
+    """`ModelConfig` of the `--init` model, read from its config.json (weights not loaded)."""
+    from transformers import AutoConfig
+
+    from lcx.models.swat import from_pretrained_kwargs
+
+    path = resolve_init(init)
+    return model_config_of(AutoConfig.from_pretrained(path, local_files_only=True, **from_pretrained_kwargs(path)))
+
+
+def load_init(init: str, expected: ModelConfig) -> torch.nn.Module:
+    """The `--init` model (float32, train mode). Its `ModelConfig` must equal `expected`."""
+    from lcx.models import load_model
+
+    model, _ = load_model(resolve_init(init))
+    got = model_config_of(model.config)
+    if got != expected:
+        diff = {k: (v, getattr(expected, k)) for k, v in dataclasses.asdict(got).items() if getattr(expected, k) != v}
+        raise ValueError(f"init {init!r}: model config differs from the run's (init, run): {diff}")
+    return model.float().train()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 # -------------------------------------------------------------------------------- schedule
 
 
@@ -226,8 +324,65 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) `[B, T]` for `step`: B random windows of T+1 tokens, a function of (seed, step)."""
+def passkey_rows(cfg: TrainConfig) -> int:
+    """How many rows of each batch are passkey examples: round(passkey_mix * batch_size)."""
+    return int(round(cfg.passkey_mix * cfg.batch_size))
+
+
+class PasskeyExamples:
+    """Passkey-retrieval training examples in the lm-eval `passkey` task's exact prompt format.
+
+    `example(seq_len, rng)` -> (ids, info): `ids` = tokens(prompt) + tokens(" " + key) + [eos],
+    at most `seq_len` ids, no BOS; `info` has key, depth, filler size and where the answer
+    starts (`answer_start`, `answer_len` in ids). Sizing reuses the eval's `PromptSizer`.
+    """
+
+    def __init__(self, tokenizer: Any):
+        from lcx.eval_tasks.passkey.data import PromptSizer
+
+        if tokenizer.eos_token_id is None:
+            raise ValueError("passkey examples need a tokenizer with an eos token")
+        self.tok = tokenizer
+        self.sizer = PromptSizer(tokenizer)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def example(self, seq_len: int, rng: random.Random, *, full: bool = False) -> tuple[list[int], dict[str, Any]]:
+        """One example of at most `seq_len` tokens; `full=True` uses the most filler that fits
+        (the size the eval uses at `seq_len`) instead of a uniform draw."""
+        from lcx.eval_tasks.passkey.data import build_prompt
+
+        key = str(rng.randint(10_000, 99_999))
+        depth = rng.random()
+        try:
+            n_max = self.sizer.fit(key, depth, seq_len)
+        except ValueError as e:
+            raise ValueError(f"passkey_mix: seq_len {seq_len} is too short for a passkey example: {e}") from e
+        n = n_max if full else rng.randint(0, n_max)
+        answer = self._ids(" " + key)
+        while True:  # prompt and answer tokenized apart; the sizer measured them joined
+            b = round(depth * n)
+            prompt = self._ids(build_prompt(key, b, n - b))
+            ids = prompt + answer + [self.tok.eos_token_id]
+            if len(ids) <= seq_len or n == 0:
+                break
+            n -= 1
+        if len(ids) > seq_len:
+            raise ValueError(f"passkey_mix: seq_len {seq_len} is too short for a passkey example "
+                             f"({len(ids)} tokens without filler)")
+        return ids, {"key": key, "depth": depth, "filler_sentences": n, "n_before": b,
+                     "answer_start": len(prompt), "answer_len": len(answer)}
+
+
+def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int,
+             passkey: PasskeyExamples | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) `[B, T]` for `step`: B random windows of T+1 tokens, a function of (seed, step).
+
+    With `cfg.passkey_mix > 0` the first `passkey_rows(cfg)` rows become [passkey example,
+    then the first T+1-m tokens of that row's window] (m = the example's length); `passkey`
+    supplies the examples.
+    """
     n = stream.numel() - cfg.seq_len - 1
     if n < 1:
         raise ValueError(f"train stream has {stream.numel()} tokens; need more than seq_len + 1 = {cfg.seq_len + 1}")
@@ -235,7 +390,49 @@ def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[torch.T
     offsets = torch.randint(0, n + 1, (cfg.batch_size,), generator=g)
     idx = offsets[:, None] + torch.arange(cfg.seq_len + 1)[None, :]  # [B, T+1]
     win = stream[idx].long()
+    k = passkey_rows(cfg)
+    if k:
+        if passkey is None:
+            raise ValueError("passkey_mix > 0 needs passkey=PasskeyExamples(tokenizer)")
+        rng = random.Random(f"{cfg.seed}:{step}:passkey")
+        for i in range(k):
+            ids, _ = passkey.example(cfg.seq_len, rng)
+            m = len(ids)
+            win[i] = torch.cat([torch.tensor(ids, dtype=torch.long), win[i, : cfg.seq_len + 1 - m]])
     return win[:, :-1], win[:, 1:]
+
+
+PASSKEY_VAL_COUNT = 32
+PASSKEY_VAL_SEED = "passkey-val"  # a fixed seed, not the run's: the held-out prompts never change
+
+
+def passkey_val_examples(passkey: PasskeyExamples, seq_len: int, count: int = PASSKEY_VAL_COUNT):
+    """`count` fixed full-length examples (ids, info) for `passkey_accuracy`."""
+    rng = random.Random(PASSKEY_VAL_SEED)
+    return [passkey.example(seq_len, rng, full=True) for _ in range(count)]
+
+
+@torch.no_grad()
+def passkey_accuracy(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]],
+                     pad_id: int = 0, batch_size: int = 16) -> float:
+    """Fraction of examples whose answer tokens are all the model's greedy next-token predictions
+    (teacher-forced over the answer, like lm-eval's `is_greedy`). Rows are right-padded, which
+    a causal model cannot see."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        T = max(len(ids) for ids, _ in chunk)
+        x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+        for r, (ids, _) in enumerate(chunk):
+            x[r, : len(ids)] = torch.tensor(ids)
+        pred = model(input_ids=x, use_cache=False).logits.argmax(-1)  # [b, T]
+        for r, (ids, info) in enumerate(chunk):
+            a, n = info["answer_start"], info["answer_len"]
+            correct += bool(torch.equal(pred[r, a - 1 : a - 1 + n], x[r, a : a + n]))
+    model.train(was_training)
+    return correct / max(1, len(examples))
 
 
 def val_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
@@ -362,8 +559,16 @@ def train(
     if len(tokenizer) > cfg.model.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {cfg.model.vocab_size}")
 
-    model = build_model(cfg.model, seed=cfg.seed, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if cfg.init is not None:
+        model = load_init(cfg.init, cfg.model)
+        if len(tokenizer) > model.config.vocab_size or tokenizer.eos_token_id != model.config.eos_token_id:
+            raise ValueError(f"init {cfg.init!r}: the tokenizer does not match the model (use the init's own)")
+    else:
+        model = build_model(cfg.model, seed=cfg.seed, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    passkey = PasskeyExamples(tokenizer) if cfg.passkey_mix > 0 else None
+    pk_val = passkey_val_examples(passkey, cfg.seq_len) if passkey is not None else None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, cfg)
     log: dict[str, Any] = {
@@ -387,7 +592,7 @@ def train(
     def checkpoint(step: int, final: bool) -> None:
         meta = {"train_config": cfg.to_dict(), "n_params": n_params, "steps_done": step,
                 "runtime": {"threads": torch.get_num_threads()}}
-        for k in ("git", "tokenizer"):
+        for k in ("git", "tokenizer", "init"):
             if k in log:
                 meta[k] = log[k]
         _save_hf(model, tokenizer, out, meta)
@@ -410,7 +615,7 @@ def train(
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = batch_at(train_stream, cfg, step)
+        x, y = batch_at(train_stream, cfg, step, passkey)
         loss = lm_loss(model, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -425,7 +630,10 @@ def train(
         log["tokens_seen"] += tokens_per_step
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            log["val"].append({"step": done, "loss": evaluate(model, val)})
+            entry = {"step": done, "loss": evaluate(model, val)}
+            if pk_val is not None:
+                entry["passkey"] = passkey_accuracy(model, pk_val, pad_id)
+            log["val"].append(entry)
         now = time.perf_counter()
         log["wall_time_s"] += now - t_last
         t_last = now
@@ -434,11 +642,15 @@ def train(
                 "tok/s": f"{log['tokens_seen'] / max(log['wall_time_s'], 1e-9):.0f}"}
         if log["val"]:
             post["val"] = f"{log['val'][-1]['loss']:.3f}"
+            if "passkey" in log["val"][-1]:
+                post["pk"] = f"{log['val'][-1]['passkey']:.2f}"
         bar.set_postfix(post, refresh=False)
         bar.update(1)
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
             if done == cfg.steps:
                 log["final_val_loss"] = log["val"][-1]["loss"]
+                if "passkey" in log["val"][-1]:
+                    log["final_val_passkey"] = log["val"][-1]["passkey"]
                 log["tokens_per_s"] = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
             checkpoint(done, final=done == cfg.steps)
             t_last = time.perf_counter()  # checkpoint I/O is not training time
@@ -456,8 +668,25 @@ def train(
 
 _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
-    "warmup_steps": "warmup_steps", "eval_every": "eval_every",
+    "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
 }
+
+
+def _fraction(text: str) -> float:
+    """argparse type of --passkey-mix: a number in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return v
+
+
+# How the bundled tiny-5m-pk / tiny-swat-5m-pk presets were made (lcx.models' how_to_get).
+PK_COMMAND = ("lcx train lm --init tiny-5m --passkey-mix 0.5 --steps 400 --lr 1e-3 --warmup-steps 20 --eval-every 50 "
+              "--out lcx/assets/tiny-llama-5m-pk --log lcx/assets/tiny-llama-5m-pk/train_log.json --threads 1")
+PK_SWAT_COMMAND = PK_COMMAND.replace("tiny-5m", "tiny-swat-5m").replace("tiny-llama-5m-pk", "tiny-swat-5m-pk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -472,6 +701,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "The same model with SWAT attention (sigmoid, 128-key window, balanced ALiBi + RoPE):\n"
         "  lcx train lm --attention swat --window 128 --tokenizer lcx/assets/tiny-llama-5m \\\n"
         "      --out lcx/assets/tiny-swat-5m --log results/train_tiny_swat.json --threads 2\n"
+        "Fine-tune the bundled model on text + passkey retrieval (lm-eval `passkey` format):\n"
+        f"  {PK_COMMAND}\n"
         "Quick check that everything runs:\n"
         "  lcx train lm --out /tmp/tiny --steps 20 --eval-every 10\n"
     )
@@ -502,7 +733,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training log JSON (default <out>/train_log.json); the PNG curve goes beside it")
     parser.add_argument("--tokenizer", default=None,
                         help="use the tokenizer in this directory instead of training one on the train split")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size when training one (default 4096)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size when training one (default 4096)")
+    parser.add_argument("--init", default=None, metavar="PRESET_OR_DIR",
+                        help="fine-tune: start from this model's weights and tokenizer (a preset such as tiny-5m, "
+                             "or an HF directory); its shape and attention variant are kept")
+    parser.add_argument("--passkey-mix", type=_fraction, default=None, metavar="FRACTION",
+                        help="fraction of each batch's sequences that are passkey-retrieval examples in the "
+                             "lm-eval passkey task's format (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -519,8 +756,24 @@ def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None)
         if args.window is not None and args.window != cfg.model.window:
             raise ValueError(f"--resume: --window {args.window} differs from the saved {cfg.model.window}")
         return cfg
-    model = ModelConfig(vocab_size=args.vocab_size, attention=args.attention or "sdpa", window=args.window)
-    return TrainConfig(model=model, **given)
+    if args.init is not None:
+        clash = [f for f, v in (("--attention", args.attention), ("--window", args.window),
+                                ("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size)) if v is not None]
+        if clash:
+            raise ValueError(f"--init keeps the model's own shape, attention and tokenizer; drop {', '.join(clash)}")
+        try:
+            model = init_model_config(args.init)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise ValueError(f"--init {args.init!r}: {e}") from e
+    else:
+        model = ModelConfig(vocab_size=args.vocab_size or 4096, attention=args.attention or "sdpa",
+                            window=args.window)
+    try:
+        return TrainConfig(model=model, **given)
+    except ValueError as e:
+        if "passkey_mix" in str(e):
+            raise ValueError(f"--passkey-mix: {e}") from e
+        raise
 
 
 def run(args: argparse.Namespace) -> int:
@@ -548,11 +801,14 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         tokenizer = AutoTokenizer.from_pretrained(out)  # the run's own tokenizer
         tok_info = {"source": "resumed"}
+    elif cfg.init is not None:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_init(cfg.init), local_files_only=True)
+        tok_info = {"source": f"init {cfg.init}"}
     elif args.tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         tok_info = {"source": str(args.tokenizer)}
     else:
-        tokenizer = train_tokenizer([d.text for d in train_docs], vocab_size=args.vocab_size)
+        tokenizer = train_tokenizer([d.text for d in train_docs], vocab_size=args.vocab_size or 4096)
         tok_info = {"source": "trained on the train split", "vocab_size": len(tokenizer)}
     train_ids = encode_documents(tokenizer, [d.text for d in train_docs])
     val_ids = encode_documents(tokenizer, [d.text for d in val_docs])
@@ -560,10 +816,16 @@ def run(args: argparse.Namespace) -> int:
           f"({len(val_ids):,} tokens); tokenizer + encoding {time.perf_counter() - t0:.1f}s; "
           f"{torch.get_num_threads()} threads", flush=True)
     env = environment()
+    init_info = {}
+    if cfg.init is not None and not args.resume:
+        ipath = resolve_init(cfg.init)
+        init_info = {"init": {"source": cfg.init, "path": str(ipath),
+                              "model_sha256": file_sha256(ipath / "model.safetensors")
+                              if (ipath / "model.safetensors").is_file() else None}}
     res = train(cfg, out, tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, resume=args.resume,
                 keep_state=args.keep_state, log_path=args.log, progress=not args.no_progress,
                 extra_log={"git": env.pop("git"), "environment": env, "tokenizer": tok_info,
-                           "held_out": [d.name for d in val_docs]},
+                           "held_out": [d.name for d in val_docs], **init_info},
                 stop_after=args.stop_after)
     log = res.log
     if "final_val_loss" not in log:
@@ -571,5 +833,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"done: {cfg.steps} steps, {log['tokens_seen']:,} tokens in {log['wall_time_s']:.0f}s "
           f"({log['tokens_per_s']:.0f} tok/s); final val loss {log['final_val_loss']:.4f} "
-          f"(ppl {math.exp(log['final_val_loss']):.1f}); model in {out}")
+          f"(ppl {math.exp(log['final_val_loss']):.1f})"
+          + (f", passkey {log['final_val_passkey']:.2f}" if "final_val_passkey" in log else "")
+          + f"; model in {out}")
     return 0
