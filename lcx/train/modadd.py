@@ -835,10 +835,11 @@ def save_decoder(model, tok, out: str | Path, result: Mapping[str, Any]) -> Path
 DEFAULT_STUDY = StudyConfig(
     run={"steps": 500, "batch_size": 256, "eval_pairs": 500, "eval_offsets": [0, 4, 8, 16, 24, 32, 48, 64, 128]},
     budget_note=("500 AdamW steps x 256 sequences per run (128k examples), one thread per run, two runs "
-                 "at a time (--shard 0/2, 1/2). Chosen so that 10 configurations x 3 seeds fit in about an "
-                 "hour on 2 shared CPU cores: enough for the baseline to learn the canonical format "
-                 "(~95% held-out), NOT enough for the robust recipe, whose longer, more varied inputs "
-                 "need more steps. Accuracy on the first 500 held-out pairs per split."),
+                 "at a time (--shard 0/2, 1/2). Measured on 2 CPU cores shared with other jobs: ~70-140 s "
+                 "per baseline run, ~170-210 s with templates or markers, ~500 s per robust run, so the 30 "
+                 "runs need ~2 h there, not the 1 h aimed at. Enough for the baseline to learn the "
+                 "canonical format (~98% held-out), NOT enough for the robust recipe (its longer, more "
+                 "varied inputs need more steps). Accuracy on the first 500 held-out pairs per split."),
 )
 
 
