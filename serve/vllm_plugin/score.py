@@ -6,7 +6,8 @@
 prompts.json: a list of token-id lists. Writes `{"logprobs": [[lp(t_1|t_0), ...], ...],
 "overrides": {...}}`: for each prompt, the logprob of every token after the first given the
 tokens before it (vLLM's `prompt_logprobs`, float32 when --dtype float32). Used by
-tests/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM start for many prompts.
+tests/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM start for many prompts;
+`"generated"` holds each prompt's `--gen` greedy tokens (vLLM's decode path over its paged cache).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--gen", type=int, default=1, help="greedy tokens to generate per prompt (decode path)")
     p.add_argument("--no-plugin", action="store_true", help="plain vLLM (no lcx model class), for baselines")
     args = p.parse_args(argv)
 
@@ -46,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, hf_overrides=overrides, max_model_len=args.max_model_len,
               enforce_eager=True, seed=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+                        SamplingParams(max_tokens=args.gen, temperature=0.0, prompt_logprobs=0,
+                                                ignore_eos=True), use_tqdm=False)
     result = []
     for ids, out in zip(prompts, outs):
         lps = out.prompt_logprobs  # [None, {tok: Logprob}, ...], one entry per prompt token
         result.append([lps[i][ids[i]].logprob for i in range(1, len(ids))])
-    Path(args.out).write_text(json.dumps({"logprobs": result, "overrides": overrides}))
+    generated = [list(out.outputs[0].token_ids) for out in outs]
+    Path(args.out).write_text(json.dumps({"logprobs": result, "generated": generated, "overrides": overrides}))
     # Shut the engine down while the interpreter is whole: left to interpreter teardown, vLLM's
     # CPU engine sometimes aborts at exit ("terminate called without an active exception").
     del llm, outs
