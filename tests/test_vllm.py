@@ -11,13 +11,14 @@ Checks:
   lcx's side is the `Engine` where it runs the method, and always the HF model patched with
   lcx.patching / lcx.methods;
 - the same prompts give *different* logprobs without the method (so the check can fail);
+- vLLM's greedy decode (paged cache, one query per step) gives lcx's greedy tokens;
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
   text equals lcx's greedy decode, echo+logprobs equal lcx's prompt logprobs;
 - bad method configurations are refused before vLLM starts.
 
 The default test run skips this module (pyproject addopts `-m "not vllm"`); without the vLLM
 venv it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing venv fails.
-Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 13 minutes in all.
+Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 9 minutes in all (14 tests).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ METHODS = {
     # ... and StreamingLLM's renumbered positions.
     "sinks_4_96": {"attention": {"type": "sinks", "n_sink": 4, "window": 96}},
 }
+GEN = 6  # greedy tokens decoded by vLLM for GEN_PROMPTS (its decode path over the paged cache)
+GEN_PROMPTS = (3, 5)  # prompts of 257 and 1000 tokens: decode past the context, across blocks
 WORKER_TIMEOUT_S = 420
 START_TIMEOUT_S = 300
 
@@ -114,30 +117,24 @@ def _lcx_hf_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -
     return out
 
 
-def _lcx_engine_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -> list[list[float]] | None:
-    """Prompt logprobs from lcx's Engine (None if the engine does not run one of the methods)."""
-    from lcx.engine import ENGINE_METHODS, Engine, EngineConfig, SamplingParams
+def _lcx_engine(model_dir: Path, methods: dict):
+    """lcx's Engine running `methods` (None if the engine does not have one of them)."""
+    from lcx.engine import ENGINE_METHODS, Engine, EngineConfig
 
-    engine_methods = {}
-    for key, params in methods.items():
-        if key == "rope":
-            engine_methods["rope"] = params
-        elif params["type"] in ENGINE_METHODS:  # attention methods, once the engine has them
-            engine_methods[params["type"]] = {k: v for k, v in params.items() if k != "type"}
-        else:
-            return None
-    engine = Engine.from_pretrained(str(model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch=1,
-                                                                 methods=engine_methods), dtype="float32")
-    outs = engine.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
-    return [[t.logprob for t in o.prompt_logprobs[1:]] for o in outs]
+    # Same {name: params} shape as the engine's methods ("rope", "attention").
+    if not set(methods) <= set(ENGINE_METHODS):
+        return None
+    return Engine.from_pretrained(str(model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch=1,
+                                                               methods=methods), dtype="float32")
 
 
-def _vllm_logprobs(model_dir: Path, methods: dict | None, prompts: list[list[int]], tmp: Path) -> list[list[float]]:
+def _vllm_logprobs(model_dir: Path, methods: dict | None, prompts: list[list[int]], tmp: Path,
+                   gen: int = 1) -> list[list[float]] | tuple[list[list[float]], list[list[int]]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     cmd = [str(_python()), "-m", "lcx.serve.vllm_plugin.score", "--model", str(model_dir),
            "--prompts", str(tmp / "prompts.json"), "--out", str(tmp / "out.json"),
-           "--max-model-len", str(MAX_MODEL_LEN)]
+           "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(gen)]
     cmd += ["--methods", json.dumps(methods)] if methods is not None else ["--no-plugin"]
     log = tmp / "worker.log"
     private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
@@ -148,7 +145,8 @@ def _vllm_logprobs(model_dir: Path, methods: dict | None, prompts: list[list[int
     finally:
         shutil.rmtree(private, ignore_errors=True)
     assert r.returncode == 0, f"vLLM worker failed ({r.returncode}):\n{log.read_text()[-4000:]}"
-    return json.loads((tmp / "out.json").read_text())["logprobs"]
+    out = json.loads((tmp / "out.json").read_text())
+    return out["logprobs"] if gen == 1 else (out["logprobs"], out["generated"])
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -171,14 +169,24 @@ def test_plain_vllm_matches_unpatched_model(model_dir, prompts, vllm_plain):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_path):
     methods = METHODS[name]
-    got = _vllm_logprobs(model_dir, methods, prompts, tmp_path)
+    got, generated = _vllm_logprobs(model_dir, methods, prompts, tmp_path, gen=GEN)
     ref = _lcx_hf_logprobs(model_dir, methods, prompts)
     assert _max_diff(got, ref) < TOL, f"{name}: vLLM+plugin vs lcx-patched HF model"
-    eng = _lcx_engine_logprobs(model_dir, methods, prompts)
-    if eng is not None:
+    engine = _lcx_engine(model_dir, methods)
+    if engine is not None:
+        from lcx.engine import SamplingParams
+
+        outs = engine.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        eng = [[t.logprob for t in o.prompt_logprobs[1:]] for o in outs]
         assert _max_diff(got, eng) < TOL, f"{name}: vLLM+plugin vs lcx Engine"
+        outs = engine.generate([prompts[i] for i in GEN_PROMPTS],
+                               SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True))
+        assert [generated[i] for i in GEN_PROMPTS] == [o.token_ids for o in outs], f"{name}: greedy vs Engine"
     # The method changes the long prompts' logprobs: the comparison above can fail.
     assert _max_diff(got[-1:], vllm_plain[-1:]) > 1e-2
+    # Decode through vLLM's paged cache: greedy tokens equal lcx's full-recompute greedy decode.
+    for i in GEN_PROMPTS:
+        assert generated[i] == _lcx_greedy_ids(model_dir, methods, prompts[i], GEN), f"{name}: prompt {i}"
 
 
 @pytest.mark.parametrize("methods, match", [
@@ -261,16 +269,22 @@ def test_served_completions_through_plugin(vllm_server, model_dir, prompts):
     assert _max_diff([lps], _lcx_hf_logprobs(model_dir, SERVE_METHODS, [ids])) < TOL
 
 
-def _lcx_greedy(model_dir: Path, methods: dict, ids: list[int], n: int) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _lcx_greedy_ids(model_dir: Path, methods: dict, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of the lcx-patched HF model, recomputing the whole sequence each step."""
+    from transformers import AutoModelForCausalLM
 
     from lcx.methods import attention_patched
     from lcx.patching import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
     seq = list(ids)
     with patched(model, methods.get("rope")), attention_patched(model, methods.get("attention")), torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return tok.decode(seq[len(ids):])
+    return seq[len(ids):]
+
+
+def _lcx_greedy(model_dir: Path, methods: dict, ids: list[int], n: int) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(_lcx_greedy_ids(model_dir, methods, ids, n))
