@@ -67,14 +67,9 @@ def model_args(model: str, method: str, factor: float) -> str:
 
 def context_of(model: str) -> int:
     """The model's max_position_embeddings, from its config file (no weights loaded)."""
-    from lcx.models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
+    from lcx.report import model_context
 
-    kind, path = resolve_source(model)
-    if kind == "gguf":
-        if not is_gguf_cached(path):
-            load_model(path)  # builds lcx's dequantization cache once
-        path = gguf_cache_dir(path)
-    return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    return model_context(model)
 
 
 def run_lm_eval(model: str, method: str, plan: dict, threads: int, workdir: Path) -> tuple[dict, dict]:

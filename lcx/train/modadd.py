@@ -354,6 +354,34 @@ def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.
         lr=lr, betas=(0.9, 0.98), foreach=False)
 
 
+def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int) -> dict[str, list]:
+    """The training loop shared by the encoder runs and the decoder: per step (from `bar`, a
+    tqdm over range(steps)) set the lr, backprop `loss_at(step)`, clip, step; returns the curve
+    of the loss's moving average every `log_every` steps. A non-finite loss raises."""
+    curve: dict[str, list] = {"step": [], "loss": []}
+    ema = None
+    model.train()
+    last = len(bar)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr(step)
+        loss = loss_at(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        v = loss.item()
+        if not math.isfinite(v):
+            raise FloatingPointError(f"{name}: loss became {v} at step {step}")
+        ema = v if ema is None else 0.9 * ema + 0.1 * v
+        if (step + 1) % log_every == 0 or step + 1 == last:
+            curve["step"].append(step + 1)
+            curve["loss"].append(round(ema, 5))
+            bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+    bar.close()
+    return curve
+
+
 def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
               log_every: int = 25) -> tuple[ModAddEncoder, dict[str, Any]]:
     """Train one configuration and evaluate it. Returns (model, result dict)."""
@@ -363,30 +391,15 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
     train_pairs = split.train[: cfg.train_pairs] if cfg.train_pairs else split.train
     model = build_model(cfg)
     opt = _optimizer(model, cfg.lr, cfg.weight_decay)
-    curve: dict[str, list] = {"step": [], "loss": []}
     t0 = time.perf_counter()
-    ema = None
-    model.train()
     bar = tqdm(range(cfg.steps), disable=not progress, desc=desc or cfg.name, unit="step",
                dynamic_ncols=True, leave=False)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        ids, lengths, labels, n = batch_at(cfg, train_pairs, step)
-        loss, parts = loss_fn(model, cfg, ids, lengths, labels, n)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        v = loss.item()
-        if not math.isfinite(v):
-            raise FloatingPointError(f"{cfg.name}: loss became {v} at step {step}")
-        ema = v if ema is None else 0.9 * ema + 0.1 * v
-        if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-            curve["step"].append(step + 1)
-            curve["loss"].append(round(ema, 5))
-            bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-    bar.close()
+
+    def loss_at(step: int) -> torch.Tensor:
+        return loss_fn(model, cfg, *batch_at(cfg, train_pairs, step))[0]
+
+    curve = _optimize(model, opt, bar, lr=lambda step: lr_at(cfg, step), loss_at=loss_at,
+                      grad_clip=cfg.grad_clip, name=cfg.name, log_every=log_every)
     train_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     metrics = evaluate(model, cfg)
@@ -774,30 +787,17 @@ def train_decoder(cfg: DecoderConfig, out: str | Path | None = None, *, progress
     model, tok = build_decoder(cfg)
     opt = _optimizer(model, cfg.lr, cfg.weight_decay)
     sched = RunConfig(steps=cfg.steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps)  # lr_at's schedule
-    curve: dict[str, list] = {"step": [], "loss": []}
-    ema, t0 = None, time.perf_counter()
-    model.train()
+    t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), disable=not progress, desc="decoder", unit="step", dynamic_ncols=True)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(sched, step)
+
+    def loss_at(step: int) -> torch.Tensor:
         rng = random.Random(cfg.seed * 1_000_003 + step)
         pairs = [split.train[rng.randrange(len(split.train))] for _ in range(cfg.batch_size)]
         prompts = sample_texts(recipe, pairs, rng, recipe.max_offset_at(step, cfg.steps))
-        loss, _ = decoder_loss(model, *decoder_batch(prompts, [str((a + b) % MODULUS) for a, b in pairs]))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        v = loss.item()
-        if not math.isfinite(v):
-            raise FloatingPointError(f"decoder: loss became {v} at step {step}")
-        ema = v if ema is None else 0.9 * ema + 0.1 * v
-        if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-            curve["step"].append(step + 1)
-            curve["loss"].append(round(ema, 5))
-            bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-    bar.close()
+        return decoder_loss(model, *decoder_batch(prompts, [str((a + b) % MODULUS) for a, b in pairs]))[0]
+
+    curve = _optimize(model, opt, bar, lr=lambda step: lr_at(sched, step), loss_at=loss_at,
+                      grad_clip=cfg.grad_clip, name="decoder", log_every=log_every)
     model.eval()
     result = {"config": cfg.to_dict(), "recipe": dataclasses.asdict(recipe),
               "n_params": sum(p.numel() for p in model.parameters()), "train_s": round(time.perf_counter() - t0, 2),
