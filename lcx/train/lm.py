@@ -683,10 +683,11 @@ def _fraction(text: str) -> float:
     return v
 
 
-# How the bundled tiny-5m-pk / tiny-swat-5m-pk presets were made (lcx.models' how_to_get).
+# A passkey fine-tune of the bundled model. NOT yet a bundled preset: with these settings (the one
+# run tried, 887 s on 1 busy thread) held-out loss improved (4.46 -> 4.38) but passkey accuracy
+# stayed 0.00; see the issue notes for what to try next (answer-weighted loss, higher mix/lr).
 PK_COMMAND = ("lcx train lm --init tiny-5m --passkey-mix 0.5 --steps 400 --lr 1e-3 --warmup-steps 20 --eval-every 50 "
-              "--out lcx/assets/tiny-llama-5m-pk --log lcx/assets/tiny-llama-5m-pk/train_log.json --threads 1")
-PK_SWAT_COMMAND = PK_COMMAND.replace("tiny-5m", "tiny-swat-5m").replace("tiny-llama-5m-pk", "tiny-swat-5m-pk")
+              "--out runs/tiny-5m-pk --log runs/tiny-5m-pk/train_log.json --threads 1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -701,7 +702,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "The same model with SWAT attention (sigmoid, 128-key window, balanced ALiBi + RoPE):\n"
         "  lcx train lm --attention swat --window 128 --tokenizer lcx/assets/tiny-llama-5m \\\n"
         "      --out lcx/assets/tiny-swat-5m --log results/train_tiny_swat.json --threads 2\n"
-        "Fine-tune the bundled model on text + passkey retrieval (lm-eval `passkey` format):\n"
+        "Fine-tune the bundled model on text + passkey retrieval (lm-eval `passkey` format;\n"
+        "these settings did not yet teach tiny-5m to retrieve: passkey accuracy stayed 0):\n"
         f"  {PK_COMMAND}\n"
         "Quick check that everything runs:\n"
         "  lcx train lm --out /tmp/tiny --steps 20 --eval-every 10\n"
