@@ -49,7 +49,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,13 +58,11 @@ from lcx.data.io import atomic_savefig, atomic_write_json, atomic_write_text, en
 from lcx.data.modadd import (
     CANONICAL,
     CLS_ID,
-    EOS_ID,
     MODULUS,
     OOD_TEMPLATES,
     PAD_ID,
     SHIFT_OFFSETS,
     TRAIN_TEMPLATES,
-    VOCAB_SIZE,
     encode_chars,
     render,
     split_pairs,
