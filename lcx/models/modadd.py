@@ -6,6 +6,7 @@ final hidden state of `[CLS]`:
 
     ids [B, T] -> embed [B, T, D] (+ learned positions) -> n_layers x pre-LN block -> LN
        -> h[:, 0] [B, D] -> Linear -> logits [B, 97]
+    (the last block computes the [CLS] query alone: nothing else reaches the head)
 
     block: h = h + Attn(LN(h))   (bidirectional; padding keys masked)
            h = h + MLP(LN(h))    (D -> d_ff -> D, GELU)
@@ -176,15 +177,21 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, pe: PositionEncoding,
-                mask: torch.Tensor) -> torch.Tensor:
-        """h: [B, T, D]; mask: [B or 1, H or 1, T, T] additive float (padding keys -inf, + bias)."""
+                mask: torch.Tensor, n_queries: int | None = None) -> torch.Tensor:
+        """h: [B, T, D]; mask: [B or 1, H or 1, T, T] additive float (padding keys -inf, + bias).
+
+        `n_queries=n` computes only the first n outputs ([B, n, D]; every key still attends):
+        the last block of the classifier needs [CLS] alone, which skips ~3/4 of its work."""
         B, T, D = h.shape
         H, Dh = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = self.qkv(self.ln1(h)).view(B, T, 3, H, Dh).unbind(2)  # each [B, T, H, Dh]
         q, k = pe.rotate(q, k, pos)
+        if n_queries is not None:
+            q, mask, h = q[:, :n_queries], mask[:, :, :n_queries], h[:, :n_queries]
+        Tq = q.shape[1]
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask)  # [B, H, T, Dh]
-        h = h + self.drop(self.proj(att.transpose(1, 2).reshape(B, T, D)))
+                                             attn_mask=mask)  # [B, H, Tq, Dh]
+        h = h + self.drop(self.proj(att.transpose(1, 2).reshape(B, Tq, D)))
         return h + self.drop(self.mlp(self.ln2(h)))
 
 
@@ -213,8 +220,9 @@ class ModAddEncoder(nn.Module):
         if bias is not None:
             mask = mask + bias[None]  # [B, H, T, T]
         h = self.pe.embed(self.tok(ids), pos)  # [B, T, D]
-        for blk in self.blocks:
-            h = blk(h, pos, self.pe, mask)
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, pos, self.pe, mask, n_queries=1 if i == last else None)
         return self.head(self.ln_f(h[:, 0]))  # [B, n_classes]
 
 
