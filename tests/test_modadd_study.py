@@ -149,6 +149,26 @@ def test_encoder_padding_does_not_change_logits(pe):
 
 
 @pytest.mark.parametrize("pe", PE_NAMES)
+def test_cls_only_last_block_equals_the_full_encoder(pe):
+    """The last block computes the [CLS] query alone: same logits as running it on every token."""
+    torch.manual_seed(0)
+    model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL)).double().eval()
+    ids, lengths = tm.pack([modadd.render(5, 61, t, o) for t, o in zip(modadd.TRAIN_TEMPLATES, (0, 3, 11))])
+    fast = model(ids, lengths)
+    B, T = ids.shape
+    pos = torch.arange(T)
+    keep = pos[None] < lengths[:, None]
+    mask = torch.zeros(B, 1, 1, T, dtype=torch.float64).masked_fill(~keep[:, None, None], float("-inf"))
+    bias = model.pe.bias(pos)
+    if bias is not None:
+        mask = mask + bias[None].double()
+    h = model.pe.embed(model.tok(ids), pos)
+    for blk in model.blocks:
+        h = blk(h, pos, model.pe, mask)  # every query
+    torch.testing.assert_close(fast, model.head(model.ln_f(h[:, 0])), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("pe", PE_NAMES)
 def test_position_semantics(pe):
     """Only NoPE is blind to order: permuting the characters leaves its logits unchanged."""
     torch.manual_seed(0)
@@ -234,6 +254,20 @@ def test_aggregate_table_from_run_files(tmp_path):
     md = (tmp_path / "table.md").read_text()
     assert "| baseline | learned | 3 | 70.0 ± 20.0 | 35.0 ± 10.0 | 17.5 ± 5.0 | 100.0 ± 0.0 |" in md
     assert json.loads((tmp_path / "table.json").read_text())["rows"][0]["id"]["mean"] == pytest.approx(0.7)
+
+
+def test_study_presets_and_config_files(tmp_path):
+    assert tm._study_from_arg("default") is tm.DEFAULT_STUDY
+    long = tm._study_from_arg("long")
+    assert long.run["steps"] == 4 * tm.DEFAULT_STUDY.run["steps"]
+    assert {c.recipe for c in long.run_configs()} >= {"baseline", "robust"}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(TINY_STUDY.to_dict()))
+    assert tm._study_from_arg(str(path)).run_configs() == TINY_STUDY.run_configs()
+    with pytest.raises(ValueError, match="neither a committed study"):
+        tm._study_from_arg("longest")
+    # the default study holds every leave-one-out ablation of the robust recipe
+    assert {(f"robust-no_{i}", "learned") for i in tm.INTERVENTIONS} <= set(tm.DEFAULT_STUDY.configs)
 
 
 # --------------------------------------------------------------------------- decoder export + lm-eval

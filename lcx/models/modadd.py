@@ -215,11 +215,12 @@ class ModAddEncoder(nn.Module):
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
         keep = pos[None, :] < lengths[:, None]  # [B, T] real keys
-        mask = torch.zeros(B, 1, 1, T, device=ids.device).masked_fill(~keep[:, None, None, :], float("-inf"))
+        h = self.pe.embed(self.tok(ids), pos)  # [B, T, D]
+        mask = torch.zeros(B, 1, 1, T, device=ids.device, dtype=h.dtype).masked_fill(
+            ~keep[:, None, None, :], float("-inf"))
         bias = self.pe.bias(pos)
         if bias is not None:
-            mask = mask + bias[None]  # [B, H, T, T]
-        h = self.pe.embed(self.tok(ids), pos)  # [B, T, D]
+            mask = mask + bias[None].to(h.dtype)  # [B, H, T, T]
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
             h = blk(h, pos, self.pe, mask, n_queries=1 if i == last else None)

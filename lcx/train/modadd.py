@@ -841,6 +841,21 @@ DEFAULT_STUDY = StudyConfig(
 )
 
 
+LONG_STUDY = StudyConfig(
+    configs=(("baseline", "learned"), ("robust", "learned"), ("robust", "rope"),
+             ("robust-no_consistency", "learned")),
+    seeds=(0,),
+    run={**DEFAULT_STUDY.run, "steps": 4000},
+    budget_note=("The budget check for the default study: 4x its steps (4000 x 256 sequences), one seed, "
+                 "the baseline and the robust recipe (learned, RoPE, and without the consistency loss). "
+                 "About 30 min on 2 CPU cores (--shard 0/2, 1/2). Accuracy on the first 500 held-out pairs."),
+)
+
+# `--config NAME` picks one of these; `--config FILE.json` reads a StudyConfig. Default output
+# directory: results/modadd for `default`, results/modadd/<name> for the others.
+STUDY_PRESETS: dict[str, StudyConfig] = {"default": DEFAULT_STUDY, "long": LONG_STUDY}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
@@ -850,6 +865,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "table and plots:\n"
         "  nohup lcx train modadd --study --out results/modadd > /tmp/modadd.log 2>&1 &\n"
         "  lcx train modadd --aggregate --out results/modadd      # table/plots from the run files\n"
+        "The budget check (4x the steps, one seed) into results/modadd/long:\n"
+        "  lcx train modadd --study --config long --shard 0/2  (and 1/2 in a second process)\n"
         "The decoder-only variant, exported for lm-eval:\n"
         "  lcx train modadd --decoder --out results/modadd/decoder\n"
         "  lm_eval --model lcx --model_args pretrained=results/modadd/decoder --tasks modadd_shift\n"
@@ -862,7 +879,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="run: JSON file; --study/--aggregate: results directory (default results/modadd); "
                              "--decoder: model directory")
-    parser.add_argument("--config", default=None, help="--study: a StudyConfig JSON instead of the committed one")
+    parser.add_argument("--config", default="default",
+                        help=f"--study/--aggregate: a committed study ({', '.join(STUDY_PRESETS)}; 'long' is "
+                             f"the 4x-budget check) or a StudyConfig JSON file (default: default)")
     parser.add_argument("--recipe", default=None, help="run/--decoder: recipe name (default baseline / the decoder's)")
     parser.add_argument("--position", default="learned", choices=sorted(POSITION_ENCODINGS),
                         help="run: position encoding (default learned)")
@@ -878,6 +897,16 @@ def _fmt(m: Mapping[str, Any]) -> str:
     return f"id {100 * m['id']:.1f}%  pos {100 * m['pos']:.1f}%  template {100 * m['template']:.1f}%"
 
 
+def _study_from_arg(config: str) -> StudyConfig:
+    if config in STUDY_PRESETS:
+        return STUDY_PRESETS[config]
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"--config {config!r} is neither a committed study ({', '.join(STUDY_PRESETS)}) "
+                         f"nor a StudyConfig JSON file")
+    return StudyConfig.from_dict(json.loads(path.read_text()))
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -887,10 +916,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     if args.study or args.aggregate:
-        study = DEFAULT_STUDY
-        if args.config:
-            study = StudyConfig.from_dict(json.loads(Path(args.config).read_text()))
-        out = Path(args.out or "results/modadd")
+        study, out = _study_from_arg(args.config), args.out
+        if out is None:
+            out = "results/modadd" if args.config == "default" else f"results/modadd/{Path(args.config).stem}"
+        out = Path(out)
         if args.aggregate:
             table = aggregate(out, study)
         else:
