@@ -251,6 +251,7 @@ def test_aggregate_table_from_run_files(tmp_path):
     assert base["shift"]["8"]["mean"] == pytest.approx(0.7 / 9)
     assert robust["id"] == {"mean": 1.0, "std": 0.0}
     assert table["missing_runs"] == ["robust__learned__s1", "robust__learned__s2"]
+    assert table["run_seconds"] == pytest.approx(4.0) and table["n_runs"] == 4  # junk.json is skipped
     md = (tmp_path / "table.md").read_text()
     assert "| baseline | learned | 3 | 70.0 ± 20.0 | 35.0 ± 10.0 | 17.5 ± 5.0 | 100.0 ± 0.0 |" in md
     assert json.loads((tmp_path / "table.json").read_text())["rows"][0]["id"]["mean"] == pytest.approx(0.7)

@@ -558,6 +558,8 @@ def aggregate(out: str | Path, study: StudyConfig | None = None) -> dict[str, An
         rows.append(row)
     table = {"splits": list(SPLITS), "rows": rows, "n_runs": len(runs),
              "study": study.to_dict() if study else None, "environment": environment()}
+    # compute actually spent: every run's training + evaluation seconds (one thread each)
+    table["run_seconds"] = round(sum(r.get("train_s", 0) + r.get("eval_s", 0) for r in runs), 1)
     if study is not None:
         have = {r["name"] for r in runs}
         table["missing_runs"] = [c.name for c in study.run_configs() if c.name not in have]
@@ -577,6 +579,10 @@ def table_markdown(table: Mapping[str, Any]) -> str:
         cells = [f"{100 * r[s]['mean']:.1f} ± {100 * r[s]['std']:.1f}" for s in SPLITS]
         lines.append(f"| {r['recipe']} | {r['position']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     text = head + "\n".join(lines) + "\n"
+    if table.get("run_seconds"):
+        minutes = table["run_seconds"] / 60
+        text += (f"\n{table['n_runs']} runs, {minutes:.0f} single-thread run-minutes of training and evaluation "
+                 f"(~{minutes / 2:.0f} min of wall time as two shards on 2 cores).\n")
     if table.get("missing_runs"):
         text += f"\nMissing runs ({len(table['missing_runs'])}): {', '.join(table['missing_runs'])}\n"
     return text
