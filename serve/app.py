@@ -30,7 +30,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -239,6 +239,34 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def want_usage(req: Any) -> bool:
+        return req.stream_options is not None and req.stream_options.include_usage
+
+    def sse_response(jobs: Sequence[_Job], on_event: Callable[[_Job, StepEvent], Iterable[dict[str, Any]]], *,
+                     first: Iterable[dict[str, Any]] = (), usage_head: dict[str, Any] | None = None):
+        """The event stream of both endpoints: the `first` chunks, then for every engine event
+        (after `job.add`) the chunks `on_event` makes; an engine failure ends the stream with an
+        error object and [DONE] (jobs still open are aborted by `events`); then a usage chunk
+        when `usage_head` is given, and [DONE]."""
+
+        async def body() -> AsyncIterator[str]:
+            for c in first:
+                yield sse(c)
+            async with contextlib.aclosing(events(jobs)) as evs:
+                async for j, ev in evs:
+                    if ev.finish_reason == "error":
+                        yield sse(engine_error(ev).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    j.add(ev)
+                    for c in on_event(j, ev):
+                        yield sse(c)
+            if usage_head is not None:
+                yield sse(dict(usage_head, choices=[], usage=usage(jobs)))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
     # ---------------------------------------------------------------- /v1/completions
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -288,32 +316,21 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                 choices.append({"index": j.index, "text": text, "logprobs": lp, "finish_reason": j.finish_reason})
             return JSONResponse(dict(head, choices=choices, usage=usage(jobs)))
 
-        async def stream() -> AsyncIterator[str]:
-            async with contextlib.aclosing(events(jobs)) as evs:
-                async for j, ev in evs:
-                    if ev.finish_reason == "error":
-                        yield sse(engine_error(ev).body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    j.add(ev)
-                    if not j.started:
-                        j.started = True
-                        etext, elp = echo_part(j)
-                        if etext:
-                            yield sse(dict(head, choices=[{"index": j.index, "text": etext, "logprobs": elp,
-                                                           "finish_reason": None}]))
-                    if ev.text or ev.token_ids or ev.finished:
-                        lp = None
-                        if req.logprobs is not None:
-                            lp = completion_logprobs(ev.token_ids, ev.logprobs, 0)
-                        yield sse(dict(head, choices=[{"index": j.index, "text": ev.text, "logprobs": lp,
-                                                       "finish_reason": ev.finish_reason if ev.finished else None}]))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse(dict(head, choices=[], usage=usage(jobs)))
-            yield "data: [DONE]\n\n"
+        def on_event(j: _Job, ev: StepEvent) -> Iterator[dict[str, Any]]:
+            if not j.started:
+                j.started = True
+                etext, elp = echo_part(j)
+                if etext:
+                    yield dict(head, choices=[{"index": j.index, "text": etext, "logprobs": elp,
+                                               "finish_reason": None}])
+            if ev.text or ev.token_ids or ev.finished:
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(ev.token_ids, ev.logprobs, 0)
+                yield dict(head, choices=[{"index": j.index, "text": ev.text, "logprobs": lp,
+                                           "finish_reason": ev.finish_reason if ev.finished else None}])
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return sse_response(jobs, on_event, usage_head=head if want_usage(req) else None)
 
     # ---------------------------------------------------------------- /v1/chat/completions
     def render_chat(messages: list[Any], add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> list[int]:
@@ -357,29 +374,17 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
 
         chunk = dict(head, object="chat.completion.chunk")
 
-        async def stream() -> AsyncIterator[str]:
-            for j in jobs:
-                yield sse(dict(chunk, choices=[{"index": j.index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]))
-            async with contextlib.aclosing(events(jobs)) as evs:
-                async for j, ev in evs:
-                    if ev.finish_reason == "error":
-                        yield sse(engine_error(ev).body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    j.add(ev)
-                    if ev.text or ev.token_ids or ev.finished:
-                        delta = {"content": ev.text} if ev.text else {}
-                        yield sse(dict(chunk, choices=[{
-                            "index": j.index, "delta": delta,
-                            "logprobs": chat_logprobs(ev.logprobs, k) if req.logprobs else None,
-                            "finish_reason": ev.finish_reason if ev.finished else None}]))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse(dict(chunk, choices=[], usage=usage(jobs)))
-            yield "data: [DONE]\n\n"
+        def on_event(j: _Job, ev: StepEvent) -> Iterator[dict[str, Any]]:
+            if ev.text or ev.token_ids or ev.finished:
+                delta = {"content": ev.text} if ev.text else {}
+                yield dict(chunk, choices=[{
+                    "index": j.index, "delta": delta,
+                    "logprobs": chat_logprobs(ev.logprobs, k) if req.logprobs else None,
+                    "finish_reason": ev.finish_reason if ev.finished else None}])
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        first = [dict(chunk, choices=[{"index": j.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]) for j in jobs]
+        return sse_response(jobs, on_event, first=first, usage_head=chunk if want_usage(req) else None)
 
     # ---------------------------------------------------------------- the rest
     @app.get("/v1/models")
