@@ -47,14 +47,14 @@ def test_modadd_split_is_pinned():
 
 
 def test_modadd_templates_and_render():
-    assert not set(modadd.TRAIN_TEMPLATES) & set(modadd.OOD_TEMPLATES)
+    assert not set(modadd.TRAIN_TEMPLATES + modadd.NL_TRAIN_TEMPLATES) & set(modadd.OOD_TEMPLATES)
     assert modadd.CANONICAL in modadd.TRAIN_TEMPLATES
     for offset in (0, 1, 8, 129):
         text = modadd.render(96, 5, modadd.CANONICAL, offset)
         assert text.index("96+5=") == offset and text[:offset] == " " * offset
     assert modadd.answer(96, 5) == "4"
     assert modadd.render(3, 4, markers=True) == "<EXPR>3+4=</EXPR>"
-    for t in modadd.OOD_TEMPLATES:  # operands come first among the numbers, never "97"
+    for t in modadd.OOD_TEMPLATES + modadd.NL_TRAIN_TEMPLATES:  # operands first among the numbers, never "97"
         nums = [int(x) for x in re.findall(r"\d+", t.format(a=11, b=22)) if x != "97"]
         assert nums[:2] == [11, 22]
     with pytest.raises(ValueError, match="a must be"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def _numbers(ids: torch.Tensor, length: int) -> list[int]:
     (lambda: tm.RunConfig(eval_offsets=(0, 8, 32, 128, 300)), "max_positions"),
     (lambda: tm.Recipe(max_offset=-1), "max_offset"),
     (lambda: tm.Recipe(curriculum=1), "curriculum"),
+    (lambda: tm.Recipe(template_pool="english"), "template_pool"),
     (lambda: tm.Recipe.from_dict({"mixup": True}), "mixup"),
     (lambda: EncoderConfig(d_model=130), "n_heads"),
     (lambda: EncoderConfig.from_dict({"width": 3}), "width"),
@@ -79,6 +81,20 @@ def test_recipes_and_ablation_names():
     assert tm.recipe_by_name("baseline+markers+templates-no_markers") == tm.recipe_by_name("baseline+templates")
     assert tm.RunConfig.from_dict(tm.RunConfig(recipe="robust-no_markers").to_dict()) == tm.RunConfig(
         recipe="robust-no_markers")
+
+
+def test_template_pools():
+    """robust draws symbolic formats only; robust_nl adds the natural-language ones; none is OOD."""
+    pairs = modadd.split_pairs(0).train[:400]
+    for name, pool in (("robust", modadd.TRAIN_TEMPLATES),
+                       ("robust_nl", modadd.TRAIN_TEMPLATES + modadd.NL_TRAIN_TEMPLATES)):
+        recipe = tm.recipe_by_name(name)
+        texts = tm.sample_texts(recipe, pairs, random.Random(0), 0)
+        bodies = {t.strip()[len(modadd.EXPR_OPEN):-len(modadd.EXPR_CLOSE)] for t in texts}
+        used = {tpl for tpl in pool for (a, b) in pairs if tpl.format(a=a, b=b) in bodies}
+        assert used == set(pool), name
+    assert tm.recipe_by_name("robust_nl-no_templates") == tm.recipe_by_name("robust-no_templates").__class__(
+        markers=True, curriculum=True, consistency=True, template_pool="mixed")
 
 
 def test_curriculum_widens_linearly():

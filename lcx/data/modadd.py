@@ -24,8 +24,9 @@ text; the answer is `str((a + b) % 97)` and is not part of the rendered text.
     '1'
 
 Templates. `CANONICAL` is the in-distribution format. `TRAIN_TEMPLATES` are formats a training
-recipe may mix in ("template diversity"); `OOD_TEMPLATES` are natural-language formats reserved
-for evaluation and must never be used in training (a test checks the two sets are disjoint).
+recipe may mix in ("template diversity"), `NL_TRAIN_TEMPLATES` natural-language ones a recipe may
+add; `OOD_TEMPLATES` are natural-language formats reserved for evaluation and must never be used
+in training (a test checks the sets are disjoint).
 Every template has exactly one `{a}` and one `{b}`, `{a}` first; operands never equal 97, so the
 literal "97" in a template cannot be mistaken for an operand.
 """
@@ -49,6 +50,17 @@ TRAIN_TEMPLATES: tuple[str, ...] = (
     "{a}+{b} mod 97=",
     "({a}+{b})%97=",
     "add {a} {b}:",
+)
+
+# Natural-language phrasings a training recipe may add to `TRAIN_TEMPLATES` (Recipe.template_pool
+# "mixed"): they share words with `OOD_TEMPLATES` ("plus", "modulo 97", "Answer:") but never a
+# whole template, so template OOD then tests new combinations of seen words, not unseen words.
+NL_TRAIN_TEMPLATES: tuple[str, ...] = (
+    "{a} plus {b} mod 97 is",
+    "Add {a} and {b} modulo 97:",
+    "The sum of {a} and {b} mod 97 equals",
+    "What is {a}+{b} mod 97? Answer:",
+    "{a} added to {b}, modulo 97, gives",
 )
 
 OOD_TEMPLATES: tuple[str, ...] = (
