@@ -1,6 +1,6 @@
 // Re-rotation of cached keys by a per-token position delta, k <- R(delta) k (PIE), in CUDA C++.
 //
-// Self-contained: only CUDA toolkit headers, no torch, so it compiles with a bare
+// Self-contained: CUDA toolkit headers and dtype_cast.h beside it, no torch, so it compiles with a bare
 // `nvcc -arch=sm_80 -c rerotate.cu` (and sm_90). The torch binding lives in
 // rerotate_binding.cpp and is built only on CUDA machines (lcx.kernels.cuda.load_extension).
 //
@@ -27,19 +27,7 @@
 
 namespace {
 
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+#include "dtype_cast.h"  // to_float / from_float
 
 struct Strides4 {
   int64_t b, t, h, d;
