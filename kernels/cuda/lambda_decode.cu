@@ -1,7 +1,7 @@
 // Λ-attention decode (LM-Infinite, arXiv 2308.16137) for one query token per row, over a
 // cache of UNROTATED keys, in CUDA C++ (split-K "flash-decoding" + log-sum-exp combine).
 //
-// Self-contained (CUDA toolkit headers + lambda_decode.h, no torch): compiles with a bare
+// Self-contained (CUDA toolkit headers + lambda_decode.h, dtype_cast.h; no torch): compiles with a bare
 // `nvcc -arch=sm_80 -c lambda_decode.cu` (and sm_90). The torch binding is
 // lambda_decode_binding.cpp, built on CUDA machines by lcx.kernels.cuda.lambda_decode.
 //
