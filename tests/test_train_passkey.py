@@ -19,10 +19,12 @@ from lcx.train.lm import (
     add_arguments,
     batch_at,
     init_model_config,
+    lm_loss,
     passkey_accuracy,
     passkey_rows,
     passkey_val_examples,
     train,
+    weighted_batch_at,
 )
 
 SEQ_LENS = (200, 256)  # bundled tokenizer: the scaffold alone is ~65 tokens
@@ -100,10 +102,44 @@ def test_batch_mixes_passkey_rows_deterministically(tok):
         batch_at(stream, mixed, 0)
 
 
+def test_answer_weights_mark_the_key_and_eos_targets(tok):
+    g = torch.Generator().manual_seed(1)
+    stream = torch.randint(3, len(tok), (5000,), generator=g, dtype=torch.int32)
+    cfg = TrainConfig(batch_size=4, seq_len=256, passkey_mix=0.5, seed=2, passkey_answer_weight=8.0)
+    pk = PasskeyExamples(tok)
+    x, y, w = weighted_batch_at(stream, cfg, 3, pk)
+    assert torch.equal(x, batch_at(stream, cfg, 3, pk)[0])  # same batch as batch_at
+    assert weighted_batch_at(stream, cfg.replace(passkey_answer_weight=1.0), 3, pk)[2] is None
+    rng = random.Random(f"{cfg.seed}:3:passkey")
+    for i in range(2):
+        ids, info = pk.example(256, rng)
+        heavy = (w[i] == 8.0).nonzero().flatten().tolist()
+        a, n = info["answer_start"], info["answer_len"]
+        assert heavy == list(range(a - 1, a + n))  # targets: the key's tokens, then </s>
+        assert y[i, heavy].tolist() == ids[a:a + n] + [tok.eos_token_id]
+        assert tok.decode(ids[a:a + n]).strip() == info["key"]
+    assert (w[2:] == 1).all()  # text rows
+    # the weighted mean: a model-free check through lm_loss with fixed logits
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return type("O", (), {"logits": torch.log_softmax(
+                torch.arange(len(tok), dtype=torch.float32).repeat(*input_ids.shape, 1) * 1e-3, -1)})()
+
+    nll = torch.nn.functional.cross_entropy(Fixed()(x).logits.reshape(-1, len(tok)), y.reshape(-1),
+                                            reduction="none")
+    expect = (nll * w.reshape(-1)).sum() / w.sum()
+    torch.testing.assert_close(lm_loss(Fixed(), x, y, w), expect)
+    assert not torch.isclose(lm_loss(Fixed(), x, y, w), lm_loss(Fixed(), x, y))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(passkey_mix=1.5), "passkey_mix"), (dict(passkey_mix=-0.1), "passkey_mix"),
     (dict(passkey_mix=True), "passkey_mix"), (dict(passkey_mix=0.01), "passkey_mix"),
     (dict(init=""), "init"), (dict(init=3), "init"),
+    (dict(passkey_mix=0.5, batch_size=4, passkey_answer_weight=0.5), "passkey_answer_weight"),
+    (dict(passkey_mix=0.5, batch_size=4, passkey_answer_weight=float("inf")), "passkey_answer_weight"),
+    (dict(passkey_answer_weight=5.0), "needs passkey_mix"),
 ])
 def test_bad_config_values_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -128,6 +164,7 @@ def test_bad_passkey_mix_flag_is_an_argparse_error(argv, capsys):
     (["--init", "tiny-5m", "--attention", "swat", "--window", "8"], "--init keeps"),
     (["--init", "tiny-5m", "--tokenizer", "lcx/assets/tiny-llama-5m"], "--tokenizer"),
     (["--passkey-mix", "0.01"], "--passkey-mix"),
+    (["--passkey-answer-weight", "4"], "--passkey-answer-weight"),
 ])
 def test_bad_flag_combinations_name_the_flag(argv, match):
     args = _parser().parse_args(["--out", "/tmp/x", *argv])

@@ -43,7 +43,9 @@ adds none). The loss is the usual mean next-token NLL over ALL positions: the te
 filler are near-free after a few steps, the needle's first key is unpredictable noise the
 model cannot reduce, and the answer (plus the needle's second, short-range copy of the key) is
 the retrieval signal; keeping text and examples under one loss keeps the fine-tune a plain LM
-fine-tune whose held-out perplexity stays comparable. With a passkey mix, each evaluation also
+fine-tune whose held-out perplexity stays comparable. `--passkey-answer-weight W`
+(`TrainConfig.passkey_answer_weight`) weights the answer targets (key tokens and `</s>`) W times
+every other target in that mean, to lift the few retrieval tokens above the filler. With a passkey mix, each evaluation also
 logs `passkey` (in `log["val"]`, and `final_val_passkey`): the fraction of `PASSKEY_VAL_COUNT` fixed held-out prompts (seq_len long,
 keys from their own seed) whose answer tokens are all the model's greedy predictions (what the
 lm-eval `passkey_ll` task scores).
@@ -146,6 +148,7 @@ class TrainConfig:
     ckpt_every: int = 100
     init: str | None = None  # preset name or HF directory to fine-tune from (None: fresh init)
     passkey_mix: float = 0.0  # fraction of each batch's rows that are passkey examples
+    passkey_answer_weight: float = 1.0  # loss weight of a passkey example's answer tokens (1: plain mean)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -172,6 +175,11 @@ class TrainConfig:
         mix = self.passkey_mix
         if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
             raise ValueError(f"passkey_mix must be a fraction in [0, 1], got {mix!r}")
+        w = self.passkey_answer_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (1.0 <= w and math.isfinite(w)):
+            raise ValueError(f"passkey_answer_weight must be a finite number >= 1, got {w!r}")
+        if w != 1.0 and mix == 0:
+            raise ValueError("passkey_answer_weight needs passkey_mix > 0 (there is no answer to weight)")
         if mix > 0 and passkey_rows(self) == 0:
             raise ValueError(f"passkey_mix={mix} gives no passkey row in a batch of {self.batch_size} "
                              f"(round(passkey_mix * batch_size) = 0); raise it or the batch size")
@@ -383,6 +391,15 @@ def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int,
     then the first T+1-m tokens of that row's window] (m = the example's length); `passkey`
     supplies the examples.
     """
+    x, y, _ = weighted_batch_at(stream, cfg, step, passkey)
+    return x, y
+
+
+def weighted_batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int, passkey: PasskeyExamples | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`batch_at` plus the per-target loss weights `[B, T]`: `cfg.passkey_answer_weight` on the
+    targets that are a passkey example's answer tokens and its `</s>`, 1 elsewhere; None when
+    that weight is 1 (the plain mean)."""
     n = stream.numel() - cfg.seq_len - 1
     if n < 1:
         raise ValueError(f"train stream has {stream.numel()} tokens; need more than seq_len + 1 = {cfg.seq_len + 1}")
@@ -395,11 +412,18 @@ def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int,
         if passkey is None:
             raise ValueError("passkey_mix > 0 needs passkey=PasskeyExamples(tokenizer)")
         rng = random.Random(f"{cfg.seed}:{step}:passkey")
+        spans = []
         for i in range(k):
-            ids, _ = passkey.example(cfg.seq_len, rng)
+            ids, info = passkey.example(cfg.seq_len, rng)
             m = len(ids)
             win[i] = torch.cat([torch.tensor(ids, dtype=torch.long), win[i, : cfg.seq_len + 1 - m]])
-    return win[:, :-1], win[:, 1:]
+            spans.append((info["answer_start"], info["answer_len"]))
+    weights = None
+    if k and cfg.passkey_answer_weight != 1.0:
+        weights = torch.ones(cfg.batch_size, cfg.seq_len)
+        for i, (a, n) in enumerate(spans):  # target t predicts token t+1: answer ids a..a+n-1, then </s>
+            weights[i, a - 1 : a + n] = cfg.passkey_answer_weight
+    return win[:, :-1], win[:, 1:], weights
 
 
 PASSKEY_VAL_COUNT = 32
@@ -445,10 +469,16 @@ def val_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
     return stream[offsets[:, None] + torch.arange(seq_len + 1)[None, :]].long()
 
 
-def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token NLL (nats). inputs, targets: `[B, T]`."""
+def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token NLL (nats), or its `weights`-weighted mean. inputs, targets, weights: `[B, T]`."""
     logits = model(input_ids=inputs, use_cache=False).logits  # [B, T, V]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    if weights is None:
+        return F.cross_entropy(flat, targets.reshape(-1))
+    nll = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
+    w = weights.reshape(-1).to(nll.dtype)
+    return (nll * w).sum() / w.sum()
 
 
 @torch.no_grad()
@@ -615,8 +645,8 @@ def train(
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = batch_at(train_stream, cfg, step, passkey)
-        loss = lm_loss(model, x, y)
+        x, y, w = weighted_batch_at(train_stream, cfg, step, passkey)
+        loss = lm_loss(model, x, y, w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -669,6 +699,7 @@ def train(
 _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
     "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
+    "passkey_answer_weight": "passkey_answer_weight",
 }
 
 
@@ -742,6 +773,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passkey-mix", type=_fraction, default=None, metavar="FRACTION",
                         help="fraction of each batch's sequences that are passkey-retrieval examples in the "
                              "lm-eval passkey task's format (default 0)")
+    parser.add_argument("--passkey-answer-weight", type=float, default=None, metavar="W",
+                        help="with --passkey-mix: loss weight of each example's answer tokens relative to "
+                             "every other token (default 1: the plain mean; the retrieval signal is a few "
+                             "tokens among thousands)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -773,6 +808,8 @@ def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None)
     try:
         return TrainConfig(model=model, **given)
     except ValueError as e:
+        if "passkey_answer_weight" in str(e):
+            raise ValueError(f"--passkey-answer-weight: {e}") from e
         if "passkey_mix" in str(e):
             raise ValueError(f"--passkey-mix: {e}") from e
         raise
