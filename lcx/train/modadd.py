@@ -624,7 +624,7 @@ def plot_shift(table: Mapping[str, Any], path: Path) -> None:
             max_offsets.add(recipe_by_name(r["recipe"]).max_offset)
     for m in max_offsets:
         ax.axvline(m, color="grey", lw=0.8, ls=":")
-        ax.text(m, 50, " robust curriculum\n reaches here", fontsize=7, color="grey")
+        ax.text(m, 90, " the curriculum\n reaches here", fontsize=7, color="grey")
     ax.set_xlabel("character offset of the expression (held-out pairs, canonical template)")
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(-3, 103)
