@@ -432,12 +432,13 @@ STUDY_SEEDS = (0, 1, 2)
 # every position encoding, robust under the three that can represent order (a bidirectional
 # NoPE encoder is order-blind, see lcx.models.modadd), single interventions added to the
 # baseline and removed from robust, both with learned positions (consistency alone is void:
-# without offsets or templates the two renderings of a pair are identical).
+# without offsets or templates the two renderings of a pair are identical), and robust_nl.
 STUDY_CONFIGS: tuple[tuple[str, str], ...] = (
     ("baseline", "learned"), ("baseline", "rope"), ("baseline", "alibi"), ("baseline", "nope"),
     ("baseline+templates", "learned"), ("baseline+markers", "learned"), ("baseline+curriculum", "learned"),
     ("robust", "learned"), ("robust", "rope"), ("robust", "alibi"),
     *((f"robust-no_{i}", "learned") for i in INTERVENTIONS),
+    ("robust_nl", "learned"),
 )
 
 
@@ -855,7 +856,7 @@ DEFAULT_STUDY = StudyConfig(
     run={"steps": 1000, "batch_size": 256, "eval_pairs": 500, "eval_offsets": [0, 4, 8, 16, 24, 32, 48, 64, 128]},
     budget_note=("1000 AdamW steps x 256 sequences per run (256k examples; with the consistency loss 128 pairs "
                  "rendered twice), one thread per run, two runs at a time (--shard 0/2, 1/2): sized so that "
-                 "the 42 runs take about an hour on 2 CPU cores. The baseline converges well within it; the "
+                 "the 45 runs take about an hour on 2 CPU cores. The baseline converges well within it; the "
                  "robust recipe does not (probes: ~25% held-out at 1000-1500 steps, with training pairs at "
                  "~43%, i.e. still memorising), so robust numbers are at an equal, not a converged, budget. "
                  "Accuracy on the first 500 held-out pairs per split."),
