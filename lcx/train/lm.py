@@ -45,8 +45,9 @@ model cannot reduce, and the answer (plus the needle's second, short-range copy 
 the retrieval signal; keeping text and examples under one loss keeps the fine-tune a plain LM
 fine-tune whose held-out perplexity stays comparable. `--passkey-answer-weight W`
 (`TrainConfig.passkey_answer_weight`) weights the answer targets (key tokens and `</s>`) W times
-every other target in that mean, to lift the few retrieval tokens above the filler. With a passkey mix, each evaluation also
-logs `passkey` (in `log["val"]`, and `final_val_passkey`): the fraction of `PASSKEY_VAL_COUNT` fixed held-out prompts (seq_len long,
+every other target in that mean, to lift the few retrieval tokens above the filler.
+With a passkey mix, each evaluation also logs `passkey` (in `log["val"]`, and
+`final_val_passkey`): the fraction of `PASSKEY_VAL_COUNT` fixed held-out prompts (seq_len long,
 keys from their own seed) whose answer tokens are all the model's greedy predictions (what the
 lm-eval `passkey_ll` task scores).
 

@@ -323,7 +323,6 @@ def evaluate(model: ModAddEncoder, cfg: RunConfig) -> dict[str, Any]:
     split = split_pairs(cfg.split_seed)
     markers = cfg.recipe_obj.markers
     test, train = split.test[: cfg.eval_pairs], split.train[: cfg.eval_pairs]
-    y_test = [(a + b) % MODULUS for a, b in test]
 
     def acc(pairs, template, offset):
         return accuracy(model, [render(a, b, template, offset, markers=markers) for a, b in pairs],
@@ -331,7 +330,6 @@ def evaluate(model: ModAddEncoder, cfg: RunConfig) -> dict[str, Any]:
 
     shift = {str(o): acc(test, CANONICAL, o) for o in cfg.eval_offsets}
     templates = [acc(test, t, 0) for t in OOD_TEMPLATES]
-    del y_test
     return {
         "id": shift["0"] if 0 in cfg.eval_offsets else acc(test, CANONICAL, 0),
         "pos": sum(shift[str(o)] for o in SHIFT_OFFSETS) / len(SHIFT_OFFSETS),
