@@ -15,6 +15,9 @@ Methods come from `--model_args` keys:
 - Attention (`attention=<name>` plus that method's keys): LM-Infinite (`lm_infinite`: n_global,
   n_local, limit_distance), sliding windows (`sliding_window`: window) and StreamingLLM
   (`sinks`: n_sink, window), from `lcx.methods`; composable with any RoPE spec.
+  `attn_backend` picks the `lcx.attention` backend of its calls (default `flash`: torch's fused
+  flash kernels composed into the windowed mask, the fastest exact CPU route; `blockwise`,
+  `sdpa`, `ref`, ...) and `attn_decode_backend` the one of single-token calls (default: the same).
 
 Everything else is lm-eval's HFLM (this class subclasses it with the model preloaded), which
 does loglikelihood, loglikelihood_rolling and generate_until with the method in effect. One
@@ -56,18 +59,28 @@ class AttentionMethod:
     apply: Callable[[Any, dict[str, Any]], None]
 
 
+DEFAULT_ATTN_BACKEND = "flash"
+BACKEND_KEYS = frozenset({"attn_backend", "attn_decode_backend"})
+
+
 def _from_lcx_methods() -> dict[str, AttentionMethod]:
     """One entry per `lcx.methods.ATTENTION_METHODS` method (the only list of methods):
     `attention=lm_infinite,n_global=16,n_local=256`, `attention=sliding_window,window=256`,
-    `attention=sinks,n_sink=4,window=256`. Applied with `lcx.methods.patch_attention`
-    (blockwise backend: prefill memory O(T·window))."""
+    `attention=sinks,n_sink=4,window=256`. Applied with `lcx.methods.patch_attention` on the
+    `attn_backend` (default `flash`: prefill work O(T·(window + globals)) at fused-kernel speed)."""
     from lcx.methods.attention_patch import patch_attention
     from lcx.methods.spec import ATTENTION_METHODS as METHODS
     from lcx.methods.spec import method_from_dict
 
+    def apply(name: str, model: Any, p: dict[str, Any]) -> None:
+        p = dict(p)
+        backend = p.pop("attn_backend", None) or DEFAULT_ATTN_BACKEND
+        decode = p.pop("attn_decode_backend", None) or None
+        patch_attention(model, method_from_dict({"type": name, **p}), backend=backend, decode_backend=decode)
+
     def make(name: str) -> AttentionMethod:
-        keys = frozenset(f.name for f in dataclasses.fields(METHODS[name]))
-        return AttentionMethod(name, keys, lambda model, p: patch_attention(model, method_from_dict({"type": name, **p})))
+        keys = frozenset(f.name for f in dataclasses.fields(METHODS[name])) | BACKEND_KEYS
+        return AttentionMethod(name, keys, lambda model, p: apply(name, model, p))
 
     return {name: make(name) for name in METHODS if name != "causal"}
 

@@ -22,15 +22,26 @@ max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local =
 
 Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
 number), `passkey_heatmap.png`, `ppl_by_length.png`, `decode_by_length.png`, `README.md` (the
-summary tables + images), and `cells/` — one JSON per (method, measurement), written atomically
-as it finishes. A re-run with the same settings keeps completed cells (resume after an
-interruption; `--fresh` recomputes); a cell whose settings changed is recomputed.
+summary tables + images), and `cells/` — one JSON per (method, measurement, length), written
+atomically as it finishes, plus `cells/run.json`, the run they belong to.
+
+Measure, not replay. A cell records its settings and a fingerprint of what produced its numbers:
+the source of the modules that compute them (`NUMERICS_MODULES`, per measurement), the model's
+files, and the environment (python, torch, transformers, lm-eval, tokenizers, device). A
+`lcx report` whose last run in `--out` finished starts a new run and recomputes every cell. Only
+an interrupted run is resumed: same settings and the same fingerprint, so its completed cells
+are kept (what was reused and why is printed, and recorded in report.json). `--reuse` also
+keeps cells of finished runs whose settings and fingerprint match (e.g. to redraw plots);
+`--fresh` recomputes everything. The cell order is length-major (every method at the shortest
+length first), so an interrupted sweep already has complete tables at the shorter lengths.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -59,7 +70,7 @@ class ReportConfig:
     model: str = "tiny-5m"
     methods: tuple[str, ...] = DEFAULT_METHODS
     lengths: tuple[int, ...] | None = None
-    depths: int = 3
+    depths: int | tuple[float, ...] = 3  # a grid size over [0, 1], or explicit fractions
     samples_per_depth: int = 1
     ppl_docs: int = 4
     decode_lengths: tuple[int, ...] | None = None
@@ -76,7 +87,13 @@ class ReportConfig:
             v = getattr(self, name)
             if v is not None and (not v or any(not isinstance(x, int) or x < 16 for x in v)):
                 raise ValueError(f"{name} must be integers >= 16, got {v!r}")
-        for name, lo in (("depths", 1), ("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2)):
+        if isinstance(self.depths, (list, tuple)):
+            d = tuple(self.depths)
+            if not d or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in d):
+                raise ValueError(f"depths must be a grid size or fractions in [0, 1], got {self.depths!r}")
+            object.__setattr__(self, "depths", tuple(sorted({float(x) for x in d})))
+        for name, lo in (("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2)) + (
+                (("depths", 1),) if not isinstance(self.depths, tuple) else ()):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -134,7 +151,9 @@ METHOD_TABLE: dict[str, Callable[[str, int, float], "MethodRun | str"]] = {
     "lm_infinite": lambda model, L0, s: MethodRun(attention=_lm_infinite(L0)),
     "sliding_window": lambda model, L0, s: MethodRun(attention={"type": "sliding_window", "window": L0}),
     "sinks": lambda model, L0, s: MethodRun(attention={"type": "sinks", "n_sink": 4, "window": L0 - 4}),
-    "lm_infinite+yarn": lambda model, L0, s: MethodRun(rope={"rope_type": "yarn", "factor": max(1.0, s / 2)},
+    # the YaRN of the `yarn` row under LM-Infinite's window (the combination the LM-Infinite paper
+    # suggests for RoPE models: the window bounds distances, YaRN the positions' frequencies)
+    "lm_infinite+yarn": lambda model, L0, s: MethodRun(rope={"rope_type": "yarn", "factor": s},
                                                        attention=_lm_infinite(L0)),
     "swat": lambda model, L0, s: (MethodRun(model=SWAT_SIBLINGS[model]) if model in SWAT_SIBLINGS
                                   else f"no SWAT model trained for {model!r} (known: {SWAT_SIBLINGS})"),
@@ -163,35 +182,39 @@ def _tasks_dir() -> str:
     return str(TASKS_DIR)
 
 
-def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig) -> dict[str, Any]:
-    """passkey + lcx_ppl through lm-eval's `simple_evaluate` with the `lcx` model."""
+def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+    """passkey + lcx_ppl at one context length through lm-eval's `simple_evaluate` with the
+    `lcx` model. Perplexity windows are cut at max(cfg.lengths) tokens (`window_tokens`), so a
+    length scores the same text whether it runs alone or in a sweep."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from .lmeval_model import LcxLM
 
     lm = LcxLM(pretrained=run.model or model, batch_size=1, **run.lmeval_kwargs())
-    meta = {"tokenizer": run.model or model, "max_seq_lengths": list(cfg.lengths), "depths": cfg.depths,
+    meta = {"tokenizer": run.model or model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
+            "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
     t0 = time.perf_counter()
-    tm = TaskManager(include_path=_tasks_dir(), metadata=meta)
+    tm = TaskManager(include_path=_tasks_dir(), include_defaults=False, metadata=meta)
     res = simple_evaluate(model=lm, tasks=["passkey", "lcx_ppl"], task_manager=tm,
                           metadata=meta, log_samples=True, verbosity="WARNING")
     wall = time.perf_counter() - t0
-    pk = res["results"]["passkey"]
-    grid: dict[str, dict[str, list[float]]] = {}
-    for s in res["samples"]["passkey"]:
-        row = grid.setdefault(f"{s['doc']['depth']:.3f}", {})
-        for L in cfg.lengths:
-            row.setdefault(str(L), []).append(float(s[str(L)]))
+    L = str(length)
+    by_depth: dict[str, list[float]] = {}
+    samples = []
+    for smp in res["samples"]["passkey"]:
+        d = f"{smp['doc']['depth']:.3f}"
+        by_depth.setdefault(d, []).append(float(smp[L]))
+        samples.append({"depth": smp["doc"]["depth"], "key": smp["doc"]["key"], "correct": float(smp[L]),
+                        "output": (smp.get("filtered_resps") or [[""]])[0][0] if smp.get("filtered_resps") else None})
     ppl = res["results"]["lcx_ppl"]
     return {
-        "passkey_by_length": {str(L): pk[f"{L},none"] for L in cfg.lengths},
-        "passkey_by_depth_length": {d: {L: sum(v) / len(v) for L, v in row.items()}
-                                    for d, row in sorted(grid.items(), key=lambda kv: float(kv[0]))},
-        "passkey_docs": len(res["samples"]["passkey"]),
-        "ppl_by_length": {str(L): {m: ppl[f"{m}_{L},none"] for m in
-                                   ("word_perplexity", "byte_perplexity", "bits_per_byte")} for L in cfg.lengths},
+        "passkey": res["results"]["passkey"][f"{L},none"],
+        "passkey_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items(), key=lambda kv: float(kv[0]))},
+        "passkey_docs": len(samples),
+        "passkey_samples": samples,
+        "ppl": {m: ppl[f"{m}_{L},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")},
         "ppl_docs": res["n-samples"]["lcx_ppl"]["effective"],
         "wall_s": round(wall, 2),
     }
@@ -209,69 +232,179 @@ def _prompt_ids(tokenizer: Any, n: int) -> list[int]:
     raise ValueError(f"the held-out corpus has only {len(ids)} tokens; asked for {n}")
 
 
-def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig) -> dict[str, Any]:
-    """Prefill L tokens, then greedy-decode `decode_tokens` with lcx's engine, per length L."""
+def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+    """Prefill `length` tokens of held-out text, then greedy-decode `decode_tokens` with lcx's
+    engine (batch 1): prefill time, decode tokens/s and the peak KV-cache size."""
     import torch
 
     from .engine import Engine, EngineConfig, SamplingParams
     from .models import load_model
 
     m, tok = load_model(run.model or model)
-    longest = max(cfg.decode_lengths)
     engine = Engine(m, tok, EngineConfig(methods=run.engine_methods(), max_batch=1,
-                                         max_model_len=longest + cfg.decode_tokens + 1))
-    prompt_all = _prompt_ids(tok, longest)
-    out: dict[str, Any] = {}
+                                         max_model_len=length + cfg.decode_tokens + 1))
+    prompt = _prompt_ids(tok, length)
     with torch.inference_mode():
-        for L in cfg.decode_lengths:
-            engine.add_request(prompt_all[:L], SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True))
-            t0 = time.perf_counter()
-            engine.step()  # prefill + first token
-            prefill = time.perf_counter() - t0
-            peak, steps, t1 = engine.kv_cache_bytes, 0, time.perf_counter()
-            while engine.has_work():
-                engine.step()
-                steps += 1
-                peak = max(peak, engine.kv_cache_bytes)
-            decode = time.perf_counter() - t1
-            out[str(L)] = {"prefill_s": round(prefill, 4), "decode_s": round(decode, 4), "decode_steps": steps,
-                           "tokens_per_s": steps / decode if decode > 0 else float("nan"),
-                           "kv_cache_mb": peak / 2**20}
-    return {"by_length": out, "threads": torch.get_num_threads()}
+        engine.add_request(prompt, SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.step()  # prefill + first token
+        prefill = time.perf_counter() - t0
+        peak, steps, t1 = engine.kv_cache_bytes, 0, time.perf_counter()
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            peak = max(peak, engine.kv_cache_bytes)
+        decode = time.perf_counter() - t1
+    return {"prefill_s": round(prefill, 4), "decode_s": round(decode, 4), "decode_steps": steps,
+            "tokens_per_s": steps / decode if decode > 0 else float("nan"), "kv_cache_mb": peak / 2**20,
+            "threads": torch.get_num_threads()}
 
 
 CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
 
+# Bump when what a cell measures changes in this file (the modules below are fingerprinted).
+CELL_VERSION = 2
+# The modules whose source determines a cell's numbers, per measurement (packages: every .py).
+_COMMON_MODULES = ("lcx.rope", "lcx.attention", "lcx.masks", "lcx.methods", "lcx.patching", "lcx.models",
+                   "lcx.cache.kv", "lcx.data.corpus")
+NUMERICS_MODULES: dict[str, tuple[str, ...]] = {
+    "lmeval": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.eval_tasks.common", "lcx.eval_tasks.base",
+                                 "lcx.eval_tasks.passkey", "lcx.eval_tasks.lcx_ppl"),
+    "decode": _COMMON_MODULES + ("lcx.engine",),
+}
 
-def cell_settings(kind: str, model: str, name: str, run: MethodRun, cfg: ReportConfig) -> dict[str, Any]:
-    """What a cell's numbers depend on; a stored cell is reused only if these are equal."""
-    common = {"kind": kind, "model": run.model or model, "method": name, "run": run.to_dict(), "seed": cfg.seed}
+
+def _module_files(name: str) -> list[Path]:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"fingerprint: module {name!r} not found")
+    origin = Path(spec.origin)
+    if origin.name == "__init__.py":
+        return sorted(origin.parent.rglob("*.py"))
+    return [origin]
+
+
+def code_fingerprint(kind: str) -> dict[str, str]:
+    """sha256 (12 hex) of each numerics module's source, for cells of `kind`."""
+    out = {}
+    for name in NUMERICS_MODULES[kind]:
+        h = hashlib.sha256()
+        for f in _module_files(name):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        out[name] = h.hexdigest()[:12]
+    return out
+
+
+def model_fingerprint(model: str) -> str:
+    """sha256 (12 hex) of a model's files as `lcx.load_model` finds them (config, tokenizer, weights)."""
+    from .models import resolve_source
+
+    kind, path = resolve_source(model)
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and p.name != "state.pt")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def env_fingerprint() -> dict[str, str]:
+    """The library versions and the device the numbers come from (not the thread count)."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    out = {"python": platform.python_version(), "device": "cpu" if not torch.cuda.is_available()
+           else torch.cuda.get_device_name()}
+    for pkg in ("torch", "transformers", "lm_eval", "tokenizers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def run_fingerprint(cfg: ReportConfig, models: list[str]) -> dict[str, Any]:
+    return {"cell_version": CELL_VERSION, "code": {k: code_fingerprint(k) for k in CELL_KINDS},
+            "models": {m: model_fingerprint(m) for m in sorted(set(models))}, "environment": env_fingerprint()}
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys where two nested dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def cell_settings(kind: str, model: str, name: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+    """What a cell's numbers depend on besides the fingerprint."""
+    common = {"kind": kind, "model": run.model or model, "method": name, "run": run.to_dict(), "seed": cfg.seed,
+              "length": length}
     if kind == "lmeval":
-        return {**common, "lengths": list(cfg.lengths), "depths": cfg.depths,
+        return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
                 "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}
-    return {**common, "decode_lengths": list(cfg.decode_lengths), "decode_tokens": cfg.decode_tokens}
+    return {**common, "decode_tokens": cfg.decode_tokens}
 
 
-def _cell_path(out: Path, name: str, kind: str) -> Path:
-    return out / "cells" / f"{name.replace('+', '_plus_')}.{kind}.json"
+def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
+    return out / "cells" / f"{name.replace('+', '_plus_')}.{kind}.{length}.json"
 
 
-def load_cell(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """A completed cell with exactly these settings, or None (missing, corrupt or different)."""
+def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
+              run_id: str | None = None) -> dict[str, Any] | None:
+    """A completed cell with exactly these settings and fingerprint (and of run `run_id`, if
+    given), or None (missing, corrupt or different)."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return d if d.get("settings") == settings and "result" in d else None
+    if d.get("settings") != settings or d.get("fingerprint") != fingerprint or "result" not in d:
+        return None
+    return d if run_id is None or d.get("run_id") == run_id else None
+
+
+def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh: bool, reuse: bool
+             ) -> tuple[str, bool, str]:
+    """(run id, whether stored cells of that run may be kept, why): resume an interrupted run
+    with the same settings and fingerprint; otherwise a new run."""
+    new_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+    if fresh:
+        return new_id, False, "--fresh: every cell is recomputed"
+    try:
+        prev = json.loads((out / "cells" / "run.json").read_text())
+    except (OSError, ValueError):
+        prev = None
+    if reuse:
+        return new_id, True, "--reuse: cells of any earlier run with the same settings and fingerprint are kept"
+    if prev is None:
+        return new_id, False, "no earlier run here: every cell is measured"
+    if prev.get("finished"):
+        return new_id, False, (f"the last run here ({prev.get('run_id')}) finished: every cell is measured "
+                               "again (--reuse keeps matching cells)")
+    if prev.get("config") != cfg.to_dict():
+        return new_id, False, (f"the interrupted run {prev.get('run_id')} had other settings "
+                               f"({', '.join(_diff(prev.get('config'), cfg.to_dict()))}): every cell is measured")
+    changed = _diff(prev.get("fingerprint"), fingerprint)
+    if changed:
+        return new_id, False, (f"the interrupted run {prev.get('run_id')} ran other code/models/environment "
+                               f"({', '.join(changed)}): every cell is measured")
+    return prev["run_id"], True, f"resuming the interrupted run {prev['run_id']} (same settings and fingerprint)"
 
 
 # ============================================================================================
 # The run
 # ============================================================================================
 
-def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, progress: bool = True,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure every (method, cell) not already stored in `out/cells`, then write the report."""
+def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
+               progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
+    module docstring), then write the report. `render=True` measures nothing: it writes the
+    report from the stored cells whose settings and fingerprint match (missing ones show as —),
+    e.g. to publish a long sweep's progress."""
     from tqdm.auto import tqdm
 
     from .data.io import atomic_write_json, environment, git_info
@@ -289,32 +422,63 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, progress: b
             log(f"skipping {name}: {r}")
         else:
             runs[name] = r
-    cells: dict[str, dict[str, Any]] = {name: {} for name in runs}
-    todo = [(name, kind) for name in runs for kind in CELL_KINDS]
+    fingerprint = run_fingerprint(cfg, [cfg.model] + [r.model for r in runs.values() if r.model])
+    if render:
+        run_id, keep, why = "render", True, "--render: stored cells with matching settings and fingerprint"
+        reuse = True
+    else:
+        run_id, keep, why = plan_run(out, cfg, fingerprint, fresh=fresh, reuse=reuse)
+    log(f"lcx report: {why}")
+    manifest = {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "finished": False,
+                "config": cfg.to_dict(), "fingerprint": fingerprint}
+    if not render:
+        atomic_write_json(out / "cells" / "run.json", manifest)
+    cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in CELL_KINDS} for name in runs}
+    todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
+            for kind in CELL_KINDS if L in (cfg.lengths if kind == "lmeval" else cfg.decode_lengths)]
     bar = tqdm(todo, desc="report cells", unit="cell", disable=not progress)
-    reused = 0
-    for name, kind in bar:
-        bar.set_postfix_str(f"{name}/{kind}")
-        settings = cell_settings(kind, cfg.model, name, runs[name], cfg)
-        path = _cell_path(out, name, kind)
-        stored = None if fresh else load_cell(path, settings)
+    reused: list[str] = []
+    measured_s = 0.0
+    for name, kind, L in bar:
+        bar.set_postfix_str(f"{name}/{kind}/{L}")
+        settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
+        path = _cell_path(out, name, kind, L)
+        stored = load_cell(path, settings, fingerprint, None if reuse else run_id) if keep else None
         if stored is not None:
-            cells[name][kind] = stored["result"]
-            reused += 1
+            cells[name][kind][str(L)] = stored["result"]
+            reused.append(f"{name}/{kind}/{L}")
+            continue
+        if render:
             continue
         t0 = time.perf_counter()
-        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg)
-        atomic_write_json(path, {"settings": settings, "result": result, "wall_s": time.perf_counter() - t0})
-        cells[name][kind] = result
+        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L)
+        dt = time.perf_counter() - t0
+        measured_s += dt
+        atomic_write_json(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
+                                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
+                                 "result": result})
+        cells[name][kind][str(L)] = result
+        if kind == "lmeval":
+            bar.write(f"  {name} @ {L}: passkey {result['passkey']:.2f}, {PPL_METRIC} "
+                      f"{result['ppl'][PPL_METRIC]:.1f} ({dt:.0f} s)")
+        else:
+            bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
+                      f"({dt:.0f} s)")
     if reused:
-        log(f"reused {reused} completed cell(s) from {out / 'cells'} (--fresh recomputes)")
+        log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
+            f"{len(todo) - len(reused)}")
+    if not render:
+        atomic_write_json(out / "cells" / "run.json", {**manifest, "finished": True,
+                                                       "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     record = {
         "description": "lcx report: context-extension methods beyond the training context",
         "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
                    "methods_resolved": {n: r.to_dict() for n, r in runs.items()}, "methods_skipped": skipped,
                    "tasks": ["passkey", "lcx_ppl"], "ppl_metric": PPL_METRIC},
         "environment": environment(), "git": git_info(Path(__file__).resolve().parents[1]),
-        "wall_s": round(time.perf_counter() - t_start, 1), "cells_reused": reused,
+        "fingerprint": fingerprint, "run_id": run_id,
+        "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
+        "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
         "results": cells,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -329,6 +493,20 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, progress: b
 # ============================================================================================
 # Plots and Markdown
 # ============================================================================================
+
+def _cell(record: dict[str, Any], name: str, kind: str, L: Any) -> dict[str, Any] | None:
+    return record["results"].get(name, {}).get(kind, {}).get(str(L))
+
+
+def _get(record: dict[str, Any], name: str, kind: str, L: Any, *keys: str) -> float:
+    """A number of a cell, NaN where the cell was not measured (a report rendered mid-run)."""
+    v: Any = _cell(record, name, kind, L)
+    for k in keys:
+        if v is None:
+            break
+        v = v.get(k)
+    return float("nan") if v is None else float(v)
+
 
 def plot_report(record: dict[str, Any], out: Path) -> None:
     import matplotlib
@@ -346,10 +524,11 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.1 * ncol, 2.6 * nrow), squeeze=False, constrained_layout=True)
     im = None
     for ax, name in zip(axes.flat, names):
-        grid = res[name]["lmeval"]["passkey_by_depth_length"]
-        depths = list(grid)
-        im = ax.imshow([[grid[d][str(L)] for L in lengths] for d in depths], vmin=0, vmax=1, cmap="RdYlGn",
-                       aspect="auto")
+        depths = sorted({d for L in lengths for d in (_cell(record, name, "lmeval", L) or {}).get("passkey_by_depth", {})},
+                        key=float)
+        grid = [[_get(record, name, "lmeval", L, "passkey_by_depth", d) for L in lengths] for d in depths]
+        if depths:
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
         ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
         if ctx in lengths:
@@ -366,9 +545,8 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
     for i, name in enumerate(names):
-        by = res[name]["lmeval"]["ppl_by_length"]
-        ax.plot(lengths, [by[str(L)][PPL_METRIC] for L in lengths], marker="o", label=name,
-                ls="-" if i < 10 else "--", color=f"C{i % 10}")
+        ax.plot(lengths, [_get(record, name, "lmeval", L, "ppl", PPL_METRIC) for L in lengths], marker="o",
+                label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
     ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -382,10 +560,9 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
     dl = [int(L) for L in record["config"]["decode_lengths"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for i, name in enumerate(names):
-        by = res[name]["decode"]["by_length"]
         style = dict(marker="o", label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
-        a1.plot(dl, [by[str(L)]["tokens_per_s"] for L in dl], **style)
-        a2.plot(dl, [by[str(L)]["kv_cache_mb"] for L in dl], **style)
+        a1.plot(dl, [_get(record, name, "decode", L, "tokens_per_s") for L in dl], **style)
+        a2.plot(dl, [_get(record, name, "decode", L, "kv_cache_mb") for L in dl], **style)
     for a, label in ((a1, "decode tokens / s"), (a2, "KV cache (MB, peak)")):
         a.set_xscale("log", base=2)
         a.set_xlabel("prompt length (tokens)")
@@ -406,41 +583,49 @@ def markdown(record: dict[str, Any]) -> str:
     c, res = record["config"], record["results"]
     lengths, dl = c["lengths"], c["decode_lengths"]
     env = record["environment"]
+    n_pk = max([(_cell(record, n, "lmeval", L) or {}).get("passkey_docs", 0) for n in res for L in lengths] or [0])
+    done = sum(1 for n in res for k in CELL_KINDS for _ in res[n][k])
+    status = ("" if done == record.get("cells_total", done) else
+              f" **Partial: {done} of {record['cells_total']} cells measured so far** (— = not yet).")
     lines = [f"# lcx report · {c['model']}", "",
              f"Trained context L0 = {c['context']}; lengths {lengths}; RoPE factor s = {c['rope_factor']:g} "
-             f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s "
-             f"({record['cells_reused']} cells reused from an earlier run).", "",
-             "## Passkey accuracy by context length", "",
+             f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
+             f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
+             f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).{status}", "",
+             f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
+             f"{c['samples_per_depth']} keys)", "",
              "| method | " + " | ".join(str(L) for L in lengths) + " |",
              "|---|" + "---:|" * len(lengths)]
-    for name, r in res.items():
-        pk = r["lmeval"]["passkey_by_length"]
-        lines.append(f"| {name} | " + " | ".join(_fmt(pk[str(L)], ".2f") for L in lengths) + " |")
-    lines += ["", f"![passkey heatmap](passkey_heatmap.png)", "",
-              f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: windows of L tokens of held-out text)", "",
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "passkey"), ".2f")
+                                                 for L in lengths) + " |")
+    lines += ["", "![passkey heatmap](passkey_heatmap.png)", "",
+              f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: {c['ppl_docs']} windows of held-out text per length)", "",
               "| method | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---:|" * len(lengths)]
-    for name, r in res.items():
-        by = r["lmeval"]["ppl_by_length"]
-        lines.append(f"| {name} | " + " | ".join(_fmt(by[str(L)][PPL_METRIC], ".1f") for L in lengths) + " |")
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "ppl", PPL_METRIC), ".1f")
+                                                 for L in lengths) + " |")
     lines += ["", "![perplexity by length](ppl_by_length.png)", "",
               f"## Decoding ({c['decode_tokens']} greedy tokens after a prompt of L tokens, lcx.engine, batch 1)", "",
               "| method | " + " | ".join(f"{L} tok/s" for L in dl) + " | " + " | ".join(f"{L} KV MB" for L in dl) + " |",
               "|---|" + "---:|" * (2 * len(dl))]
-    for name, r in res.items():
-        by = r["decode"]["by_length"]
-        lines.append(f"| {name} | " + " | ".join(_fmt(by[str(L)]["tokens_per_s"], ".0f") for L in dl) + " | "
-                     + " | ".join(_fmt(by[str(L)]["kv_cache_mb"], ".2f") for L in dl) + " |")
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "decode", L, "tokens_per_s"), ".1f")
+                                                 for L in dl) + " | "
+                     + " | ".join(_fmt(_get(record, name, "decode", L, "kv_cache_mb"), ".2f") for L in dl) + " |")
     lines += ["", "![decoding by length](decode_by_length.png)", "", "## Methods (resolved)", ""]
     for name, m in c["methods_resolved"].items():
         lines.append(f"- **{name}**: `{json.dumps({k: v for k, v in m.items() if v})}`")
     for name, why in c["methods_skipped"].items():
         lines.append(f"- **{name}**: skipped — {why}")
+    wall = {n: sum((_cell(record, n, k, L) or {}).get("wall_s", 0) for k in ("lmeval",) for L in lengths) for n in res}
     lines += ["", "## Settings and environment", "", "```json",
               json.dumps({k: v for k, v in c.items() if k not in ("methods_resolved", "methods_skipped")}, indent=1),
               "```", "",
               f"torch {env.get('torch')}, transformers {env.get('transformers')}, python {env.get('python')}, "
               f"{env.get('cpu_count', '?')} CPUs; git {record['git'].get('sha', '?')[:12]}"
-              f"{' (dirty)' if record['git'].get('dirty') else ''}.",
+              f"{' (dirty)' if record['git'].get('dirty') else ''}. lm-eval seconds per method (all lengths): "
+              + ", ".join(f"{n} {w:.0f}" for n, w in wall.items()) + ".",
               "Timings come from whatever machine ran the report; compare methods within one report.", ""]
     return "\n".join(lines)
 
@@ -450,6 +635,13 @@ def markdown(record: dict[str, Any]) -> str:
 # ============================================================================================
 
 QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8)
+
+
+def _depths(s: str) -> int | tuple[float, ...]:
+    try:
+        return int(s) if "," not in s and "." not in s else tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a grid size or comma-separated fractions, got {s!r}") from None
 
 
 def _int_list(s: str) -> tuple[int, ...]:
@@ -468,14 +660,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
     p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths)")
-    p.add_argument("--depths", type=int, default=ReportConfig.depths, help="needle depths per length (default: %(default)s)")
+    p.add_argument("--depths", type=_depths, default=ReportConfig.depths,
+                   help="needle depths per length: a grid size over [0, 1] (default: %(default)s) or "
+                        "comma-separated fractions, e.g. 0.1,0.37,0.63,0.9")
     p.add_argument("--samples-per-depth", type=int, default=ReportConfig.samples_per_depth)
     p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs, help="held-out documents for perplexity")
     p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="recompute every cell (default: reuse completed ones)")
+    p.add_argument("--fresh", action="store_true",
+                   help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
+                        "with the same settings and code; a finished one is measured again)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep stored cells of any earlier run whose settings and code/model/environment "
+                        "fingerprint match (e.g. to redraw plots)")
+    p.add_argument("--render", action="store_true",
+                   help="measure nothing: write the report from the stored matching cells (a sweep's progress)")
     p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens")
 
 
@@ -496,7 +697,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    record = run_report(cfg, args.out, fresh=args.fresh)
+    if args.render and (args.fresh or args.reuse):
+        print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)
+        return 2
+    record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render)
     print(markdown(record).split("## Methods")[0])
     print(f"wrote {args.out / 'README.md'}, report.json and 3 PNGs")
     return 0

@@ -100,8 +100,8 @@ def test_passkey_prompts_never_exceed_the_requested_length(byte_tok):
         assert d["lengths"] == lengths
         for L, prompt, count in zip(lengths, d["prompts"], d["prompt_tokens"]):
             assert count == n_tokens(byte_tok, prompt)
-            with_answer = n_tokens(byte_tok, prompt + " " + d["key"]) + data.SPARE_TOKENS
-            assert with_answer <= L, (L, with_answer)
+            with_answer = n_tokens(byte_tok, prompt) + data.SPARE_TOKENS + data.ANSWER_BUDGET
+            assert with_answer <= L, (L, with_answer)  # prompt + BOS + the whole generation budget
             assert with_answer > L - longest_sentence - 2, "one more filler sentence would have fit"
             assert prompt.count(d["key"]) == 2 and prompt.endswith(data.QUESTION)
     # --limit 2 sees the shallowest and the deepest insertion

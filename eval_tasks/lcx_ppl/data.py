@@ -11,7 +11,10 @@ offsets and re-checked to tokenize to at most L tokens. lm-eval's `loglikelihood
 scores those L tokens in one forward pass of L positions (the backend's BOS/EOS prefix plus the
 first L-1 tokens), so bucket L measures the model at context L; buckets of one doc are nested
 prefixes of the same text. Docs are interleaved across works, so `--limit k` samples several
-works. Metadata: `max_seq_lengths` (default 256, 512, 1024), `max_docs` (default: all windows).
+works. Metadata: `max_seq_lengths` (default 256, 512, 1024), `max_docs` (default: all windows),
+`window_tokens` (default: max(max_seq_lengths); a larger value cuts the same windows as a run
+over longer lengths would, so one length evaluated alone scores the same text as it does in a
+sweep: `lcx report` evaluates length by length this way).
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ def works(split: str = "validation") -> list[tuple[str, str]]:
     return [(w, chosen[w].text) for w in sorted(chosen)]
 
 
-def windows(tokenizer: Any, text: str, lengths: list[int], tail: bool = False) -> list[dict]:
-    """Non-overlapping windows of max(lengths) tokens; per window the text of each prefix length.
+def windows(tokenizer: Any, text: str, lengths: list[int], tail: bool = False,
+            window_tokens: int | None = None) -> list[dict]:
+    """Non-overlapping windows of max(lengths, window_tokens) tokens; per window the text of each
+    prefix length.
 
     With `tail=True` each prefix of L tokens is also split at token L // 2: `contexts[i]` is its
     first half and `continuations[i]` the rest (together at most L tokens when re-tokenized).
     """
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offs = enc["offset_mapping"]
-    size = max(lengths)
+    size = max(max(lengths), window_tokens or 0)
     out = []
     for start in range(0, len(offs) - size + 1, size):
         texts, counts, contexts, continuations = [], [], [], []
@@ -72,11 +77,12 @@ def windows(tokenizer: Any, text: str, lengths: list[int], tail: bool = False) -
     return out
 
 
-def make_docs(tokenizer: Any, lengths: list[int], max_docs: int | None = None, tail: bool = False) -> list[dict]:
+def make_docs(tokenizer: Any, lengths: list[int], max_docs: int | None = None, tail: bool = False,
+              window_tokens: int | None = None) -> list[dict]:
     per_work = []
     for work, text in works("validation"):
         docs = []
-        for w in windows(tokenizer, text, lengths, tail):
+        for w in windows(tokenizer, text, lengths, tail, window_tokens):
             doc = {"work": work, "answer": work, "lengths": list(lengths), "prompts": w["texts"],
                    "n_tokens": w["n_tokens"], "start_token": w["start_token"]}
             if tail:  # scored: continuation given context (loglikelihood)
@@ -85,7 +91,8 @@ def make_docs(tokenizer: Any, lengths: list[int], max_docs: int | None = None, t
         per_work.append(docs)
     docs = round_robin(per_work)
     if not docs:
-        raise ValueError(f"lcx_ppl: no held-out work has {max(lengths)} tokens; use smaller max_seq_lengths")
+        raise ValueError(f"lcx_ppl: no held-out work has {max(max(lengths), window_tokens or 0)} tokens; "
+                         "use smaller max_seq_lengths / window_tokens")
     return docs[:max_docs] if max_docs else docs
 
 
@@ -94,5 +101,6 @@ def dataset(tail: bool = False, **meta: Any):
     import datasets
 
     docs = make_docs(tokenizer_from(meta), lengths_from(meta, DEFAULT_LENGTHS),
-                     get_int(meta, "max_docs", 0) or None, tail=bool(tail))
+                     get_int(meta, "max_docs", 0) or None, tail=bool(tail),
+                     window_tokens=get_int(meta, "window_tokens", 0) or None)
     return {"test": datasets.Dataset.from_list(docs, split=datasets.Split.TEST)}

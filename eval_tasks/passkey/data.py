@@ -10,9 +10,12 @@ Prompt (five lines joined by "\\n", as in Landmark Attention)::
     What is the pass key? The pass key is
 
 Sizing. For a context length L the filler has the most whole sentences n = n_before + n_after
-such that `tokens(prompt + " " + key) + 1 <= L` (the answer fits, plus one spare position for a
-BOS token a backend may add), with n_before = round(depth * n). So no prompt exceeds L, and the
-prompt is within one filler sentence of it. A length too short for the scaffold alone raises.
+such that `tokens(prompt) + 1 + ANSWER_BUDGET <= L`: one spare position for a BOS token a backend
+may add, and the whole generation budget of the `passkey` task (`max_gen_toks`, 12) inside L, as
+RULER budgets its answers. So prompt plus answer never exceed L: a server started with
+`--max-model-len L` accepts every request of length L (`lm_eval --model local-completions`). The
+prompt is within one filler sentence of that budget; n_before = round(depth * n). A length too
+short for the scaffold alone raises.
 
 Docs. One doc per (sample, depth): the same key and depth at every requested length
 (`doc["prompts"][i]` is the prompt for `doc["lengths"][i]`). Depths are visited in
@@ -38,6 +41,7 @@ DEFAULT_LENGTHS = (256, 512, 1024)
 DEFAULT_DEPTHS = 11  # 0%, 10%, ..., 100%
 DEFAULT_SAMPLES = 2  # docs per depth
 SPARE_TOKENS = 1  # room for a BOS token
+ANSWER_BUDGET = 12  # the `passkey` task's max_gen_toks (passkey.yaml): generated tokens fit inside L
 
 
 def filler(n: int) -> str:
@@ -71,8 +75,9 @@ class PromptSizer:
         self._guess: dict[int, int] = {}
 
     def tokens(self, key: str, depth: float, n: int) -> int:
+        """Positions a length must hold: the prompt, a spare BOS slot and the answer budget."""
         b = round(depth * n)
-        return n_tokens(self.tok, build_prompt(key, b, n - b) + " " + key) + SPARE_TOKENS
+        return n_tokens(self.tok, build_prompt(key, b, n - b)) + SPARE_TOKENS + ANSWER_BUDGET
 
     def fit(self, key: str, depth: float, length: int) -> int:
         """The largest filler size n whose prompt fits in `length` tokens."""
