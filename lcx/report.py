@@ -76,6 +76,9 @@ class ReportConfig:
     decode_lengths: tuple[int, ...] | None = None
     decode_tokens: int = 32
     seed: int = 0
+    device: str = "cpu"  # where the model runs ("cuda" for the GPU report)
+    dtype: str = "float32"  # the model's parameter dtype (float32, bfloat16, float16)
+    attn_backend: str = "flash"  # lcx.attention backend of the attention methods (prefill and decode)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHOD_TABLE]
@@ -83,6 +86,15 @@ class ReportConfig:
             raise ValueError(f"unknown report method(s) {unknown}; known: {list(METHOD_TABLE)}")
         if not self.methods:
             raise ValueError("methods must name at least one method")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        from .attention import BACKENDS
+
+        if self.attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend {self.attn_backend!r} is not an lcx.attention backend; "
+                             f"known: {sorted(BACKENDS)}")
         for name in ("lengths", "decode_lengths"):
             v = getattr(self, name)
             if v is not None and (not v or any(not isinstance(x, int) or x < 16 for x in v)):
@@ -120,16 +132,22 @@ class MethodRun:
     attention: dict[str, Any] | None = None
     model: str | None = None
 
-    def engine_methods(self) -> dict[str, Any]:
-        return {k: v for k, v in (("rope", self.rope), ("attention", self.attention)) if v}
+    def engine_methods(self, backend: str | None = None) -> dict[str, Any]:
+        """`EngineConfig.methods`; `backend`: the attention method's lcx.attention backend."""
+        out = {k: dict(v) for k, v in (("rope", self.rope), ("attention", self.attention)) if v}
+        if backend and "attention" in out:
+            out["attention"]["backend"] = backend
+        return out
 
-    def lmeval_kwargs(self) -> dict[str, Any]:
+    def lmeval_kwargs(self, backend: str | None = None) -> dict[str, Any]:
         """`--model lcx` model_args (as keyword arguments of `LcxLM`)."""
         kw: dict[str, Any] = dict(self.rope or {})
         if self.attention:
             attn = dict(self.attention)
             kw["attention"] = attn.pop("type")
             kw.update(attn)
+            if backend:
+                kw["attn_backend"] = backend
         return kw
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,7 +209,8 @@ def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
 
     from .lmeval_model import LcxLM
 
-    lm = LcxLM(pretrained=run.model or model, batch_size=1, **run.lmeval_kwargs())
+    lm = LcxLM(pretrained=run.model or model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
+               **run.lmeval_kwargs(cfg.attn_backend))
     meta = {"tokenizer": run.model or model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
             "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
@@ -240,8 +259,8 @@ def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
     from .engine import Engine, EngineConfig, SamplingParams
     from .models import load_model
 
-    m, tok = load_model(run.model or model)
-    engine = Engine(m, tok, EngineConfig(methods=run.engine_methods(), max_batch=1,
+    m, tok = load_model(run.model or model, dtype=cfg.dtype, device=cfg.device)
+    engine = Engine(m, tok, EngineConfig(methods=run.engine_methods(cfg.attn_backend), max_batch=1,
                                          max_model_len=length + cfg.decode_tokens + 1))
     prompt = _prompt_ids(tok, length)
     with torch.inference_mode():
@@ -343,7 +362,8 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 def cell_settings(kind: str, model: str, name: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
     """What a cell's numbers depend on besides the fingerprint."""
     common = {"kind": kind, "model": run.model or model, "method": name, "run": run.to_dict(), "seed": cfg.seed,
-              "length": length}
+              "length": length, "device": cfg.device, "dtype": cfg.dtype,
+              "attn_backend": cfg.attn_backend if run.attention else None}
     if kind == "lmeval":
         return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
                 "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}
@@ -355,44 +375,48 @@ def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
 
 
 def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
-              run_id: str | None = None) -> dict[str, Any] | None:
-    """A completed cell with exactly these settings and fingerprint (and of run `run_id`, if
-    given), or None (missing, corrupt or different)."""
+              runs: "set[str] | str | None" = None) -> dict[str, Any] | None:
+    """A completed cell with exactly these settings and fingerprint (and measured by one of the
+    run ids `runs`, if given), or None (missing, corrupt or different)."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if d.get("settings") != settings or d.get("fingerprint") != fingerprint or "result" not in d:
         return None
-    return d if run_id is None or d.get("run_id") == run_id else None
+    if isinstance(runs, str):
+        runs = {runs}
+    return d if runs is None or d.get("run_id") in runs else None
 
 
 def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh: bool, reuse: bool
-             ) -> tuple[str, bool, str]:
-    """(run id, whether stored cells of that run may be kept, why): resume an interrupted run
-    with the same settings and fingerprint; otherwise a new run."""
+             ) -> tuple[str, "set[str] | None", str]:
+    """(run id, the run ids whose stored cells may be kept — None: any matching cell, an empty
+    set: none —, why). An interrupted run with the same settings and fingerprint is resumed
+    (its own cells and those it kept); anything else starts a new run."""
     new_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
     if fresh:
-        return new_id, False, "--fresh: every cell is recomputed"
+        return new_id, set(), "--fresh: every cell is recomputed"
+    if reuse:
+        return new_id, None, "--reuse: cells of any earlier run with the same settings and fingerprint are kept"
     try:
         prev = json.loads((out / "cells" / "run.json").read_text())
     except (OSError, ValueError):
         prev = None
-    if reuse:
-        return new_id, True, "--reuse: cells of any earlier run with the same settings and fingerprint are kept"
     if prev is None:
-        return new_id, False, "no earlier run here: every cell is measured"
+        return new_id, set(), "no earlier run here: every cell is measured"
     if prev.get("finished"):
-        return new_id, False, (f"the last run here ({prev.get('run_id')}) finished: every cell is measured "
+        return new_id, set(), (f"the last run here ({prev.get('run_id')}) finished: every cell is measured "
                                "again (--reuse keeps matching cells)")
     if prev.get("config") != cfg.to_dict():
-        return new_id, False, (f"the interrupted run {prev.get('run_id')} had other settings "
+        return new_id, set(), (f"the interrupted run {prev.get('run_id')} had other settings "
                                f"({', '.join(_diff(prev.get('config'), cfg.to_dict()))}): every cell is measured")
     changed = _diff(prev.get("fingerprint"), fingerprint)
     if changed:
-        return new_id, False, (f"the interrupted run {prev.get('run_id')} ran other code/models/environment "
+        return new_id, set(), (f"the interrupted run {prev.get('run_id')} ran other code/models/environment "
                                f"({', '.join(changed)}): every cell is measured")
-    return prev["run_id"], True, f"resuming the interrupted run {prev['run_id']} (same settings and fingerprint)"
+    return prev["run_id"], {prev["run_id"], *prev.get("kept_runs", [])}, \
+        f"resuming the interrupted run {prev['run_id']} (same settings and fingerprint)"
 
 
 # ============================================================================================
@@ -424,13 +448,13 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             runs[name] = r
     fingerprint = run_fingerprint(cfg, [cfg.model] + [r.model for r in runs.values() if r.model])
     if render:
-        run_id, keep, why = "render", True, "--render: stored cells with matching settings and fingerprint"
-        reuse = True
+        run_id, keep, why = "render", None, "--render: stored cells with matching settings and fingerprint"
     else:
         run_id, keep, why = plan_run(out, cfg, fingerprint, fresh=fresh, reuse=reuse)
     log(f"lcx report: {why}")
     manifest = {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "finished": False,
-                "config": cfg.to_dict(), "fingerprint": fingerprint}
+                "config": cfg.to_dict(), "fingerprint": fingerprint,
+                "kept_runs": sorted(keep - {run_id}) if keep else []}
     if not render:
         atomic_write_json(out / "cells" / "run.json", manifest)
     cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in CELL_KINDS} for name in runs}
@@ -443,10 +467,14 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         bar.set_postfix_str(f"{name}/{kind}/{L}")
         settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
         path = _cell_path(out, name, kind, L)
-        stored = load_cell(path, settings, fingerprint, None if reuse else run_id) if keep else None
+        stored = load_cell(path, settings, fingerprint, keep) if keep is None or keep else None
         if stored is not None:
             cells[name][kind][str(L)] = stored["result"]
             reused.append(f"{name}/{kind}/{L}")
+            if stored.get("run_id") != run_id and stored.get("run_id") not in manifest["kept_runs"]:
+                manifest["kept_runs"].append(stored["run_id"])
+                if not render:  # a resumed run keeps what this one kept
+                    atomic_write_json(out / "cells" / "run.json", manifest)
             continue
         if render:
             continue
@@ -668,6 +696,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=ReportConfig.device, help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--dtype", default=ReportConfig.dtype, choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: %(default)s)")
+    p.add_argument("--attn-backend", default=ReportConfig.attn_backend,
+                   help="lcx.attention backend of the attention methods' prefill and decode (default: "
+                        "%(default)s: torch's fused flash kernels composed into the windowed mask; e.g. "
+                        "triton on a GPU, blockwise, sdpa)")
     p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
     p.add_argument("--fresh", action="store_true",
                    help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
@@ -689,7 +724,7 @@ def run(args: argparse.Namespace) -> int:
             decode_lengths=args.decode_lengths,
             depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,
             ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),
-            seed=args.seed)
+            seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend)
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2

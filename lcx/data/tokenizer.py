@@ -18,10 +18,14 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2):
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2, *,
+                    split_digits: bool = False):
     """Train a byte-level BPE on `texts` and wrap it as a `PreTrainedTokenizerFast`.
 
-    `vocab_size` counts the 256 byte symbols and the 3 special tokens.
+    `vocab_size` counts the 256 byte symbols and the 3 special tokens. `split_digits=True` makes
+    every digit its own token (no merges across digits, as in Llama/SmolLM tokenizers): numbers
+    then tokenize predictably, which copying a number (passkey retrieval, arithmetic) needs. A
+    space before a number stays its own token (" 48213" -> " ", "4", "8", "2", "1", "3").
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -30,7 +34,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     # GPT-2 style: split on words/numbers/punctuation, a leading space belongs to the word.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

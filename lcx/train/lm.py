@@ -150,6 +150,7 @@ class TrainConfig:
     init: str | None = None  # preset name or HF directory to fine-tune from (None: fresh init)
     passkey_mix: float = 0.0  # fraction of each batch's rows that are passkey examples
     passkey_answer_weight: float = 1.0  # loss weight of a passkey example's answer tokens (1: plain mean)
+    retrieval_mix: float = 0.0  # fraction of rows that are lcx.train.retrieval examples (after the passkey rows)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -179,8 +180,16 @@ class TrainConfig:
         w = self.passkey_answer_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (1.0 <= w and math.isfinite(w)):
             raise ValueError(f"passkey_answer_weight must be a finite number >= 1, got {w!r}")
-        if w != 1.0 and mix == 0:
-            raise ValueError("passkey_answer_weight needs passkey_mix > 0 (there is no answer to weight)")
+        rmix = self.retrieval_mix
+        if isinstance(rmix, bool) or not isinstance(rmix, (int, float)) or not 0.0 <= rmix <= 1.0:
+            raise ValueError(f"retrieval_mix must be a fraction in [0, 1], got {rmix!r}")
+        if mix + rmix > 1.0 + 1e-9:
+            raise ValueError(f"passkey_mix + retrieval_mix must be <= 1, got {mix} + {rmix}")
+        if w != 1.0 and mix == 0 and rmix == 0:
+            raise ValueError("passkey_answer_weight needs passkey_mix or retrieval_mix > 0 (there is no answer "
+                             "to weight)")
+        if rmix > 0 and retrieval_rows(self) == 0:
+            raise ValueError(f"retrieval_mix={rmix} gives no retrieval row in a batch of {self.batch_size}")
         if mix > 0 and passkey_rows(self) == 0:
             raise ValueError(f"passkey_mix={mix} gives no passkey row in a batch of {self.batch_size} "
                              f"(round(passkey_mix * batch_size) = 0); raise it or the batch size")
@@ -338,6 +347,11 @@ def passkey_rows(cfg: TrainConfig) -> int:
     return int(round(cfg.passkey_mix * cfg.batch_size))
 
 
+def retrieval_rows(cfg: TrainConfig) -> int:
+    """How many rows (after the passkey rows) are retrieval examples: round(retrieval_mix * batch_size)."""
+    return min(cfg.batch_size - passkey_rows(cfg), int(round(cfg.retrieval_mix * cfg.batch_size)))
+
+
 class PasskeyExamples:
     """Passkey-retrieval training examples in the lm-eval `passkey` task's exact prompt format.
 
@@ -396,11 +410,13 @@ def batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int,
     return x, y
 
 
-def weighted_batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int, passkey: PasskeyExamples | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def weighted_batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int, passkey: PasskeyExamples | None = None,
+                      retrieval: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`batch_at` plus the per-target loss weights `[B, T]`: `cfg.passkey_answer_weight` on the
-    targets that are a passkey example's answer tokens and its `</s>`, 1 elsewhere; None when
-    that weight is 1 (the plain mean)."""
+    targets that are an example's answer tokens and its `</s>`, 1 elsewhere; None when that
+    weight is 1 (the plain mean). Rows: `passkey_rows` eval-format passkey examples (`passkey`),
+    then `retrieval_rows` `lcx.train.retrieval` examples (`retrieval`), then text windows; an
+    example row continues with the first tokens of its own window."""
     n = stream.numel() - cfg.seq_len - 1
     if n < 1:
         raise ValueError(f"train stream has {stream.numel()} tokens; need more than seq_len + 1 = {cfg.seq_len + 1}")
@@ -408,22 +424,32 @@ def weighted_batch_at(stream: torch.Tensor, cfg: TrainConfig, step: int, passkey
     offsets = torch.randint(0, n + 1, (cfg.batch_size,), generator=g)
     idx = offsets[:, None] + torch.arange(cfg.seq_len + 1)[None, :]  # [B, T+1]
     win = stream[idx].long()
-    k = passkey_rows(cfg)
+    k, r = passkey_rows(cfg), retrieval_rows(cfg)
+    spans = []
     if k:
         if passkey is None:
             raise ValueError("passkey_mix > 0 needs passkey=PasskeyExamples(tokenizer)")
         rng = random.Random(f"{cfg.seed}:{step}:passkey")
-        spans = []
         for i in range(k):
             ids, info = passkey.example(cfg.seq_len, rng)
             m = len(ids)
             win[i] = torch.cat([torch.tensor(ids, dtype=torch.long), win[i, : cfg.seq_len + 1 - m]])
-            spans.append((info["answer_start"], info["answer_len"]))
+            spans.append((i, info["answer_start"], info["answer_len"]))
+    if r:
+        if retrieval is None:
+            raise ValueError("retrieval_mix > 0 needs retrieval=RetrievalExamples(tokenizer, train ids)")
+        rng = random.Random(f"{cfg.seed}:{step}:retrieval")
+        for i in range(k, k + r):
+            ids, info = retrieval.example(cfg.seq_len, rng)
+            m = len(ids)
+            win[i] = torch.cat([torch.tensor(ids, dtype=torch.long), win[i, : cfg.seq_len + 1 - m]])
+            if info["format"] != "copy":  # a copy's whole second half is signal already
+                spans.append((i, info["answer_start"], info["answer_len"]))
     weights = None
-    if k and cfg.passkey_answer_weight != 1.0:
+    if spans and cfg.passkey_answer_weight != 1.0:
         weights = torch.ones(cfg.batch_size, cfg.seq_len)
-        for i, (a, n) in enumerate(spans):  # target t predicts token t+1: answer ids a..a+n-1, then </s>
-            weights[i, a - 1 : a + n] = cfg.passkey_answer_weight
+        for i, a, n_ans in spans:  # target t predicts token t+1: answer ids a..a+n-1, then </s>
+            weights[i, a - 1 : a + n_ans] = cfg.passkey_answer_weight
     return win[:, :-1], win[:, 1:], weights
 
 
@@ -598,7 +624,14 @@ def train(
         model = build_model(cfg.model, seed=cfg.seed, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     passkey = PasskeyExamples(tokenizer) if cfg.passkey_mix > 0 else None
-    pk_val = passkey_val_examples(passkey, cfg.seq_len) if passkey is not None else None
+    retrieval = None
+    if cfg.retrieval_mix > 0:
+        from .retrieval import RetrievalExamples
+
+        retrieval = RetrievalExamples(tokenizer, train_stream)
+    # held-out passkey accuracy (the eval's format, full length) whenever retrieval is trained
+    pk_val = (passkey_val_examples(passkey or PasskeyExamples(tokenizer), cfg.seq_len)
+              if passkey is not None or retrieval is not None else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, cfg)
@@ -646,7 +679,7 @@ def train(
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y, w = weighted_batch_at(train_stream, cfg, step, passkey)
+        x, y, w = weighted_batch_at(train_stream, cfg, step, passkey, retrieval)
         loss = lm_loss(model, x, y, w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -700,7 +733,7 @@ def train(
 _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
     "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
-    "passkey_answer_weight": "passkey_answer_weight",
+    "passkey_answer_weight": "passkey_answer_weight", "retrieval_mix": "retrieval_mix",
 }
 
 
@@ -780,6 +813,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --passkey-mix: loss weight of each example's answer tokens relative to "
                              "every other token (default 1: the plain mean; the retrieval signal is a few "
                              "tokens among thousands)")
+    parser.add_argument("--retrieval-mix", type=_fraction, default=None, metavar="FRACTION",
+                        help="fraction of each batch's sequences that are retrieval/copy examples in varied "
+                             "formats (lcx.train.retrieval: passkey phrasings and fillers, key-value lookup, "
+                             "copy; default 0)")
+    parser.add_argument("--split-digits", action="store_true",
+                        help="when training a tokenizer: one token per digit (numbers tokenize predictably)")
+    parser.add_argument("--model-shape", default=None, metavar="JSON",
+                        help="ModelConfig fields as JSON for a fresh model, e.g. "
+                             "'{\"num_hidden_layers\": 6, \"num_key_value_heads\": 4}'")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -798,7 +840,9 @@ def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None)
         return cfg
     if args.init is not None:
         clash = [f for f, v in (("--attention", args.attention), ("--window", args.window),
-                                ("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size)) if v is not None]
+                                ("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size),
+                                ("--model-shape", args.model_shape), ("--split-digits", args.split_digits or None))
+                 if v is not None]
         if clash:
             raise ValueError(f"--init keeps the model's own shape, attention and tokenizer; drop {', '.join(clash)}")
         try:
@@ -806,15 +850,18 @@ def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ValueError(f"--init {args.init!r}: {e}") from e
     else:
-        model = ModelConfig(vocab_size=args.vocab_size or 4096, attention=args.attention or "sdpa",
-                            window=args.window)
+        shape = json.loads(args.model_shape) if args.model_shape else {}
+        if not isinstance(shape, dict):
+            raise ValueError(f"--model-shape must be a JSON object, got {args.model_shape!r}")
+        model = ModelConfig.from_dict({"vocab_size": args.vocab_size or 4096, "attention": args.attention or "sdpa",
+                                       "window": args.window, **shape})
     try:
         return TrainConfig(model=model, **given)
     except ValueError as e:
         if "passkey_answer_weight" in str(e):
             raise ValueError(f"--passkey-answer-weight: {e}") from e
-        if "passkey_mix" in str(e):
-            raise ValueError(f"--passkey-mix: {e}") from e
+        if "passkey_mix" in str(e) or "retrieval_mix" in str(e):
+            raise ValueError(f"--passkey-mix/--retrieval-mix: {e}") from e
         raise
 
 
@@ -850,8 +897,10 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         tok_info = {"source": str(args.tokenizer)}
     else:
-        tokenizer = train_tokenizer([d.text for d in train_docs], vocab_size=args.vocab_size or 4096)
-        tok_info = {"source": "trained on the train split", "vocab_size": len(tokenizer)}
+        tokenizer = train_tokenizer([d.text for d in train_docs], vocab_size=args.vocab_size or 4096,
+                                    split_digits=args.split_digits)
+        tok_info = {"source": "trained on the train split", "vocab_size": len(tokenizer),
+                    "split_digits": bool(args.split_digits)}
     train_ids = encode_documents(tokenizer, [d.text for d in train_docs])
     val_ids = encode_documents(tokenizer, [d.text for d in val_docs])
     print(f"corpus: {len(train_docs)} train documents ({len(train_ids):,} tokens), {len(val_docs)} held-out "
