@@ -151,6 +151,7 @@ class TrainConfig:
     passkey_mix: float = 0.0  # fraction of each batch's rows that are passkey examples
     passkey_answer_weight: float = 1.0  # loss weight of a passkey example's answer tokens (1: plain mean)
     retrieval_mix: float = 0.0  # fraction of rows that are lcx.train.retrieval examples (after the passkey rows)
+    stop_at_passkey: float | None = None  # stop once held-out passkey accuracy >= this at 2 evals in a row
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -190,6 +191,11 @@ class TrainConfig:
                              "to weight)")
         if rmix > 0 and retrieval_rows(self) == 0:
             raise ValueError(f"retrieval_mix={rmix} gives no retrieval row in a batch of {self.batch_size}")
+        sp = self.stop_at_passkey
+        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0 < sp <= 1):
+            raise ValueError(f"stop_at_passkey must be a fraction in (0, 1], got {sp!r}")
+        if sp is not None and mix == 0 and self.retrieval_mix == 0:
+            raise ValueError("stop_at_passkey needs passkey_mix or retrieval_mix > 0 (passkey is not measured)")
         if mix > 0 and passkey_rows(self) == 0:
             raise ValueError(f"passkey_mix={mix} gives no passkey row in a batch of {self.batch_size} "
                              f"(round(passkey_mix * batch_size) = 0); raise it or the batch size")
@@ -710,14 +716,22 @@ def train(
                 post["pk"] = f"{log['val'][-1]['passkey']:.2f}"
         bar.set_postfix(post, refresh=False)
         bar.update(1)
-        if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            if done == cfg.steps:
+        vals = [e.get("passkey") for e in log["val"][-2:]]
+        held = (cfg.stop_at_passkey is not None and len(vals) == 2 and log["val"][-1]["step"] == done
+                and all(x is not None and x >= cfg.stop_at_passkey for x in vals))
+        if held:  # retrieval holds: stop here (the log records where and why)
+            log["stopped_early"] = {"step": done, "reason": f"held-out passkey >= {cfg.stop_at_passkey} at steps "
+                                    f"{log['val'][-2]['step']} and {done}"}
+        if done % cfg.ckpt_every == 0 or done == cfg.steps or held:
+            if done == cfg.steps or held:
                 log["final_val_loss"] = log["val"][-1]["loss"]
                 if "passkey" in log["val"][-1]:
                     log["final_val_passkey"] = log["val"][-1]["passkey"]
                 log["tokens_per_s"] = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
-            checkpoint(done, final=done == cfg.steps)
+            checkpoint(done, final=done == cfg.steps or held)
             t_last = time.perf_counter()  # checkpoint I/O is not training time
+        if held:
+            break
         if stop_after is not None and done >= stop_after and done < cfg.steps:
             if done % cfg.ckpt_every:
                 checkpoint(done, final=False)
@@ -734,6 +748,7 @@ _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
     "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
     "passkey_answer_weight": "passkey_answer_weight", "retrieval_mix": "retrieval_mix",
+    "stop_at_passkey": "stop_at_passkey",
 }
 
 
@@ -817,6 +832,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of each batch's sequences that are retrieval/copy examples in varied "
                              "formats (lcx.train.retrieval: passkey phrasings and fillers, key-value lookup, "
                              "copy; default 0)")
+    parser.add_argument("--stop-at-passkey", type=float, default=None, metavar="ACC",
+                        help="stop (with the final checkpoint) once held-out passkey accuracy is >= ACC at "
+                             "two evaluations in a row (needs --passkey-mix or --retrieval-mix)")
     parser.add_argument("--split-digits", action="store_true",
                         help="when training a tokenizer: one token per digit (numbers tokenize predictably)")
     parser.add_argument("--model-shape", default=None, metavar="JSON",
@@ -922,7 +940,7 @@ def run(args: argparse.Namespace) -> int:
     if "final_val_loss" not in log:
         print(f"stopped after {log['step'][-1]} of {cfg.steps} steps; continue with --resume")
         return 0
-    print(f"done: {cfg.steps} steps, {log['tokens_seen']:,} tokens in {log['wall_time_s']:.0f}s "
+    print(f"done: {log['step'][-1]} of {cfg.steps} steps{' (stopped early: ' + log['stopped_early']['reason'] + ')' if 'stopped_early' in log else ''}, {log['tokens_seen']:,} tokens in {log['wall_time_s']:.0f}s "
           f"({log['tokens_per_s']:.0f} tok/s); final val loss {log['final_val_loss']:.4f} "
           f"(ppl {math.exp(log['final_val_loss']):.1f})"
           + (f", passkey {log['final_val_passkey']:.2f}" if "final_val_passkey" in log else "")

@@ -12,8 +12,9 @@ Formats (`FORMATS`, drawn uniformly per example):
   uniform and the task line (the eval's) is present half of the time.
 - `lookup`: a table of `name: number` lines (2 to 12 rows, random names from `NAMES`), then
   "What is the value of NAME? NAME:" -> " number".
-- `copy`: a random run of 8 to 48 tokens (ordinary vocabulary ids), a separator line, and the run
-  again: dense induction signal (every token of the copy is predictable only by looking back).
+- `copy`: a random run of 8 to 48 tokens (ordinary vocabulary ids), then the run again and again
+  (separated by a newline) up to a random length: dense induction signal, every token after the
+  first run is predictable only by looking back (the classic induction-head curriculum).
 
 Keys never take a value an lm-eval `passkey` prompt uses (`eval_keys`: seeds 0-9, 10 samples,
 up to 21 depths), so the task's scores are on held-out keys. Everything is drawn from the
@@ -86,6 +87,8 @@ class RetrievalExamples:
         question = self._ids("\n" + question_t)
         answer = self._ids(" " + key)
         budget = seq_len - len(head) - len(needle) - len(question) - len(answer) - 1
+        if budget < 0 and head:  # the task line is optional: drop it where it does not fit
+            budget, head = budget + len(head), []
         if budget < 0:
             raise ValueError(f"seq_len {seq_len} is too short for a retrieval example")
         n = rng.randint(0, budget)
@@ -128,8 +131,10 @@ class RetrievalExamples:
             t = rng.randrange(vocab)
             if t not in self.specials:
                 run.append(t)
-        sep = self._ids("\nAgain:\n")
-        return self._finish(run + sep, run, "copy")
+        sep = self._ids("\n")
+        reps = rng.randint(2, max(2, (seq_len - 1) // (n + len(sep))))  # the run 2+ times
+        body = (run + sep) * (reps - 1)
+        return self._finish(body, run, "copy", repeats=reps)
 
     def example(self, seq_len: int, rng: random.Random) -> tuple[list[int], dict]:
         fmt = rng.choice(FORMATS)
@@ -139,7 +144,9 @@ class RetrievalExamples:
         return ids, info
 
 
-FORMATS: tuple[str, ...] = ("passkey", "passkey", "lookup", "copy")  # passkey twice: half the examples
+# drawn uniformly: half copies (the dense signal that forms induction heads), a quarter each
+# passkey variants and lookups (the retrieval formats built on them)
+FORMATS: tuple[str, ...] = ("copy", "copy", "passkey", "lookup")
 
 
 __all__ = ["FORMATS", "NAMES", "PHRASINGS", "RetrievalExamples", "draw_key", "eval_keys"]
