@@ -152,6 +152,7 @@ class TrainConfig:
     passkey_answer_weight: float = 1.0  # loss weight of a passkey example's answer tokens (1: plain mean)
     retrieval_mix: float = 0.0  # fraction of rows that are lcx.train.retrieval examples (after the passkey rows)
     stop_at_passkey: float | None = None  # stop once held-out passkey accuracy >= this at 2 evals in a row
+    retrieval_formats: tuple[str, ...] | None = None  # formats drawn uniformly (None: retrieval.FORMATS)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -191,6 +192,14 @@ class TrainConfig:
                              "to weight)")
         if rmix > 0 and retrieval_rows(self) == 0:
             raise ValueError(f"retrieval_mix={rmix} gives no retrieval row in a batch of {self.batch_size}")
+        if self.retrieval_formats is not None:
+            from .retrieval import FORMATS
+
+            fmts = tuple(self.retrieval_formats)
+            object.__setattr__(self, "retrieval_formats", fmts)
+            bad = sorted(set(fmts) - set(FORMATS))
+            if not fmts or bad:
+                raise ValueError(f"retrieval_formats must name formats of {sorted(set(FORMATS))}, got {list(fmts)}")
         sp = self.stop_at_passkey
         if sp is not None and (isinstance(sp, bool) or not isinstance(sp, (int, float)) or not 0 < sp <= 1):
             raise ValueError(f"stop_at_passkey must be a fraction in (0, 1], got {sp!r}")
@@ -634,7 +643,7 @@ def train(
     if cfg.retrieval_mix > 0:
         from .retrieval import RetrievalExamples
 
-        retrieval = RetrievalExamples(tokenizer, train_stream)
+        retrieval = RetrievalExamples(tokenizer, train_stream, cfg.retrieval_formats)
     # held-out passkey accuracy (the eval's format, full length) whenever retrieval is trained
     pk_val = (passkey_val_examples(passkey or PasskeyExamples(tokenizer), cfg.seq_len)
               if passkey is not None or retrieval is not None else None)
@@ -748,7 +757,7 @@ _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
     "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
     "passkey_answer_weight": "passkey_answer_weight", "retrieval_mix": "retrieval_mix",
-    "stop_at_passkey": "stop_at_passkey",
+    "stop_at_passkey": "stop_at_passkey", "retrieval_formats": "retrieval_formats",
 }
 
 
@@ -835,6 +844,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-at-passkey", type=float, default=None, metavar="ACC",
                         help="stop (with the final checkpoint) once held-out passkey accuracy is >= ACC at "
                              "two evaluations in a row (needs --passkey-mix or --retrieval-mix)")
+    parser.add_argument("--retrieval-formats", type=lambda x: tuple(f for f in x.split(",") if f), default=None,
+                        metavar="F,F,...", help="with --retrieval-mix: the formats drawn uniformly, repeats "
+                                                "weighting them (default copy,copy,passkey,lookup)")
     parser.add_argument("--split-digits", action="store_true",
                         help="when training a tokenizer: one token per digit (numbers tokenize predictably)")
     parser.add_argument("--model-shape", default=None, metavar="JSON",

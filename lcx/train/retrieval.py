@@ -61,15 +61,20 @@ def draw_key(rng: random.Random, digits: int) -> str:
 class RetrievalExamples:
     """`example(seq_len, rng) -> (ids, info)` in one of `FORMATS` (see the module docstring).
 
-    `filler_ids`: a token stream (the training split) whose windows serve as natural filler.
+    `filler_ids`: a token stream (the training split) whose windows serve as natural filler;
+    `formats`: the formats drawn uniformly (repeats weight them; default `FORMATS`).
     """
 
-    def __init__(self, tokenizer: Any, filler_ids: Any):
+    def __init__(self, tokenizer: Any, filler_ids: Any, formats: tuple[str, ...] | None = None):
         if tokenizer.eos_token_id is None:
             raise ValueError("retrieval examples need a tokenizer with an eos token")
         self.tok = tokenizer
         self.filler_ids = filler_ids
         self.specials = set(tokenizer.all_special_ids)
+        self.formats = tuple(formats) if formats else FORMATS
+        bad = sorted(set(self.formats) - set(FORMATS))
+        if bad:
+            raise ValueError(f"unknown retrieval format(s) {bad}; known: {sorted(set(FORMATS))}")
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -137,7 +142,7 @@ class RetrievalExamples:
         return self._finish(body, run, "copy", repeats=reps)
 
     def example(self, seq_len: int, rng: random.Random) -> tuple[list[int], dict]:
-        fmt = rng.choice(FORMATS)
+        fmt = rng.choice(self.formats)
         ids, info = getattr(self, fmt)(seq_len, rng)
         if len(ids) > seq_len:
             raise ValueError(f"{fmt} example of {len(ids)} tokens exceeds seq_len {seq_len}")
