@@ -644,9 +644,15 @@ def train(
         from .retrieval import RetrievalExamples
 
         retrieval = RetrievalExamples(tokenizer, train_stream, cfg.retrieval_formats)
-    # held-out passkey accuracy (the eval's format, full length) whenever retrieval is trained
-    pk_val = (passkey_val_examples(passkey or PasskeyExamples(tokenizer), cfg.seq_len)
-              if passkey is not None or retrieval is not None else None)
+    # held-out passkey accuracy (the eval's format, full length) whenever retrieval is trained and
+    # an eval-format example fits in seq_len (a short-sequence copy phase has none)
+    pk_val = None
+    if passkey is not None or retrieval is not None:
+        try:
+            pk_val = passkey_val_examples(passkey or PasskeyExamples(tokenizer), cfg.seq_len)
+        except ValueError:
+            if passkey is not None:
+                raise
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, cfg)
