@@ -70,8 +70,8 @@ class ReportConfig:
     model: str = "tiny-5m"
     methods: tuple[str, ...] = DEFAULT_METHODS
     lengths: tuple[int, ...] | None = None
-    depths: int | tuple[float, ...] = 3  # a grid size over [0, 1], or explicit fractions
-    samples_per_depth: int = 1
+    depths: int | tuple[float, ...] = 5  # a grid size over [0, 1], or explicit fractions
+    samples_per_depth: int = 2  # keys per (depth, length): 10 passkey prompts per cell by default
     ppl_docs: int = 4
     decode_lengths: tuple[int, ...] | None = None
     decode_tokens: int = 32

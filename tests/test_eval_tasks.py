@@ -300,6 +300,26 @@ def test_lcx_model_applies_lm_infinite(tiny_model_dir):
     assert (got - plain).abs().max() > 1e-3
 
 
+def test_lcx_model_attention_backend_is_a_model_arg(tiny_model_dir):
+    """attn_backend picks the lcx.attention backend (default flash); results agree across backends."""
+    import torch
+
+    from lcx.lmeval_model import DEFAULT_ATTN_BACKEND, LcxLM
+
+    ids = torch.randint(3, 200, (1, 70), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for backend in (None, "blockwise", "ref"):
+        kw = {} if backend is None else {"attn_backend": backend}
+        lm = LcxLM(pretrained=str(tiny_model_dir), attention="sinks", n_sink=2, window=20, **kw)
+        assert lm.model._lcx_attention_method.backend == (backend or DEFAULT_ATTN_BACKEND) == (backend or "flash")
+        with torch.no_grad():
+            outs[backend] = lm.model(ids).logits
+    torch.testing.assert_close(outs[None], outs["ref"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["blockwise"], outs["ref"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backend='nope' is not an lcx.attention backend"):
+        LcxLM(pretrained=str(tiny_model_dir), attention="sinks", n_sink=2, window=20, attn_backend="nope")
+
+
 @pytest.fixture(scope="module")
 def yarn_lm(tiny_model_dir):
     from lcx.lmeval_model import DEFAULT_MAX_LENGTH, LcxLM

@@ -78,13 +78,15 @@ def mask_structure(spec: AttentionSpec) -> Structure | None:
     name, params = getattr(mask, "__name__", ""), getattr(mask, "mask_params", None)
     if params is None:
         return None
+    # the factory's name prefix AND its parameter keys must both match: another mask whose name
+    # merely starts alike (e.g. `lambda_global_*`, LM-Infinite's global branch) is not cut here
     if name == "causal":
         return Structure(0, None)
-    if name.startswith("sliding_window_"):
+    if name.startswith("sliding_window_") and set(params) == {"left"}:
         return Structure(0, params["left"])
-    if name.startswith("lambda_"):
+    if name.startswith("lambda_") and set(params) == {"n_global", "n_local"}:
         return Structure(params["n_global"], params["n_local"] - 1)
-    if name.startswith("attention_sinks_"):
+    if name.startswith("attention_sinks_") and set(params) == {"n_sink", "left"}:
         return Structure(params["n_sink"], params["left"])
     return None
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lcx.attention import AttentionSpec, Rotary, attention, merge_attention, normalize_scores
+from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, merge_attention, normalize_scores
 from lcx.attention.reference import gqa_scores, gqa_weighted_values
 from lcx.attention.rotary import lambda_global_mask, rotate_qk
 from lcx.masks import attention_sinks, mask_matrix, sliding_window
@@ -104,7 +104,8 @@ def streaming_attention(
     pass A: `sliding_window(window - 1)`, q and k rotated at their true positions;
     pass B: the first S' = min(n_sink, Tk) keys at their positions, queries at p[min(i, S+w-1)],
             mask `j < n_sink and i - j >= window` (sinks inside the window stay in pass A).
-    `backend` must return lse (ref, blockwise, flex); others raise NotImplementedError.
+    `backend` must return lse (ref, blockwise, flex, flash); others raise NotImplementedError.
+    Pass B runs on `backend` when it supports its mask, else on blockwise (flash: pass A only).
     """
     off = _check(q, k, n_sink, window, q_offset)
     Tq, Tk = q.shape[1], k.shape[1]
@@ -116,9 +117,11 @@ def streaming_attention(
     key_pos = rotary.key_positions(Tk, k.device)
     k_sink = _rotate(k[:, :n_s], rotary, key_pos[..., :n_s])  # [B, S', Hkv, D]
     q_sink = _rotate(q, rotary, _sink_query_positions(rotary, Tk, off, Tq, n_sink + window - 1, q.device))
-    o_b, lse_b = attention(q_sink, k_sink, v[:, :n_s], AttentionSpec(mask=lambda_global_mask(n_sink, window),
-                                                                     scale=scale),
-                           backend=backend, q_offset=off, return_lse=True)
+    spec_b = AttentionSpec(mask=lambda_global_mask(n_sink, window), scale=scale)
+    # pass B reads only the S' sink keys (O(Tq * S') work): a backend that cannot cut its mask
+    # (flash cuts windows, not this one) hands it to blockwise, which computes the same thing
+    backend_b = backend if BACKENDS[backend].supports(spec_b) is None else "blockwise"
+    o_b, lse_b = attention(q_sink, k_sink, v[:, :n_s], spec_b, backend=backend_b, q_offset=off, return_lse=True)
     out, lse = merge_attention(o_a, lse_a, o_b, lse_b)
     return (out, lse) if return_lse else out
 
