@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lcx.attention import AttentionSpec, Rotary, attention, attention_ref_spec
+from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, attention_ref_spec
 from lcx.attention.flash_backend import chunk_size, mask_structure
 from lcx.masks import attention_sinks, causal_mask, global_tokens, lambda_mask, sliding_window
 from lcx.rope import RopeSpec, compute_inv_freq
@@ -109,3 +109,29 @@ def test_flash_cuda_within_budget(dtype, Tk, Tq):
         ref_lp = attention_ref_spec(*low, spec, rotary=rot_c).cpu()
         got = attention(*low, spec, backend="flash", rotary=rot_c).cpu()
         assert_within_budget(got, ref_lp, want, what=f"flash cuda {spec.name}")
+
+
+def test_mask_structure_needs_the_factory_name_and_its_parameters():
+    """A mask is cut only when both its factory name and its parameter keys match: LM-Infinite's
+    global-branch mask `lambda_global_*` (no parameters) once crashed here with a KeyError."""
+    from lcx.attention.rotary import lambda_global_mask
+
+    assert mask_structure(AttentionSpec(mask=lambda_mask(3, 64))) == (3, 63)
+    assert mask_structure(AttentionSpec(mask=attention_sinks(4, 19))) == (4, 19)
+    assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
+    assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
+    assert mask_structure(AttentionSpec(mask=lambda_global_mask(4, 20))) is None
+    reason = BACKENDS["flash"].supports(AttentionSpec(mask=lambda_global_mask(4, 20)))
+    assert reason is not None and "lambda_global_4_20" in reason
+
+
+@pytest.mark.parametrize("Tk,Tq", ((300, 300), (301, 1), (415, 115)))
+def test_streaming_sinks_on_flash_equals_the_reference(Tk, Tq):
+    """StreamingLLM through `flash`: pass A on flash, pass B (sink keys) on blockwise; float64."""
+    from lcx.methods.streaming import streaming_attention, streaming_attention_ref
+
+    q, k, v = _qkv(Tq, Tk)
+    rot = Rotary(INV_FREQ, torch.arange(Tk))
+    want = streaming_attention_ref(q, k, v, rotary=rot, n_sink=4, window=64)
+    got = streaming_attention(q, k, v, rotary=rot, n_sink=4, window=64, backend="flash")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
