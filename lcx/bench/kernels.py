@@ -48,7 +48,9 @@ import torch
 
 SCHEMA = "lcx.bench.kernels/1"
 THRESHOLD = 0.10
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "results" / "kernels"
+# Relative to the working directory (the repository root when run from a checkout), never to
+# this file: an installed lcx lives in site-packages, where results do not belong.
+RESULTS_DIR = Path("results") / "kernels"
 G_LAMBDA, L_LAMBDA = 64, 4096  # the Λ configuration
 
 
