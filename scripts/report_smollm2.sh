@@ -2,7 +2,8 @@
 # The SmolLM2-135M extrapolation report on CPU (README's showcase): 4k, 8k and 16k tokens around
 # its 8k training context, seven methods. Hours on 2 cores; resumable: rerun the same command
 # after an interruption and it continues the interrupted run (lcx report's cells).
-#   bash scripts/report_smollm2.sh [THREADS]      # log: runs/report_smollm2.log
+#   bash scripts/report_smollm2.sh [THREADS [EXTRA lcx report FLAGS]]
+#   bash scripts/report_smollm2.sh 1 --render     # write the tables from the cells measured so far
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
@@ -10,4 +11,4 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec lcx report --model smollm2-135m --lengths 4096,8192,16384 \
   --methods vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
   --depths 0.1,0.37,0.63,0.9 --samples-per-depth 1 --ppl-docs 2 --decode-tokens 16 \
-  --threads "${1:-1}" --out results/report/smollm2-135m
+  --threads "${1:-1}" --out results/report/smollm2-135m "${@:2}"

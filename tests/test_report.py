@@ -88,7 +88,7 @@ def test_stored_cells_are_reused_only_with_equal_settings_fingerprint_and_run(tm
     assert load_cell(p, s, FP, "r1") == cell
     assert load_cell(p, s, FP, "r2") is None  # another run's cell
     assert load_cell(p, s, FP, {"r2", "r1"}) == cell
-    assert load_cell(p, {**s, "depths": 5}, FP) is None
+    assert load_cell(p, {**s, "depths": 7}, FP) is None
     assert load_cell(p, {**s, "length": 128}, FP) is None
     assert load_cell(p, s, {**FP, "environment": {"torch": "y"}}) is None
     assert load_cell(p, s, {**FP, "code": {"lmeval": {"lcx.rope": "abd"}}}) is None
@@ -149,7 +149,7 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     a finished run is measured again, an interrupted one resumes with its cells, --reuse keeps
     matching cells, --render measures nothing."""
     cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(320, 384),
-                       depths=(0.25, 0.75), ppl_docs=1, decode_tokens=3)
+                       depths=(0.25, 0.75), samples_per_depth=1, ppl_docs=1, decode_tokens=3)
     lines: list[str] = []
     rec = run_report(cfg, tmp_path, progress=False, log=lines.append)
     assert "swat" in rec["config"]["methods_skipped"] and any("skipping swat" in x for x in lines)
