@@ -225,8 +225,9 @@ def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
     for smp in res["samples"]["passkey"]:
         d = f"{smp['doc']['depth']:.3f}"
         by_depth.setdefault(d, []).append(float(smp[L]))
+        resps = smp.get("filtered_resps") or [None]  # one generation per request (one length)
         samples.append({"depth": smp["doc"]["depth"], "key": smp["doc"]["key"], "correct": float(smp[L]),
-                        "output": (smp.get("filtered_resps") or [[""]])[0][0] if smp.get("filtered_resps") else None})
+                        "output": resps[0]})
     ppl = res["results"]["lcx_ppl"]
     return {
         "passkey": res["results"]["passkey"][f"{L},none"],
@@ -347,7 +348,7 @@ def env_fingerprint() -> dict[str, str]:
     return out
 
 
-def run_fingerprint(cfg: ReportConfig, models: list[str]) -> dict[str, Any]:
+def run_fingerprint(models: list[str]) -> dict[str, Any]:
     return {"cell_version": CELL_VERSION, "code": {k: code_fingerprint(k) for k in CELL_KINDS},
             "models": {m: model_fingerprint(m) for m in sorted(set(models))}, "environment": env_fingerprint()}
 
@@ -446,7 +447,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             log(f"skipping {name}: {r}")
         else:
             runs[name] = r
-    fingerprint = run_fingerprint(cfg, [cfg.model] + [r.model for r in runs.values() if r.model])
+    fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model])
     if render:
         run_id, keep, why = "render", None, "--render: stored cells with matching settings and fingerprint"
     else:
