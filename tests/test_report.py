@@ -159,6 +159,11 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
         assert set(r["lmeval"]) == {"320", "384"} and set(r["decode"]) == {"320", "384"}
         assert all(c["ppl"]["word_perplexity"] > 1 and c["passkey_docs"] == 2 for c in r["lmeval"].values())
         assert all(set(c["passkey_by_depth"]) == {"0.250", "0.750"} for c in r["lmeval"].values())
+        from lcx.eval_tasks.common import first_int  # each sample keeps the whole generation it was scored on
+
+        for c in r["lmeval"].values():
+            for smp in c["passkey_samples"]:
+                assert isinstance(smp["output"], str) and smp["correct"] == float(first_int(smp["output"]) == smp["key"])
         assert all(d["decode_steps"] == 2 and d["kv_cache_mb"] > 0 for d in r["decode"].values())
     # LM-Infinite keeps n_global 10 + n_local 128 - 1 = 137 < 384 keys; vanilla keeps all
     by = {n: rec["results"][n]["decode"] for n in ("vanilla", "lm_infinite")}
