@@ -31,11 +31,18 @@ Batch layout (stated once). The running batch shares one KV cache per layer, HF 
   a request's tokens and logprobs do not depend on what it is batched with (up to float rounding
   of differently shaped matmuls; in float64 batched == unbatched token for token).
 
-Sampling: `temperature == 0` is greedy (argmax). Otherwise softmax(logits / T), restricted to the
-smallest set of tokens whose probability reaches `top_p`, sampled with the request's own
-`torch.Generator` (seeded by `seed`), so a seeded request gives the same tokens in any batch.
+Sampling, in vLLM's order. The logits are first adjusted (only for a request that asks):
+`repetition_penalty` (tokens of the prompt or the output: a positive logit divided by it, a
+negative one multiplied), `frequency_penalty` / `presence_penalty` (minus the penalty times the
+token's count in the output / once if it occurs), and while fewer than `min_tokens` tokens are out,
+the stop tokens (EOS unless `ignore_eos`, `stop_token_ids`) are masked and stop strings not checked.
+Then `temperature == 0` is greedy (argmax). Otherwise softmax(logits / T), restricted to the tokens
+with probability >= `min_p` x the top token's, then to the `top_k` most likely, then to the
+smallest set whose (renormalised) probability reaches `top_p`, sampled with the request's own
+`torch.Generator` (seeded by `seed`), so a seeded request gives the same tokens in any batch. With
+none of these options set, sampling is exactly softmax(logits / T) + top-p as before they existed.
 Logprobs (generated and prompt) are of the model's raw distribution, log_softmax(logits), before
-temperature/top-p, as in vLLM.
+penalties, temperature and truncation, as in vLLM.
 
 Length-dependent RoPE types (dynamic NTK, longrope) pick their basis per forward from the
 largest position in it (`lcx.patching`, as transformers): in a batch that is the longest row's, so
@@ -71,6 +78,7 @@ log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 20  # top-k alternatives per token, as vLLM's default cap
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the range of `seed` (torch generators take 64 bits)
 
 
 class ContextLengthError(ValueError):
@@ -97,6 +105,12 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (the EOS token does too unless `ignore_eos`).
     logprobs: None = no logprobs; k >= 0 = the chosen token's logprob plus the top-k alternatives.
     prompt_logprobs: the same for every prompt token (the first has none), for `echo`.
+    top_k: keep the k most likely tokens; 0 or -1 = off (vLLM's two spellings).
+    min_p: keep tokens with probability >= min_p x the most likely token's, in [0, 1]; 0 = off.
+    repetition_penalty: > 0; 1 = off. Applies to tokens of the prompt and of the output.
+    presence_penalty / frequency_penalty: in [-2, 2]; 0 = off. Apply to tokens of the output.
+    min_tokens: generate at least this many tokens (<= max_tokens) before a stop token or a stop
+        string may end the request.
     """
 
     max_tokens: int = 16
@@ -108,6 +122,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -118,8 +138,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (a 64-bit signed integer), "
+                             f"got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -128,6 +149,26 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_num(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
+                or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, min_tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
 
 
 @dataclass(frozen=True)
@@ -370,6 +411,10 @@ class _Seq:
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+        # penalty state, made on first use on the logits' device: which tokens the prompt or
+        # output hold (repetition_penalty) [V] bool, and the output's token counts [V] float64
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
         self.gen: torch.Generator | None = None
         if params.temperature > 0:
             self.gen = torch.Generator(device="cpu")
@@ -505,6 +550,9 @@ class Engine:
         bad = [t for t in prompt_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}); got {bad[:5]}")
         if n > self.max_model_len:
             raise ContextLengthError(f"the prompt has {n} tokens but max_model_len is {self.max_model_len}; "
                              "shorten the prompt (lcx never truncates it)", "prompt")
@@ -863,11 +911,53 @@ class Engine:
         lps = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         return greedy, lps
 
+    def _adjust_logits(self, s: _Seq, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [V] after the request's penalties and min_tokens mask, as a new float64
+        tensor. A penalised logit never overflows to -inf (it stops at float64's lowest), so only
+        the mask gives -inf, and never to every token."""
+        p = s.params
+        x = logits.double()
+        if x.data_ptr() == logits.data_ptr():  # already float64: copy before writing into it
+            x = x.clone()
+        V = x.shape[-1]
+        if p.repetition_penalty != 1.0:
+            if s.seen is None:
+                s.seen = torch.zeros(V, dtype=torch.bool, device=x.device)
+                ids = [t for t in s.prompt_ids + s.out_ids if t < V]
+                s.seen[torch.tensor(ids, dtype=torch.long, device=x.device)] = True
+            rp = p.repetition_penalty
+            lowest = torch.finfo(torch.float64).min
+            x = torch.where(s.seen, torch.where(x > 0, x / rp, (x * rp).clamp(min=lowest)), x)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            if s.counts is None:
+                s.counts = torch.zeros(V, dtype=torch.float64, device=x.device)
+                for t in s.out_ids:
+                    s.counts[t] += 1
+            x = x - p.frequency_penalty * s.counts - p.presence_penalty * (s.counts > 0).double()
+        if len(s.out_ids) < p.min_tokens:
+            banned = sorted(t for t in s.stop_ids if t < V)
+            if 0 < len(banned) < V:  # (stop tokens covering the whole vocabulary: nothing to mask)
+                x[torch.tensor(banned, dtype=torch.long, device=x.device)] = -math.inf
+        return x
+
     def _sample(self, s: _Seq, logits: torch.Tensor, greedy: int | None = None) -> int:
         p = s.params
+        if p.adjusts_logits:
+            logits, greedy = self._adjust_logits(s, logits), None
         if p.temperature == 0:
             return int(logits.argmax()) if greedy is None else greedy
-        probs = torch.softmax(logits.double().cpu() / p.temperature, dim=-1)
+        x = logits.double().cpu()
+        probs = torch.softmax(x / p.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            # logits / T overflowed (T tiny, e.g. 1e-310): the same distribution from logits - max,
+            # which is <= 0 everywhere and 0 at the top token
+            probs = torch.softmax((x - x.max()) / p.temperature, dim=-1)
+        if p.min_p > 0.0:
+            probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
+            probs = probs / probs.sum()
+        if 0 < p.top_k < probs.shape[-1]:
+            tv, ti = probs.topk(p.top_k)
+            probs = torch.zeros_like(probs).scatter_(0, ti, tv / tv.sum())
         if p.top_p < 1.0:
             sp, si = probs.sort(descending=True)
             # keep token j if the mass strictly before it is < top_p (the top token always stays)
@@ -881,6 +971,10 @@ class Engine:
         `greedy` (argmax) and `logprobs` (log_softmax of logits) may come precomputed for the batch."""
         tok = self._sample(s, logits, greedy)
         s.out_ids.append(tok)
+        if s.seen is not None:
+            s.seen[tok] = True
+        if s.counts is not None:
+            s.counts[tok] += 1
         ev.token_ids.append(tok)
         self.stats.generated_tokens += 1
         if s.params.logprobs is not None:
@@ -893,7 +987,7 @@ class Engine:
             return
         prev = len(s.text)
         s.text = self.decode(s.out_ids)
-        if s.params.stop:
+        if s.params.stop and len(s.out_ids) >= s.params.min_tokens:
             # A stop string can end in the new text and start up to len(stop)-1 chars before it.
             start = max(0, prev - max(len(x) for x in s.params.stop) + 1)
             hits = [(s.text.find(x, start), x) for x in s.params.stop]
