@@ -26,6 +26,8 @@ from typing import Any
 
 from lcx.rope.cli import add_spec_arguments, spec_dict_from_args
 
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # --max-body-mb; defined here, not in .app, so --help needs no fastapi
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
@@ -41,8 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("LCX_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                             "(default: $LCX_API_KEY, else no key)")
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health: /v1/*, /stats "
+                             "and the tokenizer routes /tokenizer_info, /tokenize, /detokenize (lm-eval's "
+                             "tokenizer_backend=remote sends it from auth_token=KEY in --model_args, the "
+                             "completions from $OPENAI_API_KEY) (default: $LCX_API_KEY, else no key)")
+    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+                        help="largest request body accepted, in MiB; larger ones get 413 (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="limit on prompt + max_tokens; longer requests are rejected, never truncated "
                              "(default: the model's context, times the RoPE factor if one is given)")
@@ -99,9 +105,13 @@ def run(args: argparse.Namespace) -> int:
                           methods=methods_from_args(args))
     if args.batch_window_ms < 0:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
+    max_body = int(args.max_body_mb * (1 << 20))
+    if max_body < 1:
+        raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     engine = Engine.from_pretrained(args.model, config, dtype=args.dtype, device=args.device)
     name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000)
+    app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
+                     max_body_bytes=max_body)
     print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
           f"max_batch {config.max_batch}, methods {dict(config.to_dict()['methods'])})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
@@ -134,6 +144,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
+    if args.max_body_mb != parser_default(args, "max_body_mb"):
+        raise ValueError("--max-body-mb is for the built-in engine")
     python = venv_python()  # a clear error naming the install script if vLLM is missing
     fmt, model_dir = resolve_source(args.model)
     if fmt != "hf":

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API and the OpenAI error format.
 
 Bodies are validated strictly from the raw JSON (pydantic strict mode: `"5"` is not an integer,
-`true` is not a number) and unknown fields are rejected by name: a field lcx does not implement
-would otherwise be silently ignored. Fields OpenAI defines but lcx cannot honour (penalties,
-logit_bias, best_of > 1, suffix) are accepted only at their neutral value.
+`true` is not a number, NaN and Infinity are not numbers) and unknown fields are rejected by
+name: a field lcx does not implement would otherwise be silently ignored. Fields OpenAI defines
+but lcx cannot honour (logit_bias, best_of > 1, suffix) are accepted only at their neutral value.
+Of vLLM's extensions, the sampling ones the engine implements are accepted (`VLLM_SAMPLING`);
+value ranges are checked by `lcx.engine.SamplingParams`, which names the field.
 
 Errors are `{"error": {"message", "type", "param", "code"}}`, OpenAI's shape, with a 4xx status
 for the client's mistakes and 500 for the server's.
@@ -15,7 +17,11 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lcx.engine import MAX_LOGPROBS
+
 MAX_PROMPTS = 1024  # prompts x n in one request
+# vLLM's sampling extensions that lcx implements (lcx.engine.SamplingParams); others are unknown fields
+VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
 
 
 class APIError(Exception):
@@ -35,7 +41,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -57,16 +63,27 @@ class _Common(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    # vLLM extensions
+    # vLLM extensions (VLLM_SAMPLING)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise bad_request(f"{name} is not supported by the lcx server (only 0)", name, "unsupported_parameter")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by the lcx server", "logit_bias", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is allowed only with stream=true", "stream_options")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The `lcx.engine.SamplingParams` keywords these fields give (but max_tokens, seed, logprobs)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, stop=tuple(self.stop_list()),
+                    stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                    top_k=0 if self.top_k is None else self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -140,6 +157,9 @@ class ChatCompletionRequest(_Common):
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                              "top_logprobs")
 
 
 class TokenizeRequest(_Strict):
@@ -171,8 +191,8 @@ def validation_error(e: ValidationError) -> APIError:
     if first["type"] == "missing":
         return bad_request(f"missing required field {param!r}", param, "missing_field")
     if first["type"] == "extra_forbidden":
-        return bad_request(f"unknown field {'.'.join(loc)!r} (the lcx server rejects fields it does not implement)",
-                           param, "unknown_field")
+        return bad_request(f"unknown field {'.'.join(loc)!r} (the lcx server rejects fields it does not implement; "
+                           f"of vLLM's extensions it implements {', '.join(VLLM_SAMPLING)})", param, "unknown_field")
     got = first.get("input")
     got_s = repr(got)
     got_s = got_s if len(got_s) <= 60 else got_s[:57] + "..."

@@ -61,10 +61,11 @@ class Scheduler:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------------ thread-safe API
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink) -> str:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: str | None = None) -> str:
         """Queue a request (validate it first with `engine.validate`); `sink` gets its events on the
-        worker thread, the last one with `finished=True`. Returns the request id."""
-        rid = f"r{next(self._ids)}"
+        worker thread, the last one with `finished=True`. Returns the request id, `r<n>` or
+        `r<n>-<tag>` (the server tags it with the HTTP request id, so engine logs name it)."""
+        rid = f"r{next(self._ids)}" + (f"-{tag}" if tag else "")
         self._inbox.put(("add", (rid, list(prompt_ids), params, sink)))
         return rid
 
