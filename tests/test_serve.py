@@ -447,6 +447,8 @@ def test_engine_failure_on_one_request_gives_500_and_others_continue(tiny_model)
         assert call("alpha").json()["choices"][0]["text"] == good["alpha"]
         snap = app.state.scheduler.snapshot()
         assert snap["scheduler"]["errors"] == 2 and snap["engine"]["finished"]["error"] == 2
+        http = httpx.get(srv.url + "/stats", timeout=10).json()["http"]  # both failures counted, by code
+        assert http["errors_by_status"] == {"500": 2} and http["errors_by_code"] == {"engine_error": 2}
 
 
 # -------------------------------------------------------------------------------- lm-eval
