@@ -15,10 +15,11 @@ Endpoints:
     GET  /tokenizer_info        POST /tokenize  POST /detokenize   (vLLM's shapes; lm-eval's
                                 `tokenizer_backend=remote` uses them)
 
-The API key (`api_key`): every route but /health needs `Authorization: Bearer KEY` (vLLM checks it
-only under its API prefixes such as /v1; lcx guards the tokenizer routes and /stats too). lm-eval sends the key to the
-completions routes from $OPENAI_API_KEY and to the tokenizer routes (`tokenizer_backend=remote`,
-also what `auto` probes) from `auth_token=KEY` in `--model_args`: give both.
+The API key (`api_key`): every route but /health needs `Authorization: Bearer KEY` (vLLM checks
+it only under its API prefixes such as /v1; lcx guards the tokenizer routes and /stats too).
+lm-eval sends the key to the completions routes from $OPENAI_API_KEY and to the tokenizer routes
+(`tokenizer_backend=remote`, also what `auto` probes) from `auth_token=KEY` in `--model_args`:
+give both.
 
 Never a 5xx for the client's input. A request is read with a size limit (`max_body_bytes`, 413)
 and must be JSON (415 for another Content-Type; none is taken as JSON); its fields are
@@ -45,7 +46,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import re
 import secrets
 import time
