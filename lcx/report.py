@@ -29,8 +29,10 @@ Measure, not replay. A cell records its settings and a fingerprint of what produ
 the source of the modules that compute them (`NUMERICS_MODULES`, per measurement), the model's
 files, and the environment (python, torch, transformers, lm-eval, tokenizers, device). A
 `lcx report` whose last run in `--out` finished starts a new run and recomputes every cell. Only
-an interrupted run is resumed: same settings and the same fingerprint, so its completed cells
-are kept (what was reused and why is printed, and recorded in report.json). `--reuse` also
+an interrupted run with the same settings is resumed, and of its completed cells only those whose
+own fingerprint is unchanged are kept: the modules of that cell's measurement, the models, the
+environment (an engine change re-measures the decode cells, not the lm-eval ones). What was reused
+and why is printed, and recorded in report.json. `--reuse` also
 keeps cells of finished runs whose settings and fingerprint match (e.g. to redraw plots);
 `--fresh` recomputes everything. The cell order is length-major (every method at the shortest
 length first), so an interrupted sweep already has complete tables at the shorter lengths.
@@ -353,6 +355,13 @@ def run_fingerprint(models: list[str]) -> dict[str, Any]:
             "models": {m: model_fingerprint(m) for m in sorted(set(models))}, "environment": env_fingerprint()}
 
 
+def cell_fingerprint(fingerprint: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The part of a run's fingerprint that a cell of `kind` depends on: its measurement's code
+    (a change to the engine re-measures decode cells, not lm-eval ones), the models, the environment."""
+    code = fingerprint.get("code") or {}
+    return {**fingerprint, "code": code.get(kind)}
+
+
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     """Dotted keys where two nested dicts differ."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -383,7 +392,10 @@ def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if d.get("settings") != settings or d.get("fingerprint") != fingerprint or "result" not in d:
+    if d.get("settings") != settings or "result" not in d or not isinstance(d.get("fingerprint"), dict):
+        return None
+    kind = settings["kind"]
+    if cell_fingerprint(d["fingerprint"], kind) != cell_fingerprint(fingerprint, kind):
         return None
     if isinstance(runs, str):
         runs = {runs}
@@ -393,8 +405,9 @@ def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
 def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh: bool, reuse: bool
              ) -> tuple[str, "set[str] | None", str]:
     """(run id, the run ids whose stored cells may be kept — None: any matching cell, an empty
-    set: none —, why). An interrupted run with the same settings and fingerprint is resumed
-    (its own cells and those it kept); anything else starts a new run."""
+    set: none —, why). An interrupted run with the same settings is resumed (its own cells and
+    those it kept), cell by cell: a cell is kept only if what it depends on (`cell_fingerprint`)
+    is unchanged; anything else starts a new run."""
     new_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
     if fresh:
         return new_id, set(), "--fresh: every cell is recomputed"
@@ -413,11 +426,16 @@ def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh
         return new_id, set(), (f"the interrupted run {prev.get('run_id')} had other settings "
                                f"({', '.join(_diff(prev.get('config'), cfg.to_dict()))}): every cell is measured")
     changed = _diff(prev.get("fingerprint"), fingerprint)
+    shared = [c for c in changed if not c.startswith("code.")]
+    if shared:
+        return new_id, set(), (f"the interrupted run {prev.get('run_id')} ran other models/environment "
+                               f"({', '.join(shared)}): every cell is measured")
+    keep = {prev["run_id"], *prev.get("kept_runs", [])}
     if changed:
-        return new_id, set(), (f"the interrupted run {prev.get('run_id')} ran other code/models/environment "
-                               f"({', '.join(changed)}): every cell is measured")
-    return prev["run_id"], {prev["run_id"], *prev.get("kept_runs", [])}, \
-        f"resuming the interrupted run {prev['run_id']} (same settings and fingerprint)"
+        kinds = sorted({c.split(".")[1] for c in changed})
+        return new_id, keep, (f"resuming the interrupted run {prev['run_id']} (same settings); its "
+                              f"{'/'.join(kinds)} cells ran other code ({', '.join(changed)}) and are measured again")
+    return prev["run_id"], keep, f"resuming the interrupted run {prev['run_id']} (same settings and fingerprint)"
 
 
 # ============================================================================================

@@ -92,12 +92,14 @@ def test_stored_cells_are_reused_only_with_equal_settings_fingerprint_and_run(tm
     assert load_cell(p, {**s, "length": 128}, FP) is None
     assert load_cell(p, s, {**FP, "environment": {"torch": "y"}}) is None
     assert load_cell(p, s, {**FP, "code": {"lmeval": {"lcx.rope": "abd"}}}) is None
+    # a change to another measurement's code (e.g. the engine, for decode cells) keeps this cell
+    assert load_cell(p, s, {**FP, "code": {**FP["code"], "decode": {"lcx.engine": "new"}}}) == cell
     p.write_text("{truncated")
     assert load_cell(p, s, FP) is None
     assert load_cell(tmp_path / "missing.json", s, FP) is None
 
 
-def test_only_an_interrupted_run_with_equal_settings_and_fingerprint_resumes(tmp_path):
+def test_only_an_interrupted_run_with_equal_settings_resumes_and_keeps_cells_of_unchanged_code(tmp_path):
     cfg = ReportConfig(lengths=(64, 128)).resolved(64)
     (tmp_path / "cells").mkdir()
     run_json = tmp_path / "cells" / "run.json"
@@ -114,8 +116,12 @@ def test_only_an_interrupted_run_with_equal_settings_and_fingerprint_resumes(tmp
     assert plan(fresh=True)[1] == set()
     run_json.write_text(json.dumps({"run_id": "r1", "finished": False, "config": cfg.to_dict(),
                                     "fingerprint": {**FP, "code": {"lmeval": {"lcx.rope": "zzz"}}}}))
+    rid, keep, why = plan()  # resumed under a new id; load_cell re-measures the lmeval cells
+    assert rid != "r1" and keep == {"r1"} and "code.lmeval.lcx.rope" in why and "lmeval cells" in why
+    run_json.write_text(json.dumps({"run_id": "r1", "finished": False, "config": cfg.to_dict(),
+                                    "fingerprint": {**FP, "models": {"m": "456"}}}))
     rid, keep, why = plan()
-    assert rid != "r1" and keep == set() and "code.lmeval.lcx.rope" in why
+    assert rid != "r1" and keep == set() and "models.m" in why
     run_json.write_text(json.dumps({"run_id": "r1", "finished": False, "config": {**cfg.to_dict(), "seed": 1},
                                     "fingerprint": FP}))
     assert "other settings (seed)" in plan()[2]
