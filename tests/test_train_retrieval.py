@@ -110,3 +110,41 @@ def test_weight_accepted_with_retrieval_only():
     TrainConfig(retrieval_mix=0.25, passkey_answer_weight=3.0)
     with pytest.raises(ValueError, match="needs passkey_mix or retrieval_mix"):
         TrainConfig(passkey_answer_weight=3.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"stop_at_copy": 0.9}, "stop_at_copy needs retrieval_mix > 0 with the copy format"),
+    ({"stop_at_copy": 0.9, "retrieval_mix": 1.0, "retrieval_formats": ("passkey",)}, "stop_at_copy needs"),
+    ({"stop_at_copy": 1.5, "retrieval_mix": 1.0}, r"stop_at_copy must be a fraction in \(0, 1\]"),
+])
+def test_stop_at_copy_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_copy_accuracy_scores_the_last_repetition(tok, examples):
+    """An oracle that copies scores ~1, a model that never looks back scores ~0 (chance)."""
+    from lcx.train.lm import copy_accuracy, copy_val_examples
+
+    val = copy_val_examples(examples, 64, count=8)
+    assert val == copy_val_examples(examples, 64, count=8)  # fixed examples
+
+    class Oracle(torch.nn.Module):
+        """Predicts the token that followed the previous occurrence of the current token."""
+
+        def forward(self, input_ids, use_cache=False):
+            B, T = input_ids.shape
+            logits = torch.zeros(B, T, len(tok))
+            for b in range(B):
+                ids = input_ids[b].tolist()
+                for t in range(T):
+                    prev = [j for j in range(t) if ids[j] == ids[t]]
+                    logits[b, t, ids[prev[-1] + 1] if prev else 0] = 1.0
+            return type("Out", (), {"logits": logits})()
+
+    class Unigram(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, len(tok))})()
+
+    assert copy_accuracy(Oracle(), val) > 0.9  # < 1 only where a run repeats a token (vocab 400)
+    assert copy_accuracy(Unigram(), val) < 0.1

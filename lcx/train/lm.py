@@ -51,6 +51,11 @@ With a passkey mix, each evaluation also logs `passkey` (in `log["val"]`, and
 keys from their own seed) whose answer tokens are all the model's greedy predictions (what the
 lm-eval `passkey_ll` task scores).
 
+With the `copy` retrieval format, each evaluation also logs `copy`: greedy per-token accuracy on
+the last repetition of `COPY_VAL_COUNT` fixed copy examples (a random run of tokens repeated),
+the signature of an induction head; `--stop-at-copy ACC` ends such a phase once it holds, as
+`--stop-at-passkey` does for retrieval. Both stop only at two evaluations in a row.
+
 The log (`--log`, default `<out>/train_log.json`) holds per-step losses, validation losses, wall
 time, tokens seen, the config, the environment and the git SHA; a PNG curve is written beside it.
 """
@@ -152,6 +157,7 @@ class TrainConfig:
     passkey_answer_weight: float = 1.0  # loss weight of a passkey example's answer tokens (1: plain mean)
     retrieval_mix: float = 0.0  # fraction of rows that are lcx.train.retrieval examples (after the passkey rows)
     stop_at_passkey: float | None = None  # stop once held-out passkey accuracy >= this at 2 evals in a row
+    stop_at_copy: float | None = None  # stop once held-out copy accuracy >= this at 2 evals in a row
     retrieval_formats: tuple[str, ...] | None = None  # formats drawn uniformly (None: retrieval.FORMATS)
 
     def __post_init__(self) -> None:
@@ -205,6 +211,11 @@ class TrainConfig:
             raise ValueError(f"stop_at_passkey must be a fraction in (0, 1], got {sp!r}")
         if sp is not None and mix == 0 and self.retrieval_mix == 0:
             raise ValueError("stop_at_passkey needs passkey_mix or retrieval_mix > 0 (passkey is not measured)")
+        sc = self.stop_at_copy
+        if sc is not None and (isinstance(sc, bool) or not isinstance(sc, (int, float)) or not 0 < sc <= 1):
+            raise ValueError(f"stop_at_copy must be a fraction in (0, 1], got {sc!r}")
+        if sc is not None and (rmix == 0 or "copy" not in (self.retrieval_formats or ("copy",))):
+            raise ValueError("stop_at_copy needs retrieval_mix > 0 with the copy format (copy is not measured)")
         if mix > 0 and passkey_rows(self) == 0:
             raise ValueError(f"passkey_mix={mix} gives no passkey row in a batch of {self.batch_size} "
                              f"(round(passkey_mix * batch_size) = 0); raise it or the batch size")
@@ -501,6 +512,41 @@ def passkey_accuracy(model: torch.nn.Module, examples: Sequence[tuple[list[int],
     return correct / max(1, len(examples))
 
 
+COPY_VAL_COUNT = 64
+COPY_VAL_SEED = "copy-val"
+
+
+def copy_val_examples(retrieval: Any, seq_len: int, count: int = COPY_VAL_COUNT):
+    """`count` fixed `copy` examples (a random run of tokens repeated, `lcx.train.retrieval`)."""
+    rng = random.Random(COPY_VAL_SEED)
+    return [retrieval.copy(seq_len, rng) for _ in range(count)]
+
+
+@torch.no_grad()
+def copy_accuracy(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]],
+                  pad_id: int = 0, batch_size: int = 32) -> float:
+    """Per-token greedy accuracy on the last repetition of each copy example's run: the tokens
+    predictable only by finding the previous occurrence of the current token and copying what
+    followed it (an induction head). Chance is ~1/vocab; a model that formed the circuit is near 1."""
+    was_training = model.training
+    model.eval()
+    hit = total = 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        T = max(len(ids) for ids, _ in chunk)
+        x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+        for r, (ids, _) in enumerate(chunk):
+            x[r, : len(ids)] = torch.tensor(ids)
+        pred = model(input_ids=x, use_cache=False).logits.argmax(-1)
+        for r, (ids, info) in enumerate(chunk):
+            a, n = info["answer_start"], info["answer_len"]
+            # the answer's first token follows a separator (ambiguous at the run's first copy); score the rest
+            hit += int((pred[r, a : a + n - 1] == x[r, a + 1 : a + n]).sum())
+            total += n - 1
+    model.train(was_training)
+    return hit / max(1, total)
+
+
 def val_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
     """`[N, seq_len+1]` windows at evenly spaced offsets over the whole held-out stream."""
     n = stream.numel() - seq_len - 1
@@ -653,6 +699,8 @@ def train(
         except ValueError:
             if passkey is not None:
                 raise
+    copy_val = (copy_val_examples(retrieval, cfg.seq_len)
+                if retrieval is not None and "copy" in retrieval.formats else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, cfg)
@@ -718,6 +766,8 @@ def train(
             entry = {"step": done, "loss": evaluate(model, val)}
             if pk_val is not None:
                 entry["passkey"] = passkey_accuracy(model, pk_val, pad_id)
+            if copy_val is not None:
+                entry["copy"] = copy_accuracy(model, copy_val, pad_id)
             log["val"].append(entry)
         now = time.perf_counter()
         log["wall_time_s"] += now - t_last
@@ -729,19 +779,25 @@ def train(
             post["val"] = f"{log['val'][-1]['loss']:.3f}"
             if "passkey" in log["val"][-1]:
                 post["pk"] = f"{log['val'][-1]['passkey']:.2f}"
+            if "copy" in log["val"][-1]:
+                post["copy"] = f"{log['val'][-1]['copy']:.2f}"
         bar.set_postfix(post, refresh=False)
         bar.update(1)
-        vals = [e.get("passkey") for e in log["val"][-2:]]
-        held = (cfg.stop_at_passkey is not None and len(vals) == 2 and log["val"][-1]["step"] == done
-                and all(x is not None and x >= cfg.stop_at_passkey for x in vals))
-        if held:  # retrieval holds: stop here (the log records where and why)
-            log["stopped_early"] = {"step": done, "reason": f"held-out passkey >= {cfg.stop_at_passkey} at steps "
-                                    f"{log['val'][-2]['step']} and {done}"}
+        held = False
+        for metric, goal in (("passkey", cfg.stop_at_passkey), ("copy", cfg.stop_at_copy)):
+            vals = [e.get(metric) for e in log["val"][-2:]]
+            if (not held and goal is not None and len(vals) == 2 and log["val"][-1]["step"] == done
+                    and all(x is not None and x >= goal for x in vals)):
+                held = True  # the skill holds: stop here (the log records where and why)
+                log["stopped_early"] = {"step": done, "reason": f"held-out {metric} >= {goal} at steps "
+                                        f"{log['val'][-2]['step']} and {done}"}
         if done % cfg.ckpt_every == 0 or done == cfg.steps or held:
             if done == cfg.steps or held:
                 log["final_val_loss"] = log["val"][-1]["loss"]
                 if "passkey" in log["val"][-1]:
                     log["final_val_passkey"] = log["val"][-1]["passkey"]
+                if "copy" in log["val"][-1]:
+                    log["final_val_copy"] = log["val"][-1]["copy"]
                 log["tokens_per_s"] = log["tokens_seen"] / max(log["wall_time_s"], 1e-9)
             checkpoint(done, final=done == cfg.steps or held)
             t_last = time.perf_counter()  # checkpoint I/O is not training time
@@ -763,7 +819,8 @@ _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "lr": "lr", "seed": "seed",
     "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
     "passkey_answer_weight": "passkey_answer_weight", "retrieval_mix": "retrieval_mix",
-    "stop_at_passkey": "stop_at_passkey", "retrieval_formats": "retrieval_formats",
+    "stop_at_passkey": "stop_at_passkey", "retrieval_formats": "retrieval_formats", "stop_at_copy": "stop_at_copy",
+    "weight_decay": "weight_decay", "beta2": "beta2", "min_lr_ratio": "min_lr_ratio",
 }
 
 
@@ -853,6 +910,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-formats", type=lambda x: tuple(f for f in x.split(",") if f), default=None,
                         metavar="F,F,...", help="with --retrieval-mix: the formats drawn uniformly, repeats "
                                                 "weighting them (default copy,copy,passkey,lookup)")
+    parser.add_argument("--stop-at-copy", type=float, default=None, metavar="ACC",
+                        help="stop (with the final checkpoint) once held-out copy accuracy (the last repetition "
+                             "of a repeated random run, per token) is >= ACC at two evaluations in a row (needs "
+                             "--retrieval-mix with the copy format): ends an induction-head phase")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help=f"AdamW weight decay on matrices (default {d.weight_decay:g})")
+    parser.add_argument("--beta2", type=float, default=None, help=f"AdamW beta2 (default {d.beta2:g})")
+    parser.add_argument("--min-lr-ratio", type=float, default=None,
+                        help=f"the cosine schedule's final lr as a fraction of --lr (default {d.min_lr_ratio:g})")
     parser.add_argument("--split-digits", action="store_true",
                         help="when training a tokenizer: one token per digit (numbers tokenize predictably)")
     parser.add_argument("--model-shape", default=None, metavar="JSON",
