@@ -148,3 +148,15 @@ def test_copy_accuracy_scores_the_last_repetition(tok, examples):
 
     assert copy_accuracy(Oracle(), val) > 0.9  # < 1 only where a run repeats a token (vocab 400)
     assert copy_accuracy(Unigram(), val) < 0.1
+
+
+def test_copy_vocab_draws_runs_from_the_most_frequent_tokens(tok):
+    stream = torch.tensor(tok(("To be, or not to be, that is the question. " * 50), add_special_tokens=False)["input_ids"])
+    top = set(torch.bincount(stream).argsort(descending=True, stable=True)[:5].tolist())
+    ex = RetrievalExamples(tok, stream, ("copy",), copy_vocab=5)
+    for seed in range(20):
+        ids, info = ex.copy(64, random.Random(seed))
+        a, n = info["answer_start"], info["answer_len"]
+        assert set(ids[a : a + n]) <= top
+    with pytest.raises(ValueError, match="copy_vocab must be an integer >= 2"):
+        TrainConfig(retrieval_mix=1.0, copy_vocab=1)

@@ -159,6 +159,7 @@ class TrainConfig:
     stop_at_passkey: float | None = None  # stop once held-out passkey accuracy >= this at 2 evals in a row
     stop_at_copy: float | None = None  # stop once held-out copy accuracy >= this at 2 evals in a row
     retrieval_formats: tuple[str, ...] | None = None  # formats drawn uniformly (None: retrieval.FORMATS)
+    copy_vocab: int | None = None  # copy runs draw from this many most frequent tokens (None: all)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -211,6 +212,9 @@ class TrainConfig:
             raise ValueError(f"stop_at_passkey must be a fraction in (0, 1], got {sp!r}")
         if sp is not None and mix == 0 and self.retrieval_mix == 0:
             raise ValueError("stop_at_passkey needs passkey_mix or retrieval_mix > 0 (passkey is not measured)")
+        cv = self.copy_vocab
+        if cv is not None and (isinstance(cv, bool) or not isinstance(cv, int) or cv < 2):
+            raise ValueError(f"copy_vocab must be an integer >= 2, got {cv!r}")
         sc = self.stop_at_copy
         if sc is not None and (isinstance(sc, bool) or not isinstance(sc, (int, float)) or not 0 < sc <= 1):
             raise ValueError(f"stop_at_copy must be a fraction in (0, 1], got {sc!r}")
@@ -689,7 +693,7 @@ def train(
     if cfg.retrieval_mix > 0:
         from .retrieval import RetrievalExamples
 
-        retrieval = RetrievalExamples(tokenizer, train_stream, cfg.retrieval_formats)
+        retrieval = RetrievalExamples(tokenizer, train_stream, cfg.retrieval_formats, cfg.copy_vocab)
     # held-out passkey accuracy (the eval's format, full length) whenever retrieval is trained and
     # an eval-format example fits in seq_len (a short-sequence copy phase has none)
     pk_val = None
@@ -820,6 +824,7 @@ _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "warmup_steps": "warmup_steps", "eval_every": "eval_every", "init": "init", "passkey_mix": "passkey_mix",
     "passkey_answer_weight": "passkey_answer_weight", "retrieval_mix": "retrieval_mix",
     "stop_at_passkey": "stop_at_passkey", "retrieval_formats": "retrieval_formats", "stop_at_copy": "stop_at_copy",
+    "copy_vocab": "copy_vocab",
     "weight_decay": "weight_decay", "beta2": "beta2", "min_lr_ratio": "min_lr_ratio",
 }
 
@@ -914,6 +919,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop (with the final checkpoint) once held-out copy accuracy (the last repetition "
                              "of a repeated random run, per token) is >= ACC at two evaluations in a row (needs "
                              "--retrieval-mix with the copy format): ends an induction-head phase")
+    parser.add_argument("--copy-vocab", type=int, default=None, metavar="K",
+                        help="copy examples draw their random runs from the K most frequent training tokens "
+                             "(default: the whole vocabulary; a small K forms induction heads in fewer steps)")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help=f"AdamW weight decay on matrices (default {d.weight_decay:g})")
     parser.add_argument("--beta2", type=float, default=None, help=f"AdamW beta2 (default {d.beta2:g})")

@@ -62,10 +62,14 @@ class RetrievalExamples:
     """`example(seq_len, rng) -> (ids, info)` in one of `FORMATS` (see the module docstring).
 
     `filler_ids`: a token stream (the training split) whose windows serve as natural filler;
-    `formats`: the formats drawn uniformly (repeats weight them; default `FORMATS`).
+    `formats`: the formats drawn uniformly (repeats weight them; default `FORMATS`);
+    `copy_vocab`: `copy` runs draw from the `copy_vocab` most frequent tokens of `filler_ids`
+    instead of the whole vocabulary (each token then recurs often enough in a batch for an
+    induction head to form quickly; None: every ordinary token).
     """
 
-    def __init__(self, tokenizer: Any, filler_ids: Any, formats: tuple[str, ...] | None = None):
+    def __init__(self, tokenizer: Any, filler_ids: Any, formats: tuple[str, ...] | None = None,
+                 copy_vocab: int | None = None):
         if tokenizer.eos_token_id is None:
             raise ValueError("retrieval examples need a tokenizer with an eos token")
         self.tok = tokenizer
@@ -75,6 +79,17 @@ class RetrievalExamples:
         bad = sorted(set(self.formats) - set(FORMATS))
         if bad:
             raise ValueError(f"unknown retrieval format(s) {bad}; known: {sorted(set(FORMATS))}")
+        self.copy_pool: list[int] | None = None
+        if copy_vocab is not None:
+            import torch
+
+            counts = torch.bincount(torch.as_tensor(filler_ids).long().flatten(), minlength=len(tokenizer))
+            for t in self.specials:
+                counts[t] = -1
+            order = torch.argsort(counts, descending=True, stable=True)[:copy_vocab]
+            self.copy_pool = [int(t) for t in order if counts[t] > 0]
+            if len(self.copy_pool) < 2:
+                raise ValueError(f"copy_vocab={copy_vocab}: fewer than 2 tokens occur in the filler stream")
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -133,7 +148,7 @@ class RetrievalExamples:
         vocab = len(self.tok)
         run = []
         while len(run) < n:
-            t = rng.randrange(vocab)
+            t = rng.choice(self.copy_pool) if self.copy_pool is not None else rng.randrange(vocab)
             if t not in self.specials:
                 run.append(t)
         sep = self._ids("\n")
