@@ -316,3 +316,28 @@ def test_smollm2_damaged_cache_is_rebuilt(smollm2):
     ids = torch.tensor([tok(ENGLISH).input_ids])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, model2(ids).logits)
+
+
+def test_export_casts_weights_and_keeps_the_tokenizer(tmp_path):
+    """`lcx models --export`: float16 weights (half the bytes), the same tokenizer and training
+    record, logits within float16 rounding of the source when loaded back in float32."""
+    import torch
+
+    from lcx.models import load_model
+    from lcx.models.cli import export_model
+    from lcx.models.loading import PRESETS
+
+    src = PRESETS["tiny-5m"].path()
+    export_model(str(src), str(tmp_path / "m16"), "float16")
+    assert (tmp_path / "m16" / "train_config.json").read_text() == (src / "train_config.json").read_text()
+    size16 = (tmp_path / "m16" / "model.safetensors").stat().st_size
+    assert size16 < 0.6 * (src / "model.safetensors").stat().st_size
+    m32, tok = load_model("tiny-5m")
+    m16, tok16 = load_model(tmp_path / "m16")
+    assert next(m16.parameters()).dtype == torch.float32 and tok16("To be or not")["input_ids"] == tok("To be or not")["input_ids"]
+    x = torch.tensor([tok("To be, or not to be, that is the question")["input_ids"]])
+    with torch.no_grad():
+        a, b = m32(x).logits, m16(x).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    with pytest.raises(FileNotFoundError, match="not an HF model directory"):
+        export_model(str(tmp_path), str(tmp_path / "x"))

@@ -3,6 +3,9 @@
     lcx models                       # presets, their files, presence and GGUF cache status
     lcx models --load smollm2-135m   # load (building the GGUF cache if needed) and summarise
     lcx models --load path/to/dir --dtype bfloat16
+    lcx models --export runs/my-model --out lcx/assets/my-model --dtype float16
+                                     # copy an HF directory with its weights stored in float16
+                                     # (half the bytes; `lcx.load_model` loads float32 by default)
 """
 
 from __future__ import annotations
@@ -18,9 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="parameter dtype for --load (float32, bfloat16, float16)")
     parser.add_argument("--device", default="cpu", help="device for --load (cpu, cuda, ...)")
+    parser.add_argument("--export", metavar="HF_DIR",
+                        help="write this HF model directory to --out with its weights cast to --dtype (its "
+                             "tokenizer and train_config.json copied unchanged)")
+    parser.add_argument("--out", help="output directory of --export")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.export:
+        if not args.out:
+            raise ValueError("--export needs --out")
+        export_model(args.export, args.out, args.dtype)
+        print(f"exported {args.export} -> {args.out} ({args.dtype})")
+        return 0
     if args.load:
         return _load(args.load, args.dtype, args.device)
     return _list()
@@ -67,6 +80,33 @@ def summarize(model: Any) -> dict[str, Any]:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(next(model.parameters()).device),
     }
+
+
+def export_model(src: str, out: str, dtype: str = "float16") -> None:
+    """Copy the HF model directory `src` to `out` with weights cast to `dtype`: config, weights
+    (safetensors), tokenizer files and `train_config.json` (the training record) if present.
+    Written into a temporary directory beside `out`, then moved file by file (atomic per file)."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from .loading import _as_dtype
+
+    src_p, out_p = Path(src), Path(out)
+    if not (src_p / "config.json").is_file():
+        raise FileNotFoundError(f"--export: {src_p} is not an HF model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(src_p, dtype=_as_dtype(dtype), local_files_only=True)
+    out_p.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_p, prefix=".export-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "train_config.json"):
+            if (src_p / name).is_file():
+                shutil.copy2(src_p / name, Path(tmp) / name)
+        for name in sorted(os.listdir(tmp)):
+            os.replace(os.path.join(tmp, name), out_p / name)
 
 
 def _load(name: str, dtype: str, device: str) -> int:
