@@ -32,6 +32,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "print inv_freq / wavelengths of a RoPE spec (and check it against transformers)"),
     (("serve",), "lcx.serve.cli",
      "OpenAI-compatible server (completions, chat, streaming, logprobs) over lcx's batching engine"),
+    (("bench", "threads"), "lcx.bench.threads",
+     "which torch thread count is fastest here, idle and with one core busy -> results/threads_cpu.json"),
     (("bench", "kernels"), "lcx.bench.kernels",
      "time the GPU kernels (CUDA events, roofline), write results/kernels/<gpu>.json; --check for regressions"),
 ]

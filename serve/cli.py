@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from lcx.rope.cli import add_spec_arguments, spec_dict_from_args
+from lcx.threads import add_threads_argument, resolve_threads
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # --max-body-mb; defined here, not in .app, so --help needs no fastapi
 
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="device (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    add_threads_argument(parser)
     parser.add_argument("--methods", default=None, metavar="JSON",
                         help="engine methods as JSON {name: params}, e.g. '{\"rope\": {\"rope_type\": \"yarn\", "
                              "\"factor\": 4}}'; --rope flags add a `rope` entry")
@@ -98,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    resolve_threads(args.threads)
     # Validate everything that is cheap before loading the model.
     config = EngineConfig(max_model_len=args.max_model_len, max_batch=args.max_batch,
                           methods=methods_from_args(args))
@@ -162,7 +162,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                         dtype=args.dtype, max_model_len=max_model_len, api_key=args.api_key,
                         extra=extra + split_args(args.vllm_args), python=python)
     private = tempfile.mkdtemp(prefix="lcx-vllm-")
-    env = vllm_env(private, threads=args.threads)
+    env = vllm_env(private, threads=resolve_threads(args.threads, apply=False))
     print(f"lcx serve --engine vllm: {name} on http://{args.host}:{args.port}/v1 (methods "
           f"{methods.describe()}, max_model_len {max_model_len or 'model default'})", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, cwd=private)

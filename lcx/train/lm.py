@@ -850,6 +850,8 @@ PK_COMMAND = ("lcx train lm --init tiny-5m --passkey-mix 0.5 --steps 400 --lr 1e
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lcx.threads import add_threads_argument
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     d = TrainConfig()
     parser.epilog = (
@@ -881,9 +883,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention implementation the model is trained with (default sdpa)")
     parser.add_argument("--window", type=int, default=None,
                         help="keys each query sees, itself included (required by --attention swat, e.g. 128)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice); results are bitwise reproducible "
-                             "only at the same thread count")
+    add_threads_argument(parser)  # results are bitwise reproducible only at the same thread count
     parser.add_argument("--resume", action="store_true",
                         help="continue from <out>/state.pt; config flags, if given, must match the saved run")
     parser.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -982,11 +982,10 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
+    from lcx.threads import resolve_threads
+
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    resolve_threads(args.threads)
     out = Path(args.out)
     saved = None
     if args.resume:
