@@ -123,6 +123,16 @@ PRESETS: dict[str, Preset] = {
             locate=_asset("tiny-llama-5m"),
         ),
         Preset(
+            name="tiny-ret-5m",
+            format="hf",
+            description="lcx's bundled 5.2M-parameter Llama that retrieves: 4 layers, untied embeddings, "
+                        "one token per digit, 256-token context; a copy phase (induction heads) then "
+                        "passkey/lookup/copy + text (Shakespeare, KJV); lcx report's default model",
+            how_to_get="Create it with `bash scripts/train_tiny_retrieval.sh` (about an hour on one "
+                       "core), which writes lcx/assets/tiny-retrieval-5m/.",
+            locate=_asset("tiny-retrieval-5m"),
+        ),
+        Preset(
             name="tiny-swat-5m",
             format="hf",
             description="lcx's bundled ~5M SWAT Llama (sigmoid attention, 128-key window, balanced "
