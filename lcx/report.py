@@ -1,6 +1,6 @@
 """`lcx report`: one command from install to an extrapolation report.
 
-    lcx report                                   # bundled tiny-5m, ~10 min on 2 CPU cores
+    lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256), ~10 min on 2 CPU cores
     lcx report --model smollm2-135m --lengths 2048,4096,8192 --methods vanilla,yarn,lm_infinite
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
@@ -69,7 +69,7 @@ CELL_KINDS = ("lmeval", "decode")
 class ReportConfig:
     """What `lcx report` measures. Lengths default to L0 x (1, 2, 4, 8) of the model's context L0."""
 
-    model: str = "tiny-5m"
+    model: str = "tiny-ret-5m"
     methods: tuple[str, ...] = DEFAULT_METHODS
     lengths: tuple[int, ...] | None = None
     depths: int | tuple[float, ...] = 5  # a grid size over [0, 1], or explicit fractions
@@ -701,7 +701,7 @@ def _int_list(s: str) -> tuple[int, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n", 2)[2].split("Output")[0]
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--model", default="tiny-5m", help="preset, HF directory or .gguf (default: %(default)s)")
+    p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated subset of: " + ", ".join(METHOD_TABLE) + " (default: all)")
     p.add_argument("--lengths", type=_int_list, default=None,
