@@ -69,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="output prefix for .json and .png (default results/rope_extrapolation_tiny; "
                              "none with --quick)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from .threads import add_threads_argument
+
+    add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -111,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    from .threads import resolve_threads
+
+    resolve_threads(args.threads)
     methods = list(METHODS) if not args.methods else [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

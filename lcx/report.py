@@ -714,7 +714,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs, help="held-out documents for perplexity")
     p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    from .threads import add_threads_argument
+
+    add_threads_argument(p)
     p.add_argument("--device", default=ReportConfig.device, help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default=ReportConfig.dtype, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default: %(default)s)")
@@ -747,10 +749,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2
-    import torch
+    from .threads import resolve_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    resolve_threads(args.threads)
     if args.render and (args.fresh or args.reuse):
         print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)
         return 2

@@ -205,7 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="windows per forward (default 8192 // length)")
     parser.add_argument("--tail", type=int, default=DEFAULT_TAIL,
                         help=f"positions per window in the tail metric (default {DEFAULT_TAIL})")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from lcx.threads import add_threads_argument
+
+    add_threads_argument(parser)
     parser.add_argument("--out", default=None, help="write the results as JSON here (atomically)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_spec_arguments(parser)
@@ -249,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    from lcx.threads import resolve_threads
+
+    resolve_threads(args.threads)
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     raw = spec_dict_from_args(args)
