@@ -385,9 +385,11 @@ def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
 
 
 def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
-              runs: "set[str] | str | None" = None) -> dict[str, Any] | None:
+              runs: "set[str] | str | None" = None, *, other_code: bool = False) -> dict[str, Any] | None:
     """A completed cell with exactly these settings and fingerprint (and measured by one of the
-    run ids `runs`, if given), or None (missing, corrupt or different)."""
+    run ids `runs`, if given), or None (missing, corrupt or different). `other_code=True`
+    (`--keep-other-code`) compares the fingerprint without its code part: models, environment
+    and cell version must still match."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -395,7 +397,10 @@ def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
     if d.get("settings") != settings or "result" not in d or not isinstance(d.get("fingerprint"), dict):
         return None
     kind = settings["kind"]
-    if cell_fingerprint(d["fingerprint"], kind) != cell_fingerprint(fingerprint, kind):
+    have, want = cell_fingerprint(d["fingerprint"], kind), cell_fingerprint(fingerprint, kind)
+    if other_code:
+        have, want = {**have, "code": None}, {**want, "code": None}
+    if have != want:
         return None
     if isinstance(runs, str):
         runs = {runs}
@@ -443,7 +448,8 @@ def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh
 # ============================================================================================
 
 def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
-               progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+               keep_other_code: bool = False, progress: bool = True,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
     module docstring), then write the report. `render=True` measures nothing: it writes the
     report from the stored cells whose settings and fingerprint match (missing ones show as —),
@@ -481,15 +487,21 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             for kind in CELL_KINDS if L in (cfg.lengths if kind == "lmeval" else cfg.decode_lengths)]
     bar = tqdm(todo, desc="report cells", unit="cell", disable=not progress)
     reused: list[str] = []
+    other_code: dict[str, dict[str, Any]] = {}  # kept cells measured by other code (--keep-other-code)
     measured_s = 0.0
     for name, kind, L in bar:
         bar.set_postfix_str(f"{name}/{kind}/{L}")
         settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
         path = _cell_path(out, name, kind, L)
-        stored = load_cell(path, settings, fingerprint, keep) if keep is None or keep else None
+        stored = (load_cell(path, settings, fingerprint, keep, other_code=keep_other_code)
+                  if keep is None or keep else None)
         if stored is not None:
             cells[name][kind][str(L)] = stored["result"]
             reused.append(f"{name}/{kind}/{L}")
+            code_diff = _diff(cell_fingerprint(stored["fingerprint"], kind)["code"],
+                              cell_fingerprint(fingerprint, kind)["code"])
+            if code_diff:
+                other_code[f"{name}/{kind}/{L}"] = {"run_id": stored.get("run_id"), "modules": code_diff}
             if stored.get("run_id") != run_id and stored.get("run_id") not in manifest["kept_runs"]:
                 manifest["kept_runs"].append(stored["run_id"])
                 if not render:  # a resumed run keeps what this one kept
@@ -514,6 +526,10 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     if reused:
         log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
             f"{len(todo) - len(reused)}")
+    if other_code:
+        mods = sorted({m for c in other_code.values() for m in c["modules"]})
+        log(f"--keep-other-code: {len(other_code)} kept cells were measured by other code ({', '.join(mods)}); "
+            "report.json lists them (cells_kept_with_other_code)")
     if not render:
         atomic_write_json(out / "cells" / "run.json", {**manifest, "finished": True,
                                                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -526,6 +542,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "fingerprint": fingerprint, "run_id": run_id,
         "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
         "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
+        "cells_kept_with_other_code": other_code,
         "results": cells,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -626,6 +643,15 @@ def _fmt(x: float, spec: str) -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def _other_code_note(record: dict[str, Any]) -> str:
+    oc = record.get("cells_kept_with_other_code") or {}
+    if not oc:
+        return ""
+    mods = sorted({m for c in oc.values() for m in c["modules"]})
+    return (f" {len(oc)} cells were kept with `--keep-other-code`: measured by lcx code that differs from this "
+            f"checkout's in {', '.join(f'`{m}`' for m in mods)} (listed in report.json).")
+
+
 def markdown(record: dict[str, Any]) -> str:
     c, res = record["config"], record["results"]
     lengths, dl = c["lengths"], c["decode_lengths"]
@@ -638,7 +664,8 @@ def markdown(record: dict[str, Any]) -> str:
              f"Trained context L0 = {c['context']}; lengths {lengths}; RoPE factor s = {c['rope_factor']:g} "
              f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
              f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
-             f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).{status}", "",
+             f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).{status}"
+             + _other_code_note(record), "",
              f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
              f"{c['samples_per_depth']} keys)", "",
              "| method | " + " | ".join(str(L) for L in lengths) + " |",
@@ -728,6 +755,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true",
                    help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
                         "with the same settings and code; a finished one is measured again)")
+    p.add_argument("--keep-other-code", action="store_true",
+                   help="keep stored cells (of the interrupted run; with --reuse/--render, any matching ones) even "
+                        "if the lcx code that measured them differs from this checkout's -- for a change you know "
+                        "does not touch the numbers (a refactor, a new preset) in a sweep too long to redo. Settings, "
+                        "models and environment must still match; the report lists every such cell and the modules "
+                        "that differ (report.json: cells_kept_with_other_code)")
     p.add_argument("--reuse", action="store_true",
                    help="keep stored cells of any earlier run whose settings and code/model/environment "
                         "fingerprint match (e.g. to redraw plots)")
@@ -755,7 +788,8 @@ def run(args: argparse.Namespace) -> int:
     if args.render and (args.fresh or args.reuse):
         print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)
         return 2
-    record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render)
+    record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
+                        keep_other_code=args.keep_other_code)
     print(markdown(record).split("## Methods")[0])
     print(f"wrote {args.out / 'README.md'}, report.json and 3 PNGs")
     return 0

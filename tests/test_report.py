@@ -196,3 +196,28 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     rendered = run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)
     assert rendered["cells_reused"] == 7 and "384" not in rendered["results"]["vanilla"]["lmeval"]
     assert "Partial: 7 of 8 cells" in markdown(rendered)
+    # a cell measured by other code: not kept by default; kept and listed with --keep-other-code
+    p = tmp_path / "cells" / "vanilla.decode.384.json"
+    d = json.loads(p.read_text())
+    d["fingerprint"]["code"]["decode"]["lcx.engine"] = "0" * 12
+    p.write_text(json.dumps(d))
+    assert run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)["cells_reused"] == 6
+    other = run_report(cfg, tmp_path, render=True, keep_other_code=True, progress=False, log=lines.append)
+    assert other["cells_reused"] == 7 and list(other["cells_kept_with_other_code"]) == ["vanilla/decode/384"]
+    assert other["cells_kept_with_other_code"]["vanilla/decode/384"]["modules"] == ["lcx.engine"]
+    assert "--keep-other-code" in markdown(other) and any("--keep-other-code: 1 kept" in x for x in lines)
+
+
+def test_keep_other_code_keeps_cells_whose_only_difference_is_code(tmp_path):
+    cfg = ReportConfig(lengths=(64, 128)).resolved(64)
+    s = cell_settings("lmeval", "m", "yarn", MethodRun(rope={"rope_type": "yarn", "factor": 2.0}), cfg, 64)
+    p = tmp_path / "c.json"
+    cell = {"settings": s, "fingerprint": FP, "run_id": "r1", "result": {"x": 1}}
+    p.write_text(json.dumps(cell))
+    new_code = {**FP, "code": {"lmeval": {"lcx.rope": "abd"}}}
+    assert load_cell(p, s, new_code) is None
+    assert load_cell(p, s, new_code, other_code=True) == cell
+    # models, environment and settings must still match
+    assert load_cell(p, s, {**new_code, "environment": {"torch": "y"}}, other_code=True) is None
+    assert load_cell(p, s, {**new_code, "models": {"m": "9"}}, other_code=True) is None
+    assert load_cell(p, {**s, "length": 128}, new_code, other_code=True) is None
