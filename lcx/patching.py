@@ -27,9 +27,19 @@ from torch import nn
 
 from .rope import RopeSpec, compute_inv_freq, rope_angles
 
-# model_type values whose decoder takes (cos, sin) from `model.model.rotary_emb` and rotates
-# the full head with HF's rotate-half convention. Tested in tests/test_patch.py.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The one table of HF model types lcx supports, with what each supports. Every type's decoder
+# takes (cos, sin) from `model.model.rotary_emb` and rotates the full head with HF's
+# rotate-half convention (the RoPE patch; tests/test_patch.py). `attention_methods`: the
+# attention patch (`lcx.methods.patch_attention`) recomputes q/k from the projections, so a
+# type that normalises q/k before RoPE (qwen3's q_norm/k_norm) is refused there.
+MODEL_TYPES: dict[str, dict[str, bool]] = {
+    "llama": {"attention_methods": True},
+    "mistral": {"attention_methods": True},
+    "qwen2": {"attention_methods": True},
+    "qwen3": {"attention_methods": False},
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # the RoPE patch and the engine
+ATTENTION_MODEL_TYPES = tuple(t for t, caps in MODEL_TYPES.items() if caps["attention_methods"])
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
 

@@ -391,3 +391,20 @@ def test_bounded_cache_refuses_foreign_fillers(model32):
         m(ids, past_key_values=BoundedKVCache(lm_infinite(2, 4)), use_cache=True)
     with attention_patched(m, sinks(2, 4)), pytest.raises(ValueError, match="running sinks"):
         m(ids, past_key_values=BoundedKVCache(lm_infinite(2, 4)), use_cache=True)
+
+
+def test_unrotated_methods_come_from_the_registry():
+    """One list: the methods whose distances are not the true ones keep unrotated keys."""
+    from lcx.methods import ATTENTION_METHODS, UNROTATED_METHODS
+
+    assert UNROTATED_METHODS == ("lm_infinite", "sinks")
+    assert all(ATTENTION_METHODS[n].needs_unrotated_keys for n in UNROTATED_METHODS)
+
+
+def test_model_types_are_one_table():
+    from lcx.methods import attention_patch
+    from lcx.patching import ATTENTION_MODEL_TYPES, MODEL_TYPES, SUPPORTED_MODEL_TYPES
+
+    assert SUPPORTED_MODEL_TYPES == tuple(MODEL_TYPES)
+    assert attention_patch.SUPPORTED_MODEL_TYPES == ATTENTION_MODEL_TYPES
+    assert "qwen3" in SUPPORTED_MODEL_TYPES and "qwen3" not in ATTENTION_MODEL_TYPES  # q/k norms before RoPE

@@ -22,6 +22,7 @@ from .attention_patch import (
 from .bounded_cache import BoundedKVCache, GenerationResult, cache_len, cache_nbytes, greedy_generate
 from .spec import (
     ATTENTION_METHODS,
+    UNROTATED_METHODS,
     AttentionMethod,
     Causal,
     LMInfinite,
@@ -45,6 +46,7 @@ __all__ = [
     "LMInfinite",
     "Sinks",
     "SlidingWindow",
+    "UNROTATED_METHODS",
     "attention_patched",
     "cache_len",
     "cache_nbytes",

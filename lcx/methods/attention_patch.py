@@ -57,10 +57,10 @@ from torch import nn
 
 from lcx.attention import BACKENDS, Rotary
 
+from ..patching import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # lcx.patching.MODEL_TYPES
 from .spec import AttentionMethod, method_from_dict
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_BACKEND = "blockwise"
 _STATE = "_lcx_attention_method"  # on the model: _Patch; on each attention module: _ModuleState
 

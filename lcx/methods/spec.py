@@ -51,6 +51,9 @@ class AttentionMethod:
 
     name: ClassVar[str] = ""
     renumber_in_cache: ClassVar[bool] = False
+    # True when a query-key distance is not the true one (LM-Infinite's cap, StreamingLLM's
+    # renumbering): the method rotates q/k itself, so a cache must keep keys unrotated.
+    needs_unrotated_keys: ClassVar[bool] = False
 
     # --------------------------------------------------------------- what the layer computes
     def attend(
@@ -120,6 +123,7 @@ class LMInfinite(AttentionMethod):
     """
 
     name: ClassVar[str] = "lm_infinite"
+    needs_unrotated_keys: ClassVar[bool] = True
     n_global: int
     n_local: int
     limit_distance: int | None = None
@@ -177,6 +181,7 @@ class Sinks(AttentionMethod):
     """
 
     name: ClassVar[str] = "sinks"
+    needs_unrotated_keys: ClassVar[bool] = True
     n_sink: int
     window: int
     renumber: bool = True
@@ -211,6 +216,8 @@ class Sinks(AttentionMethod):
 ATTENTION_METHODS: dict[str, type[AttentionMethod]] = {
     cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks)
 }
+# the methods whose caches hold unrotated keys (read from the classes; not a second list)
+UNROTATED_METHODS: tuple[str, ...] = tuple(n for n, cls in ATTENTION_METHODS.items() if cls.needs_unrotated_keys)
 
 
 def causal() -> Causal:

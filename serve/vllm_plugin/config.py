@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lcx.methods import AttentionMethod, method_from_dict
+from lcx.methods import UNROTATED_METHODS, AttentionMethod, method_from_dict
 from lcx.rope import RopeSpec
 
 LCX_KEY = "lcx_methods"  # the HF-config attribute (set through hf_overrides) holding the methods
@@ -41,8 +41,8 @@ METHOD_KEYS = ("rope", "attention")
 ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
 
 # Attention methods that change positions (LM-Infinite's capped distance, StreamingLLM's
-# renumbering) run on unrotated q/k through `.method_attention` (exact, slow, CPU backend only).
-UNROTATED_METHODS = ("lm_infinite", "sinks")
+# renumbering; `lcx.methods.UNROTATED_METHODS`) run on unrotated q/k through
+# `.method_attention` (exact, slow, CPU backend only).
 
 
 @dataclass(frozen=True)

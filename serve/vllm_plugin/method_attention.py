@@ -33,9 +33,6 @@ import torch
 from lcx.attention import Rotary
 from lcx.methods import AttentionMethod
 
-# Methods this path runs (those that change positions; sliding_window uses vLLM's own kernels).
-UNROTATED_METHODS = ("lm_infinite", "sinks")
-
 
 class _MethodAttention:
     """What a switched layer's impl runs: `forward` and `do_kv_cache_update` are bound onto the
