@@ -237,3 +237,22 @@ def test_flex_block_mask_agrees(name):
         m = make_mask(name, **params)
         dense = fa.create_mask(m, None, None, 37, 37, device="cpu")[0, 0]
         assert torch.equal(dense, mask_matrix(m, 37, 37))
+
+
+def test_window_shape_is_data_on_the_primitives_only():
+    """Backends read a mask's structure through `window_shape`, never its name: the primitives
+    carry their exact (n_global, left); composed or hand-named masks carry none, even when their
+    name looks like a primitive's."""
+    from lcx.masks import (KeySpan, and_masks, attention_sinks, causal, global_tokens, lambda_mask, or_masks,
+                           sliding_window, window_shape)
+    from lcx.masks.base import named
+
+    assert window_shape(causal()) == KeySpan(0, None)
+    assert window_shape(sliding_window(7)) == KeySpan(0, 7)
+    assert window_shape(global_tokens(3)) == KeySpan(3, -1)
+    assert window_shape(attention_sinks(4, 7)) == KeySpan(4, 7)
+    assert window_shape(lambda_mask(2, 16)) == KeySpan(2, 15)
+    assert window_shape(or_masks(global_tokens(2), sliding_window(15))) is None  # same keys, not declared
+    assert window_shape(and_masks(sliding_window(3), causal())) is None
+    assert window_shape(named(lambda b, h, i, j: j <= i, "sliding_window_3", None, {"left": 3})) is None
+    assert window_shape(None) is None

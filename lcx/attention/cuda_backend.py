@@ -19,39 +19,31 @@ import torch
 
 from lcx.kernels.cuda.lambda_decode import DTYPES, HEAD_DIMS, DecodeKeys, decode_tables, lambda_decode_cuda
 
+from lcx.masks import KeySpan, window_shape
+
 from .backends import Backend, _call_info, _refuse, register_backend
 from .spec import AttentionSpec, CallInfo, Rotary, check_call, scale_of
 
-# mask family (the mask_mod's name up to its parameters) -> how its visible keys are found
-_MASKS = ("causal", "sliding_window", "lambda", "attention_sinks")
-
-
-def _mask_family(spec: AttentionSpec) -> str | None:
+def _mask_shape(spec: AttentionSpec) -> KeySpan | str | None:
+    """"full" (no mask), the mask's window shape with a window (causal, sliding window, Λ,
+    sinks), or None (a mask the kernel cannot read as key ranges)."""
     if spec.mask is None:
         return "full"
-    name = spec.mask.__name__
-    return next((f for f in _MASKS if name == f or name.startswith(f + "_")), None)
+    shape = window_shape(spec.mask)
+    return None if shape is None or shape.left == -1 else shape
 
 
 def decode_keys(spec: AttentionSpec, n_keys: int, q_index: int) -> DecodeKeys:
     """The visible key ranges of query `q_index` under `spec.mask` (Tq = 1; `lcx.masks` rules)."""
-    family = _mask_family(spec)
-    params = getattr(spec.mask, "mask_params", {})
+    shape = _mask_shape(spec)
     i = q_index
-    if family == "full":
+    if shape == "full":
         return DecodeKeys(0, 0, n_keys)
-    if family == "causal":
-        return DecodeKeys(0, 0, i + 1)
-    if family == "sliding_window":
-        return DecodeKeys(0, max(0, i - params["left"]), i + 1)
-    if family == "lambda":  # global_tokens(G) | sliding_window(L - 1)
-        n_global, left = params["n_global"], params["n_local"] - 1
-    elif family == "attention_sinks":
-        n_global, left = params["n_sink"], params["left"]
-    else:
+    if shape is None:
         raise ValueError(f"mask {spec.mask.__name__} is not one the cuda decode kernel knows")
-    w_lo = max(0, i - left)
-    return DecodeKeys(min(n_global, w_lo), w_lo, i + 1, capped=spec.lambda_params is not None)
+    # the first n_global keys, then the window i - left .. i (left None: causal, every j <= i)
+    w_lo = 0 if shape.left is None else max(0, i - shape.left)
+    return DecodeKeys(min(shape.n_global, w_lo), w_lo, i + 1, capped=spec.lambda_params is not None)
 
 
 def _cuda_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:
@@ -59,7 +51,7 @@ def _cuda_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | N
         return f"the cuda decode kernel is softmax-only (activation={spec.activation!r})"
     if spec.alibi_slopes is not None:
         return "the cuda decode kernel has no ALiBi bias"
-    if _mask_family(spec) is None:
+    if _mask_shape(spec) is None:
         return (f"mask {spec.mask.__name__} is not causal, sliding_window, lambda or attention_sinks "
                 "(the masks the cuda decode kernel reads by key ranges)")
     if call is None:

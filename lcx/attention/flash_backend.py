@@ -51,6 +51,8 @@ from typing import NamedTuple
 
 import torch
 
+from lcx.masks import window_shape
+
 from .backends import Backend, _call_info, _refuse, register_backend
 from .merge import merge_many
 from .rotary import lambda_inputs, rotate_qk
@@ -72,23 +74,11 @@ def mask_structure(spec: AttentionSpec) -> Structure | None:
     """The exact (G, left) of the spec's mask, or None for masks this backend cannot cut."""
     if spec.lambda_params is not None:
         return Structure(spec.lambda_params.n_global, spec.lambda_params.n_local - 1)
-    mask = spec.mask
-    if mask is None:
-        return None  # no mask at all (not causal): a plain unmasked call would do, but rare
-    name, params = getattr(mask, "__name__", ""), getattr(mask, "mask_params", None)
-    if params is None:
+    # no mask at all (not causal) has no shape: a plain unmasked call would do, but rare
+    shape = window_shape(spec.mask)
+    if shape is None or shape.left == -1:  # global tokens alone (no window): not cut here
         return None
-    # the factory's name prefix AND its parameter keys must both match: another mask whose name
-    # merely starts alike (e.g. `lambda_global_*`, LM-Infinite's global branch) is not cut here
-    if name == "causal":
-        return Structure(0, None)
-    if name.startswith("sliding_window_") and set(params) == {"left"}:
-        return Structure(0, params["left"])
-    if name.startswith("lambda_") and set(params) == {"n_global", "n_local"}:
-        return Structure(params["n_global"], params["n_local"] - 1)
-    if name.startswith("attention_sinks_") and set(params) == {"n_sink", "left"}:
-        return Structure(params["n_sink"], params["left"])
-    return None
+    return Structure(shape.n_global, shape.left)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from lcx.masks import causal_mask
+from lcx.masks import window_shape
 
 from .backends import Backend, _call_info, _refuse, register_backend
 from .rotary import rotate_qk
@@ -33,21 +33,8 @@ MAX_HEAD_DIM = 256
 def mask_shape(mask) -> tuple[int, int | None] | None:
     """(n_global, left) of a mask the kernels run: visible `j <= i` and (`i - j <= left` or
     `j < n_global`); left None = causal, -1 = no window. None for any other mask."""
-    if mask is causal_mask:
-        return 0, None
-    name, p = getattr(mask, "__name__", ""), getattr(mask, "mask_params", {})
-    try:
-        if name == f"sliding_window_{p.get('left')}":
-            return 0, p["left"]
-        if name == f"attention_sinks_{p.get('n_sink')}_{p.get('left')}":
-            return p["n_sink"], p["left"]
-        if name == f"global_tokens_{p.get('n')}":
-            return p["n"], -1
-        if name == f"lambda_{p.get('n_global')}_{p.get('n_local')}":
-            return p["n_global"], p["n_local"] - 1
-    except KeyError:
-        return None
-    return None
+    shape = window_shape(mask)
+    return None if shape is None else (shape.n_global, shape.left)
 
 
 def _triton_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:

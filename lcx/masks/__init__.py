@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .attention_sinks import attention_sinks
-from .base import KeySpan, MaskMod, default_q_offset, mask_matrix, mask_span
+from .base import KeySpan, MaskMod, default_q_offset, mask_matrix, mask_span, window_shape
 from .causal import causal, causal_mask
 from .compose import and_masks, not_mask, or_masks
 from .global_tokens import global_tokens
@@ -77,6 +77,7 @@ __all__ = [
     "attention_sinks",
     "causal",
     "causal_mask",
+    "window_shape",
     "default_q_offset",
     "global_tokens",
     "lambda_mask",

@@ -8,7 +8,7 @@ StreamingLLM renumbers positions inside its bounded cache, LM-Infinite caps dist
 
 from __future__ import annotations
 
-from .base import MaskMod, check_count, named
+from .base import KeySpan, MaskMod, check_count, named
 from .compose import or_masks
 from .global_tokens import global_tokens
 from .sliding_window import sliding_window
@@ -25,6 +25,7 @@ def attention_sinks(n_sink: int, left: int) -> MaskMod:
     return named(
         attention_sinks_mask,
         f"attention_sinks_{n_sink}_{left}",
-        inner.span,
+        KeySpan(n_sink, left),
         {"n_sink": n_sink, "left": left},
+        exact=True,
     )

@@ -55,12 +55,24 @@ def span_intersection(a: KeySpan | None, b: KeySpan | None) -> KeySpan | None:
     return a if a.cost() <= b.cost() else b
 
 
-def named(fn: MaskMod, name: str, span: KeySpan | None, params: dict[str, Any]) -> MaskMod:
-    """Label a mask_mod: `__name__` records its parameters (attention-gym style)."""
+def named(fn: MaskMod, name: str, span: KeySpan | None, params: dict[str, Any], *, exact: bool = False) -> MaskMod:
+    """Label a mask_mod: `__name__` records its parameters (attention-gym style), `span` bounds
+    its keys; `exact=True` (the window-shaped primitives) says the span IS the mask: a key is
+    visible iff `j <= i` and (`i - j <= left` or `j < n_global`), which `window_shape` returns."""
     fn.__name__ = fn.__qualname__ = name
     fn.span = span  # type: ignore[attr-defined]
     fn.mask_params = dict(params)  # type: ignore[attr-defined]
+    fn.window_shape = span if exact else None  # type: ignore[attr-defined]
     return fn
+
+
+def window_shape(mask_mod: MaskMod | None) -> KeySpan | None:
+    """The exact window shape `(n_global, left)` of a mask built by the window-shaped factories
+    (`causal`: (0, None); `sliding_window(left)`: (0, left); `global_tokens(n)`: (n, -1);
+    `attention_sinks(n, left)`: (n, left); `lambda_mask(G, L)`: (G, L - 1)), or None for any
+    other mask (composed, hand-written). Backends that run windows natively read the mask's
+    structure through this one function, never from its name."""
+    return getattr(mask_mod, "window_shape", None) if mask_mod is not None else None
 
 
 def mask_span(mask_mod: MaskMod | None) -> KeySpan | None:

@@ -9,7 +9,7 @@ def causal_mask(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-named(causal_mask, "causal", KeySpan(0, None), {})
+named(causal_mask, "causal", KeySpan(0, None), {}, exact=True)
 
 
 def causal() -> MaskMod:

@@ -14,4 +14,4 @@ def global_tokens(n: int) -> MaskMod:
     def global_tokens_mask(b, h, q_idx, kv_idx):
         return (kv_idx < n) & (kv_idx <= q_idx)
 
-    return named(global_tokens_mask, f"global_tokens_{n}", KeySpan(n, -1), {"n": n})
+    return named(global_tokens_mask, f"global_tokens_{n}", KeySpan(n, -1), {"n": n}, exact=True)

@@ -8,7 +8,7 @@ key, seen once. The mask alone is not LM-Infinite: its distance cap lives in
 
 from __future__ import annotations
 
-from .base import MaskMod, check_count, named
+from .base import KeySpan, MaskMod, check_count, named
 from .compose import or_masks
 from .global_tokens import global_tokens
 from .sliding_window import sliding_window
@@ -25,6 +25,7 @@ def lambda_mask(n_global: int, n_local: int) -> MaskMod:
     return named(
         lambda_mask_mod,
         f"lambda_{n_global}_{n_local}",
-        inner.span,
+        KeySpan(n_global, n_local - 1),
         {"n_global": n_global, "n_local": n_local},
+        exact=True,
     )

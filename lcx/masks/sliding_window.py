@@ -15,4 +15,4 @@ def sliding_window(left: int) -> MaskMod:
     def sliding_window_mask(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx <= left)
 
-    return named(sliding_window_mask, f"sliding_window_{left}", KeySpan(0, left), {"left": left})
+    return named(sliding_window_mask, f"sliding_window_{left}", KeySpan(0, left), {"left": left}, exact=True)
