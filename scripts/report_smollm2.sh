@@ -4,6 +4,8 @@
 # after an interruption and it continues the interrupted run (lcx report's cells).
 #   bash scripts/report_smollm2.sh [THREADS [EXTRA lcx report FLAGS]]
 #   bash scripts/report_smollm2.sh 1 --render     # write the tables from the cells measured so far
+# After a code change that leaves the numbers alone (the report lists what differs), add
+# --keep-other-code to keep the cells measured before it instead of measuring them again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
