@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,34 +25,15 @@ httpx = pytest.importorskip("httpx")
 
 from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
+from _servers import free_port, lcx_serve, wait_healthy  # noqa: E402
+
 MODEL = "tiny"  # --served-model-name
 KEY = "test-key-123"
 MAX_MODEL_LEN = 512
 CLIENTS, PER_CLIENT = 32, 3  # load test
 LOAD_PROMPTS = [f"client {i}: " + "lorem ipsum " * (i % 5) for i in range(12)]
 GEN = 8
-START_TIMEOUT_S = 90
 REQUEST_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:] if log else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-3000:] if log else ''}")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,26 +48,13 @@ def _one_thread():
 def server(tiny_model_dir, tmp_path_factory):
     """`lcx serve` on the tiny model, as a subprocess; yields its base URL, its log and `ref`,
     the engine on the same weights in this process (loaded while the server starts)."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "lcx.cli", "serve", "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-           "--port", str(port), "--api-key", KEY, "--max-model-len", str(MAX_MODEL_LEN), "--max-batch", "32",
-           "--dtype", "float64", "--threads", "1", "--batch-window-ms", "20"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with lcx_serve(tiny_model_dir, log, "--served-model-name", MODEL, "--api-key", KEY, "--max-model-len",
+                   str(MAX_MODEL_LEN), "--max-batch", "32", "--dtype", "float64", "--threads", "1",
+                   "--batch-window-ms", "20") as (url, proc):
         ref = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN), dtype="float64")
-        _wait_healthy(url, proc, log)
+        wait_healthy(url, proc, log)
         yield {"url": url, "log": log, "ref": ref}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 @pytest.fixture(scope="module")
@@ -394,14 +360,14 @@ class _ThreadServer:
     def __init__(self, app):
         import uvicorn
 
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
         self.thread.start()
-        _wait_healthy(self.url)
+        wait_healthy(self.url)
         return self
 
     def __exit__(self, *exc):

@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,22 +26,17 @@ httpx = pytest.importorskip("httpx")
 
 from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
+from _servers import lcx_serve, wait_healthy  # noqa: E402
+
 MODEL = "tiny"
 KEY = "hardening-key"
 MAX_MODEL_LEN = 1024
 BODY_LIMIT_MB = 1  # --max-body-mb: small, so the oversized-body tests move little data
 LONG = MAX_MODEL_LEN - 24  # max_tokens of a request meant to be abandoned (several seconds of decoding)
 GEN = 8
-START_TIMEOUT_S = 90
 TIMEOUT_S = 60
 STORM = 6  # abandoned requests per kind (streaming, non-streaming) in the disconnect storm
 MIXED_CLIENTS = 64  # concurrent clients of the mixed load test, one request each
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -60,35 +51,13 @@ def _one_thread():
 def srv(tiny_model_dir, tmp_path_factory):
     """`lcx serve` (subprocess) on the tiny model with an API key and a 1 MiB body limit; yields
     its URL, log path and `ref`, the engine on the same weights in this process."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve-hardening") / "server.log"
-    cmd = [sys.executable, "-m", "lcx.cli", "serve", "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-           "--port", str(port), "--api-key", KEY, "--max-model-len", str(MAX_MODEL_LEN), "--max-batch", "32",
-           "--dtype", "float64", "--threads", "1", "--batch-window-ms", "20", "--max-body-mb", str(BODY_LIMIT_MB)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with lcx_serve(tiny_model_dir, log, "--served-model-name", MODEL, "--api-key", KEY, "--max-model-len",
+                   str(MAX_MODEL_LEN), "--max-batch", "32", "--dtype", "float64", "--threads", "1",
+                   "--batch-window-ms", "20", "--max-body-mb", str(BODY_LIMIT_MB)) as (url, proc):
         ref = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN), dtype="float64")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.25)
+        wait_healthy(url, proc, log)
         yield {"url": url, "log": log, "ref": ref}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 H = {"Authorization": f"Bearer {KEY}"}
