@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import pytest
+import torch
 
 START_TIMEOUT_S = 90
 
@@ -56,3 +58,13 @@ def lcx_serve(model_dir: str | Path, log: Path, *args: str) -> Iterator[tuple[st
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The in-process engine on one torch thread (see tests/test_engine.py); imported by a module
+    it applies to that module's tests."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

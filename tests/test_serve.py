@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 
 from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
-from _servers import free_port, lcx_serve, wait_healthy  # noqa: E402
+from _servers import free_port, lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
 
 MODEL = "tiny"  # --served-model-name
 KEY = "test-key-123"
@@ -34,14 +34,6 @@ CLIENTS, PER_CLIENT = 32, 3  # load test
 LOAD_PROMPTS = [f"client {i}: " + "lorem ipsum " * (i % 5) for i in range(12)]
 GEN = 8
 REQUEST_TIMEOUT_S = 60
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_engine.py
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

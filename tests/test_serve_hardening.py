@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
-from _servers import lcx_serve, wait_healthy  # noqa: E402
+from _servers import lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
 
 MODEL = "tiny"
 KEY = "hardening-key"
@@ -37,14 +37,6 @@ GEN = 8
 TIMEOUT_S = 60
 STORM = 6  # abandoned requests per kind (streaming, non-streaming) in the disconnect storm
 MIXED_CLIENTS = 64  # concurrent clients of the mixed load test, one request each
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_engine.py
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
