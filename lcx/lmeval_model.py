@@ -5,7 +5,8 @@
         --metadata '{"max_seq_lengths": [256, 512, 1024]}'
 
 `pretrained` is anything `lcx.load_model` accepts: a local Hugging Face directory, a `.gguf`
-file, or a preset (`tiny-5m`, `smollm2-135m`). Nothing is downloaded.
+file, or a preset (`tiny-ret-5m`, `tiny-5m`, `smollm2-135m`; `lcx models` lists them). Nothing is
+downloaded.
 
 Methods come from `--model_args` keys:
 - RoPE: `rope_type` and any other `RopeSpec` key (`factor`, `rope_theta`,
@@ -48,7 +49,7 @@ DEFAULT_MAX_LENGTH = 1 << 20
 
 @dataclass(frozen=True)
 class AttentionMethod:
-    """An attention-side method the `lcx` model can apply (filled by the attention issue).
+    """An attention-side method the `lcx` model can apply.
 
     `keys`: the model_args keys of its parameters; `apply(model, params) -> None` patches the
     loaded model in place (params: the given keys, already typed by lm-eval).

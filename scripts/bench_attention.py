@@ -11,7 +11,7 @@ Cases, all in one run (ratios are against the baseline of the same run):
   lambda/<backend>      the Λ-mask alone, lambda_mask(G, L), on pre-rotated q/k.
   lm_infinite/<backend> LM-Infinite, AttentionSpec.lm_infinite(G, L): unrotated q/k + Rotary, so
                         its time includes RoPE (float64 tables) and the capped global branch.
-with G = 64 global and L = 1024 local keys (the issue's setting) and backends ref, sdpa,
+with G = 64 global and L = 1024 local keys (the setting of the Λ speed goal) and backends ref, sdpa,
 blockwise, flex, flex_compiled and flash (torch's fused CPU flash kernel: the window as one
 batched call over strided key chunks, the global keys as a second call, merged by
 log-sum-exp; see lcx/attention/flash_backend.py). One thread by default: on a shared, oversubscribed machine two OpenMP threads

@@ -51,7 +51,7 @@ THRESHOLD = 0.10
 # Relative to the working directory (the repository root when run from a checkout), never to
 # this file: an installed lcx lives in site-packages, where results do not belong.
 RESULTS_DIR = Path("results") / "kernels"
-G_LAMBDA, L_LAMBDA = 64, 4096  # the issue's Λ configuration
+G_LAMBDA, L_LAMBDA = 64, 4096  # the Λ configuration the kernel speed goals are stated for
 
 
 # ----------------------------------------------------------------------------- cases
@@ -71,7 +71,7 @@ class Case:
     """One row: `group` (the op), `impl` (who runs it), `size` (a label), `setup(device, tiny)`.
 
     `baseline`: the row of the same group and size this one is compared with ("" = none);
-    `goal(row, rows) -> dict | None` states the issue's target for the row, if any.
+    `goal(row, rows) -> dict | None` states the row's performance goal, if any.
     """
 
     group: str

@@ -5,7 +5,7 @@ the unscaled frequencies `theta_i = b^(-2i/d)`, i = 0..d/2-1, in float64. Each t
 theta to its own inv_freq. cos and sin are later multiplied by `attention_factor` (so the
 attention logits scale by its square), exactly as in transformers.
 
-Notation (see ../shared/METHODS.md): d rotary dim, b rope_theta, L original context
+Notation: d rotary dim, b rope_theta, L original context
 (original_max_position_embeddings), s factor, n current sequence length.
 """
 
