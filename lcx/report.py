@@ -527,9 +527,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
             f"{len(todo) - len(reused)}")
     if other_code:
-        mods = sorted({m for c in other_code.values() for m in c["modules"]})
-        log(f"--keep-other-code: {len(other_code)} kept cells were measured by other code ({', '.join(mods)}); "
-            "report.json lists them (cells_kept_with_other_code)")
+        log("lcx report:" + _other_code_note({"cells_kept_with_other_code": other_code}))
     if not render:
         atomic_write_json(out / "cells" / "run.json", {**manifest, "finished": True,
                                                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -648,7 +646,7 @@ def _other_code_note(record: dict[str, Any]) -> str:
     if not oc:
         return ""
     mods = sorted({m for c in oc.values() for m in c["modules"]})
-    return (f" {len(oc)} cells were kept with `--keep-other-code`: measured by lcx code that differs from this "
+    return (f" Kept with `--keep-other-code`: {len(oc)} cell(s) measured by lcx code that differs from this "
             f"checkout's in {', '.join(f'`{m}`' for m in mods)} (listed in report.json).")
 
 

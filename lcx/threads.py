@@ -123,10 +123,11 @@ def choose(timings: dict[int, float], margin: float = MARGIN) -> int:
     return best
 
 
-def auto_threads() -> dict[str, Any]:
-    """The measured choice for this process: {"threads", "cores", "timings_s", "source"}."""
+def auto_threads(refresh: bool = False) -> dict[str, Any]:
+    """The measured choice for this process: {"threads", "cores", "timings_s", "source"};
+    measured once, or again with `refresh=True` (e.g. under a different load)."""
     global _decision
-    if _decision is None:
+    if _decision is None or refresh:
         cores = available_cores()
         if cores == 1:
             _decision = {"threads": 1, "cores": 1, "timings_s": {}, "source": "auto (1 core)"}

@@ -41,23 +41,25 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | Non
 
 
 @contextlib.contextmanager
-def lcx_serve(model_dir: str | Path, log: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def lcx_serve(model_dir: str | Path, log: Path, *args: str, cwd: str | None = None,
+              stop_timeout_s: float = 15) -> Iterator[tuple[str, subprocess.Popen]]:
     """`lcx serve --model MODEL_DIR --port <free> ARGS...` as a subprocess writing `log`; yields
-    (base URL, process) as soon as it started (call `wait_healthy`), stops it on exit."""
+    (base URL, process) as soon as it started (call `wait_healthy`), stops it on exit (SIGTERM,
+    then SIGKILL after `stop_timeout_s`)."""
     port = free_port()
     cmd = [sys.executable, "-m", "lcx.cli", "serve", "--model", str(model_dir), "--port", str(port), *args]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         try:
-            proc.wait(15)
+            proc.wait(stop_timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(5)
+            proc.wait()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -59,6 +59,8 @@ def test_resolve_explicit_env_and_auto(monkeypatch):
         assert th.resolve_threads("auto", apply=False) == 4
         monkeypatch.setattr(th, "measure", lambda c: pytest.fail("measured twice"))
         assert th.resolve_threads("auto", apply=False) == 4  # once per process
+        monkeypatch.setattr(th, "measure", lambda c: {1: 0.1, c[-1]: 0.2})  # the load changed
+        assert th.auto_threads(refresh=True)["threads"] == 1 and th.resolve_threads("auto", apply=False) == 1
     finally:
         torch.set_num_threads(before)
 

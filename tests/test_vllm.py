@@ -26,11 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +35,8 @@ import torch
 
 from lcx.serve.vllm_plugin import VllmMethods
 from lcx.serve.vllm_plugin.launch import VllmNotInstalled, venv_python, vllm_env
+
+from _servers import lcx_serve, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -207,45 +206,15 @@ SERVED = "tiny-vllm"
 SERVE_METHODS = METHODS["truncate+sliding_window_100"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(model_dir, tmp_path_factory):
-    import httpx
-
     _python()
-    port = _free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    cmd = [sys.executable, "-m", "lcx.cli", "serve", "--engine", "vllm", "--model", str(model_dir),
-           "--served-model-name", SERVED, "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-           "--threads", "1", "--methods", json.dumps(SERVE_METHODS)]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
-                                env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"lcx serve --engine vllm exited:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"not healthy in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    with lcx_serve(model_dir, log, "--engine", "vllm", "--served-model-name", SERVED, "--max-model-len",
+                   str(MAX_MODEL_LEN), "--threads", "1", "--methods", json.dumps(SERVE_METHODS),
+                   cwd=tempfile.gettempdir(), stop_timeout_s=60) as (url, proc):
+        wait_healthy(url, proc, log, timeout_s=START_TIMEOUT_S)
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_served_completions_through_plugin(vllm_server, model_dir, prompts):

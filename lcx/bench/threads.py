@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
             proc.start()
             time.sleep(0.5)
         try:
-            th._decision = None  # measure auto afresh under this load
-            auto = th.auto_threads()
+            auto = th.auto_threads(refresh=True)  # what auto picks under this load
             res: dict[str, Any] = {"auto_choice": auto}
             for n in sorted({1, cores}):
                 torch.set_num_threads(n)
@@ -98,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
             if proc is not None:
                 stop.set()
                 proc.join(timeout=5)
-    th._decision = None
     record = {
         "description": "torch thread count vs throughput of lcx's engine (tiny model), idle and with one core busy",
         "config": {"model": args.model, "repeats": args.repeats, "cores": cores,

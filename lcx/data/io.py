@@ -35,6 +35,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     return path
 
 
+def atomic_write_files(out: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call `write(tmp_dir)` (e.g. `save_pretrained`), then move every file it wrote into the
+    directory `out`, each atomically and with normal permissions. Returns `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".save-") as tmp:
+        write(tmp)
+        for name in sorted(os.listdir(tmp)):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+            os.replace(os.path.join(tmp, name), out / name)
+    return out
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

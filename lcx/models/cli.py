@@ -84,29 +84,30 @@ def summarize(model: Any) -> dict[str, Any]:
 
 def export_model(src: str, out: str, dtype: str = "float16") -> None:
     """Copy the HF model directory `src` to `out` with weights cast to `dtype`: config, weights
-    (safetensors), tokenizer files and `train_config.json` (the training record) if present.
-    Written into a temporary directory beside `out`, then moved file by file (atomic per file)."""
-    import os
+    (safetensors), its tokenizer and `train_config.json` (the training record) if present;
+    each file moved into `out` atomically (`lcx.data.io.atomic_write_files`)."""
     import shutil
-    import tempfile
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lcx.data.io import atomic_write_files
 
     from .loading import _as_dtype
 
-    src_p, out_p = Path(src), Path(out)
+    src_p = Path(src)
     if not (src_p / "config.json").is_file():
         raise FileNotFoundError(f"--export: {src_p} is not an HF model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(src_p, dtype=_as_dtype(dtype), local_files_only=True)
-    out_p.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_p, prefix=".export-") as tmp:
+    tokenizer = AutoTokenizer.from_pretrained(src_p, local_files_only=True)
+
+    def write(tmp: str) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "train_config.json"):
-            if (src_p / name).is_file():
-                shutil.copy2(src_p / name, Path(tmp) / name)
-        for name in sorted(os.listdir(tmp)):
-            os.replace(os.path.join(tmp, name), out_p / name)
+        tokenizer.save_pretrained(tmp)
+        if (src_p / "train_config.json").is_file():
+            shutil.copy2(src_p / "train_config.json", Path(tmp) / "train_config.json")
+
+    atomic_write_files(out, write)
 
 
 def _load(name: str, dtype: str, device: str) -> int:

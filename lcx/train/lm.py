@@ -494,25 +494,34 @@ def passkey_val_examples(passkey: PasskeyExamples, seq_len: int, count: int = PA
 
 
 @torch.no_grad()
+def _greedy_rows(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]], pad_id: int,
+                 batch_size: int):
+    """Yield (ids `[T]`, greedy next-token predictions `[T]`, info) per example, run in batches of
+    right-padded rows (padding a causal model cannot see), in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i : i + batch_size]
+            T = max(len(ids) for ids, _ in chunk)
+            x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+            for r, (ids, _) in enumerate(chunk):
+                x[r, : len(ids)] = torch.tensor(ids)
+            pred = model(input_ids=x, use_cache=False).logits.argmax(-1)  # [b, T]
+            for r, (_, info) in enumerate(chunk):
+                yield x[r], pred[r], info
+    finally:
+        model.train(was_training)
+
+
 def passkey_accuracy(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]],
                      pad_id: int = 0, batch_size: int = 16) -> float:
     """Fraction of examples whose answer tokens are all the model's greedy next-token predictions
-    (teacher-forced over the answer, like lm-eval's `is_greedy`). Rows are right-padded, which
-    a causal model cannot see."""
-    was_training = model.training
-    model.eval()
+    (teacher-forced over the answer, like lm-eval's `is_greedy`)."""
     correct = 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        T = max(len(ids) for ids, _ in chunk)
-        x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
-        for r, (ids, _) in enumerate(chunk):
-            x[r, : len(ids)] = torch.tensor(ids)
-        pred = model(input_ids=x, use_cache=False).logits.argmax(-1)  # [b, T]
-        for r, (ids, info) in enumerate(chunk):
-            a, n = info["answer_start"], info["answer_len"]
-            correct += bool(torch.equal(pred[r, a - 1 : a - 1 + n], x[r, a : a + n]))
-    model.train(was_training)
+    for x, pred, info in _greedy_rows(model, examples, pad_id, batch_size):
+        a, n = info["answer_start"], info["answer_len"]
+        correct += bool(torch.equal(pred[a - 1 : a - 1 + n], x[a : a + n]))
     return correct / max(1, len(examples))
 
 
@@ -526,28 +535,17 @@ def copy_val_examples(retrieval: Any, seq_len: int, count: int = COPY_VAL_COUNT)
     return [retrieval.copy(seq_len, rng) for _ in range(count)]
 
 
-@torch.no_grad()
 def copy_accuracy(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]],
                   pad_id: int = 0, batch_size: int = 32) -> float:
     """Per-token greedy accuracy on the last repetition of each copy example's run: the tokens
     predictable only by finding the previous occurrence of the current token and copying what
     followed it (an induction head). Chance is ~1/vocab; a model that formed the circuit is near 1."""
-    was_training = model.training
-    model.eval()
     hit = total = 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        T = max(len(ids) for ids, _ in chunk)
-        x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
-        for r, (ids, _) in enumerate(chunk):
-            x[r, : len(ids)] = torch.tensor(ids)
-        pred = model(input_ids=x, use_cache=False).logits.argmax(-1)
-        for r, (ids, info) in enumerate(chunk):
-            a, n = info["answer_start"], info["answer_len"]
-            # the answer's first token follows a separator (ambiguous at the run's first copy); score the rest
-            hit += int((pred[r, a : a + n - 1] == x[r, a + 1 : a + n]).sum())
-            total += n - 1
-    model.train(was_training)
+    for x, pred, info in _greedy_rows(model, examples, pad_id, batch_size):
+        a, n = info["answer_start"], info["answer_len"]
+        # the answer's first token follows a separator (ambiguous at the run's first copy); score the rest
+        hit += int((pred[a : a + n - 1] == x[a + 1 : a + n]).sum())
+        total += n - 1
     return hit / max(1, total)
 
 
@@ -606,18 +604,17 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
 
 
 def _save_hf(model, tokenizer, out: Path, extra: dict[str, Any]) -> None:
-    """save_pretrained into a temporary directory, then move each file into `out`."""
-    import tempfile
+    """The HF model directory (safetensors), its tokenizer and `train_config.json` (`extra`)."""
+    from lcx.data.io import atomic_write_files
 
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out, prefix=".save-") as tmp:
+    def write(tmp: str) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "train_config.json"), "w") as f:
             json.dump(extra, f, indent=2)
-        for name in sorted(os.listdir(tmp)):
-            os.replace(os.path.join(tmp, name), out / name)
+
+    atomic_write_files(out, write)
 
 
 def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
