@@ -72,7 +72,9 @@ def merge_many(
     w = torch.exp(stacked - safe)  # [k, B, H, T]
     if dim == 1:
         w = w.transpose(2, 3)  # [k, B, T, H]
-    o = sum(wi.unsqueeze(-1).to(wide) * oi.to(wide) for wi, oi in zip(w, outs))
+    o = w[0].unsqueeze(-1).to(wide) * outs[0].to(wide)  # a fresh tensor: accumulate in place
+    for wi, oi in zip(w[1:], outs[1:]):
+        o.addcmul_(wi.unsqueeze(-1).to(wide), oi.to(wide))
     return o.to(outs[0].dtype), lse
 
 
