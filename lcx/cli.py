@@ -34,6 +34,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "OpenAI-compatible server (completions, chat, streaming, logprobs) over lcx's batching engine"),
     (("bench", "threads"), "lcx.bench.threads",
      "which torch thread count is fastest here, idle and with one core busy -> results/threads_cpu.json"),
+    (("bench", "prefill"), "lcx.bench.prefill",
+     "one long prefill per method vs the unpatched model (CPU time, memory) -> results/prefill_cpu.json"),
     (("bench", "kernels"), "lcx.bench.kernels",
      "time the GPU kernels (CUDA events, roofline), write results/kernels/<gpu>.json; --check for regressions"),
 ]

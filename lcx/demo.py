@@ -7,9 +7,9 @@ and the model's perplexity is measured on held-out text (works never seen in tra
 8 chunks of 4096 tokens spread over the held-out set, tiled into windows of each length
 (32768 tokens per length), every token but a window's first scored.
 
-Methods (L = 256, target 4096 so s = 16 wherever a factor applies):
+Methods (`lcx.presets`; L = 256, target 4096 so s = 16 wherever a factor applies):
 
-    default    the model as trained (no patch)
+    vanilla    the model as trained (no patch)
     linear     position interpolation, inv_freq / 16
     ntk        static NTK-aware, base 10000 * 16^(64/62)
     dynamic    dynamic NTK, s = 16: unscaled up to 256, base grows with the window length
@@ -39,16 +39,9 @@ FACTOR = LENGTHS[-1] / TRAIN_LENGTH  # 16
 MAX_TOKENS = 32768
 QUICK_MAX_TOKENS = 2048
 
-# name -> spec (HF keys; theta and L are filled from the model). None = the model unpatched.
-METHODS: dict[str, dict[str, Any] | None] = {
-    "default": None,
-    "linear": {"rope_type": "linear", "factor": FACTOR},
-    "ntk": {"rope_type": "ntk", "factor": FACTOR},
-    "dynamic": {"rope_type": "dynamic", "factor": FACTOR},
-    "yarn": {"rope_type": "yarn", "factor": FACTOR},
-    "llama3": {"rope_type": "llama3", "factor": FACTOR},
-    "truncate": {"rope_type": "truncate", "truncate_length": TRAIN_LENGTH},
-}
+# `lcx.presets` names (the RoPE-only ones); theta and L are filled from the model.
+METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "llama3", "truncate")
+ALIASES = {"default": "vanilla"}  # the name this demo used before lcx.presets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from lcx.data.io import atomic_write_json, environment
     from lcx.data.tokenizer import encode_documents
     from lcx.eval.perplexity import format_table, load_texts, perplexity_of_stream, resolve_spec
+    from lcx import presets
     from lcx.models import load_model
 
     from transformers.utils import logging as hf_logging
@@ -116,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     from .threads import resolve_threads
 
     resolve_threads(args.threads)
-    methods = list(METHODS) if not args.methods else [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = list(METHODS) if not args.methods else [ALIASES.get(m.strip(), m.strip())
+                                                       for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
@@ -125,14 +120,15 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else (None if args.quick else "results/rope_extrapolation_tiny")
 
     model, tok = load_model(args.model)
-    specs = {m: resolve_spec(model, METHODS[m]) for m in methods}  # fail fast on a bad spec
+    configs = {m: presets.config(m, L0=TRAIN_LENGTH, factor=FACTOR) for m in methods}
+    specs = {m: resolve_spec(model, c.rope) for m, c in configs.items()}  # fail fast on a bad spec
     names, texts = load_texts("validation")
     ids = torch.tensor(encode_documents(tok, texts))  # once, shared by every method
     results, seconds = {}, {}
     t_all = time.perf_counter()
     for m in methods:
         t0 = time.perf_counter()
-        results[m] = perplexity_of_stream(model, ids, lengths, spec=specs[m], max_tokens_per_length=budget,
+        results[m] = perplexity_of_stream(model, ids, lengths, spec=configs[m], max_tokens_per_length=budget,
                                           progress=not args.no_progress)
         seconds[m] = time.perf_counter() - t0
         if not args.no_progress:

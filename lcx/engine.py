@@ -179,8 +179,9 @@ class EngineConfig:
         `max_position_embeddings`, times the RoPE `factor` when a `rope` method with a factor is
         applied). May be set above the model's trained context on purpose (extrapolation).
     max_batch: most requests decoded together; more wait (FIFO).
-    methods: `{name: params}` with names from `ENGINE_METHODS`, applied in order at start-up,
-        e.g. `{"rope": {"rope_type": "yarn", "factor": 4}}`.
+    methods: an `lcx.MethodConfig` or its nested dict (`{"rope": {"rope_type": "yarn", "factor":
+        4}, "attention": {...}, "backend": ...}`), plus any other method registered in
+        `ENGINE_METHODS` as `{name: params}`; applied at start-up (rope, attention, then the others).
     """
 
     max_model_len: int | None = None
@@ -192,14 +193,18 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not _is_int(self.max_batch) or self.max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
-        if not isinstance(self.methods, Mapping):
-            raise ValueError(f"methods must be a mapping {{name: params}}, got {type(self.methods).__name__}")
-        for name, params in self.methods.items():
+        methods = _engine_methods(self.methods)
+        for name, params in methods.items():
             check_method(name)
             if not isinstance(params, Mapping):
                 raise ValueError(f"methods[{name!r}] must be a mapping of parameters, got {params!r}")
         object.__setattr__(self, "methods", MappingProxyType(
-            {k: MappingProxyType(dict(v)) for k, v in self.methods.items()}))
+            {k: MappingProxyType(dict(v)) for k, v in methods.items()}))
+
+    @property
+    def method_config(self) -> Any:
+        """The `lcx.MethodConfig` part of `methods` (RoPE + attention + backends)."""
+        return _method_config(self.methods)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
@@ -217,6 +222,33 @@ class EngineConfig:
 # ============================================================================================
 # Methods (the extension point)
 # ============================================================================================
+
+def _method_config(methods: Mapping[str, Any]) -> Any:
+    from .method_config import NESTED_KEYS, MethodConfig
+
+    return MethodConfig.from_dict({k: v for k, v in methods.items() if k in NESTED_KEYS})
+
+
+def _engine_methods(methods: Any) -> dict[str, Any]:
+    """`EngineConfig.methods` as `{name: params}`: the MethodConfig part validated by
+    `lcx.MethodConfig` (its backends folded into the `attention` entry), other registered methods
+    after it."""
+    from .method_config import NESTED_KEYS, MethodConfig
+
+    if isinstance(methods, MethodConfig):
+        methods = methods.to_dict()
+    if not isinstance(methods, Mapping):
+        raise ValueError(f"methods must be an lcx.MethodConfig or a mapping {{name: params}}, "
+                         f"got {type(methods).__name__}")
+    d = _method_config(methods).to_dict()
+    out: dict[str, Any] = {}
+    if "rope" in d:
+        out["rope"] = d["rope"]
+    if "attention" in d:
+        out["attention"] = {**d["attention"], **{k: d[k] for k in ("backend", "decode_backend") if k in d}}
+    out.update({k: v for k, v in methods.items() if k not in NESTED_KEYS})
+    return out
+
 
 KVPolicy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -275,20 +307,15 @@ class ResolvedAttention:
 
 
 def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAttention:
-    from .methods import method_from_dict, patch_attention
+    from .method_config import MethodConfig
     from .methods.attention_patch import DEFAULT_BACKEND
 
-    params = dict(params)
-    backend = params.pop("backend", DEFAULT_BACKEND)
-    decode_backend = params.pop("decode_backend", None)
-    method = method_from_dict(params)
-    patch_attention(model, method, backend=backend, decode_backend=decode_backend)
-    try:
-        method.check_bounded()
-        bounded = True
-    except ValueError:  # e.g. LM-Infinite with limit_distance > G + L - 1: keep the whole cache
-        bounded = False
-    return ResolvedAttention(method, backend, bounded, decode_backend)
+    cfg = MethodConfig.from_dict({"attention": params})
+    cfg.apply(model)
+    # kv_window is None when a bounded cache cannot reproduce the method (e.g. LM-Infinite with
+    # limit_distance > G + L - 1): the whole cache is kept
+    return ResolvedAttention(cfg.attention, cfg.backend or DEFAULT_BACKEND, cfg.kv_window is not None,
+                             cfg.decode_backend)
 
 
 def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
@@ -444,14 +471,12 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None):
-        from .patching import SUPPORTED_MODEL_TYPES
+        from .hf import check_model_type, decoder
 
         config = config or EngineConfig()
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"lcx.engine supports model_type in {list(SUPPORTED_MODEL_TYPES)}; got "
-                             f"{model_type!r} ({type(model).__name__})")
+        check_model_type(model, "lcx.engine")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
         self.resolved_methods: dict[str, Any] = {}
         self._kv_policies: list[KVPolicy] = []
         context = None
@@ -712,7 +737,7 @@ class Engine:
         pos = mask.long().cumsum(1) - 1  # [b, T]: index within the request; -1 on padding
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         cache = DynamicCache()
-        out = self.model.model(input_ids=ids, position_ids=pos.clamp(min=0), past_key_values=cache,
+        out = self._decoder(input_ids=ids, position_ids=pos.clamp(min=0), past_key_values=cache,
                                use_cache=True, **self._mask_kwargs(mask, pos))
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
@@ -791,7 +816,7 @@ class Engine:
         kpos = None
         if self._row_attention:
             kpos = torch.cat([self._pos if full else self._pos[sel], pos], 1)  # [b, T+1]
-        out = self.model.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+        out = self._decoder(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
                                **self._mask_kwargs(attn, kpos))
         logits = self._lm_head(out.last_hidden_state[:, -1])  # [b, V]
         return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]

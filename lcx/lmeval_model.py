@@ -31,63 +31,22 @@ realistic `max_length`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from lcx.rope import RopeSpec
+from lcx.method_config import INFERENCE_BACKEND, ROPE_KEYS, MethodConfig
+from lcx.methods.spec import ATTENTION_METHODS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LENGTH = 1 << 20
 
 
-@dataclass(frozen=True)
-class AttentionMethod:
-    """An attention-side method the `lcx` model can apply.
-
-    `keys`: the model_args keys of its parameters; `apply(model, params) -> None` patches the
-    loaded model in place (params: the given keys, already typed by lm-eval).
-    """
-
-    name: str
-    keys: frozenset[str]
-    apply: Callable[[Any, dict[str, Any]], None]
-
-
-DEFAULT_ATTN_BACKEND = "flash"
-BACKEND_KEYS = frozenset({"attn_backend", "attn_decode_backend"})
-
-
-def _from_lcx_methods() -> dict[str, AttentionMethod]:
-    """One entry per `lcx.methods.ATTENTION_METHODS` method (the only list of methods):
-    `attention=lm_infinite,n_global=16,n_local=256`, `attention=sliding_window,window=256`,
-    `attention=sinks,n_sink=4,window=256`. Applied with `lcx.methods.patch_attention` on the
-    `attn_backend` (default `flash`: prefill work O(T·(window + globals)) at fused-kernel speed)."""
-    from lcx.methods.attention_patch import patch_attention
-    from lcx.methods.spec import ATTENTION_METHODS as METHODS
-    from lcx.methods.spec import method_from_dict
-
-    def apply(name: str, model: Any, p: dict[str, Any]) -> None:
-        p = dict(p)
-        backend = p.pop("attn_backend", None) or DEFAULT_ATTN_BACKEND
-        decode = p.pop("attn_decode_backend", None) or None
-        patch_attention(model, method_from_dict({"type": name, **p}), backend=backend, decode_backend=decode)
-
-    def make(name: str) -> AttentionMethod:
-        keys = frozenset(f.name for f in dataclasses.fields(METHODS[name])) | BACKEND_KEYS
-        return AttentionMethod(name, keys, lambda model, p: apply(name, model, p))
-
-    return {name: make(name) for name in METHODS if name != "causal"}
-
-
-# name -> method.
-ATTENTION_METHODS: dict[str, AttentionMethod] = _from_lcx_methods()
+DEFAULT_ATTN_BACKEND = INFERENCE_BACKEND
 
 # HFLM arguments that still mean something with a preloaded model.
 HFLM_KEYS = frozenset({
@@ -98,29 +57,27 @@ HFLM_KEYS = frozenset({
 # Accepted and ignored: lm-eval adds trust_remote_code=True to model_args with --trust_remote_code;
 # lcx.load_model never runs remote code.
 IGNORED_KEYS = frozenset({"trust_remote_code"})
-ROPE_KEYS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
 
 
-def split_model_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None, dict[str, Any], dict[str, Any]]:
-    """Sort model_args into (rope spec dict, attention name, attention params, HFLM kwargs).
+def split_model_args(kwargs: dict[str, Any]) -> tuple[MethodConfig, dict[str, Any]]:
+    """Sort model_args into (the `lcx.MethodConfig` their method keys describe, HFLM kwargs).
 
-    Raises `ValueError` for keys nobody accepts, listing the accepted ones.
+    Method keys are `MethodConfig`'s flat form (RoPE keys, `attention=<name>` and its keys,
+    `attn_backend`, `attn_decode_backend`); the attention backend defaults to `flash`. Raises
+    `ValueError` for keys nobody accepts, listing the accepted ones.
     """
-    kwargs = dict(kwargs)
-    attention = kwargs.pop("attention", None)
-    rope = {k: kwargs.pop(k) for k in list(kwargs) if k in ROPE_KEYS}
-    attn_keys = ATTENTION_METHODS[attention].keys if attention in ATTENTION_METHODS else frozenset()
-    attn = {k: kwargs.pop(k) for k in list(kwargs) if k in attn_keys}
-    hflm = {k: kwargs.pop(k) for k in list(kwargs) if k in HFLM_KEYS}
+    methods, rest = MethodConfig.nest_flat(kwargs)
+    hflm = {k: rest.pop(k) for k in list(rest) if k in HFLM_KEYS}
     for k in IGNORED_KEYS:
-        kwargs.pop(k, None)
-    if kwargs:
+        rest.pop(k, None)
+    if rest:
         raise ValueError(
-            f"lcx model: unknown model_args {sorted(kwargs)}; accepted: pretrained, dtype, device, "
-            f"attention, RoPE keys {sorted(ROPE_KEYS)}, lm-eval keys {sorted(HFLM_KEYS)}")
-    if rope and "rope_type" not in rope:
-        raise ValueError(f"lcx model: RoPE keys {sorted(rope)} given without rope_type=")
-    return rope, attention, attn, hflm
+            f"lcx model: unknown model_args {sorted(rest)}; accepted: pretrained, dtype, device, "
+            f"RoPE keys {sorted(ROPE_KEYS)}, attention=<{'|'.join(sorted(ATTENTION_METHODS))}> and its keys, "
+            f"attn_backend, attn_decode_backend, lm-eval keys {sorted(HFLM_KEYS)}")
+    if "rope" in methods and "rope_type" not in methods["rope"]:
+        raise ValueError(f"lcx model: RoPE keys {sorted(methods['rope'])} given without rope_type=")
+    return MethodConfig.from_dict(methods).with_default_backend(DEFAULT_ATTN_BACKEND), hflm
 
 
 def _device(device: str | None) -> str:
@@ -138,25 +95,19 @@ class LcxLM(HFLM):
     def __init__(self, pretrained: str, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                  **kwargs: Any) -> None:
         import lcx
+        from lcx.patching import current_spec
 
-        rope, attention, attn_params, hflm = split_model_args(kwargs)
-        if attention is not None and attention not in ATTENTION_METHODS:
-            raise ValueError(
-                f"lcx model: attention={attention!r} is not known; supported: {sorted(ATTENTION_METHODS)}")
+        cfg, hflm = split_model_args(kwargs)
         if not isinstance(pretrained, str):
             raise TypeError("lcx model: pretrained must be a path or preset name (a string)")
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         model, tokenizer = lcx.load_model(pretrained, dtype=dtype, device=_device(device))
-        self.lcx_spec = None
-        if rope:
-            lcx.patch(model, rope)
-            from lcx.patching import current_spec
-
-            self.lcx_spec = current_spec(model)
-            log.info("lcx model: RoPE %s", self.lcx_spec.describe())
-        if attention is not None:
-            ATTENTION_METHODS[attention].apply(model, attn_params)
-        self.lcx_attention = attention
+        cfg.apply(model)
+        self.lcx_config = cfg
+        self.lcx_spec = current_spec(model)  # the RoPE spec resolved against the model, or None
+        if cfg.rope is not None:
+            log.info("lcx model: %s", cfg.describe())
+        self.lcx_attention = cfg.attention.name if cfg.attention is not None else None
         hflm.setdefault("max_length", DEFAULT_MAX_LENGTH)
         super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **hflm)
         self.pretrained = pretrained  # a name for lm-eval's results, not the model object
@@ -172,4 +123,5 @@ class LcxLM(HFLM):
             "lcx_source": f"{kind}:{path}",
             "lcx_rope": self.lcx_spec.to_dict() if self.lcx_spec is not None else None,
             "lcx_attention": self.lcx_attention,
+            "lcx_methods": self.lcx_config.to_dict(),
         }

@@ -27,19 +27,14 @@ from torch import nn
 
 from .rope import RopeSpec, compute_inv_freq, rope_angles
 
-# The one table of HF model types lcx supports, with what each supports. Every type's decoder
-# takes (cos, sin) from `model.model.rotary_emb` and rotates the full head with HF's
-# rotate-half convention (the RoPE patch; tests/test_patch.py). `attention_methods`: the
-# attention patch (`lcx.methods.patch_attention`) recomputes q/k from the projections, so a
-# type that normalises q/k before RoPE (qwen3's q_norm/k_norm) is refused there.
-MODEL_TYPES: dict[str, dict[str, bool]] = {
-    "llama": {"attention_methods": True},
-    "mistral": {"attention_methods": True},
-    "qwen2": {"attention_methods": True},
-    "qwen3": {"attention_methods": False},
-}
-SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # the RoPE patch and the engine
-ATTENTION_MODEL_TYPES = tuple(t for t, caps in MODEL_TYPES.items() if caps["attention_methods"])
+from .hf.models import (  # noqa: F401  (re-exported: the table lives in the HF adapter)
+    ATTENTION_MODEL_TYPES,
+    MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    check_model_type,
+    decoder,
+    head_dim_of,
+)
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
 
@@ -95,24 +90,9 @@ class LcxRotaryEmbedding(nn.Module):
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """The decoder stack that owns `rotary_emb` (model.model for *ForCausalLM)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"lcx.patch supports model_type in {list(SUPPORTED_MODEL_TYPES)}; "
-            f"got {model_type!r} ({type(model).__name__})"
-        )
-    for cand in (getattr(model, "model", None), model):
-        if cand is not None and isinstance(getattr(cand, "rotary_emb", None), nn.Module):
-            return cand
-    raise ValueError(
-        f"{type(model).__name__} has no `rotary_emb` module where transformers 5.x puts it; "
-        "this transformers version or model class is not supported by lcx.patch"
-    )
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """The decoder stack that owns `rotary_emb` (`lcx.hf.decoder`), for a supported model type."""
+    check_model_type(model, "lcx.patch")
+    return decoder(model)
 
 
 def patch(model: nn.Module, spec: RopeSpec | Mapping[str, Any]) -> nn.Module:

@@ -5,7 +5,7 @@
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
 For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe
-truncation, LM-Infinite, sliding window, StreamingLLM sinks, LM-Infinite + YaRN, and SWAT when
+truncation, LM-Infinite, sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT when
 the model has a SWAT sibling, e.g. tiny-5m -> tiny-swat-5m) it measures, beyond the model's
 training context L0:
 
@@ -17,7 +17,7 @@ training context L0:
   the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).
 
 No method is re-implemented here: each is a `{"rope": ..., "attention": ...}` config handed to
-those two components (`METHOD_TABLE`). Defaults scale with the model: RoPE factor s =
+those two components (`lcx.presets`). Defaults scale with the model: RoPE factor s =
 max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local = L0, windows L0.
 
 Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
@@ -53,10 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .method_config import INFERENCE_BACKEND
+from .presets import PRESETS
+
 DEFAULT_METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "truncate", "lm_infinite",
-                   "sliding_window", "sinks", "lm_infinite+yarn", "swat")
-# model -> its SWAT sibling (same data and budget, sigmoid window attention); `swat` runs there
-SWAT_SIBLINGS = {"tiny-5m": "tiny-swat-5m"}
+                   "sliding_window", "sinks", "lm_infinite+yarn", "self_extend", "swat")
 PPL_METRIC = "word_perplexity"
 CELL_KINDS = ("lmeval", "decode")
 
@@ -80,12 +81,12 @@ class ReportConfig:
     seed: int = 0
     device: str = "cpu"  # where the model runs ("cuda" for the GPU report)
     dtype: str = "float32"  # the model's parameter dtype (float32, bfloat16, float16)
-    attn_backend: str = "flash"  # lcx.attention backend of the attention methods (prefill and decode)
+    attn_backend: str = INFERENCE_BACKEND  # lcx.attention backend of the attention methods (prefill and decode)
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHOD_TABLE]
+        unknown = [m for m in self.methods if m not in PRESETS]
         if unknown:
-            raise ValueError(f"unknown report method(s) {unknown}; known: {list(METHOD_TABLE)}")
+            raise ValueError(f"unknown report method(s) {unknown}; known: {list(PRESETS)}")
         if not self.methods:
             raise ValueError("methods must name at least one method")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -127,57 +128,33 @@ class ReportConfig:
 
 @dataclass(frozen=True)
 class MethodRun:
-    """One method as configs: `rope` (an lcx RoPE spec dict), `attention` (an lcx.methods dict),
-    `model` (None: the report's model; else a preset that replaces it, e.g. SWAT's sibling)."""
+    """One report method: its `lcx.MethodConfig` and the model it runs on (None: the report's
+    model; else a preset's sibling, e.g. SWAT's)."""
 
-    rope: dict[str, Any] | None = None
-    attention: dict[str, Any] | None = None
+    config: Any  # lcx.MethodConfig
     model: str | None = None
 
-    def engine_methods(self, backend: str | None = None) -> dict[str, Any]:
-        """`EngineConfig.methods`; `backend`: the attention method's lcx.attention backend."""
-        out = {k: dict(v) for k, v in (("rope", self.rope), ("attention", self.attention)) if v}
-        if backend and "attention" in out:
-            out["attention"]["backend"] = backend
-        return out
+    @property
+    def attention(self) -> Any:
+        return self.config.attention
 
-    def lmeval_kwargs(self, backend: str | None = None) -> dict[str, Any]:
-        """`--model lcx` model_args (as keyword arguments of `LcxLM`)."""
-        kw: dict[str, Any] = dict(self.rope or {})
-        if self.attention:
-            attn = dict(self.attention)
-            kw["attention"] = attn.pop("type")
-            kw.update(attn)
-            if backend:
-                kw["attn_backend"] = backend
-        return kw
+    def with_backend(self, backend: str | None) -> Any:
+        """The config with the report's attention backend (when it has an attention method)."""
+        return self.config.with_default_backend(backend)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = self.config.to_dict()
+        return {"rope": d.get("rope"), "attention": d.get("attention"), "model": self.model}
 
 
-def _lm_infinite(L0: int) -> dict[str, Any]:
-    return {"type": "lm_infinite", "n_global": 10, "n_local": L0}
+def method_run(name: str, model: str, L0: int, factor: float) -> "MethodRun | str":
+    """Preset `name` (`lcx.presets`) for `model`, or why it cannot run there."""
+    from .presets import resolve
 
-
-# name -> (model, L0, factor) -> MethodRun | str (a str: why the method cannot run for this model)
-METHOD_TABLE: dict[str, Callable[[str, int, float], "MethodRun | str"]] = {
-    "vanilla": lambda model, L0, s: MethodRun(),
-    "linear": lambda model, L0, s: MethodRun(rope={"rope_type": "linear", "factor": s}),
-    "ntk": lambda model, L0, s: MethodRun(rope={"rope_type": "ntk", "factor": s}),
-    "dynamic": lambda model, L0, s: MethodRun(rope={"rope_type": "dynamic", "factor": s}),
-    "yarn": lambda model, L0, s: MethodRun(rope={"rope_type": "yarn", "factor": s}),
-    "truncate": lambda model, L0, s: MethodRun(rope={"rope_type": "truncate"}),
-    "lm_infinite": lambda model, L0, s: MethodRun(attention=_lm_infinite(L0)),
-    "sliding_window": lambda model, L0, s: MethodRun(attention={"type": "sliding_window", "window": L0}),
-    "sinks": lambda model, L0, s: MethodRun(attention={"type": "sinks", "n_sink": 4, "window": L0 - 4}),
-    # the YaRN of the `yarn` row under LM-Infinite's window (the combination the LM-Infinite paper
-    # suggests for RoPE models: the window bounds distances, YaRN the positions' frequencies)
-    "lm_infinite+yarn": lambda model, L0, s: MethodRun(rope={"rope_type": "yarn", "factor": s},
-                                                       attention=_lm_infinite(L0)),
-    "swat": lambda model, L0, s: (MethodRun(model=SWAT_SIBLINGS[model]) if model in SWAT_SIBLINGS
-                                  else f"no SWAT model trained for {model!r} (known: {SWAT_SIBLINGS})"),
-}
+    r = resolve(name, model, L0=L0, factor=factor)
+    if isinstance(r, str):
+        return r
+    return MethodRun(r.config, r.model if r.model != model else None)
 
 
 def model_context(model: str) -> int:
@@ -212,7 +189,7 @@ def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
     from .lmeval_model import LcxLM
 
     lm = LcxLM(pretrained=run.model or model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
-               **run.lmeval_kwargs(cfg.attn_backend))
+               **run.with_backend(cfg.attn_backend).to_flat())
     meta = {"tokenizer": run.model or model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
             "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
@@ -263,7 +240,7 @@ def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
     from .models import load_model
 
     m, tok = load_model(run.model or model, dtype=cfg.dtype, device=cfg.device)
-    engine = Engine(m, tok, EngineConfig(methods=run.engine_methods(cfg.attn_backend), max_batch=1,
+    engine = Engine(m, tok, EngineConfig(methods=run.with_backend(cfg.attn_backend), max_batch=1,
                                          max_model_len=length + cfg.decode_tokens + 1))
     prompt = _prompt_ids(tok, length)
     with torch.inference_mode():
@@ -287,8 +264,8 @@ CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
 CELL_VERSION = 2
 # The modules whose source determines a cell's numbers, per measurement (packages: every .py).
-_COMMON_MODULES = ("lcx.rope", "lcx.attention", "lcx.masks", "lcx.methods", "lcx.patching", "lcx.models",
-                   "lcx.cache.kv", "lcx.data.corpus")
+_COMMON_MODULES = ("lcx.rope", "lcx.attention", "lcx.masks", "lcx.methods", "lcx.method_config", "lcx.presets",
+                   "lcx.hf", "lcx.patching", "lcx.models", "lcx.cache.kv", "lcx.data.corpus")
 NUMERICS_MODULES: dict[str, tuple[str, ...]] = {
     "lmeval": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.eval_tasks.common", "lcx.eval_tasks.base",
                                  "lcx.eval_tasks.passkey", "lcx.eval_tasks.lcx_ppl"),
@@ -465,7 +442,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     runs: dict[str, MethodRun] = {}
     skipped: dict[str, str] = {}
     for name in cfg.methods:
-        r = METHOD_TABLE[name](cfg.model, context, max(1.0, factor))
+        r = method_run(name, cfg.model, context, max(1.0, factor))
         if isinstance(r, str):
             skipped[name] = r
             log(f"skipping {name}: {r}")
@@ -728,7 +705,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated subset of: " + ", ".join(METHOD_TABLE) + " (default: all)")
+                   help="comma-separated subset of: " + ", ".join(PRESETS) + " (default: all)")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
     p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths)")

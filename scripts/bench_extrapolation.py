@@ -11,9 +11,9 @@ window of 256; StreamingLLM sinks (4 sinks + 256 window, positions renumbered); 
 (256 -> 8192); LM-Infinite (L = 1024) + YaRN x4 (the window is covered by YaRN's range).
 
 Perplexity: `lcx.eval.perplexity.perplexity_by_length` on the validation split (works held out
-of training), same windows for every length; see its docstring. Attention methods run through
-`lcx.methods.attention_patched` (backend blockwise: O(n * (G + L)) memory); RoPE specs through
-`lcx.patching.patched` (inside perplexity_by_length).
+of training), same windows for every length; see its docstring. Each method is one
+`lcx.MethodConfig` (RoPE spec and/or attention method, attention on the blockwise backend:
+O(n * (G + L)) memory), applied with `MethodConfig.apply` for both measurements.
 
 Passkey: prompts from `lcx.eval_tasks.passkey.data.make_docs` (Landmark Attention's prompt,
 sized in tiny-5m tokens), depths 0..100%. Scored without generation and controlled for how
@@ -62,17 +62,11 @@ def methods(n_global: int) -> dict[str, dict]:
 
 
 def _contexts(model, m: dict):
-    import contextlib
+    """The method applied as one `lcx.MethodConfig` (a context manager restoring the model)."""
+    from lcx.method_config import MethodConfig
 
-    from lcx.methods import attention_patched
-    from lcx.patching import patched
-
-    stack = contextlib.ExitStack()
-    if m["rope"] is not None:
-        stack.enter_context(patched(model, m["rope"]))
-    if m["attention"] is not None:
-        stack.enter_context(attention_patched(model, m["attention"], backend="blockwise"))
-    return stack
+    cfg = {k: v for k, v in m.items() if v is not None}
+    return MethodConfig.from_dict({**cfg, "backend": "blockwise"} if m["attention"] else cfg).apply(model)
 
 
 @torch.inference_mode()
@@ -178,8 +172,8 @@ def main() -> int:
         r = results.setdefault(name, {})
         if "perplexity" not in r:
             t0 = time.time()
-            with _contexts(model, {"rope": None, "attention": m["attention"]}):
-                res = perplexity_by_length(model, tok, texts, args.lengths, spec=m["rope"],
+            with _contexts(model, m):
+                res = perplexity_by_length(model, tok, texts, args.lengths,
                                            max_tokens_per_length=args.max_tokens, progress=False)
             r["perplexity"] = [x.to_dict() for x in res.values()]
             seconds[f"{name}/perplexity"] = time.time() - t0

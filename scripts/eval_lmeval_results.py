@@ -47,22 +47,21 @@ PLANS = {
                          methods=["vanilla", "yarn", "dynamic"]),
 }
 TASKS = ("passkey", "lcx_ppl", "lcx_ppl_tail")
-METHODS = {
-    "vanilla": {},
-    "linear": {"rope_type": "linear"},
-    "ntk": {"rope_type": "ntk"},
-    "yarn": {"rope_type": "yarn"},
-    "dynamic": {"rope_type": "dynamic"},
-}
+METHODS = ("vanilla", "linear", "ntk", "yarn", "dynamic")  # lcx.presets names (RoPE factor from PLANS)
 # --quick: a plumbing check in about a minute per run (numbers not meant for reading).
 QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=2)
 
 
 def model_args(model: str, method: str, factor: float) -> str:
-    spec = dict(METHODS[method])
-    if spec:
-        spec["factor"] = factor
-    return ",".join([f"pretrained={model}", *(f"{k}={v}" for k, v in spec.items())])
+    from lcx import presets
+
+    cfg = presets.config(method, L0=context_of(model), factor=factor)
+    return ",".join([f"pretrained={model}", *([cfg.to_model_args()] if not cfg.is_identity else [])])
+
+
+def _recorded(method: str) -> dict:
+    """What the results file records per method: the RoPE type, without the per-model factor."""
+    return {"rope_type": method} if method != "vanilla" else {}
 
 
 def context_of(model: str) -> int:
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown method(s) {bad}; known: {sorted(METHODS)}")
     methods = [m for m in METHODS if any(m in ms for ms in methods_of.values())]
 
-    record = {"config": {"models": {}, "methods": {m: METHODS[m] for m in methods},
+    record = {"config": {"models": {}, "methods": {m: _recorded(m) for m in methods},
                          "tasks": list(TASKS), "command": "lm_eval --model lcx ..."},
               "environment": environment(), "runs": {}}
     plans = {m: dict(PLANS[m]) for m in models}

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any
 
-from lcx.rope.cli import add_spec_arguments, spec_dict_from_args
+from lcx.method_config import add_method_arguments, split_method_args
 from lcx.threads import add_threads_argument, resolve_threads
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # --max-body-mb; defined here, not in .app, so --help needs no fastapi
@@ -61,29 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="device (default: %(default)s)")
     add_threads_argument(parser)
-    parser.add_argument("--methods", default=None, metavar="JSON",
-                        help="engine methods as JSON {name: params}, e.g. '{\"rope\": {\"rope_type\": \"yarn\", "
-                             "\"factor\": 4}}'; --rope flags add a `rope` entry")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_spec_arguments(parser, default_type=None)
+    add_method_arguments(parser, json_flag="--methods")
 
 
 def methods_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    methods: dict[str, Any] = {}
-    if args.methods:
-        try:
-            methods = json.loads(args.methods)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--methods is not valid JSON: {e}") from None
-        if not isinstance(methods, dict):
-            raise ValueError(f"--methods must be a JSON object {{name: params}}, got {args.methods!r}")
-    rope = spec_dict_from_args(args)
-    if rope is not None:
-        if "rope" in methods:
-            raise ValueError("a RoPE spec was given both with --rope flags and in --methods; give one")
-        methods["rope"] = rope
-    return methods
+    """`EngineConfig.methods`: the `lcx.MethodConfig` of --methods and the method flags, plus any
+    other engine method named in --methods (checked by `EngineConfig`)."""
+    cfg, other = split_method_args(args)
+    return {**cfg.to_dict(), **other}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -261,9 +261,10 @@ def test_every_task_yaml_is_known():
 def test_lcx_model_args_are_checked():
     from lcx.lmeval_model import split_model_args
 
-    rope, attn, attn_params, hflm = split_model_args({"rope_type": "yarn", "factor": 4, "batch_size": 1,
-                                                      "trust_remote_code": True})
-    assert rope == {"rope_type": "yarn", "factor": 4} and attn is None and hflm == {"batch_size": 1}
+    cfg, hflm = split_model_args({"rope_type": "yarn", "factor": 4, "batch_size": 1, "trust_remote_code": True})
+    assert cfg.to_dict() == {"rope": {"rope_type": "yarn", "factor": 4}} and hflm == {"batch_size": 1}
+    cfg, _ = split_model_args({"attention": "sinks", "n_sink": 2, "window": 8})
+    assert cfg.backend == "flash"  # the lcx model's default attention backend
     with pytest.raises(ValueError, match="unknown model_args.*'facter'"):
         split_model_args({"rope_type": "yarn", "facter": 4})
     with pytest.raises(ValueError, match="without rope_type"):
@@ -273,7 +274,7 @@ def test_lcx_model_args_are_checked():
 def test_lcx_model_rejects_unknown_attention_and_its_keys(tiny_model_dir):
     from lcx.lmeval_model import LcxLM
 
-    with pytest.raises(ValueError, match="attention='nope' is not known; supported: .*lm_infinite"):
+    with pytest.raises(ValueError, match="attention='nope' is not known; known: .*lm_infinite"):
         LcxLM(pretrained=str(tiny_model_dir), attention="nope")
     with pytest.raises(ValueError, match="unknown model_args.*'window'"):
         LcxLM(pretrained=str(tiny_model_dir), attention="lm_infinite", n_global=2, n_local=8, window=3)

@@ -189,15 +189,16 @@ def test_cli_invalid_spec_is_a_clear_error(micro_dir, capsys, flags, match):
 def test_demo_quick_on_the_bundled_model(tmp_path, capsys):
     from lcx.cli import main
 
+    # "default" is the demo's old name of the `vanilla` preset, still accepted
     rc = main(["demo", "--quick", "--methods", "default,dynamic", "--max-tokens", "1024", "--threads", "2",
                "--out", str(tmp_path / "demo"), "--no-progress"])
     assert rc == 0
     rec = json.loads((tmp_path / "demo.json").read_text())
     assert (tmp_path / "demo.png").stat().st_size > 0
-    assert rec["config"]["methods"]["default"] is None and rec["git"]["sha"]
-    d, dyn = (rec["results"][m] for m in ("default", "dynamic"))
+    assert rec["config"]["methods"]["vanilla"] is None and rec["git"]["sha"]
+    d, dyn = (rec["results"][m] for m in ("vanilla", "dynamic"))
     assert [r["length"] for r in d] == [256, 1024]
     # dynamic NTK leaves the basis unscaled up to the training length: same numbers at 256
     assert dyn[0]["nll"] == pytest.approx(d[0]["nll"], rel=1e-5)
     assert d[0]["ppl"] < 200  # a trained model, far better than the 4096-way uniform guess
-    assert "default" in capsys.readouterr().out
+    assert "vanilla" in capsys.readouterr().out

@@ -9,8 +9,7 @@ import pytest
 
 from lcx.report import (
     DEFAULT_METHODS,
-    METHOD_TABLE,
-    MethodRun,
+    method_run,
     ReportConfig,
     cell_settings,
     code_fingerprint,
@@ -21,8 +20,10 @@ from lcx.report import (
 )
 
 
-def test_every_default_method_is_in_the_table():
-    assert set(DEFAULT_METHODS) <= set(METHOD_TABLE)
+def test_every_default_method_is_a_preset():
+    from lcx.presets import PRESETS
+
+    assert set(DEFAULT_METHODS) <= set(PRESETS)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -43,31 +44,31 @@ def test_config_errors_name_the_field(kwargs, match):
 
 
 def test_methods_resolve_to_component_configs():
-    runs = {n: METHOD_TABLE[n]("tiny-5m", 256, 8.0) for n in DEFAULT_METHODS}
-    assert runs["vanilla"] == MethodRun()
-    assert runs["yarn"].rope == {"rope_type": "yarn", "factor": 8.0}
-    assert runs["lm_infinite"].attention == {"type": "lm_infinite", "n_global": 10, "n_local": 256}
+    runs = {n: method_run(n, "tiny-5m", 256, 8.0) for n in DEFAULT_METHODS}
+    assert runs["vanilla"].to_dict() == {"rope": None, "attention": None, "model": None}
+    assert runs["yarn"].to_dict()["rope"] == {"rope_type": "yarn", "factor": 8.0}
+    assert runs["lm_infinite"].to_dict()["attention"] == {"type": "lm_infinite", "n_global": 10, "n_local": 256}
     both = runs["lm_infinite+yarn"]
     # LM-Infinite + YaRN: the `yarn` row's YaRN under LM-Infinite's window
-    assert both.engine_methods() == {"rope": {"rope_type": "yarn", "factor": 8.0},
+    assert both.config.to_dict() == {"rope": {"rope_type": "yarn", "factor": 8.0},
                                      "attention": {"type": "lm_infinite", "n_global": 10, "n_local": 256}}
-    assert both.lmeval_kwargs() == {"rope_type": "yarn", "factor": 8.0, "attention": "lm_infinite",
-                                    "n_global": 10, "n_local": 256}
+    assert both.config.to_flat() == {"rope_type": "yarn", "factor": 8.0, "attention": "lm_infinite",
+                                     "n_global": 10, "n_local": 256}
     assert runs["swat"].model == "tiny-swat-5m"
-    assert "no SWAT model" in METHOD_TABLE["swat"]("smollm2-135m", 8192, 2.0)
-    # every resolved config is accepted by the components that run it
+    assert "no swat model" in method_run("swat", "smollm2-135m", 8192, 2.0)
+    # every resolved config is accepted by the components that run it, in their formats
     from lcx.engine import EngineConfig
     from lcx.lmeval_model import split_model_args
 
     for r in runs.values():
-        EngineConfig(methods=r.engine_methods())
-        split_model_args(r.lmeval_kwargs())
-        EngineConfig(methods=r.engine_methods("flash"))
-        split_model_args(r.lmeval_kwargs("flash"))
-    assert both.engine_methods("flash")["attention"]["backend"] == "flash"
-    assert both.lmeval_kwargs("flash")["attn_backend"] == "flash"
-    assert "backend" not in both.engine_methods()["attention"]  # the run's own dicts are not mutated
-    assert runs["yarn"].lmeval_kwargs("flash") == {"rope_type": "yarn", "factor": 8.0}
+        for backend in (None, "flash"):
+            EngineConfig(methods=r.with_backend(backend))
+            EngineConfig(methods=r.with_backend(backend).to_dict())
+            split_model_args(r.with_backend(backend).to_flat())
+    assert both.with_backend("flash").to_dict()["backend"] == "flash"
+    assert both.with_backend("flash").to_flat()["attn_backend"] == "flash"
+    assert "backend" not in both.config.to_dict()  # the run's own config is not changed
+    assert runs["yarn"].with_backend("flash").to_flat() == {"rope_type": "yarn", "factor": 8.0}
 
 
 def test_depth_fractions_are_sorted_and_recorded():
@@ -80,7 +81,7 @@ FP = {"cell_version": 2, "code": {"lmeval": {"lcx.rope": "abc"}}, "models": {"m"
 
 def test_stored_cells_are_reused_only_with_equal_settings_fingerprint_and_run(tmp_path):
     cfg = ReportConfig(lengths=(64, 128)).resolved(64)
-    s = cell_settings("lmeval", "m", "yarn", MethodRun(rope={"rope_type": "yarn", "factor": 2.0}), cfg, 64)
+    s = cell_settings("lmeval", "m", "yarn", method_run("yarn", "m", 32, 2.0), cfg, 64)
     p = tmp_path / "c.json"
     cell = {"settings": s, "fingerprint": FP, "run_id": "r1", "result": {"x": 1}}
     p.write_text(json.dumps(cell))
@@ -211,7 +212,7 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
 
 def test_keep_other_code_keeps_cells_whose_only_difference_is_code(tmp_path):
     cfg = ReportConfig(lengths=(64, 128)).resolved(64)
-    s = cell_settings("lmeval", "m", "yarn", MethodRun(rope={"rope_type": "yarn", "factor": 2.0}), cfg, 64)
+    s = cell_settings("lmeval", "m", "yarn", method_run("yarn", "m", 32, 2.0), cfg, 64)
     p = tmp_path / "c.json"
     cell = {"settings": s, "fingerprint": FP, "run_id": "r1", "result": {"x": 1}}
     p.write_text(json.dumps(cell))

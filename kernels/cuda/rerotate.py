@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lcx.cache.rerotate import check_rerotate_args
+from lcx.rope.rotary import check_rerotate_args
 
 _HERE = Path(__file__).resolve().parent
 CU_SOURCE = _HERE / "rerotate.cu"

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lcx.cache.rerotate import check_rerotate_args
+from lcx.rope.rotary import check_rerotate_args
 
 
 @triton.jit

@@ -33,23 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..patching import LcxRotaryEmbedding, head_dim_of
+from ..hf import decoder as _decoder
+from ..hf import head_dim_of
+from ..patching import LcxRotaryEmbedding
 from ..rope import compute_inv_freq
 
 # HF rope types whose basis depends on the sequence length (HF's own rotary module mutates
 # its inv_freq buffer per forward for these): their basis cannot be read off the module.
 _HF_LENGTH_DEPENDENT = ("dynamic", "longrope")
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    """The decoder stack (`model.model` of a `*ForCausalLM`) that owns `rotary_emb` and `layers`."""
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(inner, "rotary_emb"):
-        return inner
-    if hasattr(model, "rotary_emb"):
-        return model
-    raise ValueError(f"{type(model).__name__} has no `rotary_emb` where transformers 5.x Llama-family "
-                     "models keep it (model.model.rotary_emb)")
 
 
 def rope_basis(model: nn.Module, seq_len: int | None = None) -> tuple[torch.Tensor, float]:

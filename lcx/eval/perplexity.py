@@ -1,4 +1,4 @@
-"""Perplexity by context length, optionally under a RoPE spec (`lcx eval ppl`).
+"""Perplexity by context length, optionally under an lcx method config (`lcx eval ppl`).
 
 Which tokens are scored (the same for every length, so lengths are comparable):
 
@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from lcx.rope.cli import add_spec_arguments, spec_dict_from_args
+from lcx.method_config import INFERENCE_BACKEND, add_method_arguments, method_config_from_args
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_TAIL = 256
@@ -99,8 +99,10 @@ def perplexity_by_length(
 ) -> dict[int, LengthResult]:
     """Mean NLL and perplexity of `model` on `texts` at each context length in `lengths`.
 
-    spec: a `RopeSpec` or HF-style dict (partial is fine: theta and L come from the model),
-        applied with `lcx.patching.patched` for the duration of the call; None = the model as is.
+    spec: the method to score under: an `lcx.MethodConfig`, its nested dict
+        (`{"rope": ..., "attention": ...}`), or a RoPE spec (`RopeSpec` or HF-style dict; partial
+        is fine: theta and L come from the model), applied with `lcx.patched` for the duration of
+        the call; None = the model as is.
     max_tokens_per_length: token budget per length (same windows for every length; see the
         module docstring for exactly which tokens are scored).
     batch_size: windows per forward pass; default max(1, 8192 // n).
@@ -158,11 +160,7 @@ def perplexity_of_stream(
 
 
 def _patched(model, spec):
-    import contextlib
-
-    if spec is None:
-        return contextlib.nullcontext(model)
-    from lcx.patching import patched
+    from lcx.method_config import patched
 
     return patched(model, spec)
 
@@ -192,6 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  lcx eval ppl --model tiny-5m --rope yarn --factor 16 --lengths 256,512,1024 --out yarn.json\n"
         "  lcx eval ppl --model tiny-5m --rope yarn --factor 16 --rope-param beta_fast=16\n"
         "  lcx eval ppl --model tiny-5m --rope truncate --truncate-length 128\n"
+        "  lcx eval ppl --model tiny-ret-5m --attention lm_infinite --n-global 10 --n-local 256 --attn-backend flash\n"
     )
     parser.add_argument("--model", default="tiny-5m", help="preset name or local HF directory / .gguf (default tiny-5m)")
     parser.add_argument("--lengths", type=_parse_lengths, default=[256, 512, 1024],
@@ -210,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser)
     parser.add_argument("--out", default=None, help="write the results as JSON here (atomically)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_spec_arguments(parser)
+    add_method_arguments(parser, json_flag="--methods")
 
 
 def load_texts(split: str = "validation", files: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
@@ -256,20 +255,22 @@ def run(args: argparse.Namespace) -> int:
     resolve_threads(args.threads)
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    raw = spec_dict_from_args(args)
+    cfg = method_config_from_args(args).with_default_backend(INFERENCE_BACKEND)  # ValueError naming a bad key
     model, tok = load_model(args.model)
-    spec = resolve_spec(model, raw)  # ValueError naming the key on a bad spec
+    spec = resolve_spec(model, cfg.rope)  # ValueError naming the key on a bad spec for this model
     names, texts = load_texts(args.split, args.text_file)
-    res = perplexity_by_length(model, tok, texts, args.lengths, spec=spec, max_tokens_per_length=args.max_tokens,
+    res = perplexity_by_length(model, tok, texts, args.lengths, spec=cfg, max_tokens_per_length=args.max_tokens,
                                batch_size=args.batch_size, tail=args.tail, progress=not args.no_progress)
-    label = spec.describe() if spec is not None else "model as loaded"
-    print(f"model {args.model}, RoPE {label}; texts: {args.text_file or args.split} ({len(texts)} documents)")
+    label = (f"RoPE {spec.describe()}" if spec is not None else "RoPE as loaded") + (
+        f", attention {cfg.attention.describe()}" if cfg.attention is not None else "")
+    print(f"model {args.model}, {label}; texts: {args.text_file or args.split} ({len(texts)} documents)")
     print(f"{'length':>8} {'windows':>8} {'tokens':>8} {'nll':>8} {'ppl':>10} {'tail nll':>9} {'tail ppl':>10}")
     for n, r in res.items():
         print(f"{n:>8d} {r.windows:>8d} {r.tokens:>8d} {r.nll:>8.4f} {r.ppl:>10.2f} {r.tail_nll:>9.4f} {r.tail_ppl:>10.2f}")
     if args.out:
         atomic_write_json(args.out, {
             "model": str(args.model), "spec": spec.to_dict() if spec is not None else None,
+            "methods": cfg.to_dict(),
             "texts": {"source": args.text_file or args.split, "documents": names},
             "max_tokens_per_length": args.max_tokens, "tail": args.tail,
             "results": [r.to_dict() for r in res.values()], "environment": environment(),

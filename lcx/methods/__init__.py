@@ -1,4 +1,4 @@
-"""Attention methods for whole HF models: LM-Infinite, sliding window, StreamingLLM sinks.
+"""Attention methods for whole HF models: LM-Infinite, sliding window, StreamingLLM sinks, Self-Extend.
 
 >>> from lcx.methods import lm_infinite, attention_patched, BoundedKVCache, greedy_generate
 >>> with attention_patched(model, lm_infinite(n_global=16, n_local=256)):      # doctest: +SKIP
@@ -27,13 +27,16 @@ from .spec import (
     Causal,
     LMInfinite,
     Sinks,
+    SelfExtend,
     SlidingWindow,
     causal,
     lm_infinite,
     method_from_dict,
+    self_extend,
     sinks,
     sliding_window,
 )
+from .self_extend import self_extend_ref
 from .streaming import streaming_attention, streaming_attention_ref
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "GenerationResult",
     "LMInfinite",
     "Sinks",
+    "SelfExtend",
     "SlidingWindow",
     "UNROTATED_METHODS",
     "attention_patched",
@@ -56,6 +60,8 @@ __all__ = [
     "lm_infinite",
     "method_from_dict",
     "patch_attention",
+    "self_extend",
+    "self_extend_ref",
     "sinks",
     "sliding_window",
     "streaming_attention",

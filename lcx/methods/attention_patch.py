@@ -57,7 +57,8 @@ from torch import nn
 
 from lcx.attention import BACKENDS, Rotary
 
-from ..patching import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # lcx.patching.MODEL_TYPES
+from ..hf import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # noqa: F401  (lcx.hf.MODEL_TYPES)
+from ..hf import attention_layers, check_model_type, decoder
 from .spec import AttentionMethod, method_from_dict
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
@@ -235,26 +236,8 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
 
 
 def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"lcx attention methods support model_type in {list(SUPPORTED_MODEL_TYPES)}; "
-                         f"got {model_type!r} ({type(model).__name__})")
-    decoder = getattr(model, "model", model)
-    layers = getattr(decoder, "layers", None)
-    if layers is None or not hasattr(decoder, "rotary_emb"):
-        raise ValueError(f"{type(model).__name__} has no model.layers / model.rotary_emb where transformers "
-                         "5.x Llama-family models keep them")
-    attns = []
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        missing = [a for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
-                   if not hasattr(attn, a)]
-        if attn is None or missing:
-            raise ValueError(f"layer {i}: no self_attn with {missing or 'attributes'} (unsupported attention module)")
-        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            raise ValueError(f"layer {i}: attention with q/k norms is not supported")
-        attns.append(attn)
-    return decoder, attns
+    check_model_type(model, "lcx attention methods", "attention_methods")
+    return decoder(model), attention_layers(model)
 
 
 def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any], *,
@@ -300,6 +283,11 @@ def unpatch_attention(model: nn.Module) -> nn.Module:
     return model
 
 
+def current_patch(model: nn.Module) -> _Patch | None:
+    """What `patch_attention` installed on the model (method, backends), or None."""
+    return getattr(model, _STATE, None)
+
+
 def current_attention(model: nn.Module) -> AttentionMethod | None:
     """The method a patched model runs, or None."""
     prev: _Patch | None = getattr(model, _STATE, None)
@@ -324,5 +312,5 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
             patch_attention(model, prev.method, backend=prev.backend, decode_backend=prev.decode_backend)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "attention_patched", "current_attention",
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "attention_patched", "current_attention", "current_patch",
            "lcx_attention_forward", "patch_attention", "register", "unpatch_attention"]

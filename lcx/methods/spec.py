@@ -17,6 +17,8 @@ Methods
                               global keys scored at distance min(limit, Tk - 1) (default L);
                               `lcx.attention.lambda_attention_ref` defines it.
 - `sliding_window(w)`         a window of w keys, itself included (`sliding_window(w - 1)` mask).
+- `self_extend(G, W)`         Self-Extend (arXiv 2401.01325): true positions within a window of
+                              W keys, positions floor-divided by G beyond (`lcx.methods.self_extend`).
 - `sinks(S, w)`               StreamingLLM (arXiv 2309.17453): S sink keys + a window of w keys,
                               positions renumbered as StreamingLLM's cache does
                               (`lcx.methods.streaming`). `sinks(S, w, renumber=False)` is the bare
@@ -90,7 +92,17 @@ class AttentionMethod:
 
     # --------------------------------------------------------------- config as data
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.name, **dataclasses.asdict(self)}
+        """`{"type": name, **parameters}`, parameters at their default left out (`method_from_dict`
+        puts them back), so a config reads as it was written."""
+        out: dict[str, Any] = {"type": self.name}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.default is dataclasses.MISSING or v != self._default(f):
+                out[f.name] = v
+        return out
+
+    def _default(self, f: dataclasses.Field) -> Any:
+        return f.default
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -132,6 +144,9 @@ class LMInfinite(AttentionMethod):
         # One validation for LM-Infinite's parameters: lcx.attention.LambdaParams.
         lp = LambdaParams(self.n_global, self.n_local, self.limit_distance)
         object.__setattr__(self, "limit_distance", lp.limit_distance)
+
+    def _default(self, f):
+        return self.n_local if f.name == "limit_distance" else f.default  # None means n_local
 
     def _spec(self, scale):
         return AttentionSpec.lm_infinite(self.n_global, self.n_local, self.limit_distance, scale=scale)
@@ -212,9 +227,11 @@ class Sinks(AttentionMethod):
         return (self.n_sink, self.window)
 
 
+from .self_extend import SelfExtend  # noqa: E402  (its module imports AttentionMethod from here)
+
 # name -> class. The only list of attention methods; tests iterate over it.
 ATTENTION_METHODS: dict[str, type[AttentionMethod]] = {
-    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks)
+    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend)
 }
 # the methods whose caches hold unrotated keys (read from the classes; not a second list)
 UNROTATED_METHODS: tuple[str, ...] = tuple(n for n, cls in ATTENTION_METHODS.items() if cls.needs_unrotated_keys)
@@ -234,6 +251,10 @@ def sliding_window(window: int) -> SlidingWindow:
 
 def sinks(n_sink: int, window: int, renumber: bool = True) -> Sinks:
     return Sinks(n_sink, window, renumber)
+
+
+def self_extend(group_size: int, window: int) -> SelfExtend:
+    return SelfExtend(group_size, window)
 
 
 def method_from_dict(d: Mapping[str, Any] | AttentionMethod) -> AttentionMethod:

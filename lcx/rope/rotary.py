@@ -100,3 +100,41 @@ def rotate_by_positions_ref(
     cos, sin = rope_cos_sin(positions, inv_freq, 1.0, torch.float64)
     out = apply_rotary_ref(x.to(torch.float64), cos, sin, inverse=inverse)
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- re-rotation of cached keys (PIE)
+def check_rerotate_args(k_cache: torch.Tensor, delta_positions: torch.Tensor, inv_freq: torch.Tensor,
+                        out: torch.Tensor | None) -> None:
+    """Validate the shared signature; raises ValueError naming the bad argument."""
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [B, T, H, D], got shape {tuple(k_cache.shape)}")
+    B, T, H, D = k_cache.shape
+    if delta_positions.is_floating_point() or delta_positions.is_complex() or delta_positions.dtype == torch.bool:
+        raise ValueError(f"delta_positions must be an integer tensor (positions are integers), "
+                         f"got {delta_positions.dtype}")
+    if tuple(delta_positions.shape) not in ((T,), (B, T)):
+        raise ValueError(f"delta_positions must be [T]=[{T}] or [B, T]=[{B}, {T}], "
+                         f"got {tuple(delta_positions.shape)}")
+    if inv_freq.dim() != 1 or not (1 <= inv_freq.shape[0] <= D // 2):
+        raise ValueError(f"inv_freq must be [r/2] with 1 <= r/2 <= D/2 = {D // 2}, got {tuple(inv_freq.shape)}")
+    if out is not None and (out.shape != k_cache.shape or out.dtype != k_cache.dtype
+                            or out.device != k_cache.device):
+        raise ValueError(f"out must match k_cache in shape/dtype/device: {tuple(out.shape)} {out.dtype} "
+                         f"{out.device} vs {tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+
+
+def rerotate_ref(k_cache: torch.Tensor, delta_positions: torch.Tensor, inv_freq: torch.Tensor, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference re-rotation (float64 throughout, via `lcx.rope.rotate_by_positions_ref`).
+
+    k_cache: [B, T, H, D]; delta_positions: [T] or [B, T] int; inv_freq: [r/2]. In place unless
+    `out` is given. See `lcx.cache.rerotate` for the semantics and precision.
+    """
+    check_rerotate_args(k_cache, delta_positions, inv_freq, out)
+    delta = delta_positions.to(k_cache.device)
+    if delta.dim() == 1:
+        delta = delta.expand(k_cache.shape[0], -1)  # [B, T]
+    rotated = rotate_by_positions_ref(k_cache, delta, inv_freq.to(k_cache.device))  # [B, T, H, D]
+    target = k_cache if out is None else out
+    target.copy_(rotated)
+    return target

@@ -4,7 +4,8 @@ No vLLM import here: `lcx serve --engine vllm` (which runs in the base environme
 module to validate methods and write vLLM's arguments; the model class in `.model` (loaded inside
 vLLM) parses the same dict back with `VllmMethods.from_hf_config`.
 
-Method configuration, the same `{name: params}` shape as `lcx.engine.EngineConfig.methods`:
+Method configuration: an `lcx.MethodConfig` (the same JSON as `lcx serve --methods` and
+`lcx.engine.EngineConfig.methods`):
 
     {"rope": {"rope_type": "truncate"},                            # any lcx.rope type
      "attention": {"type": "sliding_window", "window": 64}}        # an lcx.methods method
@@ -32,11 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lcx.methods import UNROTATED_METHODS, AttentionMethod, method_from_dict
+from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
+from lcx.methods import UNROTATED_METHODS, AttentionMethod
 from lcx.rope import RopeSpec
 
 LCX_KEY = "lcx_methods"  # the HF-config attribute (set through hf_overrides) holding the methods
-METHOD_KEYS = ("rope", "attention")
+METHOD_KEYS = ("rope", "attention")  # the MethodConfig keys vLLM takes (no lcx attention backends)
 # HF architecture -> the lcx architecture registered with vLLM's ModelRegistry.
 ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
 
@@ -63,20 +65,24 @@ class VllmMethods:
                     "forward length); vLLM keeps one cos/sin cache, so it is not supported with --engine vllm")
 
     @classmethod
-    def from_dict(cls, methods: Mapping[str, Any] | None, hf_config: Any = None) -> "VllmMethods":
-        """Validate `{name: params}`; a partial RoPE spec is resolved against `hf_config`."""
-        methods = dict(methods or {})
-        unknown = sorted(set(methods) - set(METHOD_KEYS))
-        if unknown:
-            raise ValueError(f"unknown vLLM method key(s) {unknown}; accepted: {list(METHOD_KEYS)}")
-        rope = methods.get("rope")
-        if rope is not None:
-            rope = RopeSpec.for_model(rope, hf_config) if hf_config is not None else RopeSpec.from_dict(rope)
-        attention = methods.get("attention")
-        if attention is not None:
-            attention = method_from_dict(attention)
-            if attention.name == "causal":
-                attention = None  # the unpatched model
+    def from_dict(cls, methods: Mapping[str, Any] | MethodConfig | None, hf_config: Any = None) -> "VllmMethods":
+        """Validate an `lcx.MethodConfig` (or its dict) for vLLM; a partial RoPE spec is resolved
+        against `hf_config`. vLLM's refusals on top of MethodConfig's own checks: lcx attention
+        backends (vLLM runs its own kernels) and length-dependent RoPE types."""
+        if isinstance(methods, Mapping):
+            unknown = sorted(set(methods) - set(NESTED_KEYS))
+            if unknown and not set(methods) <= _FLAT_ROPE_KEYS:
+                raise ValueError(f"unknown vLLM method key(s) {unknown}; accepted: {list(METHOD_KEYS)}")
+        cfg = MethodConfig.from_dict(methods)
+        if cfg.backend is not None or cfg.decode_backend is not None:
+            raise ValueError("backend / decode_backend choose lcx.attention backends for lcx's own engine; "
+                             "inside vLLM the attention runs on vLLM's kernels: leave them out")
+        rope = None
+        if cfg.rope is not None:
+            rope = cfg.rope_spec(hf_config) if hf_config is not None else RopeSpec.from_dict(cfg.rope)
+        attention = cfg.attention
+        if attention is not None and attention.name == "causal":
+            attention = None  # the unpatched model
         return cls(rope=rope, attention=attention)
 
     @classmethod

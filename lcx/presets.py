@@ -1,0 +1,136 @@
+"""`lcx.presets`: the one table of named experiment presets.
+
+A preset turns a model's training context L0 and a length factor s (target length / L0) into a
+`MethodConfig`, so "yarn" means the same thing in `lcx report`, `lcx demo`, lm-eval scripts
+and every benchmark:
+
+    >>> from lcx import presets
+    >>> presets.config("yarn", L0=256, factor=8).to_dict()
+    {'rope': {'rope_type': 'yarn', 'factor': 8}}
+    >>> presets.config("lm_infinite", L0=256, factor=8).to_dict()
+    {'attention': {'type': 'lm_infinite', 'n_global': 10, 'n_local': 256}}
+
+Settings (papers' defaults where they give one; see ../shared/METHODS.md):
+    vanilla           the model as loaded
+    linear, ntk,      RoPE scaling with factor s (position interpolation, static NTK-aware,
+    dynamic, yarn,    dynamic NTK, YaRN with beta_fast 32 / beta_slow 1, Llama-3.1 banding);
+    llama3            the original length is the model's
+    truncate          Giraffe truncation at the model's length
+    lm_infinite       LM-Infinite: 10 global keys + a window of L0 keys, global distance capped at L0
+    sliding_window    a window of L0 keys
+    sinks             StreamingLLM: 4 sink keys + a window of L0 - 4 keys (L0 keys in all)
+    lm_infinite+yarn  the two above together (the combination LM-Infinite suggests for RoPE
+                      models: the window bounds distances, YaRN the frequencies)
+    self_extend       Self-Extend: true positions within W = L0 / 4 keys, floor(p / G) beyond,
+                      G the smallest group size with (L0 - W) * G + W >= s * L0
+    swat              SWAT: not a patch but a model trained with it (sigmoid, sliding window,
+                      ALiBi + RoPE); runs on the sibling model `SIBLINGS` names
+
+A preset that cannot run for a model says why (`resolve` returns the reason as a string).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .method_config import MethodConfig
+
+LM_INFINITE_GLOBAL = 10  # LM-Infinite's n_global (the paper: 10-100 behave alike)
+SINKS = 4  # StreamingLLM's sink count
+
+
+@dataclass(frozen=True)
+class Preset:
+    """name: build(L0, factor) -> MethodConfig. `siblings`: for methods that need a model trained
+    with them, model name -> that model (the preset then runs on the sibling, unpatched)."""
+
+    name: str
+    build: Callable[[int, float], dict[str, Any]]
+    description: str
+    siblings: Mapping[str, str] | None = None
+
+    def config(self, L0: int, factor: float) -> MethodConfig:
+        if not isinstance(L0, int) or L0 < 1:
+            raise ValueError(f"L0 must be a positive integer, got {L0!r}")
+        if not factor >= 1:
+            raise ValueError(f"factor must be >= 1, got {factor!r}")
+        return MethodConfig.from_dict(self.build(L0, factor))
+
+
+def _rope(rope_type: str) -> Callable[[int, float], dict[str, Any]]:
+    return lambda L0, s: {"rope": {"rope_type": rope_type, "factor": s}}
+
+
+def _lm_infinite(L0: int) -> dict[str, Any]:
+    return {"type": "lm_infinite", "n_global": LM_INFINITE_GLOBAL, "n_local": L0}
+
+
+def _self_extend(L0: int, s: float) -> dict[str, Any]:
+    """Self-Extend for s x L0: a neighbour window of L0 / 4 and the smallest group size whose
+    reach (L0 - W) * G + W covers s * L0 (the paper keeps W well inside L0)."""
+    W = max(1, L0 // 4)
+    G = max(1, math.ceil((s * L0 - W) / max(1, L0 - W)))
+    return {"attention": {"type": "self_extend", "group_size": G, "window": W}}
+
+
+SWAT_SIBLINGS: dict[str, str] = {"tiny-5m": "tiny-swat-5m"}
+
+_ALL = (
+    Preset("vanilla", lambda L0, s: {}, "the model as loaded"),
+    Preset("linear", _rope("linear"), "position interpolation, positions / s"),
+    Preset("ntk", _rope("ntk"), "static NTK-aware base scaling by s"),
+    Preset("dynamic", _rope("dynamic"), "dynamic NTK: unscaled up to L0, then the base grows with the length"),
+    Preset("yarn", _rope("yarn"), "YaRN, factor s (beta_fast 32, beta_slow 1, attention factor 0.1 ln s + 1)"),
+    Preset("llama3", _rope("llama3"), "Llama-3.1 frequency banding, factor s"),
+    Preset("truncate", lambda L0, s: {"rope": {"rope_type": "truncate"}},
+           "Giraffe truncation at the model's length"),
+    Preset("lm_infinite", lambda L0, s: {"attention": _lm_infinite(L0)},
+           f"LM-Infinite: {LM_INFINITE_GLOBAL} global keys + a window of L0, distance capped at L0"),
+    Preset("sliding_window", lambda L0, s: {"attention": {"type": "sliding_window", "window": L0}},
+           "a window of L0 keys"),
+    Preset("sinks", lambda L0, s: {"attention": {"type": "sinks", "n_sink": SINKS, "window": L0 - SINKS}},
+           f"StreamingLLM: {SINKS} sinks + a window of L0 - {SINKS}, positions renumbered"),
+    Preset("lm_infinite+yarn", lambda L0, s: {"rope": {"rope_type": "yarn", "factor": s}, "attention": _lm_infinite(L0)},
+           "LM-Infinite's window with YaRN's frequencies"),
+    Preset("self_extend", _self_extend, "Self-Extend: window L0/4, positions beyond it floor-divided by G "
+           "(the smallest G reaching s x L0)"),
+    Preset("swat", lambda L0, s: {}, "SWAT: the sibling model trained with sigmoid sliding-window attention",
+           siblings=SWAT_SIBLINGS),
+)
+# name -> preset. The only table of presets; tests iterate over it.
+PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
+
+
+def get(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {list(PRESETS)}")
+    return PRESETS[name]
+
+
+def config(name: str, *, L0: int, factor: float) -> MethodConfig:
+    """The MethodConfig of preset `name` for training context L0 and length factor s."""
+    return get(name).config(L0, factor)
+
+
+@dataclass(frozen=True)
+class PresetRun:
+    """What to run for a preset on a model: the model to load (a sibling for SWAT) and the config."""
+
+    name: str
+    model: str
+    config: MethodConfig
+
+
+def resolve(name: str, model: str, *, L0: int, factor: float) -> PresetRun | str:
+    """The run of preset `name` on `model`, or a string saying why it cannot run there."""
+    p = get(name)
+    if p.siblings is not None:
+        if model not in p.siblings:
+            return f"no {name} model trained for {model!r} (known: {dict(p.siblings)})"
+        model = p.siblings[model]
+    return PresetRun(name, model, p.config(L0, factor))
+
+
+__all__ = ["PRESETS", "Preset", "PresetRun", "SWAT_SIBLINGS", "config", "get", "resolve"]

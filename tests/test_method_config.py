@@ -1,0 +1,165 @@
+"""`lcx.MethodConfig` and `lcx.presets`: one config in every format, applied and restored."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import lcx
+from lcx import presets
+from lcx.method_config import MethodConfig, add_method_arguments, method_config_from_args, parse_flat
+from lcx.models.tiny import tiny_llama
+
+CONFIGS = [
+    {},
+    {"rope": {"rope_type": "yarn", "factor": 4}},
+    {"rope": {"rope_type": "truncate", "truncate_length": 96}},
+    {"rope": {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+    {"attention": {"type": "sinks", "n_sink": 2, "window": 31}},
+    {"attention": {"type": "sinks", "n_sink": 2, "window": 31, "renumber": False}},
+    {"attention": {"type": "lm_infinite", "n_global": 3, "n_local": 17, "limit_distance": 9}},
+    {"rope": {"rope_type": "ntk", "factor": 2.5}, "attention": {"type": "sliding_window", "window": 7},
+     "backend": "flash", "decode_backend": "blockwise"},
+]
+IDS = ["identity", "yarn", "truncate", "longrope", "sinks", "sinks-norenumber", "lm_infinite", "ntk+window"]
+
+
+@pytest.mark.parametrize("d", CONFIGS, ids=IDS)
+def test_every_format_round_trips(d):
+    cfg = MethodConfig.from_dict(d)
+    assert cfg.to_dict() == d  # parameters at their default are left out, so a config reads as written
+    assert MethodConfig.from_dict(cfg.to_dict()) == cfg
+    assert MethodConfig.from_flat(cfg.to_flat()) == cfg
+    assert MethodConfig.from_flat(cfg.to_model_args()) == cfg
+    assert hash(MethodConfig.from_dict(d)) == hash(cfg)
+
+
+def test_flat_rope_dict_and_engine_form_are_accepted():
+    assert MethodConfig.from_dict({"rope_type": "yarn", "factor": 4}).to_dict() == {"rope": {"rope_type": "yarn",
+                                                                                           "factor": 4}}
+    assert MethodConfig.from_dict({"type": "linear", "factor": 2}).rope["rope_type"] == "linear"  # HF legacy key
+    engine_form = {"attention": {"type": "sinks", "n_sink": 1, "window": 8, "backend": "ref"}}
+    assert MethodConfig.from_dict(engine_form).backend == "ref"
+    assert parse_flat("a=1,b=[1, 2],c=x,d=true") == {"a": 1, "b": [1, 2], "c": "x", "d": True}
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"rope": {"rope_type": "yarn", "factr": 4}}, r"unknown RoPE key\(s\) \['factr'\]"),
+    ({"rope": {"rope_type": "yarn", "factor": 0.5}}, "factor must be >= 1"),
+    ({"rope": {"rope_type": "nope"}}, "not a known RoPE type"),
+    ({"attention": {"type": "lm_infinite", "n_global": 4}}, "missing"),
+    ({"attention": {"type": "flash"}}, "not known"),
+    ({"attention": {"type": "sinks", "n_sink": 1, "window": 8}, "backend": "nope"}, "backend='nope' is not"),
+    ({"backend": "flash"}, "without an attention method"),
+    ({"rope": {"rope_type": "yarn", "factor": 2}, "window": 3}, r"unknown method config key\(s\) \['window'\]"),
+    ({"factor": 2, "attention": None}, "RoPE keys go under 'rope'"),
+    ({"attention": {"type": "sinks", "n_sink": 1, "window": 8, "backend": "ref"}, "backend": "flash"},
+     "backend given twice"),
+])
+def test_bad_configs_name_the_problem(d, match):
+    with pytest.raises(ValueError, match=match):
+        MethodConfig.from_dict(d)
+
+
+def test_flat_errors():
+    with pytest.raises(ValueError, match="without rope_type"):
+        MethodConfig.from_flat("factor=4")
+    with pytest.raises(ValueError, match=r"unknown method key\(s\) \['window'\]"):
+        MethodConfig.from_flat("attention=lm_infinite,n_global=2,n_local=8,window=3")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_flat("a=1,a=2")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_method_arguments(p, json_flag="--methods")
+    return method_config_from_args(p.parse_args(argv))
+
+
+def test_cli_flags_build_the_same_config():
+    want = MethodConfig.from_dict(CONFIGS[-1])
+    got = _parse(["--rope", "ntk", "--factor", "2.5", "--attention", "sliding_window", "--window", "7",
+                  "--attn-backend", "flash", "--attn-decode-backend", "blockwise"])
+    assert got == want
+    assert _parse(["--methods", '{"attention": {"type": "sliding_window", "window": 7}}', "--rope", "ntk",
+                   "--factor", "2.5", "--attn-backend", "flash", "--attn-decode-backend", "blockwise"]) == want
+    assert _parse(["--attention", "sinks", "--n-sink", "2", "--window", "31", "--renumber", "false"]) == \
+        MethodConfig.from_dict(CONFIGS[5])
+    assert _parse([]).is_identity
+    for argv, match in [
+        (["--window", "3"], "without --attention"),
+        (["--attention", "lm_infinite", "--n-global", "1", "--n-local", "4", "--window", "3"], "takes no --window"),
+        (["--methods", '{"rope": {"rope_type": "ntk", "factor": 2}}', "--rope", "yarn"], "both with --rope"),
+        (["--methods", "{oops"], "not valid JSON"),
+        (["--methods", '{"other": {}}'], r"unknown method config key\(s\) \['other'\]"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            _parse(argv)
+
+
+def test_derived_values():
+    class Cfg:
+        max_position_embeddings = 64
+
+    assert MethodConfig.from_dict({"rope": {"rope_type": "yarn", "factor": 4}}).context_len(Cfg) == 256
+    assert MethodConfig.from_dict({"rope": {"rope_type": "yarn", "factor": 4,
+                                            "original_max_position_embeddings": 32}}).context_len(Cfg) == 128
+    assert MethodConfig().context_len(Cfg) is None
+    assert MethodConfig.from_dict(CONFIGS[4]).kv_window == (2, 31)
+    # a cap beyond G + L - 1 cannot be reproduced by a bounded cache: every key is kept
+    assert MethodConfig.from_dict({"attention": {"type": "lm_infinite", "n_global": 2, "n_local": 4,
+                                                 "limit_distance": 50}}).kv_window is None
+    assert MethodConfig.from_dict(CONFIGS[1]).kv_window is None
+    spec = MethodConfig.from_dict(CONFIGS[1]).rope_spec(type("C", (), {"rope_parameters": {"rope_theta": 500.0},
+                                                                       "max_position_embeddings": 64})())
+    assert spec.rope_theta == 500.0 and spec.original_max_position_embeddings == 64
+
+
+@torch.no_grad()
+def test_apply_is_one_patch_and_restores_what_was_there():
+    model, _ = tiny_llama(seed=0)
+    ids = torch.randint(3, 200, (1, 70), generator=torch.Generator().manual_seed(0))
+    plain = model(ids).logits
+    d = {"rope": {"rope_type": "yarn", "factor": 2}, "attention": {"type": "lm_infinite", "n_global": 2, "n_local": 16}}
+    with lcx.patched(model, {"rope_type": "yarn", "factor": 2}):  # the RoPE-only form still works
+        with lcx.methods.attention_patched(model, lcx.methods.lm_infinite(2, 16)):
+            want = model(ids).logits
+        rope_only = model(ids).logits
+        with lcx.patched(model, d):
+            torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids).logits, rope_only, rtol=0, atol=0)  # back to the outer patch
+    torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
+    lcx.patch(model, MethodConfig.from_dict(d))
+    torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+    lcx.unpatch(model)  # RoPE and attention
+    torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
+    assert lcx.methods.current_attention(model) is None
+
+
+# ------------------------------------------------------------------ presets
+@pytest.mark.parametrize("name", list(presets.PRESETS))
+def test_every_preset_is_a_config_every_front_end_accepts(name):
+    from lcx.engine import EngineConfig
+    from lcx.lmeval_model import split_model_args
+
+    cfg = presets.config(name, L0=64, factor=4.0)
+    assert isinstance(cfg, MethodConfig)
+    EngineConfig(methods=cfg)
+    assert split_model_args(cfg.to_flat())[0] == cfg.with_default_backend("flash")
+    assert MethodConfig.from_flat(cfg.to_model_args()) == cfg
+
+
+def test_presets_resolve_per_model():
+    assert presets.config("sinks", L0=256, factor=2).to_dict() == {
+        "attention": {"type": "sinks", "n_sink": 4, "window": 252}}
+    assert presets.config("lm_infinite+yarn", L0=256, factor=8).to_dict() == {
+        "rope": {"rope_type": "yarn", "factor": 8}, "attention": {"type": "lm_infinite", "n_global": 10, "n_local": 256}}
+    r = presets.resolve("swat", "tiny-5m", L0=256, factor=2)
+    assert r.model == "tiny-swat-5m" and r.config.is_identity
+    assert "no swat model trained for 'smollm2-135m'" in presets.resolve("swat", "smollm2-135m", L0=8192, factor=2)
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        presets.get("nope")
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        presets.config("yarn", L0=256, factor=0.5)
