@@ -77,8 +77,10 @@ def test_flash_bounded_cache_positions():
 
 
 def test_chunk_size_and_mask_structure():
-    assert chunk_size(1024) == 128 and chunk_size(256) == 128 and chunk_size(300) == 150
-    assert chunk_size(17) == 17 and chunk_size(200) == 200
+    # about W / 8, a multiple of 64, >= 128 (<= W); need not divide W (r = ceil(W / C) key chunks)
+    assert chunk_size(1024) == 128 and chunk_size(256) == 128 and chunk_size(300) == 128
+    assert chunk_size(17) == 17 and chunk_size(128) == 128 and chunk_size(200) == 128
+    assert chunk_size(8192) == 1024 and chunk_size(8188) == 960
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
     assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=lambda_mask(4, 16))) == (4, 15)

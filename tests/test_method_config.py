@@ -163,3 +163,22 @@ def test_presets_resolve_per_model():
         presets.get("nope")
     with pytest.raises(ValueError, match="factor must be >= 1"):
         presets.config("yarn", L0=256, factor=0.5)
+
+
+def test_bench_prefill_runs_presets_against_vanilla(tmp_path):
+    """`lcx bench prefill`: every named preset through its MethodConfig, ratios against vanilla,
+    one run record (config, environment with git SHA, results)."""
+    import json
+
+    from lcx.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["bench", "prefill", "--model", "tiny-ret-5m", "--length", "300", "--threads", "1",
+                 "--methods", "yarn,lm_infinite,self_extend", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert set(rec) == {"description", "config", "environment", "results"} and rec["environment"]["git"]["sha"]
+    res = rec["results"]
+    assert list(res) == ["vanilla", "yarn", "lm_infinite", "self_extend"]
+    assert res["vanilla"]["speedup_vs_vanilla"] == 1.0 and all(r["cpu_s"] > 0 for r in res.values())
+    assert res["lm_infinite"]["config"] == {"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 256},
+                                            "backend": "flash"}

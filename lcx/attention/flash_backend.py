@@ -144,21 +144,22 @@ def _pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
 
 
 def chunk_size(W: int) -> int:
-    """Query chunk C for a window of W keys: W / k for the largest k in (8, 4, 2) that divides
-    W with C >= 128, else W. Smaller chunks move work from the causal/anti-causal triangles
-    (where the fused kernels skip little) into unmasked blocks (their fastest path)."""
-    for k in (8, 4, 2):
-        if W % k == 0 and W // k >= 128:
-            return W // k
-    return W
+    """Query chunk C for a window of W keys: about W / 8, a multiple of 64 (whole kernel blocks),
+    at least 128 (at most W). A query chunk reads r + 1 key chunks, r = ceil(W / C), so the work
+    per query is (r + 1) C ~ W + C: smaller chunks waste less on the two masked triangles, larger
+    ones keep the kernel's blocks big."""
+    if W <= 128:
+        return W
+    return min(W, max(128, (W // 8) // 64 * 64))
 
 
 def _window_body(q, k, v, *, b0: int, W: int, C: int, scale: float):
-    """Causal window of W = rC keys for the queries at indices [b0, b0 + Tq) over keys
-    [0, b0 + Tq); b0 >= W and on the chunk grid. q, k, v [B, H, T, D]; returns (out, lse).
+    """Causal window of W keys for the queries at indices [b0, b0 + Tq) over keys [0, b0 + Tq);
+    b0 >= rC (r = ceil(W / C)) and on the chunk grid. q, k, v [B, H, T, D]; returns (out, lse).
 
     Query chunk c (indices [cC, cC + C)) reads the r + 1 key chunks c-r .. c, a strided view of
     the keys (`unfold`, no copy), with ONE mask [C, (r+1)C] that is the same for every chunk:
+    query t of the chunk sees key s of the span iff rC + t - W < s <= rC + t. For W = rC:
 
         chunk c-r         chunks c-r+1 .. c-1     chunk c
         s >= t + 1        all                     s <= t          (query t, key s of a chunk)
@@ -169,18 +170,18 @@ def _window_body(q, k, v, *, b0: int, W: int, C: int, scale: float):
     """
     B, H, Tq, D = q.shape
     Dv = v.shape[-1]
-    r, n = W // C, -(-Tq // C)
+    r, n = -(-W // C), -(-Tq // C)
     back = n * C - Tq
     qc = _pad_time(q, 0, back).view(B, H, n, C, D).transpose(1, 2).reshape(B * n, H, C, D)
 
     def windows(x):  # [B, H, T, D] -> [B * n, H, (r+1)C, D], overlapping views (B = 1: no copy)
-        xp = _pad_time(x[:, :, b0 - W :], 0, back)  # [B, H, (r+n)C, D]
+        xp = _pad_time(x[:, :, b0 - r * C :], 0, back)  # [B, H, (r+n)C, D]
         xw = xp.unfold(2, (r + 1) * C, C).permute(0, 2, 1, 4, 3)  # [B, n, H, (r+1)C, D]
         return xw.reshape(B * n, H, (r + 1) * C, x.shape[-1])
 
     t = torch.arange(C, device=q.device)[:, None]
     s = torch.arange((r + 1) * C, device=q.device)[None, :]
-    vis = (s >= t + 1) & (s <= r * C + t)  # [C, (r+1)C]
+    vis = (s > r * C + t - W) & (s <= r * C + t)  # [C, (r+1)C]
     o, lse = _kernel(qc, windows(k), windows(v), causal=False, scale=scale, mask=vis)
     o = o.view(B, n, H, C, Dv).transpose(1, 2).reshape(B, H, n * C, Dv)[:, :, :Tq]
     lse = lse.view(B, n, H, C).transpose(1, 2).reshape(B, H, n * C)[:, :, :Tq]
@@ -224,6 +225,12 @@ def _span_call(q, k, v, *, q0: int, st: Structure, scale: float, k_glob=None, q_
     G, left = st.n_global, st.left
     if q0 + Tq - 1 <= left:  # every query's window reaches key 0: plain causal (skips the
         return _causal(q, k[:, :, : q0 + Tq], v[:, :, : q0 + Tq], q0=q0, scale=scale)  # upper triangle)
+    if q0 <= left:  # the rows whose window reaches key 0 first (causal), then the others
+        n1 = left + 1 - q0
+        o1, l1 = _causal(q[:, :, :n1], k[:, :, : left + 1], v[:, :, : left + 1], q0=q0, scale=scale)
+        o2, l2 = _span_call(q[:, :, n1:], k, v, q0=left + 1, st=st, scale=scale, k_glob=k_glob,
+                            q_glob=None if q_glob is None else q_glob[:, :, n1:])
+        return torch.cat((o1, o2), 2), torch.cat((l1, l2), 2)
     i = torch.arange(q0, q0 + Tq, device=q.device)[:, None]
     lo = max(0, q0 - left)  # the window keys of these queries lie in [lo, Tk)
     j = torch.arange(lo, Tk, device=q.device)[None, :]
@@ -307,7 +314,7 @@ def attention_flash(q, k, v, spec, *, q_offset=None, rotary=None, return_lse=Fal
         C = chunk_size(W)
         st = Structure(st.n_global, left)
         G = min(st.n_global, max(0, Tk - W))  # global keys that can fall outside a window
-        b0 = -(-max(off, W) // C) * C  # first query of the chunked body, on the chunk grid
+        b0 = -(-max(off, W) // C) * C  # first query of the chunked body, on the chunk grid (>= rC)
         if b0 >= Tk:  # few queries (decode, short chunks, short prefill)
             out, lse = _span_call(qh, kh, vh, q0=off, st=st, scale=scale, k_glob=k_glob, q_glob=q_glob)
         else:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 DEFAULT_METHODS = ("vanilla", "yarn", "lm_infinite", "sinks", "sliding_window")
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from lcx import presets
-    from lcx.data.io import atomic_write_json, environment
+    from lcx.bench.record import write_record
     from lcx.models import load_model
     from lcx.threads import resolve_threads
 
@@ -110,16 +109,12 @@ def run(args: argparse.Namespace) -> int:
     for row in rows.values():
         if "cpu_s" in row:
             row["speedup_vs_vanilla"] = round(base / row["cpu_s"], 3)
-    record = {
-        "description": "whole-model prefill time per method vs the unpatched model (transformers SDPA, causal)",
-        "config": {"model": args.model, "length": args.length, "context": L0, "factor": factor,
-                   "attn_backend": args.attn_backend, "repeats": args.repeats, "threads": threads,
-                   "time_measure": "median process CPU time of one forward (use_cache=False, logits_to_keep=1) "
-                                   "after a 256-token warm-up; wall time recorded too"},
-        "environment": environment(), "results": rows,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, record)
-    print(f"wrote {out}")
+    write_record(
+        args.out,
+        description="whole-model prefill time per method vs the unpatched model (transformers SDPA, causal)",
+        config={"model": args.model, "length": args.length, "context": L0, "factor": factor,
+                "attn_backend": args.attn_backend, "repeats": args.repeats, "threads": threads,
+                "time_measure": "median process CPU time of one forward (use_cache=False, logits_to_keep=1) "
+                                "after a 256-token warm-up; wall time recorded too"},
+        results=rows)
     return 0

@@ -23,7 +23,6 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import lcx.threads as th
-    from lcx.data.io import atomic_write_json, environment
+    from lcx.bench.record import write_record
     from lcx.engine import Engine
 
     if args.repeats < 1:
@@ -97,15 +96,11 @@ def run(args: argparse.Namespace) -> int:
             if proc is not None:
                 stop.set()
                 proc.join(timeout=5)
-    record = {
-        "description": "torch thread count vs throughput of lcx's engine (tiny model), idle and with one core busy",
-        "config": {"model": args.model, "repeats": args.repeats, "cores": cores,
-                   "shapes": {"decode": "1 x (32 prompt + 64 new)", "batched_decode": "8 x (32 + 64)",
-                              "prefill": "4 x 240 prompt tokens"}},
-        "environment": environment(), "results": rows,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out, record)
-    print(f"wrote {out}")
+    write_record(
+        args.out,
+        description="torch thread count vs throughput of lcx's engine (tiny model), idle and with one core busy",
+        config={"model": args.model, "repeats": args.repeats, "cores": cores,
+                "shapes": {"decode": "1 x (32 prompt + 64 new)", "batched_decode": "8 x (32 + 64)",
+                           "prefill": "4 x 240 prompt tokens"}},
+        results=rows)
     return 0
