@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lcx.data import modadd
-from lcx.models.modadd import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
-from lcx.train import modadd as tm
+from lcx.studies.modadd.model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
+from lcx.studies.modadd import study as tm
 
 ROOT = Path(__file__).resolve().parents[1]
 PE_NAMES = sorted(POSITION_ENCODINGS)

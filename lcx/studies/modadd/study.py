@@ -3,7 +3,7 @@
 Task: `(a + b) mod 97` read as characters. Pairs: `lcx.data.modadd.split_pairs(split_seed)`, the
 same 4,704 / 4,705 ordered-pair halves the `modadd_shift` lm-eval task holds out.
 
-Model: `lcx.models.modadd.ModAddEncoder` (2 layers, d_model 128, 4 heads, [CLS] classifier) with
+Model: `lcx.studies.modadd.model.ModAddEncoder` (2 layers, d_model 128, 4 heads, [CLS] classifier) with
 one of the position encodings of `POSITION_ENCODINGS` (learned absolute, ALiBi, RoPE, NoPE).
 
 Recipes (`Recipe`, registry `RECIPES`): `baseline` trains on the canonical `a+b=` at character
@@ -70,7 +70,7 @@ from lcx.data.modadd import (
     render,
     split_pairs,
 )
-from lcx.models.modadd import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
+from .model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
 
 # ---------------------------------------------------------------------------------- configs
 
@@ -428,7 +428,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
 STUDY_SEEDS = (0, 1, 2)
 # (recipe, position), cheapest first (a study cut short loses the expensive tail). baseline under
 # every position encoding, robust under the three that can represent order (a bidirectional
-# NoPE encoder is order-blind, see lcx.models.modadd), single interventions added to the
+# NoPE encoder is order-blind, see lcx.studies.modadd.model), single interventions added to the
 # baseline and removed from robust, both with learned positions (consistency alone is void:
 # without offsets or templates the two renderings of a pair are identical), and robust_nl.
 STUDY_CONFIGS: tuple[tuple[str, str], ...] = (
