@@ -1,429 +1,23 @@
-"""A small native inference engine: batched prefill + decode with a KV cache over an HF Llama-family
-model, with lcx methods (RoPE specs; LM-Infinite, sliding window, StreamingLLM sinks) chosen at
-start-up.
-
-    engine = Engine.from_pretrained("tiny-5m", EngineConfig(methods={"rope": {"rope_type": "yarn", "factor": 4}}))
-    outs = engine.generate([engine.encode("ROMEO:"), engine.encode("JULIET:")],
-                           SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=1))
-    outs[0].text, outs[0].token_ids, outs[0].finish_reason
-
-`generate` runs a list of requests to completion in one batch. The server (`lcx.serve`) drives
-the same engine one `step()` at a time (continuous batching): `add_request` queues a request,
-every `step` admits waiting requests (one batched prefill), runs one decode step for the requests
-already running, and returns what each request produced (`StepEvent`s).
-
-Batch layout (stated once). The running batch shares one KV cache per layer, HF layout
-`[B, H_kv, T, D]`, with the rows *left-padded* to a common length T:
-
-    column:   0    1    2    3    4    5        mask        pos
-    row 0:   a0   a1   a2   a3   a4   a5       1 1 1 1 1 1  0 1 2 3 4 5
-    row 1:    .    .    .   b0   b1   b2       0 0 0 1 1 1  . . . 0 1 2
-
-- `mask [B, T]` (bool) says which cached slots a row's next query may attend to (padding and, for
-  bounded-cache methods, evicted slots are False). It goes to HF as the 2D `attention_mask`, so
-  every attention implementation (eager, sdpa) masks them; HF adds causality itself.
-- A *position* is a token's index in its own request (prompt token 0 is at position 0), passed as
-  `position_ids`; it is what RoPE rotates with. Keys are cached after RoPE (HF), so a slot's
-  position never changes. `pos [B, T]` records it (-1 for padding).
-- New requests are prefilled together (left-padded among themselves), then merged into the
-  running batch by left-padding the shorter of the two caches; finished rows are removed, and
-  columns no row can see any more are dropped. Padding is exact: masked slots get zero weight, so
-  a request's tokens and logprobs do not depend on what it is batched with (up to float rounding
-  of differently shaped matmuls; in float64 batched == unbatched token for token).
-
-Sampling, in vLLM's order. The logits are first adjusted (only for a request that asks):
-`repetition_penalty` (tokens of the prompt or the output: a positive logit divided by it, a
-negative one multiplied), `frequency_penalty` / `presence_penalty` (minus the penalty times the
-token's count in the output / once if it occurs), and while fewer than `min_tokens` tokens are out,
-the stop tokens (EOS unless `ignore_eos`, `stop_token_ids`) are masked and stop strings not checked.
-Then `temperature == 0` is greedy (argmax). Otherwise softmax(logits / T), restricted to the tokens
-with probability >= `min_p` x the top token's, then to the `top_k` most likely, then to the
-smallest set whose (renormalised) probability reaches `top_p`, sampled with the request's own
-`torch.Generator` (seeded by `seed`), so a seeded request gives the same tokens in any batch. With
-none of these options set, sampling is exactly softmax(logits / T) + top-p as before they existed.
-Logprobs (generated and prompt) are of the model's raw distribution, log_softmax(logits), before
-penalties, temperature and truncation, as in vLLM.
-
-Length-dependent RoPE types (dynamic NTK, longrope) pick their basis per forward from the
-largest position in it (`lcx.patching`, as transformers): in a batch that is the longest row's, so
-for them a request's output depends on what it is batched with (as with HF batched `generate`);
-run with `max_batch=1` for per-request semantics. Static types have no such effect.
-
-Limits: `max_model_len` bounds prompt + max_tokens; a request over it is rejected with
-`ValueError` (never truncated). Methods come from `EngineConfig.methods` and `ENGINE_METHODS`;
-unknown names raise. Attention methods (`"attention": {"type": "lm_infinite", "n_global": 16,
-"n_local": 1024}`, `sliding_window`, `sinks`; `lcx.methods`) patch the model's attention and
-evict, after every step, the cached slots no later query of the row can see
-(`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
-`BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
-own keys (`lcx_key_positions`, `lcx.methods.attention_patch`); tokens equal unbatched decoding
-with a `BoundedKVCache` (tests/test_engine_attention.py).
-"""
+"""The engine: per-request state and the scheduler loop (prefill, decode, sampling, detokenization).
+The batch layout, sampling order and limits are stated once in `lcx.engine`'s docstring."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from .batch import _hf_cache, _left_pad
+from .methods import KVPolicy, check_method, window_policy
+from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
+from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
+
 log = logging.getLogger(__name__)
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
-MAX_LOGPROBS = 20  # top-k alternatives per token, as vLLM's default cap
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the range of `seed` (torch generators take 64 bits)
-
-
-class ContextLengthError(ValueError):
-    """A request that does not fit `max_model_len`; `param` is "prompt" or "max_tokens"."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-# ============================================================================================
-# Config
-# ============================================================================================
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request is decoded. Validated on construction (`ValueError` names the field).
-
-    max_tokens: tokens to generate (0: none; with `prompt_logprobs` that scores the prompt only).
-    temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
-    top_p: nucleus sampling mass in (0, 1]; 1 = off.
-    seed: seeds the request's own generator (None: a fresh random seed).
-    stop: strings that end generation; the returned text stops before the first one.
-    stop_token_ids: token ids that end generation (the EOS token does too unless `ignore_eos`).
-    logprobs: None = no logprobs; k >= 0 = the chosen token's logprob plus the top-k alternatives.
-    prompt_logprobs: the same for every prompt token (the first has none), for `echo`.
-    top_k: keep the k most likely tokens; 0 or -1 = off (vLLM's two spellings).
-    min_p: keep tokens with probability >= min_p x the most likely token's, in [0, 1]; 0 = off.
-    repetition_penalty: > 0; 1 = off. Applies to tokens of the prompt and of the output.
-    presence_penalty / frequency_penalty: in [-2, 2]; 0 = off. Apply to tokens of the output.
-    min_tokens: generate at least this many tokens (<= max_tokens) before a stop token or a stop
-        string may end the request.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not _is_int(self.max_tokens) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if not _is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (a 64-bit signed integer), "
-                             f"got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
-        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_num(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
-                or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_num(v) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, min_tokens)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Start-up configuration of an `Engine`.
-
-    max_model_len: limit on prompt + max_tokens of every request (None: the model's
-        `max_position_embeddings`, times the RoPE `factor` when a `rope` method with a factor is
-        applied). May be set above the model's trained context on purpose (extrapolation).
-    max_batch: most requests decoded together; more wait (FIFO).
-    methods: an `lcx.MethodConfig` or its nested dict (`{"rope": {"rope_type": "yarn", "factor":
-        4}, "attention": {...}, "backend": ...}`), plus any other method registered in
-        `ENGINE_METHODS` as `{name: params}`; applied at start-up (rope, attention, then the others).
-    """
-
-    max_model_len: int | None = None
-    max_batch: int = 16
-    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if not _is_int(self.max_batch) or self.max_batch < 1:
-            raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
-        methods = _engine_methods(self.methods)
-        for name, params in methods.items():
-            check_method(name)
-            if not isinstance(params, Mapping):
-                raise ValueError(f"methods[{name!r}] must be a mapping of parameters, got {params!r}")
-        object.__setattr__(self, "methods", MappingProxyType(
-            {k: MappingProxyType(dict(v)) for k, v in methods.items()}))
-
-    @property
-    def method_config(self) -> Any:
-        """The `lcx.MethodConfig` part of `methods` (RoPE + attention + backends)."""
-        return _method_config(self.methods)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown EngineConfig key(s) {unknown}; accepted: {sorted(names)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"max_model_len": self.max_model_len, "max_batch": self.max_batch,
-                "methods": {k: dict(v) for k, v in self.methods.items()}}
-
-
-# ============================================================================================
-# Methods (the extension point)
-# ============================================================================================
-
-def _method_config(methods: Mapping[str, Any]) -> Any:
-    from .method_config import NESTED_KEYS, MethodConfig
-
-    return MethodConfig.from_dict({k: v for k, v in methods.items() if k in NESTED_KEYS})
-
-
-def _engine_methods(methods: Any) -> dict[str, Any]:
-    """`EngineConfig.methods` as `{name: params}`: the MethodConfig part validated by
-    `lcx.MethodConfig` (its backends folded into the `attention` entry), other registered methods
-    after it."""
-    from .method_config import NESTED_KEYS, MethodConfig
-
-    if isinstance(methods, MethodConfig):
-        methods = methods.to_dict()
-    if not isinstance(methods, Mapping):
-        raise ValueError(f"methods must be an lcx.MethodConfig or a mapping {{name: params}}, "
-                         f"got {type(methods).__name__}")
-    d = _method_config(methods).to_dict()
-    out: dict[str, Any] = {}
-    if "rope" in d:
-        out["rope"] = d["rope"]
-    if "attention" in d:
-        out["attention"] = {**d["attention"], **{k: d[k] for k in ("backend", "decode_backend") if k in d}}
-    out.update({k: v for k, v in methods.items() if k not in NESTED_KEYS})
-    return out
-
-
-KVPolicy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class EngineMethod:
-    """A long-context method the engine runs, chosen at start-up by `EngineConfig.methods`.
-
-    apply(model, params) -> resolved: patches the loaded model in place (e.g. `lcx.patch`) and
-        returns the resolved parameters (recorded in `Engine.resolved_methods`).
-    context_len(model, resolved) -> int | None: the default `max_model_len` this method implies
-        (e.g. L * factor for RoPE scaling); None leaves it to the model or other methods.
-    kv_policy(resolved) -> policy | None: for bounded-cache methods (LM-Infinite's Λ-shaped
-        cache, sliding window, StreamingLLM). `policy(mask [B, T] bool, pos [B, T] long) ->
-        mask [B, T]` is called after every prefill/decode step on the running batch and returns
-        which cached slots stay visible to the rows' next queries (it may only turn slots off; pos
-        is -1 on padding). Slots no row sees any more are dropped from the cache. Positions of
-        new tokens stay their index in the request (what a method wants to feed RoPE instead,
-        e.g. LM-Infinite's distance cap, belongs in its attention patch, applied by `apply`).
-    """
-
-    name: str
-    apply: Callable[[nn.Module, Mapping[str, Any]], Any]
-    context_len: Callable[[nn.Module, Any], int | None] = lambda model, resolved: None
-    kv_policy: Callable[[Any], KVPolicy | None] = lambda resolved: None
-    description: str = ""
-
-
-def _apply_rope(model: nn.Module, params: Mapping[str, Any]):
-    from .patching import current_spec, patch
-
-    patch(model, dict(params))
-    return current_spec(model)
-
-
-def _rope_context_len(model: nn.Module, spec: Any) -> int | None:
-    if spec is None or spec.factor is None:
-        return None
-    L = spec.original_max_position_embeddings or getattr(model.config, "max_position_embeddings", None)
-    return int(L * spec.factor) if L else None
-
-
-@dataclass(frozen=True)
-class ResolvedAttention:
-    """What the `attention` engine method resolved to: the `lcx.methods` method, the
-    `lcx.attention` backend of every call, and whether the cache is bounded."""
-
-    method: Any
-    backend: str
-    bounded: bool
-    decode_backend: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.method.to_dict(), "backend": self.backend, "decode_backend": self.decode_backend,
-                "bounded_cache": self.bounded}
-
-
-def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAttention:
-    from .method_config import MethodConfig
-    from .methods.attention_patch import DEFAULT_BACKEND
-
-    cfg = MethodConfig.from_dict({"attention": params})
-    cfg.apply(model)
-    # kv_window is None when a bounded cache cannot reproduce the method (e.g. LM-Infinite with
-    # limit_distance > G + L - 1): the whole cache is kept
-    return ResolvedAttention(cfg.attention, cfg.backend or DEFAULT_BACKEND, cfg.kv_window is not None,
-                             cfg.decode_backend)
-
-
-def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
-    return window_policy(*resolved.method.cache_window) if resolved.bounded else None
-
-
-def window_policy(n_first: int, n_recent: int) -> KVPolicy:
-    """Keep the slots a query can still see: positions < n_first and the last n_recent - 1."""
-
-    def keep_window(mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # the next query of row b sits at newest[b] + 1 and sees positions < n_first or
-        # > newest[b] + 1 - n_recent (BoundedLayer.update keeps the same slots)
-        newest = pos.max(1, keepdim=True).values  # [B, 1]
-        return mask & ((pos < n_first) | (pos > newest + 1 - n_recent))
-
-    return keep_window
-
-
-# name -> method. The only list of engine methods; tests iterate over it.
-ENGINE_METHODS: dict[str, EngineMethod] = {
-    "rope": EngineMethod(
-        name="rope", apply=_apply_rope, context_len=_rope_context_len,
-        description="a RoPE spec from lcx.rope (HF key names; unset keys come from the model)"),
-    "attention": EngineMethod(
-        name="attention", apply=_apply_attention, kv_policy=_attention_kv_policy,
-        description="an lcx.methods attention method ({'type': 'lm_infinite'|'sliding_window'|'sinks', ...}, "
-                    "optional 'backend', 'decode_backend') with a bounded per-row KV cache"),
-}
-
-
-def check_method(name: str) -> EngineMethod:
-    """The registered method `name`; `ValueError` naming the supported ones otherwise."""
-    if name in ENGINE_METHODS:
-        return ENGINE_METHODS[name]
-    raise ValueError(f"unknown engine method {name!r}; supported: {sorted(ENGINE_METHODS)}")
-
-
-# ============================================================================================
-# Outputs
-# ============================================================================================
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's logprob and the top-k alternatives `[(token_id, logprob)]`, best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass
-class StepEvent:
-    """What one `step` produced for one request.
-
-    token_ids / logprobs: tokens generated this step (0 or 1; logprobs only if asked).
-    text: newly stable text. Text that may still turn out to be part of a stop string, and
-        trailing incomplete UTF-8, are held back until they are resolved or the request ends.
-    prompt_logprobs: with the first event of a request that asked for them, one entry per prompt
-        token (None for the first).
-    finished / finish_reason: "stop" (EOS, stop token or stop string), "length", "abort", "error".
-    error: the exception that failed this request (finish_reason "error"); others go on.
-    """
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    text: str = ""
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: BaseException | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A finished request (what `Engine.generate` returns)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    error: BaseException | None = None
-
-
-@dataclass
-class EngineStats:
-    """Counters the server exposes (`/stats`) and the tests and benchmark read."""
-
-    prefill_batches: int = 0
-    decode_steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    max_batch_size: int = 0
-    prefill_s: float = 0.0  # wall time in prefill / decode steps (forward + sampling + text)
-    decode_s: float = 0.0
-    batch_size_hist: dict[int, int] = field(default_factory=dict)  # decode-step batch size -> steps
-    finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["batch_size_hist"] = {str(k): v for k, v in sorted(self.batch_size_hist.items())}
-        return d
-
 
 # ============================================================================================
 # Per-request state
@@ -471,7 +65,7 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None):
-        from .hf import check_model_type, decoder
+        from ..hf import check_model_type, decoder
 
         config = config or EngineConfig()
         check_model_type(model, "lcx.engine")
@@ -491,7 +85,7 @@ class Engine:
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = "attention" in self.resolved_methods
-        from .models.swat import swat_params
+        from ..models.swat import swat_params
 
         swat = swat_params(model.config)
         if swat is not None:  # a SWAT model: per-row window attention, cache bounded to w - 1 keys
@@ -526,7 +120,7 @@ class Engine:
     def from_pretrained(cls, name_or_path: str, config: EngineConfig | None = None, *,
                         dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> "Engine":
         """Load with `lcx.load_model` (HF dir, .gguf, preset) and build an engine."""
-        from .models import load_model
+        from ..models import load_model
 
         model, tok = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tok, config)
@@ -1061,73 +655,11 @@ class Engine:
         return self._event(s)
 
 
-# ============================================================================================
-# helpers
-# ============================================================================================
-
 def _byte_decoder(tokenizer: Any) -> dict[str, int] | None:
     """GPT-2's printable-char -> byte table when the tokenizer is byte-level BPE, else None."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     if decoder is None or "ByteLevel" not in type(decoder).__name__ and "ByteLevel" not in repr(decoder):
         return None
-    from .models.tiny import _gpt2_bytes_to_unicode
+    from ..models.tiny import _gpt2_bytes_to_unicode
 
     return {c: b for b, c in _gpt2_bytes_to_unicode().items()}
-
-
-def _hf_cache(keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """An HF `DynamicCache` whose layers hold these tensors (no copy; HF's update concatenates)."""
-    from transformers.cache_utils import DynamicCache
-
-    hf = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in zip(keys, values)])
-    for layer, k, v in zip(hf.layers, keys, values):
-        layer.keys, layer.values = k, v
-    return hf
-
-
-def _left_pad(keys, values, mask, pos, T: int):
-    """Left-pad a batch's cache to T columns (zeros, mask False, pos -1)."""
-    pad = T - mask.shape[1]
-    if pad == 0:
-        return keys, values, mask, pos
-    b = mask.shape[0]
-    keys = [torch.cat([k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3]), k], 2) for k in keys]
-    values = [torch.cat([v.new_zeros(v.shape[0], v.shape[1], pad, v.shape[3]), v], 2) for v in values]
-    mask = torch.cat([mask.new_zeros(b, pad), mask], 1)
-    pos = torch.cat([pos.new_full((b, pad), -1), pos], 1)
-    return keys, values, mask, pos
-
-
-def _collect(rid: str, prompt: Sequence[int], events: list[StepEvent], params: SamplingParams) -> RequestOutput:
-    last = events[-1]
-    token_ids = [t for ev in events for t in ev.token_ids]
-    plp = next((ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None), None)
-    return RequestOutput(
-        request_id=rid, prompt_ids=list(prompt), token_ids=token_ids,
-        text="".join(ev.text for ev in events), finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        logprobs=[lp for ev in events for lp in ev.logprobs] if params.logprobs is not None else None,
-        prompt_logprobs=plp, error=last.error)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-__all__ = [
-    "ENGINE_METHODS",
-    "ContextLengthError",
-    "Engine",
-    "EngineConfig",
-    "EngineMethod",
-    "EngineStats",
-    "RequestOutput",
-    "SamplingParams",
-    "StepEvent",
-    "TokenLogprob",
-    "check_method",
-]

@@ -1,0 +1,92 @@
+"""A small native inference engine: batched prefill + decode with a KV cache over an HF Llama-family
+model, with lcx methods (RoPE specs; LM-Infinite, sliding window, StreamingLLM sinks) chosen at
+start-up.
+
+    engine = Engine.from_pretrained("tiny-5m", EngineConfig(methods={"rope": {"rope_type": "yarn", "factor": 4}}))
+    outs = engine.generate([engine.encode("ROMEO:"), engine.encode("JULIET:")],
+                           SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=1))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+
+`generate` runs a list of requests to completion in one batch. The server (`lcx.serve`) drives
+the same engine one `step()` at a time (continuous batching): `add_request` queues a request,
+every `step` admits waiting requests (one batched prefill), runs one decode step for the requests
+already running, and returns what each request produced (`StepEvent`s).
+
+Batch layout (stated once). The running batch shares one KV cache per layer, HF layout
+`[B, H_kv, T, D]`, with the rows *left-padded* to a common length T:
+
+    column:   0    1    2    3    4    5        mask        pos
+    row 0:   a0   a1   a2   a3   a4   a5       1 1 1 1 1 1  0 1 2 3 4 5
+    row 1:    .    .    .   b0   b1   b2       0 0 0 1 1 1  . . . 0 1 2
+
+- `mask [B, T]` (bool) says which cached slots a row's next query may attend to (padding and, for
+  bounded-cache methods, evicted slots are False). It goes to HF as the 2D `attention_mask`, so
+  every attention implementation (eager, sdpa) masks them; HF adds causality itself.
+- A *position* is a token's index in its own request (prompt token 0 is at position 0), passed as
+  `position_ids`; it is what RoPE rotates with. Keys are cached after RoPE (HF), so a slot's
+  position never changes. `pos [B, T]` records it (-1 for padding).
+- New requests are prefilled together (left-padded among themselves), then merged into the
+  running batch by left-padding the shorter of the two caches; finished rows are removed, and
+  columns no row can see any more are dropped. Padding is exact: masked slots get zero weight, so
+  a request's tokens and logprobs do not depend on what it is batched with (up to float rounding
+  of differently shaped matmuls; in float64 batched == unbatched token for token).
+
+Sampling, in vLLM's order. The logits are first adjusted (only for a request that asks):
+`repetition_penalty` (tokens of the prompt or the output: a positive logit divided by it, a
+negative one multiplied), `frequency_penalty` / `presence_penalty` (minus the penalty times the
+token's count in the output / once if it occurs), and while fewer than `min_tokens` tokens are out,
+the stop tokens (EOS unless `ignore_eos`, `stop_token_ids`) are masked and stop strings not checked.
+Then `temperature == 0` is greedy (argmax). Otherwise softmax(logits / T), restricted to the tokens
+with probability >= `min_p` x the top token's, then to the `top_k` most likely, then to the
+smallest set whose (renormalised) probability reaches `top_p`, sampled with the request's own
+`torch.Generator` (seeded by `seed`), so a seeded request gives the same tokens in any batch. With
+none of these options set, sampling is exactly softmax(logits / T) + top-p as before they existed.
+Logprobs (generated and prompt) are of the model's raw distribution, log_softmax(logits), before
+penalties, temperature and truncation, as in vLLM.
+
+Length-dependent RoPE types (dynamic NTK, longrope) pick their basis per forward from the
+largest position in it (`lcx.patching`, as transformers): in a batch that is the longest row's, so
+for them a request's output depends on what it is batched with (as with HF batched `generate`);
+run with `max_batch=1` for per-request semantics. Static types have no such effect.
+
+Limits: `max_model_len` bounds prompt + max_tokens; a request over it is rejected with
+`ValueError` (never truncated). Methods come from `EngineConfig.methods` and `ENGINE_METHODS`;
+unknown names raise. Attention methods (`"attention": {"type": "lm_infinite", "n_global": 16,
+"n_local": 1024}`, `sliding_window`, `sinks`; `lcx.methods`) patch the model's attention and
+evict, after every step, the cached slots no later query of the row can see
+(`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
+`BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
+own keys (`lcx_key_positions`, `lcx.methods.attention_patch`); tokens equal unbatched decoding
+with a `BoundedKVCache` (tests/test_engine_attention.py).
+
+Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS, the
+KV policies), `outputs` (TokenLogprob, StepEvent, RequestOutput, EngineStats), `batch` (the
+padded KV cache as tensors), `core` (the Engine: per-request state, prefill/decode, sampling,
+detokenization, the scheduler loop). Import from `lcx.engine`.
+"""
+
+from .core import Engine
+from .methods import ENGINE_METHODS, EngineMethod, KVPolicy, ResolvedAttention, check_method, window_policy
+from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
+from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
+
+__all__ = [
+    "ENGINE_METHODS",
+    "FINISH_REASONS",
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_LOGPROBS",
+    "ContextLengthError",
+    "Engine",
+    "EngineConfig",
+    "EngineMethod",
+    "EngineStats",
+    "KVPolicy",
+    "RequestOutput",
+    "ResolvedAttention",
+    "SamplingParams",
+    "StepEvent",
+    "TokenLogprob",
+    "check_method",
+    "window_policy",
+]

@@ -1,0 +1,164 @@
+"""Request and engine parameters: `SamplingParams` (vLLM's sampling options, range-checked like
+vLLM), `EngineConfig`, the finish reasons and limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+from .methods import _engine_methods, _method_config, check_method
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_LOGPROBS = 20  # top-k alternatives per token, as vLLM's default cap
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the range of `seed` (torch generators take 64 bits)
+
+
+class ContextLengthError(ValueError):
+    """A request that does not fit `max_model_len`; `param` is "prompt" or "max_tokens"."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+# ============================================================================================
+# Config
+# ============================================================================================
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Validated on construction (`ValueError` names the field).
+
+    max_tokens: tokens to generate (0: none; with `prompt_logprobs` that scores the prompt only).
+    temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+    top_p: nucleus sampling mass in (0, 1]; 1 = off.
+    seed: seeds the request's own generator (None: a fresh random seed).
+    stop: strings that end generation; the returned text stops before the first one.
+    stop_token_ids: token ids that end generation (the EOS token does too unless `ignore_eos`).
+    logprobs: None = no logprobs; k >= 0 = the chosen token's logprob plus the top-k alternatives.
+    prompt_logprobs: the same for every prompt token (the first has none), for `echo`.
+    top_k: keep the k most likely tokens; 0 or -1 = off (vLLM's two spellings).
+    min_p: keep tokens with probability >= min_p x the most likely token's, in [0, 1]; 0 = off.
+    repetition_penalty: > 0; 1 = off. Applies to tokens of the prompt and of the output.
+    presence_penalty / frequency_penalty: in [-2, 2]; 0 = off. Apply to tokens of the output.
+    min_tokens: generate at least this many tokens (<= max_tokens) before a stop token or a stop
+        string may end the request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if not _is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (a 64-bit signed integer), "
+                             f"got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_num(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
+                or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, min_tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Start-up configuration of an `Engine`.
+
+    max_model_len: limit on prompt + max_tokens of every request (None: the model's
+        `max_position_embeddings`, times the RoPE `factor` when a `rope` method with a factor is
+        applied). May be set above the model's trained context on purpose (extrapolation).
+    max_batch: most requests decoded together; more wait (FIFO).
+    methods: an `lcx.MethodConfig` or its nested dict (`{"rope": {"rope_type": "yarn", "factor":
+        4}, "attention": {...}, "backend": ...}`), plus any other method registered in
+        `ENGINE_METHODS` as `{name: params}`; applied at start-up (rope, attention, then the others).
+    """
+
+    max_model_len: int | None = None
+    max_batch: int = 16
+    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not _is_int(self.max_batch) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
+        methods = _engine_methods(self.methods)
+        for name, params in methods.items():
+            check_method(name)
+            if not isinstance(params, Mapping):
+                raise ValueError(f"methods[{name!r}] must be a mapping of parameters, got {params!r}")
+        object.__setattr__(self, "methods", MappingProxyType(
+            {k: MappingProxyType(dict(v)) for k, v in methods.items()}))
+
+    @property
+    def method_config(self) -> Any:
+        """The `lcx.MethodConfig` part of `methods` (RoPE + attention + backends)."""
+        return _method_config(self.methods)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown EngineConfig key(s) {unknown}; accepted: {sorted(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_model_len": self.max_model_len, "max_batch": self.max_batch,
+                "methods": {k: dict(v) for k, v in self.methods.items()}}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
