@@ -115,11 +115,11 @@ def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
 def window_policy(n_first: int, n_recent: int) -> KVPolicy:
     """Keep the slots a query can still see: positions < n_first and the last n_recent - 1."""
 
+    from ..methods.bounded_cache import kept_slots
+
     def keep_window(mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # the next query of row b sits at newest[b] + 1 and sees positions < n_first or
-        # > newest[b] + 1 - n_recent (BoundedLayer.update keeps the same slots)
-        newest = pos.max(1, keepdim=True).values  # [B, 1]
-        return mask & ((pos < n_first) | (pos > newest + 1 - n_recent))
+        # the next query of row b sits at newest[b] + 1 (padding has pos -1); BoundedKVCache's rule
+        return mask & kept_slots(pos, pos.max(1, keepdim=True).values + 1, n_first, n_recent)
 
     return keep_window
 

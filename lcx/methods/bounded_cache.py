@@ -50,6 +50,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .spec import AttentionMethod, method_from_dict
 
 
+def kept_slots(pos: torch.Tensor, next_position: torch.Tensor | int, n_first: int, n_recent: int) -> torch.Tensor:
+    """The eviction rule of every bounded cache (here and `lcx.engine`'s per-row KV policy): the
+    next query sits at `next_position` and sees positions < n_first and the last n_recent (itself
+    included), so a cached slot at `pos` is kept iff pos < n_first or pos > next_position - n_recent.
+    `pos` [..., T]; `next_position` broadcasts against it ([B, 1] for a batch of rows)."""
+    return (pos < n_first) | (pos > next_position - n_recent)
+
+
 class BoundedLayer(CacheLayerMixin):
     """One layer of a `BoundedKVCache`: keys/values `[B, Hkv, T, D]` (unrotated) + positions `[T]`."""
 
@@ -82,8 +90,7 @@ class BoundedLayer(CacheLayerMixin):
         pos = torch.cat([self.positions, new_pos])
         self.cumulative_length += Tq
         self._call_positions = pos
-        # the next query sits at position cumulative_length and needs positions >= it - n_recent + 1
-        keep = (pos < self.n_first) | (pos > self.cumulative_length - self.n_recent)
+        keep = kept_slots(pos, self.cumulative_length, self.n_first, self.n_recent)
         if bool(keep.all()):
             self.keys, self.values, self.positions = keys, values, pos
         else:
