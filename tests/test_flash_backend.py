@@ -77,10 +77,10 @@ def test_flash_bounded_cache_positions():
 
 
 def test_chunk_size_and_mask_structure():
-    # about W / 8, a multiple of 64, >= 128 (<= W); need not divide W (r = ceil(W / C) key chunks)
+    # the smallest multiple of 64 >= W / 8 and >= 128 (<= W); need not divide W (r = ceil(W / C))
     assert chunk_size(1024) == 128 and chunk_size(256) == 128 and chunk_size(300) == 128
     assert chunk_size(17) == 17 and chunk_size(128) == 128 and chunk_size(200) == 128
-    assert chunk_size(8192) == 1024 and chunk_size(8188) == 960
+    assert chunk_size(8192) == 1024 and chunk_size(8188) == 1024 and chunk_size(1100) == 192
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
     assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=lambda_mask(4, 16))) == (4, 15)
@@ -123,8 +123,30 @@ def test_mask_structure_needs_the_factory_name_and_its_parameters():
     assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
     assert mask_structure(AttentionSpec(mask=lambda_global_mask(4, 20))) is None
-    reason = BACKENDS["flash"].supports(AttentionSpec(mask=lambda_global_mask(4, 20)))
-    assert reason is not None and "lambda_global_4_20" in reason
+    # ... it is no window, but its own structure (global keys outside a window) is data flash runs
+    assert BACKENDS["flash"].supports(AttentionSpec(mask=lambda_global_mask(4, 20))) is None
+    from lcx.masks import and_masks
+
+    composed = and_masks(lambda_global_mask(4, 20), causal_mask)  # structure lost: refused, named
+    reason = BACKENDS["flash"].supports(AttentionSpec(mask=composed))
+    assert reason is not None and "is not causal, sliding_window, lambda or attention_sinks" in reason
+
+
+@pytest.mark.parametrize("Tq,Tk,off,G,L", [(40, 4, 0, 4, 7), (40, 3, 0, 4, 7), (1, 4, 50, 4, 7), (9, 10, 20, 10, 5),
+                                          (63, 2, 0, 2, 1), (217, 4, 0, 4, 63)])
+def test_global_keys_outside_the_window_on_flash(Tq, Tk, off, G, L):
+    """`lambda_global_mask(G, L)` (StreamingLLM's sink pass, LM-Infinite's global branch) on
+    flash == the reference, output and lse, rows with no visible key included."""
+    from lcx.attention.rotary import lambda_global_mask
+
+    g = torch.Generator().manual_seed(Tq + Tk)
+    q = torch.randn(1, Tq, 2, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, Tk, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    spec = AttentionSpec(mask=lambda_global_mask(G, L))
+    want, lse_w = attention(q, k, v, spec, backend="ref", q_offset=off, return_lse=True)
+    got, lse_g = attention(q, k, v, spec, backend="flash", q_offset=off, return_lse=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse_g, lse_w, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("Tk,Tq", ((300, 300), (301, 1), (415, 115)))

@@ -144,13 +144,14 @@ def _pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
 
 
 def chunk_size(W: int) -> int:
-    """Query chunk C for a window of W keys: about W / 8, a multiple of 64 (whole kernel blocks),
-    at least 128 (at most W). A query chunk reads r + 1 key chunks, r = ceil(W / C), so the work
-    per query is (r + 1) C ~ W + C: smaller chunks waste less on the two masked triangles, larger
-    ones keep the kernel's blocks big."""
+    """Query chunk C for a window of W keys: the smallest multiple of 64 (whole kernel blocks)
+    that is >= W / 8 and >= 128, at most W. A query chunk reads r + 1 key chunks, r = ceil(W / C),
+    so the work per query is (r + 1) C ~ W + C: smaller chunks waste less on the two masked
+    triangles, larger ones keep the kernel's blocks big (W = 8188 and 8192 both get C = 1024,
+    9216 keys per query)."""
     if W <= 128:
         return W
-    return min(W, max(128, (W // 8) // 64 * 64))
+    return min(W, max(128, -(-W // 512) * 64))
 
 
 def _window_body(q, k, v, *, b0: int, W: int, C: int, scale: float):
@@ -251,12 +252,18 @@ def _span_call(q, k, v, *, q0: int, st: Structure, scale: float, k_glob=None, q_
 
 
 # ----------------------------------------------------------------------------- backend
+def _outside_window(spec: AttentionSpec) -> tuple[int, int] | None:
+    """(G, L) of a `lambda_global_mask(G, L)` (keys j < G with i - j >= L: LM-Infinite's global
+    branch, StreamingLLM's sink pass), or None."""
+    return getattr(spec.mask, "global_outside_window", None) if spec.lambda_params is None else None
+
+
 def _flash_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:
     if spec.activation != "softmax":
         return f"flash kernels are softmax-only (activation={spec.activation!r})"
     if spec.alibi_slopes is not None:
         return "ALiBi is not supported by the flash backend (use sdpa, blockwise or triton)"
-    if mask_structure(spec) is None:
+    if mask_structure(spec) is None and _outside_window(spec) is None:
         name = getattr(spec.mask, "__name__", spec.mask)
         return f"mask {name!r} is not causal, sliding_window, lambda or attention_sinks"
     if call is None:
@@ -292,6 +299,12 @@ def attention_flash(q, k, v, spec, *, q_offset=None, rotary=None, return_lse=Fal
         q, k = rotate_qk(q, k, rotary, off)
     Tq, Tk = q.shape[1], k.shape[1]
     qh, kh, vh = q.transpose(1, 2), _heads_first(k, H), _heads_first(v, H)  # [B, H, T, D]
+    ow = _outside_window(spec)
+    if ow is not None:  # global keys outside the window only: one masked + one unmasked call
+        G = min(ow[0], Tk)
+        out, lse = _global_pass(qh, kh[:, :, :G], vh[:, :, :G], q0=off, G=G, left=ow[1] - 1, scale=scale)
+        out = out.transpose(1, 2).to(q.dtype)
+        return (out, lse) if return_lse else out
     left = st.left if st.left is not None and st.left < Tk - 1 else None  # window covers all
     if off + Tq < Tk:
         # queries that are not the last keys (no rotary): keys after the last query are

@@ -69,7 +69,9 @@ def lambda_global_mask(n_global: int, n_local: int) -> MaskMod:
     def lambda_global(b, h, q_idx, kv_idx):
         return (kv_idx < n_global) & (q_idx - kv_idx >= n_local)
 
-    return named(lambda_global, f"lambda_global_{n_global}_{n_local}", None, {})
+    fn = named(lambda_global, f"lambda_global_{n_global}_{n_local}", None, {})
+    fn.global_outside_window = (n_global, n_local)  # structure as data, for backends that cut it (flash)
+    return fn
 
 
 def lambda_concat_inputs(

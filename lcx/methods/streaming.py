@@ -105,7 +105,7 @@ def streaming_attention(
     pass B: the first S' = min(n_sink, Tk) keys at their positions, queries at p[min(i, S+w-1)],
             mask `j < n_sink and i - j >= window` (sinks inside the window stay in pass A).
     `backend` must return lse (ref, blockwise, flex, flash); others raise NotImplementedError.
-    Pass B runs on `backend` when it supports its mask, else on blockwise (flash: pass A only).
+    Pass B runs on `backend` when it supports its mask, else on blockwise.
     """
     off = _check(q, k, n_sink, window, q_offset)
     Tq, Tk = q.shape[1], k.shape[1]
@@ -119,7 +119,7 @@ def streaming_attention(
     q_sink = _rotate(q, rotary, _sink_query_positions(rotary, Tk, off, Tq, n_sink + window - 1, q.device))
     spec_b = AttentionSpec(mask=lambda_global_mask(n_sink, window), scale=scale)
     # pass B reads only the S' sink keys (O(Tq * S') work): a backend that cannot cut its mask
-    # (flash cuts windows, not this one) hands it to blockwise, which computes the same thing
+    # hands it to blockwise, which computes the same thing (flash cuts it: `global_outside_window`)
     backend_b = backend if BACKENDS[backend].supports(spec_b) is None else "blockwise"
     o_b, lse_b = attention(q_sink, k_sink, v[:, :n_s], spec_b, backend=backend_b, q_offset=off, return_lse=True)
     out, lse = merge_attention(o_a, lse_a, o_b, lse_b)
