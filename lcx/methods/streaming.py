@@ -112,17 +112,21 @@ def streaming_attention(
     o_a, lse_a = attention(q, k, v, AttentionSpec(mask=sliding_window(window - 1), scale=scale),
                            backend=backend, q_offset=off, rotary=rotary, return_lse=True)
     n_s = min(n_sink, Tk)
-    if n_s == 0 or off + Tq - 1 < window:  # no query sees a sink outside its window
+    first = max(0, window - off)  # queries before key index `window` see no sink outside their window
+    if n_s == 0 or first >= Tq:
         return (o_a, lse_a) if return_lse else o_a
     key_pos = rotary.key_positions(Tk, k.device)
     k_sink = _rotate(k[:, :n_s], rotary, key_pos[..., :n_s])  # [B, S', Hkv, D]
-    q_sink = _rotate(q, rotary, _sink_query_positions(rotary, Tk, off, Tq, n_sink + window - 1, q.device))
+    q_sink = _rotate(q[:, first:], rotary,
+                     _sink_query_positions(rotary, Tk, off + first, Tq - first, n_sink + window - 1, q.device))
     spec_b = AttentionSpec(mask=lambda_global_mask(n_sink, window), scale=scale)
     # pass B reads only the S' sink keys (O(Tq * S') work): a backend that cannot cut its mask
     # hands it to blockwise, which computes the same thing (flash cuts it: `global_outside_window`)
     backend_b = backend if BACKENDS[backend].supports(spec_b) is None else "blockwise"
-    o_b, lse_b = attention(q_sink, k_sink, v[:, :n_s], spec_b, backend=backend_b, q_offset=off, return_lse=True)
-    out, lse = merge_attention(o_a, lse_a, o_b, lse_b)
+    o_b, lse_b = attention(q_sink, k_sink, v[:, :n_s], spec_b, backend=backend_b, q_offset=off + first,
+                           return_lse=True)
+    o_t, lse_t = merge_attention(o_a[:, first:], lse_a[..., first:], o_b, lse_b)
+    out, lse = torch.cat((o_a[:, :first], o_t), 1), torch.cat((lse_a[..., :first], lse_t), -1)
     return (out, lse) if return_lse else out
 
 
