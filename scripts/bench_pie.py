@@ -2,7 +2,16 @@
 """PIE code-editing benchmark: recompute vs pie vs conflict on Python standard-library code.
 
     python scripts/bench_pie.py --model smollm2-135m --samples 36 --ctx-tokens 512 1024
+    python scripts/bench_pie.py --model runs/code-smollm2-135m --split eval --samples 100 \
+        --ctx-tokens 512 1024 --out results/pie_code_edit_code-smollm2-135m.json --resume
     python scripts/bench_pie.py --model tiny-random --samples 6 --ctx-tokens 400 --out /tmp/pie.json
+    python scripts/bench_pie.py --rescore results/pie_code_edit.json   # summary from stored samples
+
+`--split` samples from one part of lcx.data.code's by-package split of the stdlib; a model whose
+train_config.json records that split (one fine-tuned with `lcx train lm --corpus stdlib-code`)
+is only evaluated on `--split eval`, and only if none of its training or validation files is an
+eval file. The summary gives Wilson 95% intervals for exact-match rates and, per strategy, the
+paired difference of its true-line exact match to recompute's (Newcombe interval, McNemar p).
 
 For every sample: a window of real code, a random edit (insertion / deletion / multi-place),
 each strategy's cache update (cost recorded) and a greedy next-line completion; see
@@ -64,6 +73,30 @@ def write_json_atomic(path: Path, obj: dict) -> None:
         raise
 
 
+def code_split_guard(model_path: str, split: str, eval_files: list[Path]) -> dict | None:
+    """The model's recorded stdlib-code split (None if it has none); raises unless this run
+    samples the eval split and no eval file was in the model's train or val split."""
+    from lcx.data.code import SPLIT_ID, stdlib_root
+
+    cfg = Path(model_path) / "train_config.json"
+    if not cfg.is_file():
+        return None
+    rec = json.loads(cfg.read_text()).get("code_split")
+    if rec is None:
+        return None
+    if split != "eval":
+        raise SystemExit(f"{model_path} was trained on stdlib code ({rec['split_id']}); evaluate it with "
+                         f"--split eval, not --split {split}")
+    if rec["split_id"] != SPLIT_ID:
+        raise SystemExit(f"{model_path} was trained with split {rec['split_id']}, this code has {SPLIT_ID}")
+    seen = set(rec["train"]["files"]) | set(rec["val"]["files"])
+    overlap = sorted(seen & {str(p.relative_to(stdlib_root())) for p in eval_files})
+    if overlap:
+        raise SystemExit(f"{len(overlap)} eval file(s) were in the model's training data, e.g. {overlap[:3]}")
+    return {"split_id": rec["split_id"], "train_files_sha256": rec["train"]["files_sha256"],
+            "checked_no_overlap_with_eval_files": len(eval_files)}
+
+
 def load(name: str, device: str):
     if name == "tiny-random":
         from lcx.models.tiny import tiny_llama
@@ -82,15 +115,21 @@ def plot(summary: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = [g for g in ("all", "insertion", "deletion", "multi") if g in summary]
+    strategies = [s for s in STRATEGIES if s in summary["all"]]
     panels = [("flops_ratio_to_recompute", "update FLOPs / recompute", 1.0),
-              ("es_vs_recompute", "edit similarity vs recompute", 1.0),
-              ("es_vs_truth", "edit similarity vs true line", 1.0)]
+              ("em_vs_recompute", "same line as recompute (95% CI)", 1.0),
+              ("em_vs_truth", "exact match of the true line (95% CI)", 1.0)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
-    width = 0.8 / len(STRATEGIES)
+    width = 0.8 / len(strategies)
     for ax, (key, label, ymax) in zip(axes, panels):
-        for j, s in enumerate(STRATEGIES):
+        for j, s in enumerate(strategies):
             vals = [summary[g][s][key] or 0.0 for g in groups]
-            bars = ax.bar([i + (j - 1) * width for i in range(len(groups))], vals, width, label=s)
+            ci = [summary[g][s].get(key + "_ci95") for g in groups]
+            err = None
+            if all(c is not None for c in ci):
+                err = [[max(0.0, v - c[0]) for v, c in zip(vals, ci)], [max(0.0, c[1] - v) for v, c in zip(vals, ci)]]
+            bars = ax.bar([i + (j - (len(strategies) - 1) / 2) * width for i in range(len(groups))], vals, width,
+                          label=s, yerr=err, capsize=2, error_kw={"lw": 0.7})
             for b, v in zip(bars, vals):
                 ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(groups)), [f"{g}\n(n={summary[g]['n']})" for g in groups], fontsize=8)
@@ -110,6 +149,11 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--model", default="smollm2-135m", help="preset, path, or 'tiny-random' (lcx.models.tiny)")
+    ap.add_argument("--split", choices=("all", "train", "val", "eval"), default="all",
+                    help="stdlib files to sample: all, or one split of lcx.data.code (a model fine-tuned on "
+                         "stdlib code needs 'eval')")
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                    help="cache updates to run (recompute is always run: it is the reference)")
     ap.add_argument("--samples", type=int, default=36, help="samples per context length")
     ap.add_argument("--ctx-tokens", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--kinds", nargs="+", default=["insertion", "deletion", "multi"])
@@ -122,20 +166,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "pie_code_edit.json")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the samples a run with the same settings already wrote to --out (a larger "
+                         "--samples extends it)")
+    ap.add_argument("--rescore", type=Path, default=None, metavar="JSON",
+                    help="recompute the summary (and plot) of a finished run from its stored samples, then exit")
     args = ap.parse_args(argv)
+    if args.rescore is not None:
+        return rescore(args.rescore, plot_it=not args.no_plot)
+    strategies = ["recompute", *[s for s in args.strategies if s != "recompute"]]
 
     import torch
 
-    from lcx.cache.code_edit_eval import evaluate, make_samples, stdlib_files, summarize
+    from lcx.cache.code_edit_eval import SampleResult, evaluate, make_samples, stdlib_files, summarize
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     t_start = time.time()
     model, tok = load(args.model, args.device)
-    files = stdlib_files()
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config.update(strategies=list(STRATEGIES), n_stdlib_files=len(files),
+    files = stdlib_files(split=None if args.split == "all" else args.split)
+    guard = code_split_guard(args.model, args.split, files)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore")}
+    config.update(strategies=strategies, n_stdlib_files=len(files), model_code_split=guard,
                   model_config={k: getattr(model.config, k, None) for k in (
                       "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters")})
@@ -143,39 +196,90 @@ def main(argv: list[str] | None = None) -> int:
               "git": git_sha(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False,
               "summary": {}, "samples": []}
 
-    results = []
+    results, done = [], {}
+    if args.resume and args.out.is_file():
+        old = json.loads(args.out.read_text())
+        # the samples of a context are drawn in order from its own seed, so only their number may change
+        if {**old.get("config", {}), "samples": None} != {**json.loads(json.dumps(config)), "samples": None}:
+            raise SystemExit(f"--resume: {args.out} was written with other settings; drop --resume to start over")
+        results = [SampleResult(**x) for x in old["samples"] if x["sample"]["index"] < args.samples]
+        done = {(r.sample["ctx_tokens"], r.sample["index"]) for r in results}
+        record.update(started=old["started"], resumed=[*old.get("resumed", []), len(results)])
+        print(f"--resume: keeping {len(results)} samples from {args.out}", flush=True)
     for ctx in args.ctx_tokens:
         samples = make_samples(tok, args.samples, ctx, kinds=args.kinds, seed=args.seed + ctx, files=files)
-        for s in samples:
-            (r,) = evaluate(model, tok, [s], backend=args.backend, max_new_tokens=args.max_new_tokens,
-                            timing_repeats=args.timing_repeats, log=lambda m: print(f"ctx={ctx} {m}", flush=True))
-            r.sample["ctx_tokens"] = ctx
+        for i, s in enumerate(samples):
+            if (ctx, i) in done:
+                continue
+            (r,) = evaluate(model, tok, [s], strategies=strategies, backend=args.backend,
+                            max_new_tokens=args.max_new_tokens, timing_repeats=args.timing_repeats,
+                            log=lambda m: print(f"ctx={ctx} #{i} {m}", flush=True))
+            r.sample.update(ctx_tokens=ctx, index=i)
             results.append(r)
             record["samples"] = [asdict(x) for x in results]
-            record["summary"] = {"all_contexts": summarize(results)}
+            record["summary"] = {"all_contexts": summarize(results, strategies)}
             write_json_atomic(args.out, record)
-    by_ctx = {f"ctx_{c}": summarize([r for r in results if r.sample["ctx_tokens"] == c]) for c in args.ctx_tokens}
-    record["summary"] = {"all_contexts": summarize(results), **by_ctx}
+    record["samples"] = [asdict(x) for x in results]
+    record["summary"] = summaries(results, args.ctx_tokens, strategies)
     record["complete"] = True
     record["elapsed_s"] = time.time() - t_start
     write_json_atomic(args.out, record)
 
-    s_all = record["summary"]["all_contexts"]
-    print(f"\n{args.model}: {len(results)} samples, contexts {args.ctx_tokens}")
-    print(f"{'group':10s} {'strategy':10s} {'EM/rec':>7s} {'ES/rec':>7s} {'EM/true':>8s} {'ES/true':>8s} "
-          f"{'tok/rec':>8s} {'FLOP/rec':>9s} {'wall/rec':>9s}")
-    for g, row in s_all.items():
-        for s in STRATEGIES:
-            x = row[s]
-            print(f"{g:10s} {s:10s} {x['em_vs_recompute']:7.2f} {x['es_vs_recompute']:7.2f} {x['em_vs_truth']:8.2f} "
-                  f"{x['es_vs_truth']:8.2f} {x['tokens_ratio_to_recompute']:8.3f} {x['flops_ratio_to_recompute']:9.3f} "
-                  f"{x['wall_ratio_to_recompute']:9.3f}")
+    print_table(record, f"{args.model}: {len(results)} samples, contexts {args.ctx_tokens}")
     if not args.no_plot:
         png = args.out.with_suffix(".png")
-        plot(s_all, png, f"PIE code editing, {args.model}, {len(results)} samples, ctx {args.ctx_tokens}")
+        plot(record["summary"]["all_contexts"], png,
+             f"PIE code editing, {args.model}, {len(results)} samples, ctx {args.ctx_tokens}")
         print(f"wrote {args.out} and {png}")
     else:
         print(f"wrote {args.out}")
+    return 0
+
+
+def summaries(results: list, ctx_tokens: list[int], strategies: list[str]) -> dict:
+    from lcx.cache.code_edit_eval import summarize
+
+    by_ctx = {f"ctx_{c}": summarize([r for r in results if r.sample["ctx_tokens"] == c], strategies)
+              for c in ctx_tokens if any(r.sample["ctx_tokens"] == c for r in results)}
+    return {"all_contexts": summarize(results, strategies), **by_ctx}
+
+
+def _ci(x: dict, key: str) -> str:
+    ci = x.get(key + "_ci95")
+    return f"{x[key]:.3f} [{ci[0]:.2f},{ci[1]:.2f}]" if ci else f"{x[key]:.3f}"
+
+
+def print_table(record: dict, title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'context':13s} {'group':10s} {'strategy':10s} {'n':>4s} {'EM vs recompute':>21s} {'EM vs true line':>21s} "
+          f"{'minus recompute [95% CI]':>26s} {'FLOP/rec':>9s}")
+    for ctx, rows in record["summary"].items():
+        for g, row in rows.items():
+            for s in (s for s in STRATEGIES if s in row):
+                x = row[s]
+                d = x.get("em_vs_truth_minus_recompute")
+                dtxt = f"{d['diff']:+.3f} [{d['ci95'][0]:+.2f},{d['ci95'][1]:+.2f}]" if d and d["ci95"] else ""
+                print(f"{ctx:13s} {g:10s} {s:10s} {row['n']:4d} {_ci(x, 'em_vs_recompute'):>21s} "
+                      f"{_ci(x, 'em_vs_truth'):>21s} {dtxt:>26s} {x['flops_ratio_to_recompute']:9.3f}")
+
+
+def rescore(path: Path, plot_it: bool = True) -> int:
+    """Recompute `path`'s summary from its per-sample records (completions, targets, costs are
+    stored; nothing is re-run) with the current `summarize`, and rewrite it (and its plot)."""
+    from lcx.cache.code_edit_eval import SampleResult
+
+    record = json.loads(path.read_text())
+    cfg = record["config"]
+    results = [SampleResult(**x) for x in record["samples"]]
+    strategies = cfg.get("strategies", list(STRATEGIES))
+    record["summary"] = summaries(results, cfg["ctx_tokens"], strategies)
+    record["rescored"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_sha(),
+                          "note": "summary recomputed from the stored samples by bench_pie.py --rescore"}
+    write_json_atomic(path, record)
+    print_table(record, f"{cfg['model']}: {len(results)} samples (rescored), contexts {cfg['ctx_tokens']}")
+    if plot_it:
+        plot(record["summary"]["all_contexts"], path.with_suffix(".png"),
+             f"PIE code editing, {cfg['model']}, {len(results)} samples, ctx {cfg['ctx_tokens']}")
     return 0
 
 

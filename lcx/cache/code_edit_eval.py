@@ -23,6 +23,7 @@ Protocol (after PIE, arXiv 2407.03157, whose RepoBench-C setting we cannot downl
 from __future__ import annotations
 
 import difflib
+import math
 import random
 import statistics
 import sysconfig
@@ -38,17 +39,18 @@ from .kv import PositionedKVCache
 from .pie import EDIT_STRATEGIES, Edit, apply_edits, update_cache
 
 EDIT_KINDS = ("insertion", "deletion", "multi")
-_SKIP_DIRS = {"test", "tests", "site-packages", "__pycache__", "idle_test", "lib2to3"}
 
 
-def stdlib_files(min_lines: int = 200) -> list[Path]:
+def stdlib_files(min_lines: int = 200, split: str | None = None) -> list[Path]:
     """Python files of the running interpreter's standard library (tests and site-packages
-    excluded), at least `min_lines` long, sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    excluded, `lcx.data.code.stdlib_py_files`), at least `min_lines` long, sorted by path.
+    `split` ("train" | "val" | "eval") keeps only that split of `lcx.data.code.code_split`
+    (by package, so a model fine-tuned on the train split never saw an eval file)."""
+    from lcx.data.code import code_split, stdlib_py_files
+
+    files = stdlib_py_files() if split is None else code_split()[split]
     out = []
-    for p in sorted(root.rglob("*.py")):
-        if _SKIP_DIRS & set(p.relative_to(root).parts[:-1]) or p.name.startswith("_sysconfigdata"):
-            continue  # tests, third-party code, generated config data
+    for p in files:
         try:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -275,9 +277,62 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float] | None:
+    """Wilson score interval of a proportion k/n (None when n == 0). Unlike the normal
+    interval it stays inside [0, 1] and is not degenerate at 0/n or n/n, which matters for
+    accuracies near 0 on ~100 samples."""
+    if n <= 0:
+        return None
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z / d * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def paired_difference(x: Sequence[bool], y: Sequence[bool], z: float = Z95) -> dict[str, Any]:
+    """Difference of two proportions measured on the same samples, `mean(x) - mean(y)`, with
+    Newcombe's hybrid score interval for paired data (Newcombe 1998, method 10: Wilson
+    intervals of both margins, combined with the pairs' phi correlation, continuity-corrected) and the exact
+    two-sided McNemar p-value (binomial test on the discordant pairs). `x_only` / `y_only` count
+    the samples only x / only y got right."""
+    if len(x) != len(y):
+        raise ValueError(f"paired samples differ in length: {len(x)} vs {len(y)}")
+    n = len(x)
+    a = sum(1 for u, v in zip(x, y) if u and v)
+    b = sum(1 for u, v in zip(x, y) if u and not v)
+    c = sum(1 for u, v in zip(x, y) if v and not u)
+    d = n - a - b - c
+    out: dict[str, Any] = {"n": n, "x_only": b, "y_only": c, "both": a, "neither": d,
+                           "diff": None, "ci95": None, "mcnemar_p": None}
+    if n == 0:
+        return out
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, z)
+    l2, u2 = wilson_interval(a + c, n, z)
+    # phi with Newcombe's correction: ad - bc shrunk by n/2 towards 0 when positive, kept when negative
+    den = (a + b) * (c + d) * (a + c) * (b + d)
+    cov = a * d - b * c
+    cov = cov - n / 2 if cov > n / 2 else min(cov, 0)
+    phi = cov / math.sqrt(den) if den else 0.0
+    delta = p1 - p2
+    lo = delta - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    hi = delta + math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    m = b + c  # exact McNemar: P(X <= min(b, c)) * 2 for X ~ Binomial(m, 1/2)
+    p = 1.0 if m == 0 else min(1.0, 2 * sum(math.comb(m, i) for i in range(min(b, c) + 1)) / 2 ** m)
+    out.update(diff=delta, ci95=[max(-1.0, lo), min(1.0, hi)], mcnemar_p=p)
+    return out
+
+
 def summarize(results: Sequence[SampleResult], strategies: Sequence[str] = ("recompute", "pie", "conflict")) -> dict:
-    """Per strategy (overall and per edit kind): EM/ES vs recompute and vs the true line, compute
-    (sums and medians) and ratios to recompute (sums over the same samples)."""
+    """Per strategy (overall and per edit kind): EM/ES vs recompute and vs the true line, with
+    Wilson 95% intervals of the exact-match rates (`*_ci95`); the paired difference of each
+    strategy's true-line exact match to recompute's (`em_vs_truth_minus_recompute`, see
+    `paired_difference`); compute (sums and medians) and ratios to recompute (sums over the
+    same samples)."""
     out: dict[str, Any] = {}
     groups = {"all": list(results)}
     for r in results:
@@ -287,14 +342,20 @@ def summarize(results: Sequence[SampleResult], strategies: Sequence[str] = ("rec
         rec_tok = sum(r.cost["recompute"]["tokens_encoded"] for r in rs)
         rec_flops = sum(r.cost["recompute"]["flops"] for r in rs)
         rec_wall = sum(r.cost["recompute"]["wall_s"] for r in rs)
+        rec_true = [exact_match(r.completions["recompute"], r.sample["target"]) for r in rs]
         for s in strategies:
             tok = sum(r.cost[s]["tokens_encoded"] for r in rs)
             flops = sum(r.cost[s]["flops"] for r in rs)
             wall = sum(r.cost[s]["wall_s"] for r in rs)
+            em_rec = [exact_match(r.completions[s], r.completions["recompute"]) for r in rs]
+            em_true = [exact_match(r.completions[s], r.sample["target"]) for r in rs]
             g[s] = {
-                "em_vs_recompute": statistics.fmean(exact_match(r.completions[s], r.completions["recompute"]) for r in rs),
+                "em_vs_recompute": statistics.fmean(em_rec),
+                "em_vs_recompute_ci95": wilson_interval(sum(em_rec), len(rs)),
                 "es_vs_recompute": statistics.fmean(edit_similarity(r.completions[s], r.completions["recompute"]) for r in rs),
-                "em_vs_truth": statistics.fmean(exact_match(r.completions[s], r.sample["target"]) for r in rs),
+                "em_vs_truth": statistics.fmean(em_true),
+                "em_vs_truth_ci95": wilson_interval(sum(em_true), len(rs)),
+                "em_vs_truth_count": sum(em_true),
                 "es_vs_truth": statistics.fmean(edit_similarity(r.completions[s], r.sample["target"]) for r in rs),
                 "tokens_encoded_sum": tok,
                 "tokens_encoded_median": _median([r.cost[s]["tokens_encoded"] for r in rs]),
@@ -306,9 +367,12 @@ def summarize(results: Sequence[SampleResult], strategies: Sequence[str] = ("rec
                 "wall_ratio_to_recompute": wall / rec_wall if rec_wall else None,
                 "compute_saved_vs_recompute": 1 - flops / rec_flops if rec_flops else None,
             }
+            if s != "recompute":
+                g[s]["em_vs_truth_minus_recompute"] = paired_difference(em_true, rec_true)
         out[gname] = g
     return out
 
 
 __all__ = ["CodeEditSample", "EDIT_KINDS", "SampleResult", "edit_similarity", "evaluate", "exact_match",
-           "greedy_line", "make_samples", "next_line", "stdlib_files", "summarize", "token_edits"]
+           "greedy_line", "make_samples", "next_line", "paired_difference", "stdlib_files", "summarize", "token_edits",
+           "wilson_interval"]

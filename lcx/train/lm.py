@@ -78,6 +78,40 @@ import torch.nn.functional as F
 
 from lcx.data.io import atomic_savefig, atomic_write, atomic_write_json, environment
 
+# ---------------------------------------------------------------------------------- corpora
+
+
+def _text_corpus(split: str):
+    from lcx.data import load_corpus
+
+    return load_corpus("train" if split == "train" else "validation")
+
+
+def _stdlib_code_corpus(split: str):
+    from lcx.data.code import load_code_corpus
+
+    return load_code_corpus("train" if split == "train" else "val")
+
+
+# Training corpora: name -> loader(split) -> list[lcx.data.Document], split "train" or "held_out".
+# `stdlib-code` is Python standard-library code split by package (lcx.data.code): its train and
+# val packages are disjoint from the "eval" packages the code-edit benchmark samples from.
+CORPORA: dict[str, Callable[[str], list]] = {
+    "text": _text_corpus,  # Shakespeare + KJV, held-out works (lcx.data.corpus)
+    "stdlib-code": _stdlib_code_corpus,
+}
+# Mixed precision: TrainConfig.autocast -> torch dtype (None: plain float32).
+AUTOCAST_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bfloat16": torch.bfloat16}
+
+
+def autocast_ctx(cfg: "TrainConfig", device_type: str = "cpu"):
+    """`torch.autocast` for `cfg.autocast`, or a no-op context."""
+    import contextlib
+
+    dtype = AUTOCAST_DTYPES[cfg.autocast]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------- configs
 
 
@@ -160,6 +194,8 @@ class TrainConfig:
     stop_at_copy: float | None = None  # stop once held-out copy accuracy >= this at 2 evals in a row
     retrieval_formats: tuple[str, ...] | None = None  # formats drawn uniformly (None: retrieval.FORMATS)
     copy_vocab: int | None = None  # copy runs draw from this many most frequent tokens (None: all)
+    corpus: str = "text"  # a key of CORPORA: the train / held-out documents
+    autocast: str | None = None  # "bfloat16": forward/backward under torch.autocast (weights stay float32)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -220,6 +256,10 @@ class TrainConfig:
             raise ValueError(f"stop_at_copy must be a fraction in (0, 1], got {sc!r}")
         if sc is not None and (rmix == 0 or "copy" not in (self.retrieval_formats or ("copy",))):
             raise ValueError("stop_at_copy needs retrieval_mix > 0 with the copy format (copy is not measured)")
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus={self.corpus!r} is not known; known: {sorted(CORPORA)}")
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast must be one of {sorted(AUTOCAST_DTYPES, key=str)}, got {self.autocast!r}")
         if mix > 0 and passkey_rows(self) == 0:
             raise ValueError(f"passkey_mix={mix} gives no passkey row in a batch of {self.batch_size} "
                              f"(round(passkey_mix * batch_size) = 0); raise it or the batch size")
@@ -319,10 +359,17 @@ def model_config_of(config: Any) -> ModelConfig:
 
 
 def resolve_init(init: str) -> Path:
-    """The HF directory of `--init` (a preset name or a directory, `lcx.load_model`'s rules)."""
+    """The HF directory of `--init` (a preset name or a directory, `lcx.load_model`'s rules; a GGUF
+    file or preset gives the float32 HF directory `lcx.models` dequantizes it to)."""
     from lcx.models import resolve_source
 
     kind, path = resolve_source(init)
+    if kind == "gguf":  # the dequantized float32 HF directory lcx.models caches for a GGUF (built once)
+        from lcx.models import gguf_cache_dir, is_gguf_cached, load_model
+
+        if not is_gguf_cached(path):
+            load_model(path)
+        return gguf_cache_dir(path)
     if kind != "hf":
         raise ValueError(f"--init {init!r} is a {kind} file; fine-tuning needs a Hugging Face model directory")
     return path
@@ -572,13 +619,18 @@ def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 32) -> float:
+def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 32, autocast: Any = None) -> float:
+    """Mean NLL over `windows` `[N, T+1]`; `autocast`: a context manager factory (training's precision)."""
+    import contextlib
+
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
         w = windows[i : i + batch_size]
-        total += lm_loss(model, w[:, :-1], w[:, 1:]).item() * w[:, 1:].numel()
+        with (autocast or contextlib.nullcontext)():
+            loss = lm_loss(model, w[:, :-1], w[:, 1:])
+        total += loss.item() * w[:, 1:].numel()
         count += w[:, 1:].numel()
     model.train(was_training)
     return total / count
@@ -715,8 +767,9 @@ def train(
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume: no {state_path} (nothing to resume, or the run already finished)")
         state = torch.load(state_path, map_location="cpu", weights_only=True)
-        if state["config"] != cfg.to_dict():
-            diff = sorted(k for k in cfg.to_dict() if state["config"].get(k) != cfg.to_dict()[k])
+        saved_cfg = TrainConfig.from_dict(state["config"]).to_dict()  # fields added since: their defaults
+        if saved_cfg != cfg.to_dict():
+            diff = sorted(k for k in cfg.to_dict() if saved_cfg.get(k) != cfg.to_dict()[k])
             raise ValueError(f"--resume: config differs from the saved run in {diff}")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -726,7 +779,7 @@ def train(
     def checkpoint(step: int, final: bool) -> None:
         meta = {"train_config": cfg.to_dict(), "n_params": n_params, "steps_done": step,
                 "runtime": {"threads": torch.get_num_threads()}}
-        for k in ("git", "tokenizer", "init"):
+        for k in ("git", "tokenizer", "init", "code_split"):
             if k in log:
                 meta[k] = log[k]
         _save_hf(model, tokenizer, out, meta)
@@ -750,7 +803,8 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         x, y, w = weighted_batch_at(train_stream, cfg, step, passkey, retrieval)
-        loss = lm_loss(model, x, y, w)
+        with autocast_ctx(cfg):
+            loss = lm_loss(model, x, y, w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -764,7 +818,7 @@ def train(
         log["tokens_seen"] += tokens_per_step
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            entry = {"step": done, "loss": evaluate(model, val)}
+            entry = {"step": done, "loss": evaluate(model, val, autocast=lambda: autocast_ctx(cfg))}
             if pk_val is not None:
                 entry["passkey"] = passkey_accuracy(model, pk_val, pad_id)
             if copy_val is not None:
@@ -823,6 +877,7 @@ _FLAG_KEYS = {  # CLI flag dest -> TrainConfig key
     "stop_at_passkey": "stop_at_passkey", "retrieval_formats": "retrieval_formats", "stop_at_copy": "stop_at_copy",
     "copy_vocab": "copy_vocab",
     "weight_decay": "weight_decay", "beta2": "beta2", "min_lr_ratio": "min_lr_ratio",
+    "corpus": "corpus", "autocast": "autocast", "val_windows": "val_windows", "ckpt_every": "ckpt_every",
 }
 
 
@@ -929,6 +984,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-shape", default=None, metavar="JSON",
                         help="ModelConfig fields as JSON for a fresh model, e.g. "
                              "'{\"num_hidden_layers\": 6, \"num_key_value_heads\": 4}'")
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default=None,
+                        help="training text: 'text' (Shakespeare + KJV, the default) or 'stdlib-code' (Python "
+                             "standard-library files of the train packages of lcx.data.code; held-out loss on "
+                             "its val packages; the code-edit benchmark's eval packages are never read)")
+    parser.add_argument("--autocast", choices=[k for k in AUTOCAST_DTYPES if k], default=None,
+                        help="run forward/backward under torch.autocast in this dtype (weights and optimizer "
+                             "stay float32); bfloat16 is ~1.6x faster on CPUs with AVX512-BF16")
+    parser.add_argument("--val-windows", type=int, default=None,
+                        help=f"held-out windows scored at each evaluation (default {d.val_windows})")
+    parser.add_argument("--ckpt-every", type=int, default=None,
+                        help=f"checkpoint interval in steps (default {d.ckpt_every})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -975,7 +1041,7 @@ def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None)
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from lcx.data import encode_documents, load_corpus, train_tokenizer
+    from lcx.data import encode_documents, train_tokenizer
 
     from transformers.utils import logging as hf_logging
 
@@ -992,7 +1058,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args, saved)
 
     t0 = time.perf_counter()
-    train_docs, val_docs = load_corpus("train"), load_corpus("validation")
+    train_docs, val_docs = CORPORA[cfg.corpus]("train"), CORPORA[cfg.corpus]("held_out")
     if args.resume:
         tokenizer = AutoTokenizer.from_pretrained(out)  # the run's own tokenizer
         tok_info = {"source": "resumed"}
@@ -1014,11 +1080,15 @@ def run(args: argparse.Namespace) -> int:
           f"{torch.get_num_threads()} threads", flush=True)
     env = environment()
     init_info = {}
+    if cfg.corpus == "stdlib-code":  # the by-package split, recorded so an eval can check it never trains on
+        from lcx.data.code import split_record
+
+        init_info["code_split"] = split_record()
     if cfg.init is not None and not args.resume:
         ipath = resolve_init(cfg.init)
-        init_info = {"init": {"source": cfg.init, "path": str(ipath),
-                              "model_sha256": file_sha256(ipath / "model.safetensors")
-                              if (ipath / "model.safetensors").is_file() else None}}
+        init_info["init"] = {"source": cfg.init, "path": str(ipath),
+                             "model_sha256": file_sha256(ipath / "model.safetensors")
+                             if (ipath / "model.safetensors").is_file() else None}
     res = train(cfg, out, tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, resume=args.resume,
                 keep_state=args.keep_state, log_path=args.log, progress=not args.no_progress,
                 extra_log={"git": env.pop("git"), "environment": env, "tokenizer": tok_info,
