@@ -30,6 +30,15 @@ and recorded as `TrainConfig.model`; the optimizer, schedule and batches are as 
 then only picks batches). `--resume` reloads the init model for its architecture, then the
 saved state.
 
+Corpora (`--corpus`, `TrainConfig.corpus`, registry `CORPORA`): `text` (Shakespeare + KJV, the
+default) or `stdlib-code`, the Python standard library's train packages (`lcx.data.code`: split
+by package, held-out loss on its val packages; the code-edit benchmark's eval packages are never
+read, and the split is recorded in the log and the model's train_config.json as `code_split`).
+`--init` also takes a GGUF preset such as `smollm2-135m` (its dequantized float32 directory).
+`--autocast bfloat16` runs forward and backward under `torch.autocast` (float32 weights and
+optimizer; ~1.6x faster per token for SmolLM2-135M on a CPU with AVX512-BF16); validation
+loss is then computed the same way.
+
 Passkey mix (`--passkey-mix F`, `TrainConfig.passkey_mix`): the first round(F * batch_size)
 rows of every batch start with a passkey-retrieval example in exactly the prompt format of the
 lm-eval `passkey` task (`lcx.eval_tasks.passkey.data`: task line, filler, needle, filler,
@@ -690,7 +699,10 @@ def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
     ax.set_ylabel("loss (nats/token)")
     att = cfg["model"].get("attention", "sdpa")
     att = "" if att == "sdpa" else f" ({att}" + (f", w={cfg['model']['window']})" if cfg["model"].get("window") else ")")
-    ax.set_title(f"tiny Llama LM{att}, {log.get('n_params', 0) / 1e6:.2f}M params, batch {cfg['batch_size']}x{cfg['seq_len']}")
+    what = "Llama LM" if cfg.get("init") is None else f"{cfg['init']} fine-tuned"
+    corpus = "" if cfg.get("corpus", "text") == "text" else f" on {cfg['corpus']}"
+    ax.set_title(f"{what}{corpus}{att}, {log.get('n_params', 0) / 1e6:.2f}M params, "
+                 f"batch {cfg['batch_size']}x{cfg['seq_len']}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
