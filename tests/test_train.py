@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lcx.data import encode_documents, load_corpus, train_tokenizer
+from lcx.data.io import environment
 from lcx.train.lm import (
     ATTENTION_VARIANTS,
     ModelConfig,
@@ -90,9 +91,10 @@ def test_resume_continues_identically(tmp_path, data):
     cfg = MICRO.replace(steps=25, ckpt_every=10)
     full = _run(cfg, tmp_path / "full", data)
     # Interrupted at step 13 (not a checkpoint multiple: stop_after writes its own checkpoint).
-    part = _run(cfg, tmp_path / "resumed", data, stop_after=13)
+    # The CLI logs environment() (package versions) into the state: it must load back.
+    part = _run(cfg, tmp_path / "resumed", data, stop_after=13, extra_log={"environment": environment()})
     assert len(part.log["loss"]) == 13 and (tmp_path / "resumed" / "state.pt").is_file()
-    resumed = _run(cfg, tmp_path / "resumed", data, resume=True)
+    resumed = _run(cfg, tmp_path / "resumed", data, resume=True, extra_log={"environment": environment()})
     assert resumed.log["loss"] == full.log["loss"]
     assert resumed.log["val"] == full.log["val"]
     assert resumed.log["resumed_at_step"] == [13]

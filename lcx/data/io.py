@@ -93,7 +93,7 @@ def environment() -> dict[str, Any]:
 
     return {
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a str subclass torch.load(weights_only) refuses
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
         "platform": platform.platform(),

@@ -778,7 +778,9 @@ def train(
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume: no {state_path} (nothing to resume, or the run already finished)")
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        # states written before environment() stringified torch.__version__ hold a TorchVersion
+        with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
+            state = torch.load(state_path, map_location="cpu", weights_only=True)
         saved_cfg = TrainConfig.from_dict(state["config"]).to_dict()  # fields added since: their defaults
         if saved_cfg != cfg.to_dict():
             diff = sorted(k for k in cfg.to_dict() if saved_cfg.get(k) != cfg.to_dict()[k])
