@@ -710,6 +710,13 @@ def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+
+def _load_state(path: str | os.PathLike) -> dict[str, Any]:
+    """A resumable state written by `train`. States written before `environment()` stringified
+    torch's version hold a `TorchVersion`, which weights_only loading must be told about."""
+    with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
 def train(
     cfg: TrainConfig,
     out: str | os.PathLike,
@@ -778,9 +785,7 @@ def train(
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume: no {state_path} (nothing to resume, or the run already finished)")
-        # states written before environment() stringified torch.__version__ hold a TorchVersion
-        with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
-            state = torch.load(state_path, map_location="cpu", weights_only=True)
+        state = _load_state(state_path)
         saved_cfg = TrainConfig.from_dict(state["config"]).to_dict()  # fields added since: their defaults
         if saved_cfg != cfg.to_dict():
             diff = sorted(k for k in cfg.to_dict() if saved_cfg.get(k) != cfg.to_dict()[k])
@@ -1068,7 +1073,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if not (out / "state.pt").is_file():
             raise FileNotFoundError(f"--resume: no {out / 'state.pt'} (nothing to resume, or the run already finished)")
-        saved = torch.load(out / "state.pt", map_location="cpu", weights_only=True)["config"]
+        saved = _load_state(out / "state.pt")["config"]
     cfg = _config_from_args(args, saved)
 
     t0 = time.perf_counter()
