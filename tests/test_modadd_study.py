@@ -3,6 +3,7 @@ study runner, aggregation, and the decoder export evaluated through lm-eval's `l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -62,6 +63,15 @@ def _numbers(ids: torch.Tensor, length: int) -> list[int]:
     (lambda: tm.StudyConfig(configs=(("robust",),)), "(recipe, position)"),
     (lambda: tm.DecoderConfig.from_dict({"layers": 3}), "layers"),
     (lambda: tm.StudyConfig(run={"seed": 3}), "seed"),
+    (lambda: tm.Recipe(offset_sampling="row"), "offset_sampling"),
+    (lambda: tm.Recipe(curriculum_delay_frac=1.0), "curriculum_delay_frac"),
+    (lambda: tm.Recipe(consistency_ramp_frac=-0.1), "consistency_ramp_frac"),
+    (lambda: tm.recipe_by_name("robust~markers=false"), "~field=value"),
+    (lambda: tm.recipe_by_name("robust~lr=0.1"), "~field=value"),
+    (lambda: tm.RunConfig(tag="a b"), "tag"),
+    (lambda: tm.StudyConfig(configs=(("robust", "learned", {"lr": 0.1}),)), "tag"),
+    (lambda: tm.StudyConfig(configs=(("robust", "learned", {"tag": "x", "seed": 1}),)), "seed"),
+    (lambda: tm.StudyConfig(configs=(("robust", "learned"), ("robust", "learned"))), "same name"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_config_errors_name_the_key(make, key):
     with pytest.raises(ValueError, match=re.escape(key)):
@@ -101,6 +111,37 @@ def test_curriculum_widens_linearly():
     r = tm.Recipe(curriculum=True, max_offset=32, curriculum_frac=0.5)
     assert [r.max_offset_at(s, 100) for s in (0, 24, 49, 50, 99)] == [1, 16, 32, 32, 32]
     assert tm.Recipe().max_offset_at(99, 100) == 0
+    delayed = tm.recipe_by_name("robust~curriculum_delay_frac=0.2")
+    assert [delayed.max_offset_at(s, 100) for s in (0, 19, 20, 44, 69, 99)] == [0, 0, 1, 16, 32, 32]
+
+
+def test_recipe_modifiers_and_schedules():
+    r = tm.recipe_by_name("robust-no_markers~offset_sampling=example~consistency_ramp_frac=0.5~max_offset=16")
+    assert (r.markers, r.curriculum, r.offset_sampling, r.consistency_ramp_frac, r.max_offset) == (
+        False, True, "example", 0.5, 16)
+    assert [r.consistency_weight_at(s, 100) for s in (0, 24, 49, 99)] == [0.02, 0.5, 1.0, 1.0]
+    assert tm.recipe_by_name("robust").consistency_weight_at(0, 100) == 1.0
+    assert tm.recipe_by_name("baseline").consistency_weight_at(50, 100) == 0.0
+    # the KL term is weighted by the schedule: at step 0 of a ramp it is (almost) off
+    cfg = tm.RunConfig(recipe="robust~consistency_ramp_frac=0.5", steps=100, batch_size=8, model=TINY_MODEL)
+    model = tm.build_model(cfg)
+    batch = tm.batch_at(cfg, modadd.split_pairs(0).train, 10)
+    ce = tm.loss_fn(model, cfg, *batch, step=0)[1]["ce"]
+    loss0, parts = tm.loss_fn(model, cfg, *batch, step=0)
+    loss_full, _ = tm.loss_fn(model, cfg, *batch)
+    assert loss0.item() == pytest.approx(ce + 0.02 * parts["kl"], rel=1e-5)
+    assert loss_full.item() == pytest.approx(ce + parts["kl"], rel=1e-5)
+
+
+def test_offset_sampling_per_batch_or_per_example():
+    pairs = modadd.split_pairs(0).train[:64]
+
+    def offsets(name):
+        texts = tm.sample_texts(tm.recipe_by_name(name), pairs, random.Random(3), 32)
+        return {len(t) - len(t.lstrip(modadd.PAD)) for t in texts}
+
+    assert len(offsets("baseline+curriculum")) == 1
+    assert len(offsets("baseline+curriculum~offset_sampling=example")) > 10
 
 
 # --------------------------------------------------------------------------- data
@@ -214,6 +255,20 @@ def test_tiny_training_run_learns():
     assert 0 <= res["metrics"]["pos"] <= 1 and len(res["metrics"]["templates"]) == len(modadd.OOD_TEMPLATES)
 
 
+def test_learning_curve_every_n_steps():
+    cfg = tm.RunConfig(steps=7, batch_size=8, eval_pairs=5, eval_offsets=(0, 8, 32, 128), eval_every=3,
+                       model=TINY_MODEL)
+    _, res = tm.train_run(cfg, progress=False)
+    learning = res["curve"]["learning"]
+    assert learning["step"] == [3, 6, 7]
+    assert set(learning) == {"step", *tm.CURVE_SPLITS}
+    assert all(len(learning[k]) == 3 and all(0 <= v <= 1 for v in learning[k]) for k in tm.CURVE_SPLITS)
+    _, plain = tm.train_run(dataclasses.replace(cfg, eval_every=0), progress=False)
+    assert "learning" not in plain["curve"]
+    # the curve's evaluations do not change training
+    assert plain["curve"]["loss"] == res["curve"]["loss"]
+
+
 # --------------------------------------------------------------------------- study: resume + aggregate
 def test_study_resumes_and_redoes_corrupt_runs(tmp_path, monkeypatch):
     calls = []
@@ -273,6 +328,21 @@ def test_aggregate_table_from_run_files(tmp_path):
     assert json.loads((tmp_path / "table.json").read_text())["rows"][0]["id"]["mean"] == pytest.approx(0.7)
 
 
+def test_tagged_configs_aggregate_separately_with_learning_curves(tmp_path):
+    study = tm.StudyConfig(configs=(("baseline", "learned"), ("baseline", "learned", {"tag": "hot", "lr": 3e-3})),
+                           seeds=(0,), run={**TINY_RUN, "steps": 4, "eval_every": 2})
+    names = [c.name for c in study.run_configs()]
+    assert names == ["baseline__learned__s0", "baseline__learned__hot__s0"]
+    assert [c.lr for c in study.run_configs()] == [1e-3, 3e-3]
+    assert tm.StudyConfig.from_dict(json.loads(json.dumps(study.to_dict()))) == study
+    tm.run_study(study, tmp_path, progress=False, log=lambda *_: None)
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [(r["recipe"], r.get("tag")) for r in table["rows"]] == [("baseline", None), ("baseline", "hot")]
+    assert all(r["learning"]["step"] == [2, 4] for r in table["rows"])
+    assert "| baseline [hot] | learned | 1 |" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "learning.png").is_file()
+
+
 def test_study_presets_and_config_files(tmp_path):
     assert tm._study_from_arg("default") is tm.DEFAULT_STUDY
     long = tm._study_from_arg("long")
@@ -283,6 +353,7 @@ def test_study_presets_and_config_files(tmp_path):
     assert tm._study_from_arg(str(path)).run_configs() == TINY_STUDY.run_configs()
     with pytest.raises(ValueError, match="neither a committed study"):
         tm._study_from_arg("longest")
+    assert all(c.eval_every for c in tm._study_from_arg("diagnosis").run_configs())
     # the default study holds every leave-one-out ablation of the robust recipe
     assert {(f"robust-no_{i}", "learned") for i in tm.INTERVENTIONS} <= set(tm.DEFAULT_STUDY.configs)
 

@@ -48,6 +48,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ def _check_int(name: str, v: Any, minimum: int) -> None:
 
 
 INTERVENTIONS = ("markers", "curriculum", "templates", "consistency")
+OFFSET_SAMPLING = ("batch", "example")
 
 # What the `templates` intervention samples from: the symbolic formats only, or those plus
 # natural-language phrasings (none of them an OOD template).
@@ -110,8 +112,18 @@ class Recipe:
     curriculum_frac: float = 0.5  # fraction of the steps over which the range widens
     consistency_weight: float = 1.0
     template_pool: str = "symbolic"  # templates draws from: TEMPLATE_POOLS
+    # How the recipe is scheduled (defaults: the original study's choices).
+    offset_sampling: str = "batch"  # one offset per batch (per rendering with consistency) or per "example"
+    curriculum_delay_frac: float = 0.0  # fraction of the steps at offset 0 before the range widens
+    consistency_ramp_frac: float = 0.0  # consistency weight ramps linearly from 0 over this fraction
 
     def __post_init__(self) -> None:
+        if self.offset_sampling not in OFFSET_SAMPLING:
+            raise ValueError(f"offset_sampling must be one of {OFFSET_SAMPLING}, got {self.offset_sampling!r}")
+        for name in ("curriculum_delay_frac", "consistency_ramp_frac"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"{name} must be a number in [0, 1), got {v!r}")
         if self.template_pool not in TEMPLATE_POOLS:
             raise ValueError(f"template_pool must be one of {sorted(TEMPLATE_POOLS)}, got {self.template_pool!r}")
         for name in INTERVENTIONS:
@@ -128,11 +140,19 @@ class Recipe:
         return _from_dict(cls, d)
 
     def max_offset_at(self, step: int, steps: int) -> int:
-        """Widest offset sampled at `step` (0 without the curriculum)."""
+        """Widest offset sampled at `step` (0 without the curriculum, and during the delay)."""
         if not self.curriculum:
             return 0
+        delay = round(self.curriculum_delay_frac * steps)
         ramp = max(1, round(self.curriculum_frac * steps))
-        return round(self.max_offset * min(1.0, (step + 1) / ramp))
+        return round(self.max_offset * min(1.0, max(0, step + 1 - delay) / ramp))
+
+    def consistency_weight_at(self, step: int, steps: int) -> float:
+        """The consistency loss's weight at `step` (0 without the loss)."""
+        if not self.consistency:
+            return 0.0
+        ramp = round(self.consistency_ramp_frac * steps)
+        return self.consistency_weight * (min(1.0, (step + 1) / ramp) if ramp else 1.0)
 
 
 RECIPES: dict[str, Recipe] = {
@@ -145,13 +165,24 @@ RECIPES: dict[str, Recipe] = {
 
 def recipe_by_name(name: str) -> Recipe:
     """`baseline`, `robust`, or a base name followed by `-no_<intervention>` (switch one off)
-    or `+<intervention>` (switch one on) parts: `robust-no_markers`, `baseline+curriculum`."""
-    import re
-
+    or `+<intervention>` (switch one on) parts: `robust-no_markers`, `baseline+curriculum`;
+    then any `~field=value` parts set other `Recipe` fields (value as JSON, else a string):
+    `robust~offset_sampling=example~consistency_ramp_frac=0.3`."""
+    name, *mods = name.split("~")
     base, *parts = re.split(r"(?=[-+])", name)
     if base not in RECIPES:
         raise ValueError(f"recipe={name!r}: unknown base {base!r}; known: {sorted(RECIPES)}")
     recipe = RECIPES[base]
+    fields = {f.name for f in dataclasses.fields(Recipe)} - set(INTERVENTIONS)
+    changes: dict[str, Any] = {}
+    for mod in mods:
+        key, eq, value = mod.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"recipe modifier {mod!r}: expected ~field=value with field in {sorted(fields)}")
+        try:
+            changes[key] = json.loads(value)
+        except ValueError:
+            changes[key] = value
     for part in parts:
         on = part.startswith("+")
         flag = part[1:] if on else (part[4:] if part.startswith("-no_") else None)
@@ -159,7 +190,7 @@ def recipe_by_name(name: str) -> Recipe:
             raise ValueError(f"recipe={name!r}: {part!r} is not -no_<intervention> or +<intervention> with "
                              f"intervention in {INTERVENTIONS}")
         recipe = dataclasses.replace(recipe, **{flag: on})
-    return recipe
+    return dataclasses.replace(recipe, **changes) if changes else recipe
 
 
 EVAL_OFFSETS: tuple[int, ...] = (0, 4, 8, 16, 32, 48, 64, 80, 96, 128)
@@ -183,6 +214,8 @@ class RunConfig:
     train_pairs: int = 0  # train on the first N pairs of the train half only (0: all 4,704)
     eval_offsets: tuple[int, ...] = EVAL_OFFSETS
     model: EncoderConfig = field(default_factory=EncoderConfig)
+    eval_every: int = 0  # >0: a learning curve of held-out accuracies every N steps (`curve_metrics`)
+    tag: str = ""  # names a variant of the optimisation settings (part of `name`)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Mapping):
@@ -195,10 +228,12 @@ class RunConfig:
         if self.model.position != self.position:
             object.__setattr__(self, "model", dataclasses.replace(self.model, position=self.position))
         for name, minimum in (("seed", 0), ("split_seed", 0), ("steps", 1), ("batch_size", 2),
-                              ("warmup_steps", 0), ("eval_pairs", 1), ("train_pairs", 0)):
+                              ("warmup_steps", 0), ("eval_pairs", 1), ("train_pairs", 0), ("eval_every", 0)):
             _check_int(name, getattr(self, name), minimum)
         if self.recipe_obj.consistency and self.batch_size % 2:
             raise ValueError(f"batch_size must be even with the consistency loss, got {self.batch_size}")
+        if not isinstance(self.tag, str) or not re.fullmatch(r"[A-Za-z0-9_.=-]*", self.tag):
+            raise ValueError(f"tag must be a string of letters, digits and _.=-, got {self.tag!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if self.weight_decay < 0 or not self.grad_clip > 0:
@@ -224,7 +259,8 @@ class RunConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.recipe}__{self.position}__s{self.seed}"
+        tag = f"__{self.tag}" if self.tag else ""
+        return f"{self.recipe}__{self.position}{tag}__s{self.seed}"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RunConfig":
@@ -250,18 +286,22 @@ def pack(texts: Sequence[str], *, cls: bool = True) -> tuple[torch.Tensor, torch
 
 
 def sample_texts(recipe: Recipe, pairs: Sequence[tuple[int, int]], rng: random.Random, max_offset: int) -> list[str]:
-    """One training rendering per pair, template per the recipe, all at one offset drawn
-    uniformly from [0, max_offset].
+    """One training rendering per pair, template per the recipe, at offsets drawn uniformly
+    from [0, max_offset]: one offset for the whole call (`offset_sampling="batch"`) or one per
+    example (`"example"`).
 
-    One offset per call (i.e. per batch, or per half-batch with the consistency loss) rather
-    than per example: rows then have nearly equal lengths, so a batch costs its mean length
-    instead of its longest row's (a ~2x saving on CPU); over the run every offset is still seen
-    equally often.
+    One offset per call (i.e. per batch, or per half-batch with the consistency loss) keeps rows
+    at nearly equal lengths, so a batch costs its mean length instead of its longest row's (a ~2x
+    saving on CPU); over the run every offset is still seen equally often, but each step's
+    gradient then comes from a single offset.
     """
+    per_example = recipe.offset_sampling == "example"
     offset = rng.randint(0, max_offset)
     out = []
     for a, b in pairs:
         template = rng.choice(TEMPLATE_POOLS[recipe.template_pool]) if recipe.templates else CANONICAL
+        if per_example:
+            offset = rng.randint(0, max_offset)
         out.append(render(a, b, template, offset, markers=recipe.markers))
     return out
 
@@ -292,14 +332,18 @@ def symmetric_kl(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tensor
     return 0.5 * ((la.exp() * (la - lb)).sum(-1) + (lb.exp() * (lb - la)).sum(-1)).mean()
 
 
-def loss_fn(model: ModAddEncoder, cfg: RunConfig, ids, lengths, labels, n_pairs) -> tuple[torch.Tensor, dict]:
+def loss_fn(model: ModAddEncoder, cfg: RunConfig, ids, lengths, labels, n_pairs,
+            step: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Cross-entropy, plus the consistency loss at its weight for `step` (full weight when
+    `step` is None)."""
     logits = model(ids, lengths)  # [B, 97]
     ce = F.cross_entropy(logits, labels)
     recipe = cfg.recipe_obj
     if not recipe.consistency:
         return ce, {"ce": ce.item()}
     kl = symmetric_kl(logits[:n_pairs], logits[n_pairs:])
-    return ce + recipe.consistency_weight * kl, {"ce": ce.item(), "kl": kl.item()}
+    weight = recipe.consistency_weight if step is None else recipe.consistency_weight_at(step, cfg.steps)
+    return ce + weight * kl, {"ce": ce.item(), "kl": kl.item()}
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -318,15 +362,20 @@ def accuracy(model: ModAddEncoder, texts: Sequence[str], labels: Sequence[int], 
     return hits / len(texts)
 
 
+def rendered_accuracy(model: ModAddEncoder, pairs: Sequence[tuple[int, int]], template: str, offset: int, *,
+                      markers: bool) -> float:
+    """Accuracy on `pairs` rendered with `template` at `offset`."""
+    return accuracy(model, [render(a, b, template, offset, markers=markers) for a, b in pairs],
+                    [(a + b) % MODULUS for a, b in pairs])
+
+
 def evaluate(model: ModAddEncoder, cfg: RunConfig) -> dict[str, Any]:
     """Accuracy per split (see the module docstring)."""
     split = split_pairs(cfg.split_seed)
-    markers = cfg.recipe_obj.markers
     test, train = split.test[: cfg.eval_pairs], split.train[: cfg.eval_pairs]
 
     def acc(pairs, template, offset):
-        return accuracy(model, [render(a, b, template, offset, markers=markers) for a, b in pairs],
-                        [(a + b) % MODULUS for a, b in pairs])
+        return rendered_accuracy(model, pairs, template, offset, markers=cfg.recipe_obj.markers)
 
     shift = {str(o): acc(test, CANONICAL, o) for o in cfg.eval_offsets}
     templates = [acc(test, t, 0) for t in OOD_TEMPLATES]
@@ -338,6 +387,25 @@ def evaluate(model: ModAddEncoder, cfg: RunConfig) -> dict[str, Any]:
         "shift": shift,
         "templates": templates,
     }
+
+
+CURVE_PAIRS = 200  # held-out (and training) pairs scored at each learning-curve point
+CURVE_SPLITS = ("id", "pos8", "pos32", "template", "train_id")
+
+
+def curve_metrics(model: ModAddEncoder, cfg: RunConfig, n_pairs: int = CURVE_PAIRS) -> dict[str, float]:
+    """The learning-curve point: accuracy on the first `n_pairs` held-out pairs at offset 0
+    (`id`), at offsets 8 and 32 (`pos8`, `pos32`: inside the curriculum's range), on the OOD
+    templates (`template`, mean), and on training pairs at offset 0 (`train_id`)."""
+    split = split_pairs(cfg.split_seed)
+    test, train = split.test[:n_pairs], split.train[:n_pairs]
+
+    def acc(pairs, template, offset):
+        return rendered_accuracy(model, pairs, template, offset, markers=cfg.recipe_obj.markers)
+
+    return {"id": acc(test, CANONICAL, 0), "pos8": acc(test, CANONICAL, 8), "pos32": acc(test, CANONICAL, 32),
+            "template": sum(acc(test, t, 0) for t in OOD_TEMPLATES) / len(OOD_TEMPLATES),
+            "train_id": acc(train, CANONICAL, 0)}
 
 
 # -------------------------------------------------------------------------------- training
@@ -365,10 +433,12 @@ def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.
         lr=lr, betas=(0.9, 0.98), foreach=False)
 
 
-def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int) -> dict[str, list]:
+def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int,
+              after_step=None) -> dict[str, list]:
     """The training loop shared by the encoder runs and the decoder: per step (from `bar`, a
-    tqdm over range(steps)) set the lr, backprop `loss_at(step)`, clip, step; returns the curve
-    of the loss's moving average every `log_every` steps. A non-finite loss raises."""
+    tqdm over range(steps)) set the lr, backprop `loss_at(step)`, clip, step, then call
+    `after_step(step)` if given; returns the curve of the loss's moving average every
+    `log_every` steps. A non-finite loss raises."""
     curve: dict[str, list] = {"step": [], "loss": []}
     ema = None
     model.train()
@@ -389,6 +459,8 @@ def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_
             curve["step"].append(step + 1)
             curve["loss"].append(round(ema, 5))
             bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+        if after_step is not None:
+            after_step(step)
     bar.close()
     return curve
 
@@ -407,18 +479,32 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
                dynamic_ncols=True, leave=False)
 
     def loss_at(step: int) -> torch.Tensor:
-        return loss_fn(model, cfg, *batch_at(cfg, train_pairs, step))[0]
+        return loss_fn(model, cfg, *batch_at(cfg, train_pairs, step), step=step)[0]
+
+    learning: dict[str, list] = {"step": [], **{k: [] for k in CURVE_SPLITS}}
+    eval_s = 0.0
+
+    def after_step(step: int) -> None:
+        nonlocal eval_s
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            t = time.perf_counter()
+            learning["step"].append(step + 1)
+            for k, v in curve_metrics(model, cfg).items():
+                learning[k].append(round(v, 4))
+            eval_s += time.perf_counter() - t
 
     curve = _optimize(model, opt, bar, lr=lambda step: lr_at(cfg, step), loss_at=loss_at,
-                      grad_clip=cfg.grad_clip, name=cfg.name, log_every=log_every)
-    train_s = time.perf_counter() - t0
+                      grad_clip=cfg.grad_clip, name=cfg.name, log_every=log_every, after_step=after_step)
+    if cfg.eval_every:
+        curve["learning"] = learning
+    train_s = time.perf_counter() - t0 - eval_s
     t1 = time.perf_counter()
     metrics = evaluate(model, cfg)
     result = {
         "name": cfg.name, "config": cfg.to_dict(), "recipe": dataclasses.asdict(cfg.recipe_obj),
         "n_params": sum(p.numel() for p in model.parameters()), "metrics": metrics, "curve": curve,
         "final_loss": curve["loss"][-1], "train_s": round(train_s, 2),
-        "eval_s": round(time.perf_counter() - t1, 2), "threads": torch.get_num_threads(),
+        "eval_s": round(time.perf_counter() - t1 + eval_s, 2), "threads": torch.get_num_threads(),
     }
     return model, result
 
@@ -442,9 +528,13 @@ STUDY_CONFIGS: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """The whole study: configurations x seeds, and the per-run budget shared by all of them."""
+    """The whole study: configurations x seeds, and the per-run budget shared by all of them.
 
-    configs: tuple[tuple[str, str], ...] = STUDY_CONFIGS
+    A configuration is `(recipe, position)`, or `(recipe, position, overrides)` where
+    `overrides` holds RunConfig keys for that configuration only (say `lr`) and must then set
+    a `tag` naming the variant (runs are files named by recipe, position, tag and seed)."""
+
+    configs: tuple[tuple, ...] = STUDY_CONFIGS
     seeds: tuple[int, ...] = STUDY_SEEDS
     run: Mapping[str, Any] = field(default_factory=dict)  # RunConfig keys shared by every run
     budget_note: str = ""
@@ -456,21 +546,29 @@ class StudyConfig:
         if bad:
             raise ValueError(f"StudyConfig.run must not set {bad}: they come from configs and seeds")
         for c in self.configs:
-            if len(c) != 2:
-                raise ValueError(f"configs entries are (recipe, position), got {c!r}")
-        self.run_configs()  # validates every run
+            if len(c) not in (2, 3) or (len(c) == 3 and not isinstance(c[2], Mapping)):
+                raise ValueError(f"configs entries are (recipe, position) or (recipe, position, overrides), got {c!r}")
+            if len(c) == 3:
+                bad = sorted(set(c[2]) & {"recipe", "position", "seed"})
+                if bad or not c[2].get("tag"):
+                    raise ValueError(f"config {c!r}: overrides need a non-empty 'tag' and must not set "
+                                     "recipe, position or seed")
+        names = [c.name for c in self.run_configs()]  # validates every run
+        if len(set(names)) != len(names):
+            raise ValueError("two configurations give runs the same name; give them different tags")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "StudyConfig":
         return _from_dict(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"configs": [list(c) for c in self.configs], "seeds": list(self.seeds), "run": dict(self.run),
-                "budget_note": self.budget_note}
+        return {"configs": [[*c[:2], dict(c[2])] if len(c) == 3 else list(c) for c in self.configs],
+                "seeds": list(self.seeds), "run": dict(self.run), "budget_note": self.budget_note}
 
     def run_configs(self) -> list[RunConfig]:
-        return [RunConfig.from_dict({**self.run, "recipe": r, "position": p, "seed": s})
-                for r, p in self.configs for s in self.seeds]
+        return [RunConfig.from_dict({**self.run, **(c[2] if len(c) == 3 else {}), "recipe": c[0], "position": c[1],
+                                     "seed": s})
+                for c in self.configs for s in self.seeds]
 
 
 def load_run(path: Path, cfg: RunConfig | None = None) -> dict[str, Any] | None:
@@ -553,22 +651,29 @@ def aggregate(out: str | Path, study: StudyConfig | None = None) -> dict[str, An
     if study is not None:
         wanted = {c.name: c for c in study.run_configs()}
         runs = [r for r in runs if r.get("name") in wanted and _same_config(r["config"], wanted[r["name"]])]
-        order = list(dict.fromkeys(study.configs))
+        order = list(dict.fromkeys((c[0], c[1], c[2]["tag"] if len(c) == 3 else "") for c in study.configs))
     else:
-        order = list(dict.fromkeys((r["config"]["recipe"], r["config"]["position"]) for r in runs))
+        order = list(dict.fromkeys(_group_key(r) for r in runs))
     rows = []
-    for recipe, position in order:
-        group = [r for r in runs if (r["config"]["recipe"], r["config"]["position"]) == (recipe, position)]
+    for recipe, position, tag in order:
+        group = [r for r in runs if _group_key(r) == (recipe, position, tag)]
         if not group:
             continue
         row: dict[str, Any] = {"recipe": recipe, "position": position,
                                "seeds": sorted(r["config"]["seed"] for r in group)}
+        if tag:
+            row["tag"] = tag
         for s in SPLITS:
             row[s] = dict(zip(("mean", "std"), _mean_std([r["metrics"][s] for r in group])))
         offsets = group[0]["config"]["eval_offsets"]
         row["shift"] = {str(o): dict(zip(("mean", "std"), _mean_std([r["metrics"]["shift"][str(o)] for r in group])))
                         for o in offsets}
         row["train_s"] = sum(r["train_s"] for r in group) / len(group)
+        curves = [r["curve"]["learning"] for r in group if "learning" in r.get("curve", {})]
+        if curves and all(c["step"] == curves[0]["step"] for c in curves):
+            row["learning"] = {"step": curves[0]["step"],
+                               **{k: [_mean_std([c[k][i] for c in curves])[0] for i in range(len(curves[0]["step"]))]
+                                  for k in CURVE_SPLITS}}
         rows.append(row)
     table = {"splits": list(SPLITS), "rows": rows, "n_runs": len(runs),
              "study": study.to_dict() if study else None, "environment": environment()}
@@ -582,7 +687,18 @@ def aggregate(out: str | Path, study: StudyConfig | None = None) -> dict[str, An
     if rows:
         plot_shift(table, out / "shift.png")
         plot_ablation(table, out / "ablation.png")
+    if any("learning" in r for r in rows):
+        plot_learning(table, out / "learning.png")
     return table
+
+
+def _group_key(run: Mapping[str, Any]) -> tuple[str, str, str]:
+    c = run["config"]
+    return c["recipe"], c["position"], c.get("tag", "")
+
+
+def _label(row: Mapping[str, Any]) -> str:
+    return row["recipe"] + (f" [{row['tag']}]" if row.get("tag") else "")
 
 
 def table_markdown(table: Mapping[str, Any]) -> str:
@@ -591,7 +707,7 @@ def table_markdown(table: Mapping[str, Any]) -> str:
     lines = []
     for r in table["rows"]:
         cells = [f"{100 * r[s]['mean']:.1f} ± {100 * r[s]['std']:.1f}" for s in SPLITS]
-        lines.append(f"| {r['recipe']} | {r['position']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(r)} | {r['position']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     text = head + "\n".join(lines) + "\n"
     if table.get("run_seconds"):
         minutes = table["run_seconds"] / 60
@@ -643,7 +759,7 @@ def plot_ablation(table: Mapping[str, Any], path: Path) -> None:
 
     names = (["baseline"] + [f"baseline+{i}" for i in INTERVENTIONS] + ["robust"]
              + [f"robust-no_{i}" for i in INTERVENTIONS])
-    rows = {r["recipe"]: r for r in table["rows"] if r["position"] == "learned"}
+    rows = {r["recipe"]: r for r in table["rows"] if r["position"] == "learned" and not r.get("tag")}
     names = [n for n in names if n in rows]
     splits = ("id", "pos", "template")
     fig, ax = plt.subplots(figsize=(8, 4.2))
@@ -660,6 +776,34 @@ def plot_ablation(table: Mapping[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+
+
+def plot_learning(table: Mapping[str, Any], path: Path) -> None:
+    """Learning curves (mean over seeds) of the rows that recorded them: held-out accuracy at
+    offset 0, at offset 32 and on the OOD templates against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table["rows"] if "learning" in r]
+    panels = (("id", "in-distribution (offset 0)"), ("pos32", "position shift (offset 32)"),
+              ("template", "template OOD"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 4.6), sharey=True)
+    for ax, (key, title) in zip(axes, panels):
+        for i, r in enumerate(rows):
+            ax.plot(r["learning"]["step"], [100 * v for v in r["learning"][key]], marker="o", ms=2,
+                    color=f"C{i % 10}", ls="-" if i < 10 else "--", label=f"{_label(r)} / {r['position']}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out accuracy (%)")
+    axes[0].set_ylim(-3, 103)
+    axes[-1].legend(fontsize=6.5, loc="upper left")
+    fig.suptitle("(a+b) mod 97: learning curves (mean over seeds)", fontsize=11)
+    fig.tight_layout()
+    atomic_savefig(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -871,9 +1015,30 @@ LONG_STUDY = StudyConfig(
                  "Accuracy on the first 500 held-out pairs."),
 )
 
+# Why does the full recipe learn so slowly? One seed per variant at the default study's budget,
+# with learning curves (held-out accuracy every 100 steps): the reference curves, then the
+# recipe with one scheduling or optimisation choice changed at a time.
+DIAGNOSIS_STUDY = StudyConfig(
+    configs=(
+        ("baseline", "learned"), ("baseline+curriculum", "learned"), ("robust", "learned"),
+        ("robust-no_consistency", "learned"), ("robust-no_curriculum", "learned"),
+        ("robust~offset_sampling=example", "learned"),
+        ("robust~curriculum_delay_frac=0.2", "learned"),
+        ("robust~consistency_ramp_frac=0.5", "learned"),
+        ("robust", "learned", {"tag": "lr3e-3", "lr": 3e-3}),
+        ("robust", "learned", {"tag": "wd0.1", "weight_decay": 0.1}),
+    ),
+    seeds=(0,),
+    run={**DEFAULT_STUDY.run, "eval_every": 100},
+    budget_note=("Diagnosis of the full recipe's slow learning: the default study's budget (1000 x 256), one "
+                 "seed, learning curves every 100 steps on 200 held-out pairs (curve_metrics); each variant "
+                 "changes one scheduling or optimisation choice of `robust`."),
+)
+
 # `--config NAME` picks one of these; `--config FILE.json` reads a StudyConfig. Default output
 # directory: results/modadd for `default`, results/modadd/<name> for the others.
-STUDY_PRESETS: dict[str, StudyConfig] = {"default": DEFAULT_STUDY, "long": LONG_STUDY}
+STUDY_PRESETS: dict[str, StudyConfig] = {"default": DEFAULT_STUDY, "long": LONG_STUDY,
+                                          "diagnosis": DIAGNOSIS_STUDY}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
