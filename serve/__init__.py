@@ -1,14 +1,18 @@
 """lcx.serve: the OpenAI-compatible server over `lcx.engine` (installed as `lcx.serve`).
 
-- `lcx.serve.protocol`: request bodies (strict, unknown fields rejected) and OpenAI error objects.
+- `lcx.serve.protocol`: request bodies (strict, unknown fields rejected), response bodies and
+  OpenAI error objects: the wire format, as pydantic models.
+- `lcx.serve.gate`: the ASGI middleware (request ids, API key, error and disconnect counting).
+- `lcx.serve.context`: `ServerContext`, what every route shares (engine, scheduler, CPU pool,
+  limits) and the request plumbing (parsing off the event loop, validation, disconnect = abort).
+- `lcx.serve.routes`: one router per concern (completions, chat, tokenizer, admin).
 - `lcx.serve.scheduler`: the batching scheduler (one worker thread owns the engine; continuous
   batching; a batching window when idle).
-- `lcx.serve.app`: `create_app(engine, model_name=..., api_key=...)`, the FastAPI app
-  (/v1/completions, /v1/chat/completions, /v1/models, /health, /stats, /tokenizer_info,
-  /tokenize, /detokenize).
-- `lcx.serve.cli`: `lcx serve`.
+- `lcx.serve.app`: `create_app(engine, model_name=..., api_key=...)` assembles the above.
+- `lcx.serve.cli`: `lcx serve` (built-in engine, or `--engine vllm`).
+- `lcx.serve.vllm_plugin`: the `vllm.general_plugins` entry point that applies lcx methods inside
+  vLLM (`lcx serve --engine vllm`, `vllm serve`, `lm_eval --model vllm`).
 
-Not here yet: the vLLM plugin (`vllm.general_plugins` entry point applying lcx methods inside
-`vllm serve`), planned for a session with vLLM installed. Importing this package imports nothing
-heavy; fastapi/uvicorn are needed only by `app`/`cli` (the `serve` extra).
+Importing this package imports nothing heavy; fastapi/uvicorn are needed only by the server
+modules (the `serve` extra), vLLM only by the plugin.
 """

@@ -18,7 +18,6 @@ Then any OpenAI client (base_url http://HOST:PORT/v1), or lm-eval:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -78,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     if args.vllm_args:
         raise ValueError("--vllm-args needs --engine vllm")
-    import torch
     import uvicorn
 
     from lcx.engine import Engine, EngineConfig

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API and the OpenAI error format.
+"""The wire format of the OpenAI-compatible API: request bodies, response bodies, OpenAI errors.
 
 Bodies are validated strictly from the raw JSON (pydantic strict mode: `"5"` is not an integer,
 `true` is not a number, NaN and Infinity are not numbers) and unknown fields are rejected by
@@ -9,13 +9,16 @@ value ranges are checked by `lcx.engine.SamplingParams`, which names the field.
 
 Errors are `{"error": {"message", "type", "param", "code"}}`, OpenAI's shape, with a 4xx status
 for the client's mistakes and 500 for the server's.
+
+Responses are models too (`CompletionResponse`, `ChatCompletionResponse`, their stream chunks,
+`ModelList`, the tokenizer routes' bodies): the routes build them, never raw dicts.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from lcx.engine import MAX_LOGPROBS
 
@@ -197,3 +200,159 @@ def validation_error(e: ValidationError) -> APIError:
     got_s = repr(got)
     got_s = got_s if len(got_s) <= 60 else got_s[:57] + "..."
     return bad_request(f"invalid value for {'.'.join(loc)!r}: {first['msg']} (got {got_s})", param, "invalid_type")
+
+
+# ------------------------------------------------------------------------------ responses
+# What the server sends, as models: the shapes of OpenAI's API (and vLLM's extras) in one place.
+# `None` fields are sent as `null` (OpenAI clients expect e.g. "logprobs": null), except in a
+# chat `delta`, which carries only the keys that changed.
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _drop_null_usage(d: dict[str, Any]) -> dict[str, Any]:
+    if d.get("usage", 0) is None:
+        del d["usage"]
+    return d
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Out):
+    """Legacy completions logprobs: per token its text, logprob, top alternatives and the
+    character offset into the choice's whole text (echoed prompt first). Prompt tokens without
+    a logprob (the first) carry null."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+    def __add__(self, other: "CompletionLogprobs") -> "CompletionLogprobs":
+        return CompletionLogprobs(**{k: getattr(self, k) + getattr(other, k) for k in type(self).model_fields})
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Out):
+    """A `/v1/completions` response, and (with one choice each) its stream chunks."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # stream chunks: only the usage chunk has one
+
+    @model_serializer(mode="wrap")
+    def _usage_if_set(self, handler):
+        return _drop_null_usage(handler(self))
+
+
+class ChatTopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler):  # a delta carries only the keys it changes
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only the usage chunk has one
+
+    @model_serializer(mode="wrap")
+    def _usage_if_set(self, handler):
+        return _drop_null_usage(handler(self))
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lcx"
+    max_model_len: int
+    lcx_methods: dict[str, Any]  # the methods the engine applies, resolved for this model
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizerInfo(_Out):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
+class TokenizeResponse(_Out):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Out):
+    prompt: str

@@ -1,0 +1,372 @@
+"""What every route shares: `ServerContext` (the engine, its scheduler, the CPU pool, the HTTP
+counters, the limits) and the request plumbing built on it — reading and parsing bodies off the
+event loop, validating prompts and sampling fields against the engine, running jobs through the
+scheduler with disconnect = abort, and rendering logprobs and event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from lcx.engine import INT64_MAX, INT64_MIN, ContextLengthError, Engine, SamplingParams, StepEvent, TokenLogprob
+
+from .gate import ClientGone, HttpStats, request_id
+from .protocol import (
+    MAX_PROMPTS,
+    APIError,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    Usage,
+    bad_request,
+    validation_error,
+)
+from .scheduler import Scheduler
+
+log = logging.getLogger("lcx.serve")
+
+# A body over the limit is still read (and dropped) up to here, so the client gets the 413 instead
+# of a reset connection; a bigger one is not read and its connection closes after the 413.
+DRAIN_LIMIT_BYTES = 64 << 20
+# A prompt of more than `margin x longest token (characters) x max_model_len` characters cannot fit
+# max_model_len tokens: every token covers at most the longest token's characters. That is exact
+# for tokenizers whose normaliser never shortens text (byte-level BPE, Llama's SentencePiece);
+# the margin leaves room for ones that do (Unicode composition). Only the bound is approximate:
+# a prompt under it is tokenized and checked exactly.
+PROMPT_CHARS_MARGIN = 2
+CPU_WORKERS = 2  # parsing / tokenization / rendering threads
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no -inf; vLLM does the same)
+
+
+def max_token_chars(tok: Any) -> int:
+    """The most characters one token of `tok` stands for (its raw string or its decoded text,
+    special tokens included): the bound behind `PROMPT_CHARS_MARGIN`."""
+    ids = list(range(len(tok)))
+    raw = tok.convert_ids_to_tokens(ids)
+    decoded = tok.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    return max(1, max((len(t) for t in raw if t), default=1), max((len(t) for t in decoded), default=1))
+
+
+def finite(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN (never expected) to the floor
+
+
+@dataclass
+class Job:
+    """One choice: a prompt run once with its sampling params, and what came back so far."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    started: bool = False
+    text_offset: int = 0  # streaming: character offset of the next token in the choice's whole text
+
+    def add(self, ev: StepEvent) -> None:
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs
+        if ev.text:
+            self.text.append(ev.text)
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
+        if ev.finished:
+            self.finish_reason = ev.finish_reason
+
+
+def usage(jobs: Sequence[Job]) -> Usage:
+    prompt = sum(len(j.prompt_ids) for j in {j.prompt_index: j for j in jobs}.values())
+    gen = sum(len(j.token_ids) for j in jobs)
+    return Usage(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
+
+
+def engine_error(ev: StepEvent) -> APIError:
+    e = ev.error
+    return APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}", type="server_error",
+                    code="engine_error")
+
+
+def sse(obj: BaseModel | dict[str, Any]) -> str:
+    text = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+class ServerContext:
+    """The state the routes share (`app.state.ctx`) and the plumbing they build on."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler, *, model_name: str, max_body_bytes: int):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.engine, self.sched, self.model_name = engine, scheduler, model_name
+        self.max_body_bytes = max_body_bytes
+        self.stats = HttpStats()
+        self.pool = concurrent.futures.ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="lcx-cpu")
+        self.tok = engine.tokenizer
+        self.prompt_char_limit = PROMPT_CHARS_MARGIN * max_token_chars(self.tok) * engine.max_model_len
+
+    def start(self) -> None:
+        if not self.sched.alive:
+            self.sched.start()
+        log.info("serving %s (max_model_len %d, max_batch %d, prompts of at most %d characters are tokenized, "
+                 "bodies of at most %d bytes)", self.model_name, self.engine.max_model_len,
+                 self.engine.config.max_batch, self.prompt_char_limit, self.max_body_bytes)
+
+    def stop(self) -> None:
+        self.sched.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ bodies
+    async def cpu(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the CPU thread pool (tokenization, parsing, rendering: off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, at most `max_body_bytes` (413 above, after reading the rest up to
+        DRAIN_LIMIT_BYTES so the client sees the answer); JSON only (415)."""
+        declared = request.headers.get("content-length", "")
+        size, chunks = 0, []
+        if declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
+            size = int(declared)
+        else:
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size <= self.max_body_bytes:
+                        chunks.append(chunk)
+                    elif size > DRAIN_LIMIT_BYTES:
+                        break
+            except ClientDisconnect:
+                raise ClientGone() from None
+        if size > self.max_body_bytes:
+            raise APIError(413, f"the request body has {size}{'+' if size > DRAIN_LIMIT_BYTES else ''} bytes; this "
+                           f"server accepts at most {self.max_body_bytes} (lcx serve --max-body-mb)",
+                           code="request_too_large")
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            mime = ctype.split(";", 1)[0].strip().lower()
+            if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+                raise APIError(415, f"Content-Type must be application/json, got {ctype!r}",
+                               code="unsupported_media_type")
+        return b"".join(chunks)
+
+    @staticmethod
+    def _from_json(model: type[BaseModel], body: bytes) -> BaseModel:
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
+
+    async def parse(self, model: type[BaseModel], request: Request) -> Any:
+        body = await self.read_body(request)
+        if not body.strip():
+            raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
+        return await self.cpu(self._from_json, model, body)
+
+    async def json_response(self, obj: BaseModel) -> Response:
+        """`obj` rendered on the CPU pool."""
+        return Response(await self.cpu(obj.model_dump_json), media_type="application/json")
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_chars(self, text: str, param: str, what: str) -> None:
+        """Refuse, before tokenizing, a text too long for max_model_len tokens (`PROMPT_CHARS_MARGIN`)."""
+        if len(text) > self.prompt_char_limit:
+            raise bad_request(f"{what} has {len(text)} characters, more than {self.engine.max_model_len} tokens "
+                              f"(max_model_len) of this tokenizer can hold (at most {self.prompt_char_limit}); "
+                              "shorten it (lcx never truncates)", param, "context_length_exceeded")
+
+    def sampling(self, req: Any, prompt_ids: list[int], max_tokens: int, *, logprobs: int | None,
+                 prompt_logprobs: int | None, choice: int, rename: dict[str, str] | None = None,
+                 allow_empty: bool = False) -> SamplingParams:
+        """The request's SamplingParams for one choice, validated against the engine. `rename` maps
+        engine names to the request's (chat: prompt -> messages); `allow_empty`: max_tokens 0 is
+        fine (echo scoring)."""
+        rename = rename or {}
+        seed = None if req.seed is None else req.seed + choice
+        try:
+            params = SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs, **req.sampling_kwargs())
+            self.engine.validate(prompt_ids, params)
+        except ContextLengthError as e:
+            raise bad_request(str(e), rename.get(e.param, e.param), "context_length_exceeded") from None
+        except ValueError as e:  # SamplingParams name the field first; the engine's errors are the prompt's
+            first = str(e).split(" ", 1)[0]
+            param = first if first in SAMPLING_FIELDS else "prompt"
+            raise bad_request(str(e), rename.get(param, param)) from None
+        if max_tokens == 0 and not allow_empty:
+            raise bad_request(f"the prompt ({len(prompt_ids)} tokens) fills max_model_len "
+                              f"{self.engine.max_model_len}: no room to generate", rename.get("prompt", "prompt"),
+                              "context_length_exceeded")
+        return params
+
+    @staticmethod
+    def check_n_and_seed(req: Any, n_prompts: int) -> None:
+        n = req.n
+        if n < 1:
+            raise bad_request(f"n must be >= 1, got {n}", "n")
+        if n * n_prompts > MAX_PROMPTS:
+            raise bad_request(f"{n_prompts} prompt(s) x n={n} exceeds the limit of {MAX_PROMPTS} choices "
+                              "per request", "n")
+        if req.seed is not None and not (INT64_MIN <= req.seed and req.seed + n - 1 <= INT64_MAX):
+            extra = f"; with n={n} the choices use seed .. seed + {n - 1}, which must fit too" if n > 1 else ""
+            raise bad_request(f"seed must be an integer in [-2**63, 2**63 - 1] (64-bit signed){extra}, "
+                              f"got {req.seed}", "seed")
+
+    def render_chat(self, messages: list[Any], add_generation_prompt: bool,
+                    kwargs: dict[str, Any] | None) -> list[int]:
+        """The chat prompt's token ids (runs on the CPU pool)."""
+        tok = self.tok
+        if not getattr(tok, "chat_template", None):
+            raise bad_request(f"the model {self.model_name!r} has no chat template in its tokenizer; use "
+                              "/v1/completions", "messages", "no_chat_template")
+        try:
+            text = tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad kwargs) are the client's
+            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise bad_request("the chat template did not render to text", "messages")
+        self.check_chars(text, "messages", "the rendered chat prompt")
+        ids = self.engine.encode(text, add_special_tokens=False)
+        if not ids:
+            raise bad_request("the rendered chat prompt is empty", "messages")
+        return ids
+
+    # ------------------------------------------------------------------ running jobs
+    async def events(self, jobs: Sequence[Job], request: Request) -> AsyncIterator[tuple[Job, StepEvent]]:
+        """Submit every job to the scheduler and yield `(job, event)` as they come. Raises
+        `ClientGone` as soon as the client disconnects; jobs still open when the consumer stops
+        (error, client gone, cancelled) are aborted, which frees their batch slots."""
+        sched = self.sched
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[tuple[int, StepEvent] | None] = asyncio.Queue()
+        rids: dict[int, str] = {}
+        for j in jobs:
+            def sink(ev: StepEvent, idx: int = j.index) -> None:
+                loop.call_soon_threadsafe(q.put_nowait, (idx, ev))
+            rids[j.index] = sched.submit(j.prompt_ids, j.params, sink, tag=f"{request_id(request)}.{j.index}")
+        open_ = set(rids)
+        by_index = {j.index: j for j in jobs}
+
+        async def watch() -> None:
+            # The body is read, so the next message is the disconnect (uvicorn also sends one
+            # when the response is complete; by then this task is cancelled). Abort here, not only
+            # in `finally`: a stream cancelled while sending may leave this generator suspended.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            for idx in open_:
+                sched.abort(rids[idx])
+            q.put_nowait(None)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            while open_:
+                item = await q.get()
+                if item is None:
+                    raise ClientGone()
+                idx, ev = item
+                if ev.finished:
+                    open_.discard(idx)
+                yield by_index[idx], ev
+        finally:
+            watcher.cancel()
+            for idx in open_:
+                sched.abort(rids[idx])
+
+    async def run_all(self, jobs: Sequence[Job], request: Request) -> None:
+        """Run `jobs` to completion (each job collects its events)."""
+        async with contextlib.aclosing(self.events(jobs, request)) as stream:
+            async for job, ev in stream:
+                if ev.finish_reason == "error":
+                    raise engine_error(ev)
+                job.add(ev)
+
+    def sse_response(self, request: Request, jobs: Sequence[Job],
+                     on_event: Callable[[Job, StepEvent], Iterable[BaseModel]], *,
+                     first: Iterable[BaseModel] = (), usage_chunk: Callable[[Usage], BaseModel] | None = None
+                     ) -> StreamingResponse:
+        """The event stream of both endpoints: the `first` chunks, then for every engine event
+        (after `job.add`) the chunks `on_event` makes; an engine failure ends the stream with an
+        error object and [DONE] (jobs still open are aborted by `events`); then the chunk
+        `usage_chunk(usage)` makes, when given, and [DONE]. A client that leaves ends it at once."""
+        rid = request_id(request)
+
+        async def body() -> AsyncIterator[str]:
+            for c in first:
+                yield sse(c)
+            async with contextlib.aclosing(self.events(jobs, request)) as evs:  # ClientGone propagates to Gate
+                async for j, ev in evs:
+                    if ev.finish_reason == "error":
+                        err = engine_error(ev)
+                        self.stats.error(err.status, err.code)
+                        log.error("request %s: stream ended by an engine error: %s", rid, err.message)
+                        yield sse(err.body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    j.add(ev)
+                    for c in on_event(j, ev):
+                        yield sse(c)
+            if usage_chunk is not None:
+                yield sse(usage_chunk(usage(jobs)))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------------ logprobs
+    def _top_dict(self, lp: TokenLogprob) -> dict[str, float]:
+        d = {self.engine.token_str(t): finite(v) for t, v in lp.top}
+        d.setdefault(self.engine.token_str(lp.token_id), finite(lp.logprob))  # the chosen token, as vLLM
+        return d
+
+    def completion_logprobs(self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None],
+                            offset: int) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's completion logprobs of `token_ids`, the first at character `offset` of the
+        choice's whole text; also returns the offset after the last token."""
+        eng = self.engine
+        offsets = []
+        for t in token_ids:  # character offsets into the returned text (partial UTF-8 counts 0)
+            offsets.append(offset)
+            offset += len(eng.token_bytes(t).decode("utf-8", errors="ignore"))
+        return CompletionLogprobs(
+            tokens=[eng.token_str(t) for t in token_ids],
+            token_logprobs=[None if e is None else finite(e.logprob) for e in entries],
+            top_logprobs=[None if e is None else self._top_dict(e) for e in entries],
+            text_offset=offsets), offset
+
+    def chat_logprobs(self, entries: Sequence[TokenLogprob], k: int) -> ChatLogprobs:
+        eng = self.engine
+
+        def one(t: int, v: float) -> dict[str, Any]:
+            return {"token": eng.token_str(t), "logprob": finite(v), "bytes": list(eng.token_bytes(t))}
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**one(e.token_id, e.logprob), top_logprobs=[ChatTopLogprob(**one(t, v)) for t, v in e.top[:k]])
+            for e in entries])
+
+
+def ctx(request: Request) -> ServerContext:
+    """The routes' dependency: the app's `ServerContext`."""
+    return request.app.state.ctx

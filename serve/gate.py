@@ -1,0 +1,142 @@
+"""The ASGI gate in front of every route: request ids, the API key, and counting and logging
+every error response and every client that leaves early (`HttpStats`, shown by /stats)."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import re
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from .protocol import APIError
+
+log = logging.getLogger("lcx.serve")
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+TOKENIZER_PATHS = frozenset({"/tokenizer_info", "/tokenize", "/detokenize"})
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_EXCEPTION_GROUP = getattr(builtins, "BaseExceptionGroup", ())  # Python >= 3.11
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was complete."""
+
+
+class HttpStats:
+    """HTTP counters for /stats. Touched only on the event loop thread."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.client_disconnects = 0
+        self.by_status: dict[int, int] = {}
+        self.by_code: dict[str, int] = {}
+
+    def error(self, status: int, code: str | None) -> None:
+        self.by_status[status] = self.by_status.get(status, 0) + 1
+        key = code or f"http_{status}"
+        self.by_code[key] = self.by_code.get(key, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "client_disconnects": self.client_disconnects,
+                "errors": sum(self.by_status.values()),
+                "errors_by_status": {str(k): v for k, v in sorted(self.by_status.items())},
+                "errors_by_code": dict(sorted(self.by_code.items()))}
+
+
+def request_id(request: Request) -> str:
+    return request.scope.get("lcx.request_id", "-")
+
+
+def note_error(scope: dict[str, Any], err: APIError) -> None:
+    """Tell the gate which error a response carries (it counts and logs it)."""
+    scope["lcx.error"] = err
+
+
+def error_response(request: Request, err: APIError) -> JSONResponse:
+    note_error(request.scope, err)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _client_gone(e: BaseException) -> bool:
+    if isinstance(e, _EXCEPTION_GROUP):  # anyio task groups may wrap it
+        return all(_client_gone(x) for x in e.exceptions)
+    return isinstance(e, ClientGone)
+
+
+class Gate:
+    """Pure ASGI middleware around the app: request ids, the API key, counting and logging every
+    error response and every client that left before its response was complete (`ClientGone`
+    from a handler, or a stream cut off), and a 500 error object for an unexpected exception.
+    (Not `@app.middleware`: Starlette's BaseHTTPMiddleware would stand between the handlers and
+    the client's disconnect.)"""
+
+    def __init__(self, app: Any, *, api_key: str | None, stats: HttpStats):
+        self.app, self.stats = app, stats
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+        scope["lcx.request_id"] = rid
+        self.stats.requests += 1
+        status: int | None = None
+        complete = gone = failed = False
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal status, complete
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid.encode())])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        async def send_error(err: APIError) -> None:
+            note_error(scope, err)
+            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send_with_id)
+
+        path = scope.get("path", "")
+        try:
+            if self.expected is not None and path not in OPEN_PATHS:
+                got = dict(scope.get("headers") or []).get(b"authorization", b"")
+                if not secrets.compare_digest(got, self.expected):
+                    msg = "missing API key: send 'Authorization: Bearer <key>'" if not got else "invalid API key"
+                    if path in TOKENIZER_PATHS:
+                        msg += " (lm-eval's tokenizer_backend=remote sends it from auth_token=<key> in --model_args)"
+                    await send_error(APIError(401, msg, code="invalid_api_key"))
+                    return
+            await self.app(scope, receive, send_with_id)
+        except Exception as e:  # noqa: BLE001 - a bug: the client gets a 500 object, the log the traceback
+            if _client_gone(e):
+                gone = True
+                return
+            failed = True
+            log.exception("request %s: %s %s failed", rid, scope.get("method"), path)
+            if status is not None:
+                raise  # mid-response: nothing to send; the server closes the connection
+            await send_error(APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error",
+                                      code="internal_error"))
+        finally:
+            if failed:
+                self.stats.error(500, "internal_error")
+            elif gone or (status is not None and not complete):
+                # a handler saw the disconnect, or Starlette cut the stream when it did
+                self.stats.client_disconnects += 1
+                log.info("request %s: %s %s: the client left before its response was complete; its requests "
+                         "were aborted", rid, scope.get("method"), path)
+            elif status is not None and status >= 400:
+                err = scope.get("lcx.error")
+                code = err.code if isinstance(err, APIError) else None
+                self.stats.error(status, code)
+                msg = err.message if isinstance(err, APIError) else ""
+                level = logging.ERROR if 500 <= status < 600 else logging.INFO
+                log.log(level, "request %s: %s %s -> %d %s: %s", rid, scope.get("method"), path, status,
+                        code or "", msg[:300])
