@@ -6,6 +6,8 @@
         --ctx-tokens 512 1024 --out results/pie_code_edit_code-smollm2-135m.json --resume
     python scripts/bench_pie.py --model tiny-random --samples 6 --ctx-tokens 400 --out /tmp/pie.json
     python scripts/bench_pie.py --rescore results/pie_code_edit.json   # summary from stored samples
+    python scripts/bench_pie.py --merge /tmp/pie512.json /tmp/pie1024.json --out results/x.json
+        # one record from runs of the same settings at different --ctx-tokens (one process per core)
 
 `--split` samples from one part of lcx.data.code's by-package split of the stdlib; a model whose
 train_config.json records that split (one fine-tuned with `lcx train lm --corpus stdlib-code`)
@@ -171,9 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                          "--samples extends it)")
     ap.add_argument("--rescore", type=Path, default=None, metavar="JSON",
                     help="recompute the summary (and plot) of a finished run from its stored samples, then exit")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="write to --out one record holding the samples of these finished runs (same settings "
+                         "but --ctx-tokens, --threads and --out), then exit")
     args = ap.parse_args(argv)
     if args.rescore is not None:
         return rescore(args.rescore, plot_it=not args.no_plot)
+    if args.merge is not None:
+        return merge(args.merge, args.out, plot_it=not args.no_plot)
     strategies = ["recompute", *[s for s in args.strategies if s != "recompute"]]
 
     import torch
@@ -261,6 +268,46 @@ def print_table(record: dict, title: str) -> None:
                 dtxt = f"{d['diff']:+.3f} [{d['ci95'][0]:+.2f},{d['ci95'][1]:+.2f}]" if d and d["ci95"] else ""
                 print(f"{ctx:13s} {g:10s} {s:10s} {row['n']:4d} {_ci(x, 'em_vs_recompute'):>21s} "
                       f"{_ci(x, 'em_vs_truth'):>21s} {dtxt:>26s} {x['flops_ratio_to_recompute']:9.3f}")
+
+
+MERGE_FREE = ("ctx_tokens", "threads", "out")  # settings in which merged runs may differ
+
+
+def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
+    """One record from finished runs that differ only in `MERGE_FREE` settings and hold
+    disjoint context lengths: their samples, the summary over all of them, per-run provenance."""
+    from lcx.cache.code_edit_eval import SampleResult
+
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    for p, r in zip(paths, records):
+        if not r.get("complete"):
+            raise SystemExit(f"--merge: {p} is not a finished run")
+    base = {k: v for k, v in records[0]["config"].items() if k not in MERGE_FREE}
+    for p, r in zip(paths[1:], records[1:]):
+        other = {k: v for k, v in r["config"].items() if k not in MERGE_FREE}
+        if other != base:
+            diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
+            raise SystemExit(f"--merge: {p} differs from {paths[0]} in {diff}")
+    ctx = [c for r in records for c in r["config"]["ctx_tokens"]]
+    if len(set(ctx)) != len(ctx):
+        raise SystemExit(f"--merge: the runs overlap in context lengths {ctx}")
+    results = [SampleResult(**x) for r in records for x in r["samples"]]
+    strategies = base.get("strategies", list(STRATEGIES))
+    config = {**base, "ctx_tokens": ctx, "out": str(out),
+              "threads": sorted({r["config"].get("threads") for r in records}, key=str)}
+    record = {"benchmark": "pie_code_edit", "config": config, "environment": records[0]["environment"],
+              "git": records[0]["git"], "started": min(r["started"] for r in records), "complete": True,
+              "summary": summaries(results, ctx, strategies), "samples": [asdict(x) for x in results],
+              "elapsed_s": sum(r.get("elapsed_s", 0.0) for r in records),
+              "merged_from": [{"path": str(p), "ctx_tokens": r["config"]["ctx_tokens"], "git": r["git"],
+                               "environment": r["environment"], "elapsed_s": r.get("elapsed_s")}
+                              for p, r in zip(paths, records)]}
+    write_json_atomic(out, record)
+    print_table(record, f"{base['model']}: {len(results)} samples (merged), contexts {ctx}")
+    if plot_it:
+        plot(record["summary"]["all_contexts"], out.with_suffix(".png"),
+             f"PIE code editing, {base['model']}, {len(results)} samples, ctx {ctx}")
+    return 0
 
 
 def rescore(path: Path, plot_it: bool = True) -> int:

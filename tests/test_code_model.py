@@ -205,3 +205,30 @@ def test_bench_resume_and_rescore(tmp_path, capsys):
     out.write_text(json.dumps(broken))
     assert bench.main(["--rescore", str(out), "--no-plot"]) == 0
     assert json.loads(out.read_text())["summary"] == again["summary"]
+
+
+def test_bench_merge_of_per_context_runs(tmp_path):
+    """Two processes, one context length each, merge into the record one process would write."""
+    bench = _bench()
+    common = ["--model", "tiny-random", "--samples", "2", "--split", "eval", "--max-new-tokens", "3",
+              "--no-plot", "--threads", "1", "--strategies", "recompute", "pie"]
+    a, b, both, merged = (tmp_path / f"{n}.json" for n in ("a", "b", "both", "merged"))
+    assert bench.main([*common, "--ctx-tokens", "120", "--out", str(a)]) == 0
+    assert bench.main([*common, "--ctx-tokens", "160", "--out", str(b)]) == 0
+    assert bench.main([*common, "--ctx-tokens", "120", "160", "--out", str(both)]) == 0
+    assert bench.main(["--merge", str(a), str(b), "--out", str(merged), "--no-plot"]) == 0
+    m, one = json.loads(merged.read_text()), json.loads(both.read_text())
+    assert m["config"]["ctx_tokens"] == [120, 160] and len(m["merged_from"]) == 2
+
+    def strip(rec):  # wall times differ between runs; everything else must not
+        return [{k: v for k, v in x.items() if k != "cost"} for x in rec["samples"]]
+
+    assert strip(m) == strip(one)
+    assert m["summary"]["all_contexts"]["all"]["pie"]["em_vs_truth"] == \
+        one["summary"]["all_contexts"]["all"]["pie"]["em_vs_truth"]
+    with pytest.raises(SystemExit, match="overlap"):
+        bench.main(["--merge", str(a), str(a), "--out", str(merged)])
+    c = tmp_path / "c.json"
+    assert bench.main([*common, "--ctx-tokens", "200", "--seed", "3", "--out", str(c)]) == 0
+    with pytest.raises(SystemExit, match="seed"):
+        bench.main(["--merge", str(a), str(c), "--out", str(merged)])
