@@ -297,6 +297,15 @@ def test_study_resumes_and_redoes_corrupt_runs(tmp_path, monkeypatch):
     tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
     assert calls == names
     assert tm.load_run(first, TINY_STUDY.run_configs()[0]) is not None
+    # a recipe redefined since the run was made (the run file stores the resolved recipe): rerun
+    stale = json.loads(second.read_text())
+    stale["recipe"]["consistency_weight"] = 0.5
+    second.write_text(json.dumps(stale))
+    assert tm.load_run(second, TINY_STUDY.run_configs()[1]) is None
+    del stale["recipe"]["offset_sampling"]  # a field added later: its default still matches
+    stale["recipe"]["consistency_weight"] = 1.0
+    second.write_text(json.dumps(stale))
+    assert tm.load_run(second, TINY_STUDY.run_configs()[1]) is not None
 
 
 def _fake_run(runs: Path, recipe: str, position: str, seed: int, acc: float) -> None:

@@ -579,9 +579,20 @@ def load_run(path: Path, cfg: RunConfig | None = None) -> dict[str, Any] | None:
         return None
     if not isinstance(res, dict) or "metrics" not in res or "config" not in res:
         return None
-    if cfg is not None and not _same_config(res["config"], cfg):
+    if cfg is not None and not (_same_config(res["config"], cfg) and _same_recipe(res.get("recipe"), cfg)):
         return None
     return res
+
+
+def _same_recipe(saved: Mapping[str, Any] | None, cfg: RunConfig) -> bool:
+    """The run was trained with what its recipe name means now (a run file stores the resolved
+    recipe; fields added since take their defaults), so redefining a recipe reruns its runs."""
+    if saved is None:
+        return True  # written before run files stored the recipe
+    try:
+        return Recipe.from_dict(saved) == cfg.recipe_obj
+    except (TypeError, ValueError):
+        return False
 
 
 def _same_config(saved: Mapping[str, Any], cfg: RunConfig) -> bool:
@@ -650,7 +661,8 @@ def aggregate(out: str | Path, study: StudyConfig | None = None) -> dict[str, An
     runs = [r for p in sorted((out / "runs").glob("*.json")) if (r := load_run(p)) is not None]
     if study is not None:
         wanted = {c.name: c for c in study.run_configs()}
-        runs = [r for r in runs if r.get("name") in wanted and _same_config(r["config"], wanted[r["name"]])]
+        runs = [r for r in runs if r.get("name") in wanted and _same_config(r["config"], wanted[r["name"]])
+                and _same_recipe(r.get("recipe"), wanted[r["name"]])]
         order = list(dict.fromkeys((c[0], c[1], c[2]["tag"] if len(c) == 3 else "") for c in study.configs))
     else:
         order = list(dict.fromkeys(_group_key(r) for r in runs))
