@@ -36,6 +36,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "which torch thread count is fastest here, idle and with one core busy -> results/threads_cpu.json"),
     (("bench", "prefill"), "lcx.bench.prefill",
      "one long prefill per method vs the unpatched model (CPU time, memory) -> results/prefill_cpu.json"),
+    (("bench", "pie"), "lcx.bench.pie",
+     "PIE code editing on stdlib code: recompute vs PIE vs stale cache, accuracy with CIs and cost"
+     " -> results/pie_code_edit.json"),
     (("bench", "kernels"), "lcx.bench.kernels",
      "time the GPU kernels (CUDA events, roofline), write results/kernels/<gpu>.json; --check for regressions"),
 ]

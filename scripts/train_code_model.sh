@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fine-tune SmolLM2-135M (preset smollm2-135m: the Instruct Q4_1 GGUF dequantized to float32) on
-# Python standard-library code, for the PIE code-edit benchmark (scripts/bench_pie.py).
+# Python standard-library code, for the PIE code-edit benchmark (lcx bench pie).
 #   bash scripts/train_code_model.sh          # resumable: rerun it to continue; STOP_AFTER=N time-boxes
 #
 # Data: `--corpus stdlib-code`, the train packages of lcx.data.code's by-package split (~2.0M
 # tokens); held-out loss on its val packages. The benchmark samples only the eval packages
-# (`bench_pie.py --split eval`), which this run never reads; the split (rule, units, file
+# (`lcx bench pie --split eval`), which this run never reads; the split (rule, units, file
 # lists) is recorded in the log and in the model's train_config.json.
 # Optimisation: full fine-tune, AdamW lr 3e-4 (warmup 10, cosine to 3e-5), 4 x 512-token windows
 # per step, bf16 autocast (float32 weights): ~17 s a step on one CPU thread.

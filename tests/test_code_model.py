@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lcx.cache.code_edit_eval import SampleResult, paired_difference, stdlib_files, summarize, wilson_interval
+from lcx.studies.code_edit import SampleResult, paired_difference, stdlib_files, summarize, wilson_interval
 from lcx.data.code import CODE_SPLITS, code_split, code_unit, load_code_corpus, split_of, split_record, stdlib_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +24,9 @@ EXPECTED_SPLIT = {"argparse": "eval", "threading": "eval", "unittest": "eval", "
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_pie", ROOT / "scripts" / "bench_pie.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from lcx.bench import pie
+
+    return pie
 
 
 # ------------------------------------------------------------------------------- the split

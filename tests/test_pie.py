@@ -25,7 +25,7 @@ from lcx.cache import (
     rope_basis,
     update_cache,
 )
-from lcx.cache.code_edit_eval import evaluate, make_samples, next_line, summarize, token_edits
+from lcx.studies.code_edit import evaluate, make_samples, next_line, summarize, token_edits
 from lcx.patching import patch, patched
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rotate_by_positions_ref
 

@@ -35,8 +35,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .kv import PositionedKVCache
-from .pie import EDIT_STRATEGIES, Edit, apply_edits, update_cache
+from lcx.cache.kv import PositionedKVCache
+from lcx.cache.pie import EDIT_STRATEGIES, Edit, apply_edits, update_cache
 
 EDIT_KINDS = ("insertion", "deletion", "multi")
 

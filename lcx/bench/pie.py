@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """PIE code-editing benchmark: recompute vs pie vs conflict on Python standard-library code.
 
-    python scripts/bench_pie.py --model smollm2-135m --samples 36 --ctx-tokens 512 1024
-    python scripts/bench_pie.py --model runs/code-smollm2-135m --split eval --samples 100 \
+    lcx bench pie --model smollm2-135m --samples 36 --ctx-tokens 512 1024
+    lcx bench pie --model runs/code-smollm2-135m --split eval --samples 100 \
         --ctx-tokens 512 1024 --out results/pie_code_edit_code-smollm2-135m.json --resume
-    python scripts/bench_pie.py --model tiny-random --samples 6 --ctx-tokens 400 --out /tmp/pie.json
-    python scripts/bench_pie.py --rescore results/pie_code_edit.json   # summary from stored samples
-    python scripts/bench_pie.py --merge /tmp/pie512.json /tmp/pie1024.json --out results/x.json
+    lcx bench pie --model tiny-random --samples 6 --ctx-tokens 400 --out /tmp/pie.json
+    lcx bench pie --rescore results/pie_code_edit.json   # summary from stored samples
+    lcx bench pie --merge /tmp/pie512.json /tmp/pie1024.json --out results/x.json
         # one record from runs of the same settings at different --ctx-tokens (one process per core)
 
 `--split` samples from one part of lcx.data.code's by-package split of the stdlib; a model whose
@@ -17,7 +16,7 @@ paired difference of its true-line exact match to recompute's (Newcombe interval
 
 For every sample: a window of real code, a random edit (insertion / deletion / multi-place),
 each strategy's cache update (cost recorded) and a greedy next-line completion; see
-`lcx.cache.code_edit_eval` for the protocol. Prints a table and writes JSON (config,
+`lcx.studies.code_edit` for the protocol. Prints a table and writes JSON (config,
 environment, git SHA, summary, per-sample records; rewritten atomically after every sample,
 so an interrupted run keeps what it finished) and a PNG plot next to it.
 """
@@ -27,52 +26,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from lcx.data import io
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("recompute", "pie", "conflict")
-
-
-def git_sha() -> dict:
-    def run(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"sha": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+DESCRIPTION = "PIE code-editing benchmark: recompute vs pie vs conflict on Python standard-library code"
 
 
 def environment(device) -> dict:
+    """lcx's run environment (without the git SHA, recorded beside it) and the device."""
     import torch
-    import transformers
 
-    env = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "device": str(device), "cpu_count": os.cpu_count(),
-           "torch_threads": torch.get_num_threads()}
+    env = {k: v for k, v in io.environment().items() if k != "git"}
+    env["device"] = str(device)
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def code_split_guard(model_path: str, split: str, eval_files: list[Path]) -> dict | None:
@@ -140,16 +115,13 @@ def plot(summary: dict, path: Path, title: str) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
+    io.atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    ap.epilog = __doc__.split("\n\n", 1)[0]
     ap.add_argument("--model", default="smollm2-135m", help="preset, path, or 'tiny-random' (lcx.models.tiny)")
     ap.add_argument("--split", choices=("all", "train", "val", "eval"), default="all",
                     help="stdlib files to sample: all, or one split of lcx.data.code (a model fine-tuned on "
@@ -166,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run each update this many times, report the median wall time")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "pie_code_edit.json")
+    ap.add_argument("--out", type=Path, default=Path("results") / "pie_code_edit.json",
+                    help="the record (default results/pie_code_edit.json, relative to the working directory)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--resume", action="store_true",
                     help="keep the samples a run with the same settings already wrote to --out (a larger "
@@ -176,7 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                     help="write to --out one record holding the samples of these finished runs (same settings "
                          "but --ctx-tokens, --threads and --out), then exit")
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lcx bench pie", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.rescore is not None:
         return rescore(args.rescore, plot_it=not args.no_plot)
     if args.merge is not None:
@@ -185,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lcx.cache.code_edit_eval import SampleResult, evaluate, make_samples, stdlib_files, summarize
+    from lcx.studies.code_edit import SampleResult, evaluate, make_samples, stdlib_files, summarize
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,13 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load(args.model, args.device)
     files = stdlib_files(split=None if args.split == "all" else args.split)
     guard = code_split_guard(args.model, args.split, files)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore")}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore", "merge", "_run", "command", "subcommand")}
     config.update(strategies=strategies, n_stdlib_files=len(files), model_code_split=guard,
                   model_config={k: getattr(model.config, k, None) for k in (
                       "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters")})
     record = {"benchmark": "pie_code_edit", "config": config, "environment": environment(device),
-              "git": git_sha(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False,
+              "git": io.git_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False,
               "summary": {}, "samples": []}
 
     results, done = [], {}
@@ -225,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             record["samples"] = [asdict(x) for x in results]
             record["summary"] = {"all_contexts": summarize(results, strategies)}
-            write_json_atomic(args.out, record)
+            io.atomic_write_json(args.out, record)
     record["samples"] = [asdict(x) for x in results]
     record["summary"] = summaries(results, args.ctx_tokens, strategies)
     record["complete"] = True
     record["elapsed_s"] = time.time() - t_start
-    write_json_atomic(args.out, record)
+    io.atomic_write_json(args.out, record)
 
     print_table(record, f"{args.model}: {len(results)} samples, contexts {args.ctx_tokens}")
     if not args.no_plot:
@@ -244,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summaries(results: list, ctx_tokens: list[int], strategies: list[str]) -> dict:
-    from lcx.cache.code_edit_eval import summarize
+    from lcx.studies.code_edit import summarize
 
     by_ctx = {f"ctx_{c}": summarize([r for r in results if r.sample["ctx_tokens"] == c], strategies)
               for c in ctx_tokens if any(r.sample["ctx_tokens"] == c for r in results)}
@@ -276,7 +257,7 @@ MERGE_FREE = ("ctx_tokens", "threads", "out")  # settings in which merged runs m
 def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
     """One record from finished runs that differ only in `MERGE_FREE` settings and hold
     disjoint context lengths: their samples, the summary over all of them, per-run provenance."""
-    from lcx.cache.code_edit_eval import SampleResult
+    from lcx.studies.code_edit import SampleResult
 
     records = [json.loads(Path(p).read_text()) for p in paths]
     for p, r in zip(paths, records):
@@ -302,7 +283,7 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
               "merged_from": [{"path": str(p), "ctx_tokens": r["config"]["ctx_tokens"], "git": r["git"],
                                "environment": r["environment"], "elapsed_s": r.get("elapsed_s")}
                               for p, r in zip(paths, records)]}
-    write_json_atomic(out, record)
+    io.atomic_write_json(out, record)
     print_table(record, f"{base['model']}: {len(results)} samples (merged), contexts {ctx}")
     if plot_it:
         plot(record["summary"]["all_contexts"], out.with_suffix(".png"),
@@ -313,16 +294,16 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
 def rescore(path: Path, plot_it: bool = True) -> int:
     """Recompute `path`'s summary from its per-sample records (completions, targets, costs are
     stored; nothing is re-run) with the current `summarize`, and rewrite it (and its plot)."""
-    from lcx.cache.code_edit_eval import SampleResult
+    from lcx.studies.code_edit import SampleResult
 
     record = json.loads(path.read_text())
     cfg = record["config"]
     results = [SampleResult(**x) for x in record["samples"]]
     strategies = cfg.get("strategies", list(STRATEGIES))
     record["summary"] = summaries(results, cfg["ctx_tokens"], strategies)
-    record["rescored"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_sha(),
-                          "note": "summary recomputed from the stored samples by bench_pie.py --rescore"}
-    write_json_atomic(path, record)
+    record["rescored"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": io.git_info(),
+                          "note": "summary recomputed from the stored samples by lcx bench pie --rescore"}
+    io.atomic_write_json(path, record)
     print_table(record, f"{cfg['model']}: {len(results)} samples (rescored), contexts {cfg['ctx_tokens']}")
     if plot_it:
         plot(record["summary"]["all_contexts"], path.with_suffix(".png"),
@@ -330,5 +311,3 @@ def rescore(path: Path, plot_it: bool = True) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
