@@ -56,7 +56,7 @@ LONG_SHAPE = (1, 1000, 1000, 4, 2, 16)  # blockwise: several query blocks, Λ/wi
 def _spec(name: str, H: int) -> AttentionSpec:
     return {
         "causal": lambda: AttentionSpec(),
-        "window8": lambda: AttentionSpec(mask=sliding_window(7)),
+        "window8": lambda: AttentionSpec(mask=sliding_window(left=7)),
         "sinks4_window8": lambda: AttentionSpec(mask=attention_sinks(4, 7)),
         "alibi": lambda: AttentionSpec(alibi_slopes=alibi_slopes(H)),
         "swat16_rope": lambda: AttentionSpec.swat(16, H),
@@ -250,7 +250,7 @@ def test_lambda_distance_cap_is_a_relative_distance():
 def test_merge_of_disjoint_key_sets_is_full_attention(activation):
     q, k, v = make_qkv((2, 17, 63, 4, 2, 16))
     a = global_tokens(5)  # keys j < 5 ...
-    b = AttentionSpec(mask=sliding_window(20)).mask  # ... and a window: overlap for early queries
+    b = AttentionSpec(mask=sliding_window(left=20)).mask  # ... and a window: overlap for early queries
     b_only = lambda bb, h, i, j: b(bb, h, i, j) & (j >= 5)  # noqa: E731  disjoint from a
     kw = dict(activation=activation, return_lse=True)
     o_a, l_a = attention_ref(q, k, v, mask=a, **kw)
@@ -427,7 +427,7 @@ def test_flex_compiled_buckets_lengths():
     """One compile serves every length in a bucket (offset and Tk are captured tensors)."""
     from torch._dynamo.utils import counters
 
-    spec = AttentionSpec(mask=sliding_window(7))
+    spec = AttentionSpec(mask=sliding_window(left=7))
     assert flex_bucket(1) == flex_bucket(17) == flex_bucket(100) == 128
     assert flex_bucket(129) == 256 and flex_bucket(1025) == 2048
     graphs = None
@@ -494,7 +494,7 @@ def test_alibi_schedules():
 @pytest.mark.parametrize(
     "bad",
     [lambda: AttentionSpec(activation="relu"),
-     lambda: AttentionSpec(mask=sliding_window(3), lambda_params=LambdaParams(2, 4)),
+     lambda: AttentionSpec(mask=sliding_window(left=3), lambda_params=LambdaParams(2, 4)),
      lambda: AttentionSpec.lm_infinite(2, 4, alibi_slopes=(1.0,)),
      lambda: AttentionSpec(alibi_slopes=(float("nan"),)),
      lambda: LambdaParams(2, 0)],

@@ -40,8 +40,8 @@ BOUNDED_METHODS = {
     "lm_infinite_4_8": lm_infinite(4, 8),
     "lm_infinite_1_5_cap3": lm_infinite(1, 5, limit_distance=3),
     "lm_infinite_0_7": lm_infinite(0, 7),
-    "sliding_window_8": sliding_window(8),
-    "sliding_window_1": sliding_window(1),
+    "sliding_window_8": sliding_window(window=8),
+    "sliding_window_1": sliding_window(window=1),
     "sinks_4_8": sinks(4, 8),
     "sinks_1_5": sinks(1, 5),
     "sinks_4_8_true_pos": sinks(4, 8, renumber=False),
@@ -95,8 +95,8 @@ def test_registry_and_dicts_round_trip():
     (lambda: lm_infinite(4, 0), "n_local"),
     (lambda: lm_infinite(4, 8, limit_distance=-2), "limit_distance"),
     (lambda: lm_infinite(4.0, 8), "n_global"),
-    (lambda: sliding_window(0), "window"),
-    (lambda: sliding_window(True), "window"),
+    (lambda: sliding_window(window=0), "window"),
+    (lambda: sliding_window(window=True), "window"),
     (lambda: sinks(-1, 8), "n_sink"),
     (lambda: sinks(4, 0), "window"),
     (lambda: sinks(4, 8, renumber="yes"), "renumber"),
@@ -185,7 +185,7 @@ def test_patch_causal_and_wide_windows_equal_unpatched(model64):
     ids = _ids(37)
     with torch.no_grad():
         want = m(ids).logits
-        for method in (causal(), lm_infinite(3, 37), lm_infinite(0, 100), sliding_window(37), sinks(4, 37)):
+        for method in (causal(), lm_infinite(3, 37), lm_infinite(0, 100), sliding_window(window=37), sinks(4, 37)):
             with attention_patched(m, method):
                 got = m(ids).logits
             # lcx rotates with float64 angles, HF with float32 ones: about 1e-7 relative.
@@ -197,7 +197,7 @@ def test_patch_narrow_windows_change_the_model(model64):
     ids = _ids(37)
     with torch.no_grad():
         want = m(ids).logits
-        for method in (lm_infinite(3, 8), sliding_window(8), sinks(4, 8), sinks(4, 8, renumber=False)):
+        for method in (lm_infinite(3, 8), sliding_window(window=8), sinks(4, 8), sinks(4, 8, renumber=False)):
             with attention_patched(m, method):
                 got = m(ids).logits
             assert (got - want).abs().max() > 1e-2, method.describe()
@@ -272,7 +272,7 @@ def test_unpatch_restores(model32):
         with attention_patched(m, sinks(1, 3)):  # nested: restores the outer method on exit
             assert current_attention(m) == sinks(1, 3)
         assert current_attention(m) == lm_infinite(2, 4)
-        patch_attention(m, sliding_window(4))  # re-patch replaces
+        patch_attention(m, sliding_window(window=4))  # re-patch replaces
         unpatch_attention(m)
         unpatch_attention(m)  # idempotent
         assert current_attention(m) is None
@@ -328,7 +328,7 @@ def test_bounded_cache_is_not_vacuous(model32):
     ids = _ids(40, seed=40)
     vanilla = greedy_generate(m, ids, NEW_TOKENS).tokens
     changed = 0
-    for method in (lm_infinite(4, 8), sliding_window(8), sinks(4, 8)):
+    for method in (lm_infinite(4, 8), sliding_window(window=8), sinks(4, 8)):
         with attention_patched(m, method):
             changed += not torch.equal(greedy_generate(m, ids, NEW_TOKENS, cache=BoundedKVCache(method)).tokens,
                                        vanilla)
@@ -351,7 +351,7 @@ def test_bounded_cache_memory_constant_in_length(model32):
     assert sizes[120][-1] * 8 < full  # 11 slots (+ positions) vs 121 slots
 
 
-@pytest.mark.parametrize("method", [lm_infinite(4, 8), sinks(2, 6), sliding_window(5)], ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", [lm_infinite(4, 8), sinks(2, 6), sliding_window(window=5)], ids=lambda m: m.describe())
 def test_bounded_chunked_prefill_equals_one_shot(model32, method):
     """Prefill in chunks (evicting between them) gives the same logits as one prefill."""
     m, _ = model32

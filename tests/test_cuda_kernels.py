@@ -47,7 +47,7 @@ SPECS = {
     "lm_infinite": lambda: AttentionSpec.lm_infinite(n_global=5, n_local=40),
     "lm_infinite_cap7": lambda: AttentionSpec.lm_infinite(n_global=3, n_local=17, limit_distance=7),
     "causal": lambda: AttentionSpec(mask=causal_mask),
-    "window": lambda: AttentionSpec(mask=sliding_window(30)),
+    "window": lambda: AttentionSpec(mask=sliding_window(left=30)),
     "sinks": lambda: AttentionSpec(mask=attention_sinks(4, 25)),
     "full": lambda: AttentionSpec(mask=None),
 }

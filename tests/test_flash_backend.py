@@ -36,7 +36,7 @@ def _qkv(Tq, Tk, H=4, Hkv=2, D=8, seed=0, dtype=F64):
 
 
 def _specs(G, L):
-    yield "mask", (AttentionSpec(mask=lambda_mask(G, L)) if G else AttentionSpec(mask=sliding_window(L - 1))), None
+    yield "mask", (AttentionSpec(mask=lambda_mask(G, L)) if G else AttentionSpec(mask=sliding_window(left=L - 1))), None
     if G:
         yield "lm_infinite", AttentionSpec.lm_infinite(G, L), Rotary(INV_FREQ)
 
@@ -82,7 +82,7 @@ def test_chunk_size_and_mask_structure():
     assert chunk_size(17) == 17 and chunk_size(128) == 128 and chunk_size(200) == 128
     assert chunk_size(8192) == 1024 and chunk_size(8188) == 1024 and chunk_size(1100) == 192
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
-    assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
+    assert mask_structure(AttentionSpec(mask=sliding_window(left=7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=lambda_mask(4, 16))) == (4, 15)
     assert mask_structure(AttentionSpec(mask=attention_sinks(4, 15))) == (4, 15)
     assert mask_structure(AttentionSpec(mask=global_tokens(4))) is None
@@ -95,7 +95,7 @@ def test_flash_refuses_what_it_cannot_do():
     with pytest.raises(NotImplementedError, match="global_tokens"):
         attention(q, k, v, AttentionSpec(mask=global_tokens(4)), backend="flash")
     with pytest.raises(NotImplementedError, match="forward-only"):
-        attention(q.requires_grad_(), k, v, AttentionSpec(mask=sliding_window(7)), backend="flash")
+        attention(q.requires_grad_(), k, v, AttentionSpec(mask=sliding_window(left=7)), backend="flash")
 
 
 @pytest.mark.gpu
@@ -120,7 +120,7 @@ def test_mask_structure_needs_the_factory_name_and_its_parameters():
 
     assert mask_structure(AttentionSpec(mask=lambda_mask(3, 64))) == (3, 63)
     assert mask_structure(AttentionSpec(mask=attention_sinks(4, 19))) == (4, 19)
-    assert mask_structure(AttentionSpec(mask=sliding_window(7))) == (0, 7)
+    assert mask_structure(AttentionSpec(mask=sliding_window(left=7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
     assert mask_structure(AttentionSpec(mask=lambda_global_mask(4, 20))) is None
     # ... it is no window, but its own structure (global keys outside a window) is data flash runs

@@ -69,20 +69,20 @@ def test_causal_prefill_chunk_decode():
 
 
 def test_sliding_window_prefill_chunk_decode():
-    check(sliding_window(2), 5, 5, """
+    check(sliding_window(left=2), 5, 5, """
         x . . . .
         x x . . .
         x x x . .
         . x x x .
         . . x x x
     """)  # fmt: skip
-    check(sliding_window(2), 3, 6, """
+    check(sliding_window(left=2), 3, 6, """
         . x x x . .
         . . x x x .
         . . . x x x
     """)  # fmt: skip  (the diagram in lcx.masks)
-    check(sliding_window(2), 1, 6, ". . . x x x")
-    check(sliding_window(0), 3, 3, """
+    check(sliding_window(left=2), 1, 6, ". . . x x x")
+    check(sliding_window(left=0), 3, 3, """
         x . .
         . x .
         . . x
@@ -133,7 +133,7 @@ def test_lambda_mask_prefill_chunk_decode():
 
 def test_explicit_q_offset():
     # queries at indices 1 and 2 of 5 keys (not the last ones)
-    check(sliding_window(1), 2, 5, """
+    check(sliding_window(left=1), 2, 5, """
         x x . . .
         . x x . .
     """, q_offset=1)  # fmt: skip
@@ -142,13 +142,13 @@ def test_explicit_q_offset():
 # ------------------------------------------------------------------ names, registry, algebra
 def test_names_record_parameters():
     assert causal_mask.__name__ == "causal"
-    assert sliding_window(7).__name__ == "sliding_window_7"
+    assert sliding_window(left=7).__name__ == "sliding_window_7"
     assert global_tokens(3).__name__ == "global_tokens_3"
     assert attention_sinks(4, 7).__name__ == "attention_sinks_4_7"
     assert lambda_mask(4, 16).__name__ == "lambda_4_16"
-    m = and_masks(global_tokens(4), not_mask(sliding_window(7)))
+    m = and_masks(global_tokens(4), not_mask(sliding_window(left=7)))
     assert m.__name__ == "and(global_tokens_4,not(sliding_window_7))"
-    assert or_masks(causal_mask, sliding_window(1)).__name__ == "or(causal,sliding_window_1)"
+    assert or_masks(causal_mask, sliding_window(left=1)).__name__ == "or(causal,sliding_window_1)"
 
 
 def test_registry_examples_cover_every_mask():
@@ -194,7 +194,7 @@ def test_sinks_equal_lambda_mask():
 
 
 def test_and_or_not_semantics():
-    a, b = sliding_window(3), global_tokens(2)
+    a, b = sliding_window(left=3), global_tokens(2)
     A, Bm = mask_matrix(a, 9, 9), mask_matrix(b, 9, 9)
     assert torch.equal(mask_matrix(and_masks(a, b), 9, 9), A & Bm)
     assert torch.equal(mask_matrix(or_masks(a, b), 9, 9), A | Bm)
@@ -219,7 +219,7 @@ def test_key_ranges_hand_written():
 
 @pytest.mark.parametrize(
     "bad",
-    [lambda: sliding_window(-1), lambda: sliding_window(True), lambda: sliding_window(2.0),
+    [lambda: sliding_window(left=-1), lambda: sliding_window(left=True), lambda: sliding_window(left=2.0),
      lambda: lambda_mask(2, 0), lambda: global_tokens(-3), lambda: make_mask("nope"),
      lambda: make_mask("sliding_window", right=3), lambda: mask_matrix(causal_mask, 3, 2)],
     ids=["negative", "bool", "float", "lambda_no_window", "negative_n", "unknown", "bad_key", "tq_gt_tk"],
@@ -248,11 +248,11 @@ def test_window_shape_is_data_on_the_primitives_only():
     from lcx.masks.base import named
 
     assert window_shape(causal()) == KeySpan(0, None)
-    assert window_shape(sliding_window(7)) == KeySpan(0, 7)
+    assert window_shape(sliding_window(left=7)) == KeySpan(0, 7)
     assert window_shape(global_tokens(3)) == KeySpan(3, -1)
     assert window_shape(attention_sinks(4, 7)) == KeySpan(4, 7)
     assert window_shape(lambda_mask(2, 16)) == KeySpan(2, 15)
-    assert window_shape(or_masks(global_tokens(2), sliding_window(15))) is None  # same keys, not declared
-    assert window_shape(and_masks(sliding_window(3), causal())) is None
+    assert window_shape(or_masks(global_tokens(2), sliding_window(left=15))) is None  # same keys, not declared
+    assert window_shape(and_masks(sliding_window(left=3), causal())) is None
     assert window_shape(named(lambda b, h, i, j: j <= i, "sliding_window_3", None, {"left": 3})) is None
     assert window_shape(None) is None

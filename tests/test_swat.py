@@ -73,7 +73,7 @@ def test_layer_equals_reference(w, T):
     # Built here from its parts, not with AttentionSpec.swat, to pin what SWAT means.
     slopes = balanced_alibi_slopes(H)
     assert slopes == alibi_slopes(2) + tuple(-m for m in alibi_slopes(2))
-    spec = AttentionSpec(mask=sliding_window(w - 1), activation="sigmoid", alibi_slopes=slopes)
+    spec = AttentionSpec(mask=sliding_window(left=w - 1), activation="sigmoid", alibi_slopes=slopes)
 
     # Exact: rotate with the very cos/sin tables the model used (HF builds them in float32).
     cos, sin = seen["position_embeddings"]  # [B, T, D]

@@ -72,7 +72,7 @@ GPU_SHAPES = {
 def _spec(name: str, H: int) -> AttentionSpec:
     return {
         "causal": lambda: AttentionSpec(),
-        "window8": lambda: AttentionSpec(mask=sliding_window(7)),
+        "window8": lambda: AttentionSpec(mask=sliding_window(left=7)),
         "sinks4_window8": lambda: AttentionSpec(mask=attention_sinks(4, 7)),
         "alibi_sigmoid": lambda: AttentionSpec(alibi_slopes=alibi_slopes(H), activation="sigmoid"),
         "swat16_rope": lambda: AttentionSpec.swat(16, H),
@@ -305,7 +305,7 @@ def test_kernel_rows_without_keys_and_strided_inputs():
     # [B, H, T, D] storage seen as [B, T, H, D]
     qs, ks, vs = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in low((q, k, v), F32, dev))
     assert not qs.is_contiguous()
-    spec = AttentionSpec(mask=sliding_window(3))
+    spec = AttentionSpec(mask=sliding_window(left=3))
     torch.testing.assert_close(attention(qs, ks, vs, spec, backend="triton").cpu(),
                                attention_ref_spec(*low((q, k, v), F32), spec), rtol=0, atol=1e-5)
 
@@ -370,8 +370,8 @@ def test_kernel_swat_wrapper_matches_reference():
     q, k, v = make_qkv((1, 40, 40, 4, 2, 16))
     slopes = balanced_alibi_slopes(4)
     got = swat_attention_triton(*low((q, k, v), F32, _device()), window=8, alibi_slopes=slopes)
-    want = attention_ref(q, k, v, mask=sliding_window(7), alibi_slopes=slopes, activation="sigmoid")
-    ref32 = attention_ref(*low((q, k, v), F32), mask=sliding_window(7), alibi_slopes=slopes, activation="sigmoid")
+    want = attention_ref(q, k, v, mask=sliding_window(left=7), alibi_slopes=slopes, activation="sigmoid")
+    ref32 = attention_ref(*low((q, k, v), F32), mask=sliding_window(left=7), alibi_slopes=slopes, activation="sigmoid")
     assert_within_budget(got.cpu(), ref32, want)
 
 
@@ -464,7 +464,7 @@ def test_backend_registered_and_refuses_with_reasons():
             attention(*qkv, AttentionSpec(), backend="triton")
     f64 = CallInfo.from_call(*low(qkv, F64))
     assert "float64" in (b.supports(AttentionSpec(), f64) or "")
-    odd = and_masks(sliding_window(3), global_tokens(2))
+    odd = and_masks(sliding_window(left=3), global_tokens(2))
     assert "mask" in (b.supports(AttentionSpec(mask=odd)) or "")
     assert "mask" in (b.supports(AttentionSpec(mask=None)) or "")
     grad = CallInfo.from_call(*low(qkv, F32, requires_grad=True), rotary=Rotary(INV_FREQ[16]))
@@ -481,11 +481,11 @@ def test_mask_shapes():
     from lcx.masks import causal_mask, lambda_mask
 
     assert mask_shape(causal_mask) == (0, None)
-    assert mask_shape(sliding_window(7)) == (0, 7)
+    assert mask_shape(sliding_window(left=7)) == (0, 7)
     assert mask_shape(attention_sinks(4, 7)) == (4, 7)
     assert mask_shape(global_tokens(3)) == (3, -1)
     assert mask_shape(lambda_mask(2, 16)) == (2, 15)
-    assert mask_shape(and_masks(sliding_window(3), causal_mask)) is None
+    assert mask_shape(and_masks(sliding_window(left=3), causal_mask)) is None
 
 
 # ----------------------------------------------------------------------------- ahead-of-time compile

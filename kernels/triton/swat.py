@@ -3,7 +3,7 @@
 SWAT (arXiv 2502.18845): o_i = sum_{i-w < j <= i} sigmoid(scale * q_i.k_j - m_h |i - j|) v_j with
 per-head ALiBi slopes m_h of both signs (`lcx.attention.balanced_alibi_slopes`) on q/k that
 are ALREADY rotated (RoPE is applied by the caller, differentiably). Same semantics as
-`lcx.attention.attention_ref(q, k, v, mask=sliding_window(w - 1), alibi_slopes=...,
+`lcx.attention.attention_ref(q, k, v, mask=sliding_window(left=w - 1), alibi_slopes=...,
 activation="sigmoid")`; the same kernels also serve causal / window / sinks masks with softmax.
 
     swat_attention_triton(q, k, v, *, window, alibi_slopes=None, scale=None, q_offset=None) -> out

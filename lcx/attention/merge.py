@@ -92,14 +92,14 @@ def lambda_two_pass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LM-Infinite from two kernel passes merged by lse; q, k UNROTATED `[B, T, H, D]`.
 
-    pass A: rotated q/k, mask `sliding_window(n_local - 1)` over all Tk keys;
+    pass A: rotated q/k, mask `sliding_window(left=n_local - 1)` over all Tk keys;
     pass B: capped q on the first G' keys at position 0, mask: j < n_global and
             i - j >= n_local (global keys inside the window stay in pass A only).
     Both passes use the caller's absolute q_offset (pass B has only G' keys).
     """
     li = lambda_inputs(q, k, rotary, lp, q_offset)
     o_a, lse_a = kernel(
-        li.q_rot, li.k_rot, v, mask=sliding_window(lp.n_local - 1), q_offset=q_offset,
+        li.q_rot, li.k_rot, v, mask=sliding_window(left=lp.n_local - 1), q_offset=q_offset,
         scale=scale, activation=activation,
     )  # fmt: skip
     n_glob = li.k_glob.shape[1]

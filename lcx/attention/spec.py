@@ -98,7 +98,7 @@ class AttentionSpec:
 
         check_count("window", window, 1)
         kw.setdefault("alibi_slopes", balanced_alibi_slopes(n_heads))
-        return cls(mask=sliding_window(window - 1), activation="sigmoid", **kw)
+        return cls(mask=sliding_window(left=window - 1), activation="sigmoid", **kw)
 
     @property
     def name(self) -> str:

@@ -3,6 +3,8 @@
     lcx bench pie --model smollm2-135m --samples 36 --ctx-tokens 512 1024
     lcx bench pie --model runs/code-smollm2-135m --split eval --samples 100 \
         --ctx-tokens 512 1024 --out results/pie_code_edit_code-smollm2-135m.json --resume
+    lcx bench pie --targets context --samples 100 --ctx-tokens 512 1024 \
+        --out results/pie_code_edit_context.json --resume   # lines that need the prompt
     lcx bench pie --model tiny-random --samples 6 --ctx-tokens 400 --out /tmp/pie.json
     lcx bench pie --rescore results/pie_code_edit.json   # summary from stored samples
     lcx bench pie --merge /tmp/pie512.json /tmp/pie1024.json --out results/x.json
@@ -131,6 +133,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--samples", type=int, default=36, help="samples per context length")
     ap.add_argument("--ctx-tokens", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--kinds", nargs="+", default=["insertion", "deletion", "multi"])
+    ap.add_argument("--targets", choices=("any", "context"), default="any",
+                    help="target lines: any non-comment line of >= 8 characters, or 'context': only lines "
+                         "whose every identifier (keywords, builtins, self, cls aside) occurs in the prompt "
+                         "(lcx.studies.code_edit.TARGET_POLICIES)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--backend", default="ref", help="re-rotation backend: ref | triton | cuda")
@@ -195,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         record.update(started=old["started"], resumed=[*old.get("resumed", []), len(results)])
         print(f"--resume: keeping {len(results)} samples from {args.out}", flush=True)
     for ctx in args.ctx_tokens:
-        samples = make_samples(tok, args.samples, ctx, kinds=args.kinds, seed=args.seed + ctx, files=files)
+        samples = make_samples(tok, args.samples, ctx, kinds=args.kinds, seed=args.seed + ctx, files=files,
+                               targets=args.targets)
         for i, s in enumerate(samples):
             if (ctx, i) in done:
                 continue

@@ -1,6 +1,6 @@
 """Attention masks as `mask_mod(b, h, q_idx, kv_idx) -> bool` functions (attention-gym style).
 
-Each mask is a factory in its own file (`sliding_window(left) -> mask_mod`); masks compose with
+Each mask is a factory in its own file (`sliding_window(left=left) -> mask_mod`); masks compose with
 `and_masks` / `or_masks` / `not_mask`; the returned function's `__name__` records its
 parameters (`sliding_window_7`, `lambda_4_16`); `MASKS` is the registry of factories.
 
@@ -14,9 +14,9 @@ q_offset = Tk - Tq unless given. A mask_mod is called with (i, j), never with t.
 - chunked prefill  Tq < Tk,   q_offset = Tk - Tq, earlier chunks are already in the cache.
 - decode           Tq = 1,    q_offset = Tk - 1,  the new token sees the whole cache.
 
-`sliding_window(left)` lets query i see keys i - left <= j <= i: left + 1 keys, itself
+`sliding_window(left=left)` lets query i see keys i - left <= j <= i: left + 1 keys, itself
 included (flash-attn's window_size=(left, 0)). A "window of w keys" (SWAT's w, LM-Infinite's
-n_local) is left = w - 1. Example, `sliding_window(2)`, chunked prefill Tq=3 of Tk=6:
+n_local) is left = w - 1. Example, `sliding_window(left=2)`, chunked prefill Tq=3 of Tk=6:
 
                     key j:  0 1 2 3 4 5
     query t=0 (i=3)         . x x x . .

@@ -17,7 +17,7 @@ from .sliding_window import sliding_window
 def attention_sinks(n_sink: int, left: int) -> MaskMod:
     check_count("n_sink", n_sink, 0)
     check_count("left", left, 0)
-    inner = or_masks(global_tokens(n_sink), sliding_window(left))
+    inner = or_masks(global_tokens(n_sink), sliding_window(left=left))
 
     def attention_sinks_mask(b, h, q_idx, kv_idx):
         return inner(b, h, q_idx, kv_idx)

@@ -68,7 +68,7 @@ def named(fn: MaskMod, name: str, span: KeySpan | None, params: dict[str, Any], 
 
 def window_shape(mask_mod: MaskMod | None) -> KeySpan | None:
     """The exact window shape `(n_global, left)` of a mask built by the window-shaped factories
-    (`causal`: (0, None); `sliding_window(left)`: (0, left); `global_tokens(n)`: (n, -1);
+    (`causal`: (0, None); `sliding_window(left=left)`: (0, left); `global_tokens(n)`: (n, -1);
     `attention_sinks(n, left)`: (n, left); `lambda_mask(G, L)`: (G, L - 1)), or None for any
     other mask (composed, hand-written). Backends that run windows natively read the mask's
     structure through this one function, never from its name."""

@@ -22,7 +22,7 @@ Reference: `self_extend_ref` (dense scores, one softmax). `SelfExtend.attend` co
 thing as two passes merged by their log-sum-exp (`lcx.attention.merge_attention`), each a shape
 every backend runs natively:
 
-    window pass   q, k at true positions, mask `sliding_window(W - 1)`, over all keys
+    window pass   q, k at true positions, mask `sliding_window(left=W - 1)`, over all keys
     grouped pass  q, k at grouped positions, keys [0, Tk - W) under plain `causal`: with lcx's
                   window convention (queries are the last Tq of the keys), query index i maps
                   to mask index i - W, which sees exactly the keys j <= i - W.
@@ -103,7 +103,7 @@ class SelfExtend(AttentionMethod):
     def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None):
         Tq, Tk = q.shape[1], k.shape[1]
         W = self.window
-        near, lse_near = attention(q, k, v, AttentionSpec(mask=sliding_window_mask(W - 1), scale=scale),
+        near, lse_near = attention(q, k, v, AttentionSpec(mask=sliding_window_mask(left=W - 1), scale=scale),
                                    backend=backend, rotary=rotary, return_lse=True)
         first = max(0, W - (Tk - Tq))  # the first query (of Tq) with a key W or more behind it
         if first >= Tq:  # no query reaches beyond its window

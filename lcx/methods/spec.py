@@ -16,7 +16,7 @@ Methods
 - `lm_infinite(G, L, limit)`  LM-Infinite (arXiv 2308.16137): Λ-mask, G global + L local keys,
                               global keys scored at distance min(limit, Tk - 1) (default L);
                               `lcx.attention.lambda_attention_ref` defines it.
-- `sliding_window(w)`         a window of w keys, itself included (`sliding_window(w - 1)` mask).
+- `sliding_window(window=w)`  a window of w keys, itself included (the `sliding_window(left=w - 1)` mask).
 - `self_extend(G, W)`         Self-Extend (arXiv 2401.01325): true positions within a window of
                               W keys, positions floor-divided by G beyond (`lcx.methods.self_extend`).
 - `sinks(S, w)`               StreamingLLM (arXiv 2309.17453): S sink keys + a window of w keys,
@@ -178,7 +178,7 @@ class SlidingWindow(AttentionMethod):
         check_count("window", self.window, 1)
 
     def _spec(self, scale):
-        return AttentionSpec(mask=sliding_window_mask(self.window - 1), scale=scale)
+        return AttentionSpec(mask=sliding_window_mask(left=self.window - 1), scale=scale)
 
     @property
     def cache_window(self):
@@ -245,7 +245,9 @@ def lm_infinite(n_global: int, n_local: int, limit_distance: int | None = None) 
     return LMInfinite(n_global, n_local, limit_distance)
 
 
-def sliding_window(window: int) -> SlidingWindow:
+def sliding_window(*, window: int) -> SlidingWindow:
+    """`window` keys, the query included (keyword-only: the mask `lcx.masks.sliding_window(left=...)`
+    counts the keys before the query)."""
     return SlidingWindow(window)
 
 

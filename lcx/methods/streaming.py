@@ -101,7 +101,7 @@ def streaming_attention(
 ):
     """`streaming_attention_ref`'s result from two `lcx.attention` passes merged by lse.
 
-    pass A: `sliding_window(window - 1)`, q and k rotated at their true positions;
+    pass A: `sliding_window(left=window - 1)`, q and k rotated at their true positions;
     pass B: the first S' = min(n_sink, Tk) keys at their positions, queries at p[min(i, S+w-1)],
             mask `j < n_sink and i - j >= window` (sinks inside the window stay in pass A).
     `backend` must return lse (ref, blockwise, flex, flash); others raise NotImplementedError.
@@ -109,7 +109,7 @@ def streaming_attention(
     """
     off = _check(q, k, n_sink, window, q_offset)
     Tq, Tk = q.shape[1], k.shape[1]
-    o_a, lse_a = attention(q, k, v, AttentionSpec(mask=sliding_window(window - 1), scale=scale),
+    o_a, lse_a = attention(q, k, v, AttentionSpec(mask=sliding_window(left=window - 1), scale=scale),
                            backend=backend, q_offset=off, rotary=rotary, return_lse=True)
     n_s = min(n_sink, Tk)
     first = max(0, window - off)  # queries before key index `window` see no sink outside their window

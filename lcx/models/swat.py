@@ -5,7 +5,7 @@ SWAT (Sliding Window Attention Training, arXiv 2502.18845): for query i and head
     o_i = sum_{i-w < j <= i} sigmoid( q~_i . k~_j / sqrt(d) - m_h * (i - j) ) v_j
 
 q~, k~: q and k rotated by RoPE (the Llama rotary embedding, unchanged); w: the window, in
-keys, the query itself included (`lcx.masks.sliding_window(w - 1)`); m_h: lcx's balanced ALiBi
+keys, the query itself included (`lcx.masks.sliding_window(left=w - 1)`); m_h: lcx's balanced ALiBi
 slopes (`lcx.attention.balanced_alibi_slopes`: the first half of the heads penalise distance,
 m > 0, the second half favour it, m < 0). In the paper's notation `b_h * (i - j)` with
 b_h = -m_h. Sigmoid, not softmax: no normalisation over keys, hence no attention sink. The

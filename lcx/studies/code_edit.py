@@ -3,7 +3,13 @@
 Protocol (after PIE, arXiv 2407.03157, whose RepoBench-C setting we cannot download here):
 
 1. Sample. A window of real code (a stdlib `.py` file, not written by us) ending at a line
-   break, about `ctx_tokens` tokens; the target is the next non-blank line of the file.
+   break, about `ctx_tokens` tokens; the target is the next line of the file with >= 8
+   non-blank characters, not a comment. Target policy (`TARGET_POLICIES`, chosen before any
+   model runs, the same for every strategy): `any` takes such a line; `context` takes one only
+   if every identifier it uses (Python keywords, builtins, `self` and `cls` aside; at least one)
+   occurs in the edited prompt, i.e. a line that needs the context to be written (the spirit of
+   RepoBench-C, whose targets use code defined elsewhere in the prompt). A `context` target
+   measures what PIE must preserve, the use of the cached context after an edit.
 2. Edit. A random line-level edit inside the window, away from its last two lines:
    `insertion` (1-4 lines copied from elsewhere in the same file), `deletion` (1-4 lines) or
    `multi` (2-3 insertions / deletions / line replacements at different places). The edited
@@ -22,9 +28,12 @@ Protocol (after PIE, arXiv 2407.03157, whose RepoBench-C setting we cannot downl
 
 from __future__ import annotations
 
+import builtins
 import difflib
+import keyword
 import math
 import random
+import re
 import statistics
 import sysconfig
 import time
@@ -39,6 +48,18 @@ from lcx.cache.kv import PositionedKVCache
 from lcx.cache.pie import EDIT_STRATEGIES, Edit, apply_edits, update_cache
 
 EDIT_KINDS = ("insertion", "deletion", "multi")
+TARGET_POLICIES = ("any", "context")
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UBIQUITOUS = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {"self", "cls"}
+
+
+def uses_only_context(line: str, prompt: str) -> bool:
+    """True if `line` names at least one identifier beyond keywords, builtins, `self`, `cls`,
+    and every such identifier occurs as a whole word in `prompt` (the `context` target policy)."""
+    names = {n for n in _IDENTIFIER.findall(line) if n not in _UBIQUITOUS}
+    seen = set(_IDENTIFIER.findall(prompt))
+    return bool(names) and names <= seen
 
 
 def stdlib_files(min_lines: int = 200, split: str | None = None) -> list[Path]:
@@ -122,9 +143,12 @@ def _line_edit_ops(rng: random.Random, kind: str, n_lines: int, donor: list[str]
 
 
 def make_samples(tokenizer: Any, n: int, ctx_tokens: int, *, kinds: Sequence[str] = EDIT_KINDS,
-                 seed: int = 0, files: Sequence[Path] | None = None,
+                 seed: int = 0, files: Sequence[Path] | None = None, targets: str = "any",
                  max_tries: int = 50) -> list[CodeEditSample]:
-    """`n` samples cycling through `kinds`, from stdlib files chosen with `seed`."""
+    """`n` samples cycling through `kinds`, from stdlib files chosen with `seed`, with target
+    lines chosen by the `targets` policy (`TARGET_POLICIES`)."""
+    if targets not in TARGET_POLICIES:
+        raise ValueError(f"targets must be one of {TARGET_POLICIES}, got {targets!r}")
     rng = random.Random(seed)
     files = list(files) if files is not None else stdlib_files()
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -132,7 +156,7 @@ def make_samples(tokenizer: Any, n: int, ctx_tokens: int, *, kinds: Sequence[str
     for i in range(n):
         kind = kinds[i % len(kinds)]
         for _ in range(max_tries):
-            s = _try_sample(tokenizer, rng.choice(files), kind, ctx_tokens, rng, root)
+            s = _try_sample(tokenizer, rng.choice(files), kind, ctx_tokens, rng, root, targets)
             if s is not None:
                 samples.append(s)
                 break
@@ -142,7 +166,7 @@ def make_samples(tokenizer: Any, n: int, ctx_tokens: int, *, kinds: Sequence[str
 
 
 def _try_sample(tokenizer, path: Path, kind: str, ctx_tokens: int, rng: random.Random,
-                root: Path) -> CodeEditSample | None:
+                root: Path, targets: str = "any") -> CodeEditSample | None:
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     # target: a non-blank, non-comment line with some content, far enough into the file
     cands = [i for i in range(40, len(lines)) if len(lines[i].strip()) >= 8
@@ -168,6 +192,8 @@ def _try_sample(tokenizer, path: Path, kind: str, ctx_tokens: int, rng: random.R
     new_window = list(window)
     for s, e, repl in reversed(ops):  # right to left keeps earlier line indices valid
         new_window[s:e] = repl
+    if targets == "context" and not uses_only_context(lines[t], "".join(new_window)):
+        return None
     # the prompt stops before the window's final line break (see `greedy_line`)
     old_ids = _encode(tokenizer, "".join(window)[:-1])
     new_ids = _encode(tokenizer, "".join(new_window)[:-1])

@@ -17,7 +17,7 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
   used by vLLM's own rotary kernel. Length-dependent types (`dynamic`, `longrope`) are refused:
   lcx recomputes their basis per forward length, vLLM keeps one cos/sin cache (vLLM's own
   "dynamic" is static at n = L*s), so the two engines would disagree.
-- `attention: sliding_window(w)`: w keys, the query included (lcx's convention). vLLM's
+- `attention: sliding_window(window=w)`: w keys, the query included (lcx's convention). vLLM's
   attention layers take `per_layer_sliding_window=w` with the same meaning, and the KV cache
   manager then frees blocks that left every window; the overrides set `sliding_window` and
   `layer_types` (all "sliding_attention") in the HF config, which vLLM's Llama reads.
@@ -93,7 +93,7 @@ class VllmMethods:
         got_w = getattr(hf_config, "sliding_window", None)
         layer_types = getattr(hf_config, "layer_types", None)
         if w is not None and (got_w != w or not layer_types or set(layer_types) != {"sliding_attention"}):
-            raise ValueError(f"{LCX_KEY} asks for sliding_window({w}) but the config has sliding_window="
+            raise ValueError(f"{LCX_KEY} asks for sliding_window(window={w}) but the config has sliding_window="
                              f"{got_w}, layer_types={layer_types}; build vLLM's hf_overrides with "
                              "lcx.serve.vllm_plugin.hf_overrides")
         return methods
