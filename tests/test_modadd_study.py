@@ -115,6 +115,24 @@ def test_curriculum_widens_linearly():
     assert [delayed.max_offset_at(s, 100) for s in (0, 19, 20, 44, 69, 99)] == [0, 0, 1, 16, 32, 32]
 
 
+def test_template_mixture_can_start_late():
+    r = tm.recipe_by_name("robust~template_delay_frac=0.3")
+    assert [r.templates_at(s, 100) for s in (0, 29, 30, 99)] == [False, False, True, True]
+    assert tm.recipe_by_name("robust").templates_at(0, 100)
+    assert not tm.recipe_by_name("robust-no_templates").templates_at(99, 100)
+    cfg = tm.RunConfig(recipe="robust~template_delay_frac=0.3~curriculum_delay_frac=0.3", steps=100,
+                       batch_size=64, model=TINY_MODEL)
+    pairs = modadd.split_pairs(0).train
+
+    def canonical_rows(step):  # markers wrap a canonical expression at offset 0: "<EXPR>a+b=</EXPR>"
+        ids, lengths, _, _ = tm.batch_at(cfg, pairs, step)
+        texts = [bytes(i - 3 for i in row[1:n].tolist()).decode() for row, n in zip(ids, lengths)]
+        return sum(re.fullmatch(r"<EXPR>\d+\+\d+=</EXPR>", t) is not None for t in texts)
+
+    assert canonical_rows(10) == 64  # delay: canonical at offset 0 only
+    assert canonical_rows(80) < 32  # after it: the mixture, at offsets up to 32
+
+
 def test_recipe_modifiers_and_schedules():
     r = tm.recipe_by_name("robust-no_markers~offset_sampling=example~consistency_ramp_frac=0.5~max_offset=16")
     assert (r.markers, r.curriculum, r.offset_sampling, r.consistency_ramp_frac, r.max_offset) == (

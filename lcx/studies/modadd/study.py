@@ -116,11 +116,12 @@ class Recipe:
     offset_sampling: str = "batch"  # one offset per batch (per rendering with consistency) or per "example"
     curriculum_delay_frac: float = 0.0  # fraction of the steps at offset 0 before the range widens
     consistency_ramp_frac: float = 0.0  # consistency weight ramps linearly from 0 over this fraction
+    template_delay_frac: float = 0.0  # fraction of the steps on the canonical template before the mixture
 
     def __post_init__(self) -> None:
         if self.offset_sampling not in OFFSET_SAMPLING:
             raise ValueError(f"offset_sampling must be one of {OFFSET_SAMPLING}, got {self.offset_sampling!r}")
-        for name in ("curriculum_delay_frac", "consistency_ramp_frac"):
+        for name in ("curriculum_delay_frac", "consistency_ramp_frac", "template_delay_frac"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ValueError(f"{name} must be a number in [0, 1), got {v!r}")
@@ -146,6 +147,10 @@ class Recipe:
         delay = round(self.curriculum_delay_frac * steps)
         ramp = max(1, round(self.curriculum_frac * steps))
         return round(self.max_offset * min(1.0, max(0, step + 1 - delay) / ramp))
+
+    def templates_at(self, step: int, steps: int) -> bool:
+        """Whether `step` samples the template mixture (False without it, and during the delay)."""
+        return self.templates and step >= round(self.template_delay_frac * steps)
 
     def consistency_weight_at(self, step: int, steps: int) -> float:
         """The consistency loss's weight at `step` (0 without the loss)."""
@@ -285,8 +290,10 @@ def pack(texts: Sequence[str], *, cls: bool = True) -> tuple[torch.Tensor, torch
     return ids, torch.tensor([len(s) for s in seqs])
 
 
-def sample_texts(recipe: Recipe, pairs: Sequence[tuple[int, int]], rng: random.Random, max_offset: int) -> list[str]:
-    """One training rendering per pair, template per the recipe, at offsets drawn uniformly
+def sample_texts(recipe: Recipe, pairs: Sequence[tuple[int, int]], rng: random.Random, max_offset: int,
+                 templates: bool | None = None) -> list[str]:
+    """One training rendering per pair, template per the recipe (`templates` overrides whether
+    the mixture is sampled, e.g. during `template_delay_frac`), at offsets drawn uniformly
     from [0, max_offset]: one offset for the whole call (`offset_sampling="batch"`) or one per
     example (`"example"`).
 
@@ -296,10 +303,11 @@ def sample_texts(recipe: Recipe, pairs: Sequence[tuple[int, int]], rng: random.R
     gradient then comes from a single offset.
     """
     per_example = recipe.offset_sampling == "example"
+    mixture = recipe.templates if templates is None else templates
     offset = rng.randint(0, max_offset)
     out = []
     for a, b in pairs:
-        template = rng.choice(TEMPLATE_POOLS[recipe.template_pool]) if recipe.templates else CANONICAL
+        template = rng.choice(TEMPLATE_POOLS[recipe.template_pool]) if mixture else CANONICAL
         if per_example:
             offset = rng.randint(0, max_offset)
         out.append(render(a, b, template, offset, markers=recipe.markers))
@@ -317,9 +325,10 @@ def batch_at(cfg: RunConfig, train_pairs: Sequence[tuple[int, int]], step: int):
     n = cfg.batch_size // 2 if recipe.consistency else cfg.batch_size
     pairs = [train_pairs[rng.randrange(len(train_pairs))] for _ in range(n)]
     m = recipe.max_offset_at(step, cfg.steps)
-    texts = sample_texts(recipe, pairs, rng, m)
+    mixture = recipe.templates_at(step, cfg.steps)
+    texts = sample_texts(recipe, pairs, rng, m, mixture)
     if recipe.consistency:
-        texts += sample_texts(recipe, pairs, rng, m)
+        texts += sample_texts(recipe, pairs, rng, m, mixture)
         pairs = pairs + pairs
     ids, lengths = pack(texts)
     labels = torch.tensor([(a + b) % MODULUS for a, b in pairs])
