@@ -32,6 +32,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "print inv_freq / wavelengths of a RoPE spec (and check it against transformers)"),
     (("serve",), "lcx.serve.cli",
      "OpenAI-compatible server (completions, chat, streaming, logprobs) over lcx's batching engine"),
+    (("vllm-args",), "lcx.serve.vllm_plugin.args",
+     "print vLLM arguments that run lcx methods (lm-eval --model vllm model_args JSON, vllm serve flags)"),
     (("bench", "threads"), "lcx.bench.threads",
      "which torch thread count is fastest here, idle and with one core busy -> results/threads_cpu.json"),
     (("bench", "prefill"), "lcx.bench.prefill",

@@ -118,11 +118,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from transformers import AutoConfig
-
-    from lcx.models import resolve_source
-
-    from .vllm_plugin import VllmMethods, hf_overrides, rope_context_len
+    from .vllm_plugin.args import vllm_arguments
     from .vllm_plugin.launch import serve_command, split_args, venv_python, vllm_env
 
     if args.device != "cpu":
@@ -132,13 +128,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.max_body_mb != parser_default(args, "max_body_mb"):
         raise ValueError("--max-body-mb is for the built-in engine")
     python = venv_python()  # a clear error naming the install script if vLLM is missing
-    fmt, model_dir = resolve_source(args.model)
-    if fmt != "hf":
-        raise ValueError(f"--engine vllm needs a Hugging Face model directory; {args.model!r} is {fmt}")
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    methods = VllmMethods.from_dict(methods_from_args(args), hf_config)
-    max_model_len = args.max_model_len or rope_context_len(hf_config, methods)
-    overrides = hf_overrides(hf_config, methods, max_model_len=max_model_len)
+    model_dir, kwargs, methods = vllm_arguments(args.model, methods_from_args(args),
+                                                max_model_len=args.max_model_len, dtype=args.dtype)
+    max_model_len, overrides = kwargs.get("max_model_len"), kwargs["hf_overrides"]
     name = args.served_model_name or args.model
     extra = ["--max-num-seqs", str(args.max_batch), "--uvicorn-log-level", args.log_level]
     if not args.access_log:

@@ -14,7 +14,9 @@ Checks:
 - vLLM's greedy decode (paged cache, one query per step) gives lcx's greedy tokens;
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
   text equals lcx's greedy decode, echo+logprobs equal lcx's prompt logprobs;
-- bad method configurations are refused before vLLM starts.
+- bad method configurations are refused before vLLM starts;
+- `lm_eval --model vllm` with `lcx vllm-args`' model_args (hf_overrides) scores lm-eval's
+  `lcx_ppl` like `lm_eval --model lcx` with the same methods (in-process vLLM, no server).
 
 The default test run skips this module (pyproject addopts `-m "not vllm"`); without the vLLM
 venv it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing venv fails.
@@ -27,6 +29,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -257,3 +260,46 @@ def _lcx_greedy(model_dir: Path, methods: dict, ids: list[int], n: int) -> str:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir).decode(_lcx_greedy_ids(model_dir, methods, ids, n))
+
+
+# ------------------------------------------------------------------ lm_eval --model vllm
+
+LMEVAL_METHODS = {"rope": {"rope_type": "yarn", "factor": 2},
+                  "attention": {"type": "lm_infinite", "n_global": 4, "n_local": 200}}
+LMEVAL_LENGTHS = [300, 600]  # past tiny-5m's 256-token context: the methods matter
+
+
+def _lm_eval_run(python: str, model: str, model_args: str, out_dir: Path, env: dict) -> dict:
+    cmd = [python, "-m", "lcx.eval_tasks", "--model", model, "--model_args", model_args, "--tasks", "lcx_ppl",
+           "--limit", "2", "--metadata", json.dumps({"max_seq_lengths": LMEVAL_LENGTHS}),
+           "--output_path", str(out_dir)]
+    r = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    assert r.returncode == 0, f"{cmd} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    (path,) = out_dir.glob("**/results_*.json")
+    return json.loads(path.read_text())["results"]["lcx_ppl"]
+
+
+def test_lm_eval_vllm_model_applies_lcx_methods(model_dir, tmp_path):
+    """`lm_eval --model vllm` (vLLM in-process) with `lcx vllm-args`' model_args gives the same
+    rolling log-likelihoods as `--model lcx` with the same methods, and not the plain model's."""
+    from lcx.serve.vllm_plugin.args import vllm_arguments
+
+    python = str(_python())
+    model, kwargs, _ = vllm_arguments(str(model_dir), LMEVAL_METHODS, max_model_len=MAX_MODEL_LEN)
+    private = tempfile.mkdtemp(prefix="lcx-vllm-")
+    try:
+        env = {**vllm_env(private, threads=1), "PYTHONPATH": ""}
+        got = _lm_eval_run(python, "vllm", json.dumps({"pretrained": model, **kwargs}), tmp_path / "vllm", env)
+        plain = _lm_eval_run(python, "vllm", json.dumps({"pretrained": model, "dtype": "float32",
+                                                         "max_model_len": MAX_MODEL_LEN}), tmp_path / "plain", env)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    lcx_args = (f"pretrained={model_dir},rope_type=yarn,factor=2,attention=lm_infinite,n_global=4,n_local=200,"
+                "dtype=float32")
+    base_env = {k: v for k, v in os.environ.items()}
+    base_env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    ref = _lm_eval_run(sys.executable, "lcx", lcx_args, tmp_path / "lcx", base_env)
+    for L in LMEVAL_LENGTHS:
+        key = f"bits_per_byte_{L},none"
+        assert got[key] == pytest.approx(ref[key], rel=1e-4), (L, got, ref)
+    assert abs(plain[f"bits_per_byte_{LMEVAL_LENGTHS[-1]},none"] - ref[f"bits_per_byte_{LMEVAL_LENGTHS[-1]},none"]) > 1e-3

@@ -9,15 +9,32 @@ This module runs them exactly instead:
   unrotated keys;
 - the layer's attention implementation (vLLM's CPU impl: its KV-cache shape and metadata
   builder are kept) gets `_MethodAttention`'s forward and cache update, with its own layout,
-  which writes k/v into the paged cache with plain indexing and, per request, gathers the
-  request's keys through its block table and calls the lcx method itself:
-  `method.attend(q, k, v, rotary=Rotary(inv_freq, attention_factor=...))` — lcx's semantics,
-  RoPE included, with the queries the last Tq of the request's Tk keys (lcx's convention,
-  which is also how vLLM schedules prefill, chunked prefill and decode).
+  which writes k/v into the paged cache with plain indexing and calls the lcx method itself:
+  `method.attend(q, k, v, rotary=Rotary(inv_freq, positions, attention_factor))` — lcx's
+  semantics, RoPE included, with the queries the last Tq of the keys (lcx's convention, which is
+  also how vLLM schedules prefill, chunked prefill and decode).
 
-Cost: a Python loop over requests and lcx's blockwise backend, O(Tq * (G + L)) memory per
-request: an exact path for evaluation and serving small models, not a fast kernel. The KV cache
-keeps every block (vLLM's manager sees full attention); a bounded cache is not implemented.
+Two paths, both the method's own `attend`:
+
+- decode (one query per request), batched: every method here is bounded (`cache_window` =
+  (n_first, n_recent): a query sees only the first n_first and the last n_recent keys), and on
+  that compressed set of keys it computes exactly what it computes on the full cache
+  (`lcx.methods.bounded_cache`: keys rotated by their true positions, or by their slot in the
+  compressed set for StreamingLLM's renumbering). So the decode rows of a step are gathered from
+  the paged cache as `[B, n_first + n_recent, Hkv, D]` (rows of a shorter request, whose
+  compressed set is its whole cache, are grouped by length) and each group is one batched call,
+  with per-row rotary positions. The gather plan (block/offset/position indices) depends only
+  on the step's metadata, so it is built once per step and shared by every layer.
+- prefill and chunked prefill (several queries per request): a Python loop over requests, each
+  gathering its keys through its block table (O(Tq * (G + L)) memory with the blockwise backend).
+
+KV memory: the cache keeps every block. vLLM 0.32's KV manager frees blocks only for layers
+whose KV spec says so: `SlidingWindowSpec` frees everything before the window (LM-Infinite's
+and StreamingLLM's first keys too, so it cannot be used), `ChunkedLocalAttentionSpec` frees whole
+chunks, and `RSWASpec` keeps the whole *prompt* plus the last window of *generated* tokens
+(only the decode-phase gap is freed, and it needs a backend with `supports_rswa`, which the CPU
+backend lacks). None keeps "the first n_first + the last n_recent" tokens of the prompt, so
+LM-Infinite / sinks layers keep a full-attention spec.
 Limits: vLLM's CPU backend only (its `[num_blocks, kv_heads, block_size, 2 * head]` cache shape);
 the switch uses the `impl` attribute of vLLM's `Attention` layer (an internal, pinned to
 vllm 0.32: on CPU the platform always picks CPU_ATTN, so a registered custom backend cannot be
@@ -27,6 +44,7 @@ selected through the documented `--attention-backend` route).
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 
@@ -57,13 +75,20 @@ class _MethodAttention:
             return output
         num_blocks, hkv, block_size, two_d = kv_cache.shape
         d = two_d // 2
+        plan = _step_plan(attn_metadata, self.lcx_method, block_size)
+        for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
+            kv = kv_cache[g.blocks, :, g.offsets]  # [B, K, Hkv, 2D]
+            q = query[g.rows][:, None]  # [B, 1, H, D]
+            rotary = Rotary(self.lcx_inv_freq, g.positions, self.lcx_attention_factor)
+            out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale)
+            output[g.rows] = out[:, 0].to(output.dtype)
+        if not plan.multi_query:
+            return output
         starts = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
         rotary = Rotary(self.lcx_inv_freq, None, self.lcx_attention_factor)
-        for i in range(len(starts) - 1):
+        for i in plan.multi_query:
             s, e, n_keys = starts[i], starts[i + 1], int(seq_lens[i])
-            if e <= s:
-                continue
             n_blk = -(-n_keys // block_size)
             blocks = attn_metadata.block_table[i, :n_blk].long()
             kv = kv_cache[blocks].permute(0, 2, 1, 3).reshape(n_blk * block_size, hkv, two_d)[:n_keys]  # [Tk, Hkv, 2D]
@@ -72,6 +97,87 @@ class _MethodAttention:
             out = self.lcx_method.attend(q[None], k[None], v[None], rotary=rotary, scale=self.scale)  # [1, Tq, H, D]
             output[s:e] = out[0].to(output.dtype)
         return output
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Decode requests whose compressed caches have the same length K."""
+
+    rows: torch.Tensor  # [B] token rows of `query` / `output`
+    blocks: torch.Tensor  # [B, K] physical block of each kept key
+    offsets: torch.Tensor  # [B, K] offset in that block
+    positions: torch.Tensor  # [B, K] rotary position of each kept key
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    decode_groups: tuple[_DecodeGroup, ...]
+    multi_query: tuple[int, ...]  # requests run one by one (prefill, chunked prefill; any unbounded method)
+
+
+_PLAN_ATTR = "_lcx_step_plan"
+
+
+def _step_plan(attn_metadata, method: AttentionMethod, block_size: int) -> _StepPlan:
+    """The step's plan, built by the first layer and cached on the metadata object (vLLM passes
+    the same one to every layer of a KV-cache group in a step, and a new one the next step)."""
+    key = (method, block_size)
+    cached = getattr(attn_metadata, _PLAN_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = _build_plan(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
+                       method, block_size)
+    try:
+        setattr(attn_metadata, _PLAN_ATTR, (key, plan))
+    except AttributeError:  # a metadata class with __slots__: every layer rebuilds the plan
+        pass
+    return plan
+
+
+def _bounded(method: AttentionMethod) -> bool:
+    """Whether decode may run on the compressed cache (`AttentionMethod.check_bounded`)."""
+    try:
+        method.check_bounded()
+    except ValueError:
+        return False
+    return True
+
+
+def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                method: AttentionMethod, block_size: int) -> _StepPlan:
+    """Split the step's requests into batched decode groups and multi-query requests.
+
+    A decode request with n cached keys (its own included) keeps, for a method with
+    `cache_window` (G, L), key indices [0, G) and [n - L, n) when n >= G + L (K = G + L keys),
+    else all of [0, n) (K = n); rotary positions are those indices, or 0..K-1 where the method
+    renumbers positions inside its cache (StreamingLLM).
+    """
+    bounded = _bounded(method)
+    n_first, n_recent = method.cache_window if bounded else (0, 0)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode: dict[int, list[int]] = {}  # K -> request indices
+    multi = []  # and unbounded methods' decode requests: the per-request path
+    for i in range(len(starts) - 1):
+        n_q = starts[i + 1] - starts[i]
+        if n_q == 1 and bounded:
+            decode.setdefault(min(int(lens[i]), n_first + n_recent), []).append(i)
+        elif n_q >= 1:
+            multi.append(i)
+    groups = []
+    for k_len, reqs in sorted(decode.items()):
+        req = torch.tensor(reqs, dtype=torch.long)
+        n = seq_lens.long()[req][:, None]  # [B, 1]
+        if k_len == n_first + n_recent:
+            idx = torch.cat((torch.arange(n_first).expand(len(reqs), -1),
+                             n - n_recent + torch.arange(n_recent)), dim=1)  # [B, K]
+        else:
+            idx = torch.arange(k_len).expand(len(reqs), -1)
+        blocks = block_table.long()[req[:, None], idx // block_size]  # [B, K]
+        positions = torch.arange(k_len).expand(len(reqs), -1) if method.renumber_in_cache else idx
+        rows = query_start_loc.long()[req]
+        groups.append(_DecodeGroup(rows, blocks, idx % block_size, positions))
+    return _StepPlan(tuple(groups), tuple(multi))
 
 
 def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float) -> None:

@@ -1,0 +1,87 @@
+"""`lcx vllm-args`: the arguments that make vLLM itself run lcx methods, for tools that start vLLM.
+
+lm-evaluation-harness's `--model vllm` builds `vllm.LLM(**model_args)` in-process, and accepts
+`--model_args` as one JSON object; `hf_overrides` there carries the plugin's architecture and the
+methods (`lcx.serve.vllm_plugin.hf_overrides`). This command prints that JSON:
+
+    ARGS=$(lcx vllm-args --model tiny-5m --attention lm_infinite --n-global 8 --n-local 128 \\
+           --max-model-len 1024)
+    lm_eval --model vllm --model_args "$ARGS" --tasks lcx_ppl \\
+            --metadata '{"max_seq_lengths": [512, 1024]}'        # in the vLLM environment
+
+`--format serve` prints the `vllm serve` flags instead (what `lcx serve --engine vllm` runs).
+The methods are validated here, with vLLM's refusals, before anything starts; the vLLM process
+needs lcx installed (the plugin registers through the `vllm.general_plugins` entry point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import Any
+
+DESCRIPTION = ("print vLLM arguments that run lcx methods: lm-eval `--model vllm --model_args` JSON "
+               "(hf_overrides), or `vllm serve` flags")
+
+
+def vllm_arguments(model: str, methods: Any, *, max_model_len: int | None = None,
+                   dtype: str = "float32") -> tuple[str, dict[str, Any], Any]:
+    """(model directory, vLLM keyword arguments, the validated `VllmMethods`) that run `methods`
+    (an `lcx.MethodConfig` or its dict) on `model` (a preset name or a Hugging Face directory).
+    The keyword arguments are `hf_overrides`, `dtype` and, when known, `max_model_len`."""
+    from transformers import AutoConfig
+
+    from lcx.models import resolve_source
+
+    from . import VllmMethods, hf_overrides, rope_context_len
+
+    fmt, model_dir = resolve_source(model)
+    if fmt != "hf":
+        raise ValueError(f"vLLM needs a Hugging Face model directory; {model!r} is {fmt}")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    vm = VllmMethods.from_dict(methods, hf_config)
+    max_len = max_model_len or rope_context_len(hf_config, vm)
+    kwargs: dict[str, Any] = {"hf_overrides": hf_overrides(hf_config, vm, max_model_len=max_len), "dtype": dtype}
+    if max_len:
+        kwargs["max_model_len"] = int(max_len)
+    return str(model_dir), kwargs, vm
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lcx.method_config import add_method_arguments
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.add_argument("--model", required=True, help="preset (lcx models) or Hugging Face model directory")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="vLLM's max_model_len (default: the RoPE method's extended context, else the model's)")
+    parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
+    parser.add_argument("--format", choices=("lm-eval", "serve"), default="lm-eval",
+                        help="lm-eval: one JSON object for --model_args (default); serve: `vllm serve` flags")
+    add_method_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lcx.method_config import method_config_from_args
+
+    model_dir, kwargs, _ = vllm_arguments(args.model, method_config_from_args(args), max_model_len=args.max_model_len,
+                                       dtype=args.dtype)
+    if args.format == "lm-eval":
+        print(json.dumps({"pretrained": model_dir, **kwargs}))
+    else:
+        flags = [model_dir, "--hf-overrides", json.dumps(kwargs["hf_overrides"]), "--dtype", kwargs["dtype"]]
+        if "max_model_len" in kwargs:
+            flags += ["--max-model-len", str(kwargs["max_model_len"])]
+        print(shlex.join(flags))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lcx vllm-args", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The vLLM plugin's attention path for unrotated-key methods, without vLLM.
+
+`lcx.serve.vllm_plugin.method_attention._MethodAttention.forward` reads a paged cache through
+block tables; here the paged cache, block tables and step metadata are built by hand (random
+block placement, requests of different lengths, decode and prefill rows mixed in one step) and
+every output row must equal the method's `attend` over that request's whole cache in order
+(float64). This pins the batched decode (compressed caches gathered per row, one call per
+group) to the per-request semantics; tests/test_vllm.py checks the same path inside vLLM.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from lcx.attention import Rotary
+from lcx.methods import lm_infinite, self_extend, sinks, sliding_window
+from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan
+
+H, HKV, D, BLOCK = 4, 2, 16, 8
+METHODS = {
+    "lm_infinite_3_10": lm_infinite(3, 10),
+    "lm_infinite_limit_over_cap": lm_infinite(2, 6, limit_distance=20),  # not bounded: per-request path
+    "sinks_2_9": sinks(2, 9),
+    "sinks_2_9_no_renumber": sinks(2, 9, renumber=False),
+    "sliding_window_7": sliding_window(window=7),
+    "self_extend_2_8": self_extend(2, 8),  # unbounded: per-request path
+}
+# (cached keys n, queries this step): decode rows of many lengths (below, at and above G + L),
+# a prefill and a chunked prefill in the same step.
+STEP = ((1, 1), (5, 1), (13, 1), (14, 1), (30, 1), (41, 1), (17, 17), (29, 6), (64, 1))
+
+
+def _step(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-n // BLOCK) for n, _ in STEP) + 3
+    perm = torch.randperm(n_blocks, generator=g)  # requests' blocks scattered over the cache
+    cache = torch.full((n_blocks, HKV, BLOCK, 2 * D), float("nan"), dtype=torch.float64)
+    width = max(-(-n // BLOCK) for n, _ in STEP)
+    table = torch.zeros(len(STEP), width, dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for r, (n, _) in enumerate(STEP):
+        nb = -(-n // BLOCK)
+        table[r, :nb] = perm[used:used + nb].int()
+        used += nb
+        k = torch.randn(n, HKV, D, generator=g, dtype=torch.float64)
+        v = torch.randn(n, HKV, D, generator=g, dtype=torch.float64)
+        for j in range(n):
+            cache[table[r, j // BLOCK], :, j % BLOCK, :D] = k[j]
+            cache[table[r, j // BLOCK], :, j % BLOCK, D:] = v[j]
+        keys.append(k)
+        values.append(v)
+    n_q = [q for _, q in STEP]
+    starts = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    meta = types.SimpleNamespace(query_start_loc=starts, seq_lens=torch.tensor([n for n, _ in STEP], dtype=torch.int32),
+                                 block_table=table)
+    query = torch.randn(int(starts[-1]), H, D, generator=g, dtype=torch.float64)
+    return cache, meta, query, keys, values
+
+
+def _impl(method):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=inv_freq, lcx_attention_factor=1.0, scale=None)
+    impl.forward = types.MethodType(_MethodAttention.forward, impl)
+    return impl
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_row_equals_the_method_over_the_whole_cache(name):
+    method = METHODS[name]
+    cache, meta, query, keys, values = _step()
+    impl = _impl(method)
+    out = torch.full_like(query, float("nan"))
+    impl.forward(None, query, None, None, cache, meta, out)
+    starts = meta.query_start_loc.tolist()
+    rotary = Rotary(impl.lcx_inv_freq, None, 1.0)
+    for r, (n, n_q) in enumerate(STEP):
+        s, e = starts[r], starts[r + 1]
+        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary)[0]
+        torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
+
+
+def test_plan_groups_decode_rows_by_compressed_length():
+    _, meta, _, _, _ = _step()
+    plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, lm_infinite(3, 10), BLOCK)
+    sizes = {g.blocks.shape[1]: g.rows.tolist() for g in plan.decode_groups}
+    # n = 1, 5 keep their whole cache; n = 13 (= G + L) and longer keep G + L = 13 keys
+    assert sizes == {1: [0], 5: [1], 13: [2, 3, 4, 5, 29]}
+    assert plan.multi_query == (6, 7)
+    long = next(g for g in plan.decode_groups if g.blocks.shape[1] == 13)
+    assert long.positions[1].tolist() == [0, 1, 2, *range(4, 14)]  # n = 14: keys 0-2 and 4-13
+    renum = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, sinks(3, 10), BLOCK)
+    assert next(g for g in renum.decode_groups if g.blocks.shape[1] == 13).positions[1].tolist() == list(range(13))
+    unbounded = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, self_extend(2, 8), BLOCK)
+    assert unbounded.decode_groups == () and unbounded.multi_query == tuple(range(len(STEP)))
+
+
+def test_plan_is_built_once_per_step_and_shared_by_layers(monkeypatch):
+    import lcx.serve.vllm_plugin.method_attention as ma
+
+    cache, meta, query, _, _ = _step()
+    calls = []
+    real = ma._build_plan
+    monkeypatch.setattr(ma, "_build_plan", lambda *a: calls.append(1) or real(*a))
+    impl = _impl(lm_infinite(3, 10))
+    for _ in range(3):  # three layers, one step
+        impl.forward(None, query, None, None, cache, meta, torch.empty_like(query))
+    assert len(calls) == 1
+    _, meta2, _, _, _ = _step(seed=1)  # the next step: new metadata object, new plan
+    impl.forward(None, query, None, None, cache, meta2, torch.empty_like(query))
+    assert len(calls) == 2
