@@ -43,11 +43,29 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      " -> results/pie_code_edit.json"),
     (("bench", "kernels"), "lcx.bench.kernels",
      "time the GPU kernels (CUDA events, roofline), write results/kernels/<gpu>.json; --check for regressions"),
+    (("bench", "attention"), "lcx.bench.attention",
+     "Λ-mask / LM-Infinite attention per backend vs dense causal SDPA on CPU (time, peak memory)"
+     " -> results/attention_cpu.{json,png}"),
+    (("bench", "decode"), "lcx.bench.decode",
+     "greedy decoding with LM-Infinite's bounded KV cache vs a full cache (tok/s, cache and peak memory)"
+     " -> results/decode_cpu.{json,png}"),
+    (("bench", "extrapolation"), "lcx.bench.extrapolation",
+     "perplexity and likelihood passkey to 8k per attention / RoPE method on tiny-5m"
+     " -> results/extrapolation_tiny.{json,png}"),
+    (("bench", "swat"), "lcx.bench.swat",
+     "held-out perplexity to 8k: the SWAT model vs the softmax model under every RoPE method"
+     " -> results/swat_vs_softmax.{json,png}"),
+    (("bench", "lmeval"), "lcx.bench.lmeval",
+     "passkey (depth x length) and perplexity per RoPE method through the lm_eval CLI -> results/lmeval/"),
+    (("bench", "serving"), "lcx.bench.serving",
+     "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
+     " -> results/serving_cpu.json"),
 ]
 
 _GROUP_HELP = {
     "train": "train models (`lcx train lm --help`)",
     "eval": "evaluate models (`lcx eval ppl --help`)",
+    "bench": "benchmarks: each writes JSON (config, environment, git SHA) under results/ (`lcx bench <name> --help`)",
 }
 
 

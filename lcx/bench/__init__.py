@@ -1,4 +1,8 @@
-"""Benchmarks run from the CLI (`lcx bench ...`): timed on the device, written under results/.
+"""Benchmarks run from the CLI (`lcx bench <name>`, or `python -m lcx.bench.<name>`).
+
+Each module has `DESCRIPTION`, `add_arguments(parser)`, `run(args)` and `main(argv)`, and writes
+its JSON under results/ (relative to the working directory) through `lcx.bench.record`: config,
+environment, git SHA, written atomically. results/README.md lists every file and its command.
 
 - `lcx.bench.prefill`: one long prefill per method (`lcx.presets`) against the unpatched model.
 - `lcx.bench.threads`: which torch thread count is fastest here, idle and under load.
@@ -6,4 +10,11 @@
   with every sample (resumable, mergeable across processes).
 - `lcx.bench.kernels`: every GPU kernel against its baseline, with roofline numbers, and a
   regression check against the stored baseline of the same GPU (`lcx bench kernels --check`).
+- `lcx.bench.attention`: Λ-mask / LM-Infinite attention per `lcx.attention` backend vs dense
+  causal SDPA on CPU, one subprocess per case (time and peak memory).
+- `lcx.bench.decode`: greedy decoding with LM-Infinite's bounded KV cache vs a full cache.
+- `lcx.bench.extrapolation`: perplexity and likelihood passkey per attention / RoPE method, tiny-5m.
+- `lcx.bench.swat`: the SWAT model vs the softmax model under every RoPE method, perplexity.
+- `lcx.bench.lmeval`: passkey and perplexity per RoPE method through the `lm_eval` CLI.
+- `lcx.bench.serving`: `lcx serve` (and vLLM, when installed) under a fixed concurrent load.
 """

@@ -53,6 +53,8 @@ THRESHOLD = 0.10
 RESULTS_DIR = Path("results") / "kernels"
 G_LAMBDA, L_LAMBDA = 64, 4096  # the Λ configuration the kernel speed goals are stated for
 
+DESCRIPTION = "time every GPU kernel against its baseline; roofline; regression check"
+
 
 # ----------------------------------------------------------------------------- cases
 @dataclass(frozen=True)
@@ -699,7 +701,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lcx bench kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="lcx bench kernels", description=DESCRIPTION)
     add_arguments(p)
     return run(p.parse_args(argv))
 

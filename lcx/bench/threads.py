@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from typing import Any
+
+DESCRIPTION = "which torch thread count is fastest on this machine, idle and under load"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,3 +107,13 @@ def run(args: argparse.Namespace) -> int:
                            "prefill": "4 x 240 prompt tokens"}},
         results=rows)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lcx bench threads", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

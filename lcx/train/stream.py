@@ -15,7 +15,6 @@ behind the source read so far, re-encoded when more source arrives) and (b) grou
 (target at phi + j, never re-encoded). Sentence lengths: even, `--min-length`..`--length`.
 
     lcx train stream                  # writes results/streaming_task.{json,png}
-    python scripts/stream_task.py     # the same
 """
 
 from __future__ import annotations

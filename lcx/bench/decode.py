@@ -1,8 +1,7 @@
-#!/usr/bin/env python
-"""CPU decoding benchmark: LM-Infinite with a bounded KV cache vs full-cache decoding, tiny-5m.
+"""`lcx bench decode`: LM-Infinite with a bounded KV cache vs full-cache decoding, CPU, tiny-5m.
 
-    python scripts/bench_decode.py                           # 4k, 16k, 32k -> results/decode_cpu.{json,png}
-    python scripts/bench_decode.py --contexts 1024 --new-tokens 16 --out /tmp/d.json
+    lcx bench decode                         # 4k, 16k, 32k -> results/decode_cpu.{json,png}
+    lcx bench decode --contexts 1024 --new-tokens 16 --out /tmp/d.json
 
 For each context length n: a prompt of n held-out tokens is prefilled, then `--new-tokens`
 tokens are decoded greedily, one forward per token (`lcx.methods.greedy_generate`). Cases:
@@ -20,9 +19,13 @@ the neighbours; wall-clock medians are recorded too as `tokens_per_s_wall`), pre
 prefill and at the end (exact tensor sizes), and the process's peak resident memory during
 prefill and during decoding (one subprocess per case; Linux VmHWM reset right before each
 phase via /proc/self/clear_refs, glibc mmap threshold fixed at 64 KiB, as in
-bench_attention.py; the model's weights, ~20 MB, are resident before either phase and not
+`lcx bench attention`; the model's weights, ~20 MB, are resident before either phase and not
 counted). `tokens_equal` checks that the bounded cache generated exactly the tokens of
 lminf_full. Ratios are against vanilla_full of the same context in the same run.
+
+G, L and the sink count are flags, not `lcx.presets` (whose LM-Infinite has 10 global keys and
+whose StreamingLLM window is L0 - 4): the committed results/decode_cpu.json was measured with
+G = 16 and 4 sinks + a window of 256.
 """
 
 from __future__ import annotations
@@ -36,13 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lcx.measure import reset_peak, status_bytes  # noqa: E402
-
+DESCRIPTION = "CPU greedy decoding, tiny-5m: LM-Infinite bounded KV cache vs full-cache decoding"
 CASES = ("vanilla_full", "lminf_full", "lminf_bounded", "sinks_bounded")
 
 
@@ -55,6 +52,7 @@ def child(case: str, n: int, args) -> dict:
 
     from lcx.data.tokenizer import encode_documents
     from lcx.eval.perplexity import load_texts
+    from lcx.measure import reset_peak, status_bytes
     from lcx.methods import BoundedKVCache, attention_patched, cache_nbytes, lm_infinite, sinks
     from lcx.models import load_model
 
@@ -103,10 +101,12 @@ def child(case: str, n: int, args) -> dict:
 
 
 def run_case(case: str, n: int, args) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, __file__, "--child", case, "--child-context", str(n), "--model", args.model,
-           "--new-tokens", str(args.new_tokens), "--n-global", str(args.n_global), "--n-local", str(args.n_local),
-           "--n-sink", str(args.n_sink), "--threads", str(args.threads)]
+    """One case in a fresh interpreter (`python -m lcx.bench.decode --child ...`, same working
+    directory and PYTHONPATH, so the same lcx), its memory measured in isolation."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, "-m", "lcx.bench.decode", "--child", case, "--child-context", str(n),
+           "--model", args.model, "--new-tokens", str(args.new_tokens), "--n-global", str(args.n_global),
+           "--n-local", str(args.n_local), "--n-sink", str(args.n_sink), "--threads", str(args.threads)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout_s)
     if p.returncode != 0:
@@ -117,9 +117,10 @@ def run_case(case: str, n: int, args) -> dict:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-5m")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    ap.epilog = __doc__.split("\n\n", 1)[1]
+    ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--n-global", type=int, default=16)
@@ -128,15 +129,27 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--case-timeout-s", type=float, default=1800.0)
-    ap.add_argument("--out", default=str(ROOT / "results" / "decode_cpu.json"))
+    ap.add_argument("--out", default="results/decode_cpu.json",
+                    help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-context", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lcx bench decode", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.child_context, args)))
         return 0
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (one prefill token + timed decode steps), got {args.new_tokens}")
 
-    from lcx.data.io import atomic_savefig, atomic_write_json, environment, git_info
+    from lcx.bench.record import write_record
+    from lcx.data.io import atomic_savefig
 
     config = {k: getattr(args, k) for k in ("model", "contexts", "new_tokens", "n_global", "n_local", "n_sink",
                                             "threads", "cases")}
@@ -147,11 +160,9 @@ def main() -> int:
     out = Path(args.out)
     t_start = time.time()
 
-    def save():
-        atomic_write_json(out, {"description": "CPU greedy decoding, tiny-5m: LM-Infinite bounded KV cache vs "
-                                               "full-cache decoding", "config": config, "git": git_info(ROOT),
-                                "environment": environment(), "wall_s": time.time() - t_start,
-                                "summary": summarise(results, args), "results": results})
+    def save(quiet: bool = True):
+        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=quiet,
+                     wall_s=time.time() - t_start, summary=summarise(results, args))
 
     for n in sorted(args.contexts):
         for c in args.cases:
@@ -164,11 +175,10 @@ def main() -> int:
             else:
                 print(f"n={n:>6} {c:<15} ERROR {r['error']}", flush=True)
             save()
-    save()
-    summary = summarise(results, args)
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summarise(results, args), indent=1))
+    save(quiet=False)
     plot(results, args, out.with_suffix(".png"), atomic_savefig)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
     return 0
 
 
@@ -215,10 +225,10 @@ def plot(results: dict, args, path: Path, savefig) -> None:
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"tiny-5m CPU decoding: LM-Infinite (G={args.n_global}, L={args.n_local}) bounded cache vs full cache")
+    fig.suptitle(f"{args.model} CPU decoding: LM-Infinite (G={args.n_global}, L={args.n_local}) bounded cache vs full cache")
     fig.tight_layout()
     savefig(fig, path, dpi=120)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Passkey accuracy (by length and depth) and perplexity by length, through the `lm_eval` CLI.
+"""`lcx bench lmeval`: passkey accuracy (by depth and length) and perplexity by length, through the `lm_eval` CLI.
 
 For each model and method this runs, literally,
 
@@ -18,8 +18,11 @@ runs the full grid up to 8x its context; SmolLM2-135M (context 8192) takes ~10 s
 1k-token forward pass on 2 busy cores, so its lengths stop at 2048 (inside its context: this
 measures what each method costs where no extrapolation is needed, not extrapolation).
 
-    python scripts/eval_lmeval_results.py                       # both models, each its PLANS methods
-    python scripts/eval_lmeval_results.py --models tiny-5m --methods vanilla,yarn --quick --out /tmp/x
+    lcx bench lmeval                         # both models, each its PLANS methods
+    lcx bench lmeval --models tiny-5m --methods vanilla,yarn --quick --out /tmp/x
+
+The record keeps the shape of the committed results/lmeval/lmeval_results.json (`config`,
+`environment` with the git SHA, `runs`), written atomically through `lcx.data.io`.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "results" / "lmeval"
+DESCRIPTION = "passkey (depth x length) and perplexity by length of RoPE methods, through lm_eval --model lcx"
+OUT = Path("results") / "lmeval"  # relative to the working directory
 
 # Per model: RoPE factor of the methods, passkey grid, perplexity lengths/docs.
 PLANS = {
@@ -192,31 +195,40 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--models", default=",".join(PLANS), help="comma-separated presets (default: %(default)s)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {sorted(METHODS)} (default: each model's list in PLANS)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=OUT, help="output folder (default: results/lmeval)")
+    p.add_argument("--out", type=Path, default=OUT,
+                   help="output folder, relative to the working directory (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="plumbing check: 2 depths, 1 sample, 2 ppl docs, the 3 shortest lengths")
-    args = p.parse_args(argv)
 
-    import torch  # noqa: F401  (environment() reads versions)
 
-    from lcx.data.io import atomic_write_json, environment
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lcx bench lmeval", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
+
+def run(args: argparse.Namespace) -> int:
     models = [m for m in args.models.split(",") if m]
     bad = [m for m in models if m not in PLANS]
     if bad:
-        p.error(f"unknown model(s) {bad}; known: {sorted(PLANS)}")
+        raise ValueError(f"unknown model(s) {bad}; known: {sorted(PLANS)}")
     methods_of = {m: ([x for x in args.methods.split(",") if x] if args.methods else PLANS[m]["methods"])
                   for m in models}
     bad = sorted({x for ms in methods_of.values() for x in ms if x not in METHODS})
     if bad:
-        p.error(f"unknown method(s) {bad}; known: {sorted(METHODS)}")
+        raise ValueError(f"unknown method(s) {bad}; known: {sorted(METHODS)}")
     methods = [m for m in METHODS if any(m in ms for ms in methods_of.values())]
+
+    import torch  # noqa: F401  (environment() reads versions)
+
+    from lcx.data.io import atomic_write_json, environment
 
     record = {"config": {"models": {}, "methods": {m: _recorded(m) for m in methods},
                          "tasks": list(TASKS), "command": "lm_eval --model lcx ..."},

@@ -1,8 +1,8 @@
-#!/usr/bin/env python
-"""Serving benchmark: throughput and latency of `lcx serve` under a fixed concurrent load.
+"""`lcx bench serving`: throughput and latency of `lcx serve` (and vLLM) under a fixed concurrent load.
 
-    python scripts/bench_serving.py                      # tiny-5m, 16 clients x 4 requests, 3 repeats
-    python scripts/bench_serving.py --model smollm2-135m --clients 8 --gen-len 64
+    lcx bench serving                        # tiny-5m, 16 clients x 4 requests, 3 repeats -> results/serving_cpu.json
+    lcx bench serving --model smollm2-135m --clients 8 --gen-len 64
+    lcx bench serving --clients 2 --requests 1 --repeats 1 --vllm no --out /tmp/s.json   # smoke
 
 For each server configuration (batched: --max-batch = clients; baseline: --max-batch 1, i.e. one
 request at a time through the same scheduler) the script starts `lcx serve` as a subprocess, sends
@@ -11,6 +11,9 @@ back to back (fixed prompt and generation lengths: token-id prompts, ignore_eos)
 generated tokens/s over the wall time (median over repeats), request latency p50/p99 (all
 repeats pooled), and the batched/baseline throughput ratio from the same run. Writes
 results/serving_cpu.json (config, environment, git SHA, numbers) and prints a table.
+
+vLLM is optional: it runs in its own venv (scripts/install_vllm_cpu.sh) as a server subprocess,
+and nothing here imports it, so this module and `lcx bench --help` work without it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -28,11 +30,12 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
+DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
 # vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
 # rotary table), and LM-Infinite (lcx's exact per-request path, lcx.serve.vllm_plugin.method_attention).
+# Not `lcx.presets`: the presets' windows are the model's context (256 for tiny-5m), longer than a
+# request here (64 + 32 tokens), so they would not change attention; windows of 48 make the
+# methods do work, and the committed results/serving_cpu.json was measured with these.
 VLLM_METHODS = {
     "vllm_plugin_methods": {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 48}},
     "vllm_plugin_lm_infinite": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 48}},
@@ -43,14 +46,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -95,6 +90,8 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
     def __enter__(self) -> "Server":
+        import httpx
+
         deadline = time.monotonic() + 400  # vLLM-on-CPU starts in ~45-90 s on a busy machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -121,12 +118,16 @@ class Server:
 
     def stats(self) -> dict | None:
         """The built-in server's /stats (None for vLLM, which has no such endpoint)."""
+        import httpx
+
         r = httpx.get(self.url + "/stats", timeout=10)
         return r.json() if r.status_code == 200 else None
 
 
 def run_load(url: str, prompt: list[int], args) -> dict:
     """`clients` threads x `requests` sequential completions; returns latencies and wall time."""
+    import httpx
+
     body = {"model": "bench", "prompt": prompt, "max_tokens": args.gen_len, "temperature": 0, "ignore_eos": True}
     lat: list[float] = []
     gen_tokens = [0]
@@ -198,9 +199,10 @@ def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Pa
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-5m")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    ap.epilog = __doc__.split("\n\n", 1)[1]
+    ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=4, help="requests per client per repeat")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -213,9 +215,19 @@ def main() -> int:
                          "scripts/install_vllm_cpu.sh has installed it")
     ap.add_argument("--vllm-methods", default=json.dumps(VLLM_METHODS),
                     help="JSON {row name: methods} for the vLLM-with-plugin rows (default: %(default)s)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "serving_cpu.json"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="results/serving_cpu.json",
+                    help="result JSON, relative to the working directory (default: %(default)s)")
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lcx bench serving", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.clients, args.requests, args.repeats, args.prompt_len, args.gen_len) < 1:
+        raise ValueError("--clients, --requests, --repeats, --prompt-len and --gen-len must be >= 1")
     from lcx.models import PRESETS, load_model
 
     if args.model in PRESETS and not PRESETS[args.model].is_present():
@@ -227,7 +239,7 @@ def main() -> int:
     text = ("Now is the winter of our discontent made glorious summer by this sun of York; " * 40)
     prompt = tok(text, add_special_tokens=False)["input_ids"][: args.prompt_len]
     if len(prompt) != args.prompt_len:
-        raise SystemExit(f"could not build a {args.prompt_len}-token prompt")
+        raise ValueError(f"could not build a {args.prompt_len}-token prompt")
 
     load_before = os.getloadavg()
     from lcx.serve.vllm_plugin.launch import VllmNotInstalled, venv_python
@@ -257,20 +269,11 @@ def main() -> int:
             ratios[f"{name}_over_vllm_throughput"] = (by_name[name]["gen_tokens_per_s"]
                                                       / by_name["vllm"]["gen_tokens_per_s"])
 
-    import torch
-    import transformers
+    from lcx.bench.record import write_record
 
-    out = {
-        "benchmark": "serving_cpu",
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "environment": {
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "device": "cpu",
-        },
-        "git_sha": _git_sha(),
-        "results": configs,
+    config = {k: getattr(args, k) for k in ("model", "clients", "requests", "prompt_len", "gen_len", "repeats",
+                                            "threads", "dtype", "vllm", "vllm_methods")}
+    extra = {
         **ratios,
         "notes": [
             ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
@@ -287,8 +290,9 @@ def main() -> int:
             "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so.",
         ],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_record(args.out, description=DESCRIPTION, config=config, results=configs, quiet=True,
+                 environment={"loadavg_before": load_before, "loadavg_after": os.getloadavg(), "device": "cpu"},
+                 **extra)
     print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
           f"prompt {args.prompt_len} / gen {args.gen_len} tokens, server threads {args.threads}")
     print(f"{'config':<24} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")

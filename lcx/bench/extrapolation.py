@@ -1,12 +1,11 @@
-#!/usr/bin/env python
-"""Length extrapolation of attention methods (and RoPE scaling) on tiny-5m: perplexity + passkey.
+"""`lcx bench extrapolation`: attention methods and RoPE scaling on tiny-5m, perplexity + passkey.
 
-    python scripts/bench_extrapolation.py                        # -> results/extrapolation_tiny.{json,png}
-    python scripts/bench_extrapolation.py --quick --out /tmp/x.json
-    python scripts/bench_extrapolation.py --resume               # skip (method, metric) already in --out
+    lcx bench extrapolation                  # -> results/extrapolation_tiny.{json,png}
+    lcx bench extrapolation --quick --out /tmp/x.json
+    lcx bench extrapolation --resume         # skip (method, metric) already in --out
 
 No fine-tuning: every method is applied at inference to the bundled tiny-5m (trained at 256
-tokens). Methods (`METHODS`): vanilla; LM-Infinite (G global, L = 256 local keys); sliding
+tokens). Methods (`methods()`): vanilla; LM-Infinite (G global, L = 256 local keys); sliding
 window of 256; StreamingLLM sinks (4 sinks + 256 window, positions renumbered); YaRN x32
 (256 -> 8192); LM-Infinite (L = 1024) + YaRN x4 (the window is covered by YaRN's range).
 
@@ -35,26 +34,32 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
+DESCRIPTION = ("perplexity and passkey vs context length per attention / RoPE method on tiny-5m, applied at "
+               "inference without fine-tuning")
 N_GLOBAL = 16  # LM-Infinite global keys (paper: 10-100 behave alike)
 TRAIN_LEN = 256
 
 
 def methods(n_global: int) -> dict[str, dict]:
-    """name -> {"rope": HF-style spec or None, "attention": lcx.methods dict or None}."""
+    """name -> `lcx.MethodConfig` dict (`{}`: the model as loaded).
+
+    `lcx.presets` where the preset is this setting (vanilla, sliding_window, yarn at L0 = 256).
+    The other rows keep their own numbers, since the committed results/extrapolation_tiny.json
+    was measured with them and the presets differ: LM-Infinite with G = 16 (preset: 10) and,
+    in the last row, a window of 1024 = 4 L0 with YaRN x4 (preset lm_infinite+yarn: window L0);
+    StreamingLLM with 4 sinks + a window of 256 (preset: 4 + 252, L0 keys in all).
+    """
+    from lcx import presets
+
+    def preset(name: str, factor: float = 1.0) -> dict:
+        return presets.config(name, L0=TRAIN_LEN, factor=factor).to_dict()
+
     return {
-        "vanilla": {"rope": None, "attention": None},
-        f"lm_infinite_G{n_global}_L256": {"rope": None, "attention": {"type": "lm_infinite", "n_global": n_global,
-                                                                       "n_local": 256}},
-        "sliding_window_256": {"rope": None, "attention": {"type": "sliding_window", "window": 256}},
-        "sinks_4_256": {"rope": None, "attention": {"type": "sinks", "n_sink": 4, "window": 256}},
-        "yarn_x32": {"rope": {"rope_type": "yarn", "factor": 32.0}, "attention": None},
+        "vanilla": preset("vanilla"),
+        f"lm_infinite_G{n_global}_L256": {"attention": {"type": "lm_infinite", "n_global": n_global, "n_local": 256}},
+        "sliding_window_256": preset("sliding_window"),
+        "sinks_4_256": {"attention": {"type": "sinks", "n_sink": 4, "window": 256}},
+        "yarn_x32": preset("yarn", 32.0),
         f"lm_infinite_G{n_global}_L1024+yarn_x4": {"rope": {"rope_type": "yarn", "factor": 4.0},
                                                     "attention": {"type": "lm_infinite", "n_global": n_global,
                                                                   "n_local": 1024}},
@@ -62,20 +67,22 @@ def methods(n_global: int) -> dict[str, dict]:
 
 
 def _contexts(model, m: dict):
-    """The method applied as one `lcx.MethodConfig` (a context manager restoring the model)."""
+    """The method applied as one `lcx.MethodConfig` (a context manager restoring the model);
+    attention methods on the blockwise backend (O(n (G + L)) memory)."""
     from lcx.method_config import MethodConfig
 
-    cfg = {k: v for k, v in m.items() if v is not None}
-    return MethodConfig.from_dict({**cfg, "backend": "blockwise"} if m["attention"] else cfg).apply(model)
+    return MethodConfig.from_dict({**m, "backend": "blockwise"} if m.get("attention") else m).apply(model)
 
 
-@torch.inference_mode()
 def _continuation_ll(model, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
     """log p(cont | ctx) (teacher-forced) and whether greedy decoding would produce cont."""
-    logits = model(input_ids=torch.tensor([ctx + cont]), use_cache=False, logits_to_keep=len(cont) + 1).logits
-    lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # [len(cont), V]: predictions of cont
-    t = torch.tensor(cont)
-    return float(lp[torch.arange(len(cont)), t].sum()), bool((lp.argmax(-1) == t).all())
+    import torch
+
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ctx + cont]), use_cache=False, logits_to_keep=len(cont) + 1).logits
+        lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # [len(cont), V]: predictions of cont
+        t = torch.tensor(cont)
+        return float(lp[torch.arange(len(cont)), t].sum()), bool((lp.argmax(-1) == t).all())
 
 
 def passkey(model, tok, lengths: list[int], depths: list[float], samples: int, seed: int) -> dict:
@@ -109,9 +116,10 @@ def passkey(model, tok, lengths: list[int], depths: list[float], samples: int, s
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-5m")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    ap.epilog = __doc__.split("\n\n", 1)[1]
+    ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
     ap.add_argument("--n-global", type=int, default=N_GLOBAL)
     ap.add_argument("--max-tokens", type=int, default=32768, help="perplexity token budget per length")
@@ -124,14 +132,32 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true", help="keep (method, metric) entries already in --out")
     ap.add_argument("--redo", nargs="+", default=[], choices=("perplexity", "passkey"),
                     help="with --resume: recompute these metrics (e.g. passkey with more --samples)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "extrapolation_tiny.json"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="results/extrapolation_tiny.json",
+                    help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lcx bench extrapolation", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.lengths, args.max_tokens, args.depths = [256, 512, 1024], 4096, 2
+    all_methods = methods(args.n_global)
+    unknown = set(args.methods or []) - set(all_methods)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; known: {list(all_methods)}")
+    todo = {k: v for k, v in all_methods.items() if args.methods is None or k in args.methods}
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bundled models only: never the network
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
     from transformers.utils import logging as hf_logging
 
-    from lcx.data.io import atomic_savefig, atomic_write_json, environment, git_info
+    from lcx.bench.record import write_record
+    from lcx.data.io import atomic_savefig
     from lcx.eval.perplexity import load_texts, perplexity_by_length
     from lcx.models import load_model
 
@@ -139,11 +165,6 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     model.eval()
-    all_methods = methods(args.n_global)
-    todo = {k: v for k, v in all_methods.items() if args.methods is None or k in args.methods}
-    unknown = set(args.methods or []) - set(all_methods)
-    if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {list(all_methods)}")
     names, texts = load_texts("validation")
     depths = [0.5] if args.depths == 1 else [i / (args.depths - 1) for i in range(args.depths)]
     out = Path(args.out)
@@ -162,11 +183,8 @@ def main() -> int:
               "attention_backend": "blockwise", "threads": args.threads}
     t_all = time.time()
 
-    def save():
-        atomic_write_json(out, {"description": "perplexity and passkey vs context length per attention / RoPE "
-                                               "method on tiny-5m, applied at inference without fine-tuning",
-                                "config": config, "git": git_info(ROOT), "environment": environment(),
-                                "seconds": seconds, "results": results})
+    def save(quiet: bool = True):
+        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=quiet, seconds=seconds)
 
     for name, m in todo.items():
         r = results.setdefault(name, {})
@@ -190,10 +208,10 @@ def main() -> int:
                   + f"   ({seconds[f'{name}/passkey']:.0f} s)", flush=True)
             save()
     seconds["total_this_run"] = time.time() - t_all
-    save()
     print_table(results, args.lengths)
+    save(quiet=False)
     plot(results, args.lengths, out.with_suffix(".png"), atomic_savefig)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
     return 0
 
 
@@ -248,4 +266,4 @@ def plot(results: dict, lengths: list[int], path: Path, savefig) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,19 +1,21 @@
-"""Perplexity vs context length: the SWAT model next to the softmax model (vanilla RoPE and its
-best RoPE-scaling method), on the held-out works of the lcx corpus.
+"""`lcx bench swat`: perplexity vs context length, the SWAT model next to the softmax model
+(vanilla RoPE and its best RoPE-scaling method), on the held-out works of the lcx corpus.
 
-    python scripts/eval_swat.py --threads 2          # writes results/swat_vs_softmax.{json,png}
-    python scripts/eval_swat.py --quick              # 256..1024, a small token budget
+    lcx bench swat --threads 2               # writes results/swat_vs_softmax.{json,png}
+    lcx bench swat --quick --out /tmp/s.json # 256..1024, a small token budget
 
-Both models are the bundled ones: lcx/assets/tiny-swat-5m (SWAT: sigmoid attention over a
-128-key window, balanced ALiBi + RoPE) and lcx/assets/tiny-llama-5m (softmax, full causal
-attention, RoPE), trained with the same corpus, tokenizer, steps, batch and 256-token sequences.
+Both models are the bundled ones: tiny-swat-5m (lcx/assets/tiny-swat-5m; SWAT: sigmoid
+attention over a 128-key window, balanced ALiBi + RoPE) and tiny-5m (lcx/assets/tiny-llama-5m;
+softmax, full causal attention, RoPE), trained with the same corpus, tokenizer, steps, batch
+and 256-token sequences.
 
 Scoring is `lcx.eval.perplexity.perplexity_by_length`: for every length the same chunks of
 max(lengths) tokens, tiled into independent windows that each start at position 0; every token
 of a window but the first is scored. `tail` columns score only each window's last 256 positions.
 
 RoPE scaling for the softmax model is applied at inference (no fine-tuning) with one static
-factor s = max(lengths) / 256 for every method (dynamic adapts per length by itself). The
+factor s = max(lengths) / 256 for every method: the `lcx.presets` of that name at L0 = 256,
+except dynamic, which runs with factor 1 (it adapts per length by itself; see `METHODS`). The
 "best" method is the one with the lowest mean NLL over the lengths beyond 256, chosen on the
 same held-out text it is reported on: an optimistic baseline, i.e. in the softmax model's favour.
 """
@@ -21,48 +23,45 @@ same held-out text it is reported on: an optimistic baseline, i.e. in the softma
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+DESCRIPTION = ("held-out perplexity vs context length: SWAT (sigmoid, 128-key window, balanced ALiBi + RoPE) "
+               "vs the softmax model with vanilla RoPE and with RoPE scaling at inference")
 TRAIN_LENGTH = 256
-# RoPE methods for the softmax model; {s}: the static factor, {L}: the training length.
-METHODS = {
-    "default": None,
-    "linear": {"rope_type": "linear", "factor": "{s}"},
-    "ntk": {"rope_type": "ntk", "factor": "{s}"},
-    "dynamic": {"rope_type": "dynamic", "factor": 1.0, "original_max_position_embeddings": "{L}"},
-    "yarn": {"rope_type": "yarn", "factor": "{s}", "original_max_position_embeddings": "{L}"},
-    "llama3": {"rope_type": "llama3", "factor": "{s}", "original_max_position_embeddings": "{L}"},
-    "truncate": {"rope_type": "truncate", "original_max_position_embeddings": "{L}", "truncate_length": "{L}"},
-}
+# RoPE methods for the softmax model: name -> the `lcx.presets` name it runs, at L0 = TRAIN_LENGTH
+# and the static factor s. "dynamic" is the exception: the committed results/swat_vs_softmax.json
+# ran dynamic NTK with factor 1 (base grown by (L / L0)^(d / (d - 2)) at length L > L0), the
+# preset uses factor s, which changes the numbers beyond L0; so its spec is written out here.
+METHODS = {"default": "vanilla", "linear": "linear", "ntk": "ntk", "dynamic": None, "yarn": "yarn",
+           "llama3": "llama3", "truncate": "truncate"}
+DYNAMIC_FACTOR_1 = {"rope": {"rope_type": "dynamic", "factor": 1.0}}
 
 
-def method_spec(name: str, s: float, L: int, theta: float):
-    tmpl = METHODS[name]
-    if tmpl is None:
-        return None
-    fill = {"{s}": float(s), "{L}": int(L)}
-    return {"rope_theta": theta, **{k: fill.get(v, v) if isinstance(v, str) else v for k, v in tmpl.items()}}
+def method_config(name: str, s: float) -> dict:
+    """The softmax model's `lcx.MethodConfig` dict for method `name` at static factor s (theta and
+    the original length are the model's: 10000 and 256)."""
+    from lcx import presets
+
+    preset = METHODS[name]
+    return dict(DYNAMIC_FACTOR_1) if preset is None else presets.config(preset, L0=TRAIN_LENGTH, factor=s).to_dict()
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--swat", default=str(ROOT / "lcx/assets/tiny-swat-5m"), help="SWAT model directory")
-    p.add_argument("--softmax", default="tiny-5m", help="softmax model: preset or directory (default tiny-5m)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--swat", default="tiny-swat-5m", help="SWAT model: preset or directory (default: %(default)s)")
+    p.add_argument("--softmax", default="tiny-5m", help="softmax model: preset or directory (default: %(default)s)")
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="comma-separated context lengths")
     p.add_argument("--max-tokens", type=int, default=32768, help="token budget per length (default 32768)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"softmax RoPE methods (default {','.join(METHODS)})")
     p.add_argument("--factor", type=float, default=None, help="static RoPE factor (default max(lengths)/256)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quick", action="store_true", help="lengths 256,512,1024 and 4096 tokens per length")
-    p.add_argument("--out", default=str(ROOT / "results/swat_vs_softmax.json"), help="JSON path (PNG beside it)")
-    return p.parse_args(argv)
+    p.add_argument("--out", default="results/swat_vs_softmax.json",
+                   help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
 
 
 def summarize(out: dict) -> None:
@@ -134,40 +133,44 @@ def plot(res: dict, best: str, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lcx bench swat", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bundled models only: never the network
     lengths = [256, 512, 1024] if args.quick else sorted({int(x) for x in args.lengths.split(",")})
     max_tokens = 4096 if args.quick else args.max_tokens
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or "default" not in methods:
-        raise SystemExit(f"--methods: unknown {unknown} (known {list(METHODS)}); 'default' is required")
+        raise ValueError(f"--methods: unknown {unknown} (known {list(METHODS)}); 'default' is required")
     factor = args.factor or max(lengths) / TRAIN_LENGTH
 
+    import torch
+
     import lcx.models.swat as swat  # registers the "lcx_swat" attention before loading
+    from lcx.bench.record import write_record
     from lcx.data import load_corpus
-    from lcx.data.io import atomic_write_json, environment
     from lcx.eval.perplexity import perplexity_by_length
     from lcx.models import load_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     docs = load_corpus("validation")
     texts = [d.text for d in docs]
-    env = environment()
     out: dict = {
-        "description": "held-out perplexity vs context length: SWAT (sigmoid, 128-key window, balanced ALiBi "
-                       "+ RoPE) vs the softmax model with vanilla RoPE and with RoPE scaling at inference",
         "config": {"swat": args.swat, "softmax": args.softmax, "train_length": TRAIN_LENGTH, "lengths": lengths,
                    "max_tokens_per_length": max_tokens, "tail": 256, "rope_factor": factor,
                    "methods": {}, "texts": {"split": "validation", "documents": [d.name for d in docs]},
                    "best_rope_criterion": f"lowest mean NLL over lengths > {TRAIN_LENGTH}, chosen on the "
                                           "reported text (favours the softmax baseline)"},
-        "git": env.pop("git"), "environment": env, "seconds": {}, "results": {"swat": None, "softmax": {}},
+        "seconds": {}, "results": {"swat": None, "softmax": {}},
     }
 
-    def run(name, model, tok, spec=None):
+    def score(name, model, tok, spec=None):
         t0 = time.perf_counter()
         r = perplexity_by_length(model, tok, texts, lengths, spec=spec, max_tokens_per_length=max_tokens,
                                  progress=False)
@@ -181,20 +184,24 @@ def main(argv=None) -> int:
     model, tok = load_model(args.swat)
     assert swat.is_swat(model) and model.config._attn_implementation == swat.ATTN_IMPLEMENTATION
     out["config"]["swat_attention"] = dict(model.config.lcx_attention)
-    out["results"]["swat"] = run("swat", model, tok)
+    out["results"]["swat"] = score("swat", model, tok)
     del model
 
     model, tok = load_model(args.softmax)
-    theta = float(model.config.rope_parameters["rope_theta"])
+    if int(model.config.max_position_embeddings) != TRAIN_LENGTH:
+        raise ValueError(f"{args.softmax}: max_position_embeddings {model.config.max_position_embeddings}, "
+                         f"this benchmark's methods assume the training length {TRAIN_LENGTH}")
     for name in methods:
-        spec = method_spec(name, factor, TRAIN_LENGTH, theta)
-        out["config"]["methods"][name] = spec
-        out["results"]["softmax"][name] = run(f"softmax/{name}", model, tok, spec)
+        cfg = method_config(name, factor)
+        out["config"]["methods"][name] = cfg
+        out["results"]["softmax"][name] = score(f"softmax/{name}", model, tok, cfg or None)
 
     summarize(out)
     best = out["best_rope"]
     path = Path(args.out)
-    atomic_write_json(path, out)
+    write_record(path, description=DESCRIPTION, config=out["config"], results=out["results"],
+                 seconds=out["seconds"], best_rope=best, summary=out["summary"],
+                 best_softmax_per_length=out["best_softmax_per_length"])
     plot(out["results"], best, path.with_suffix(".png"))
     print(f"best RoPE scaling for the softmax model: {best}")
     print(f"{'length':>7s} {'SWAT':>8s} {'softmax':>8s} {'sm+' + best:>10s}")
@@ -203,7 +210,7 @@ def main(argv=None) -> int:
         print(f"{L:>7s} {vals[0]:8.2f} {vals[1]:8.2f} {vals[2]:10.2f}")
     print("best softmax method at each length (oracle):",
           ", ".join(f"{L}: {b['method']} {b['ppl']:.2f}" for L, b in out["best_softmax_per_length"].items()))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {path.with_suffix('.png')}")
     return 0
 
 

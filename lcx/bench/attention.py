@@ -1,8 +1,8 @@
-#!/usr/bin/env python
-"""CPU attention benchmark: Λ-mask / LM-Infinite per lcx.attention backend vs dense causal SDPA.
+"""`lcx bench attention`: Λ-mask / LM-Infinite per lcx.attention backend vs dense causal SDPA, CPU.
 
-    python scripts/bench_attention.py                      # 2k, 8k, 32k -> results/attention_cpu.json
-    python scripts/bench_attention.py --lengths 2048 --repeats 2 --out /tmp/a.json
+    lcx bench attention                      # 2k, 8k, 32k -> results/attention_cpu.{json,png}
+    lcx bench attention --lengths 2048 --repeats 2 --out /tmp/a.json
+    lcx bench attention --replot             # only redraw the PNG from --out
 
 Shapes: batch 1, 8 heads (8 kv heads), head dim 64, float32, prefill (Tq = Tk = T).
 Cases, all in one run (ratios are against the baseline of the same run):
@@ -44,15 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lcx.measure import reset_peak, status_bytes  # noqa: E402
-
+DESCRIPTION = "CPU attention time and peak memory: Λ-mask / LM-Infinite per lcx.attention backend vs dense causal SDPA"
 BACKENDS = ("ref", "sdpa", "blockwise", "flex", "flex_compiled", "flash")
 H, D, B = 8, 64, 1
-
-
 
 
 def cases() -> list[str]:
@@ -68,6 +62,7 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
 
     from lcx.attention import AttentionSpec, Rotary, attention
     from lcx.masks import lambda_mask
+    from lcx.measure import reset_peak, status_bytes
     from lcx.rope import RopeSpec, compute_inv_freq
 
     torch.set_num_threads(threads)
@@ -122,10 +117,12 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
 
 
 def run_case(case: str, T: int, args) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, __file__, "--child", case, "--child-length", str(T), "--global", str(args.n_global),
-           "--local", str(args.n_local), "--repeats", str(args.repeats), "--budget-s", str(args.budget_s),
-           "--threads", str(args.threads)]
+    """One case in a fresh interpreter (`python -m lcx.bench.attention --child ...`, same
+    working directory and PYTHONPATH, so the same lcx), its memory measured in isolation."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "lcx.bench.attention", "--child", case, "--child-length", str(T),
+           "--global", str(args.n_global), "--local", str(args.n_local), "--repeats", str(args.repeats),
+           "--budget-s", str(args.budget_s), "--threads", str(args.threads)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout_s)
     wall = time.perf_counter() - t0
@@ -137,8 +134,9 @@ def run_case(case: str, T: int, args) -> dict:
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.formatter_class = argparse.RawDescriptionHelpFormatter
+    ap.epilog = __doc__.split("\n\n", 1)[1]
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--global", dest="n_global", type=int, default=64)
     ap.add_argument("--local", dest="n_local", type=int, default=1024)
@@ -149,24 +147,37 @@ def main() -> int:
     ap.add_argument("--time-limit-s", type=float, default=240.0, help="skip a case projected slower per call")
     ap.add_argument("--case-timeout-s", type=float, default=1200.0)
     ap.add_argument("--cases", nargs="+", default=None, help=f"subset of {cases()}")
-    ap.add_argument("--out", default=str(ROOT / "results" / "attention_cpu.json"))
+    ap.add_argument("--out", default="results/attention_cpu.json",
+                    help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-length", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lcx bench attention", description=DESCRIPTION)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     if args.child:
         res = child(args.child, args.child_length, args.n_global, args.n_local, args.repeats, args.budget_s,
                     args.threads)
         print(json.dumps(res))
         return 0
 
-    from lcx.data.io import atomic_savefig, atomic_write_json, environment, git_info
+    from lcx.bench.record import write_record
+    from lcx.data.io import atomic_savefig
 
     if args.replot:
         d = json.loads(Path(args.out).read_text())
         plot(d["results"], d["config"]["cases"], d["config"]["lengths"], Path(args.out).with_suffix(".png"),
              atomic_savefig)
         return 0
+    unknown = sorted(set(args.cases or []) - set(cases()))
+    if unknown:
+        raise ValueError(f"--cases: unknown {unknown}; known: {cases()}")
     todo = args.cases or cases()
     config = {"batch": B, "heads": H, "kv_heads": H, "head_dim": D, "dtype": "float32", "n_global": args.n_global,
               "n_local": args.n_local, "lengths": sorted(args.lengths), "repeats": args.repeats,
@@ -181,12 +192,9 @@ def main() -> int:
     out = Path(args.out)
     t_start = time.time()
 
-    def save():
-        summary = summarise(results, todo)
-        atomic_write_json(out, {"description": "CPU attention time and peak memory: Λ-mask / LM-Infinite per "
-                                               "lcx.attention backend vs dense causal SDPA",
-                                "config": config, "git": git_info(ROOT), "environment": environment(),
-                                "wall_s": time.time() - t_start, "summary": summary, "results": results})
+    def save(quiet: bool = True):
+        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=quiet,
+                     wall_s=time.time() - t_start, summary=summarise(results, todo))
 
     for T in sorted(args.lengths):
         for c in todo:
@@ -213,10 +221,10 @@ def main() -> int:
             else:
                 print(f"T={T:>6} {c:<26} ERROR {r['error']}", flush=True)
             save()
-    save()
     print_table(results, todo, sorted(args.lengths))
+    save(quiet=False)
     plot(results, todo, sorted(args.lengths), out.with_suffix(".png"), atomic_savefig)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out.with_suffix('.png')}")
     return 0
 
 
@@ -289,4 +297,4 @@ def plot(results: dict, todo: list[str], lengths: list[int], path: Path, savefig
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
