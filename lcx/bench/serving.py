@@ -32,13 +32,15 @@ from pathlib import Path
 
 DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
 # vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
-# rotary table), and LM-Infinite (lcx's exact per-request path, lcx.serve.vllm_plugin.method_attention).
+# rotary table), and LM-Infinite and StreamingLLM sinks (lcx's exact path on unrotated keys,
+# lcx.serve.vllm_plugin.method_attention: batched decode, per-request prefill).
 # Not `lcx.presets`: the presets' windows are the model's context (256 for tiny-5m), longer than a
 # request here (64 + 32 tokens), so they would not change attention; windows of 48 make the
 # methods do work, and the committed results/serving_cpu.json was measured with these.
 VLLM_METHODS = {
     "vllm_plugin_methods": {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 48}},
     "vllm_plugin_lm_infinite": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 48}},
+    "vllm_plugin_sinks": {"attention": {"type": "sinks", "n_sink": 4, "window": 48}},
 }
 
 
@@ -280,8 +282,9 @@ def run(args: argparse.Namespace) -> int:
              "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
              "own Llama, no plugin. `vllm_plugin_*`: the lcx plugin's model class running the `methods` shown in "
              "the row: vllm_plugin_methods = lcx RoPE table in vLLM's rotary kernel + vLLM's sliding-window "
-             "attention; vllm_plugin_lm_infinite = lcx's exact per-request path (Python loop over lcx's "
-             "blockwise attention on unrotated keys), expected to be much slower."
+             "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path on unrotated keys "
+             "(lcx.serve.vllm_plugin.method_attention): decode batched over requests on their compressed "
+             "caches (first G + last L keys gathered from the paged cache), prefill one request at a time."
              if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
             "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
             "latency: per request, send to full response, all repeats pooled.",
