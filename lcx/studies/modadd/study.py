@@ -1056,10 +1056,26 @@ DIAGNOSIS_STUDY = StudyConfig(
                  "changes one scheduling or optimisation choice of `robust`."),
 )
 
+# The diagnosis says the curriculum and the template mixture each slow learning (alone and more so
+# together) and no single scheduling or optimisation change rescues the full recipe at 1000 steps.
+# Staged recipes: learn the arithmetic on the canonical template at offset 0 first (the baseline
+# needs ~300-500 steps), then widen offsets and mix templates (natural-language phrasings
+# included, the pool that transfers to unseen templates); with and without the strong weight decay.
+STAGED_STUDY = StudyConfig(
+    configs=(
+        ("robust_nl~template_delay_frac=0.4~curriculum_delay_frac=0.4", "learned"),
+        ("robust_nl~template_delay_frac=0.4~curriculum_delay_frac=0.4", "learned", {"tag": "wd0.1", "weight_decay": 0.1}),
+    ),
+    seeds=(0,),
+    run={**DEFAULT_STUDY.run, "eval_every": 100},
+    budget_note=("Staged recipes (canonical first, then offsets and the mixed template pool) at the default "
+                 "study's budget, one seed, learning curves every 100 steps."),
+)
+
 # `--config NAME` picks one of these; `--config FILE.json` reads a StudyConfig. Default output
 # directory: results/modadd for `default`, results/modadd/<name> for the others.
 STUDY_PRESETS: dict[str, StudyConfig] = {"default": DEFAULT_STUDY, "long": LONG_STUDY,
-                                          "diagnosis": DIAGNOSIS_STUDY}
+                                          "diagnosis": DIAGNOSIS_STUDY, "staged": STAGED_STUDY}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
