@@ -179,11 +179,11 @@ def swat_attention_forward(
 
 
 def _attend_rows(q, k, v, spec, row_pos: torch.Tensor, backend: str) -> torch.Tensor:
-    """Per-row SWAT of a padded batch (`lcx_key_positions`, as in `lcx.methods.attention_patch`).
+    """Per-row SWAT of a padded batch (`lcx_key_positions`, as in `lcx.hf.attention_patch`).
     The window and ALiBi see index differences, so a row's keys must be consecutive positions
     (a full history, or the last keys of one: what the engine's eviction keeps)."""
     from lcx.attention import attention
-    from lcx.methods.attention_patch import iter_rows
+    from lcx.hf.attention_patch import iter_rows
 
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
     for b, idx, nq in iter_rows(row_pos, q.shape[1]):
