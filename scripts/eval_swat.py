@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--methods: unknown {unknown} (known {list(METHODS)}); 'default' is required")
     factor = args.factor or max(lengths) / TRAIN_LENGTH
 
-    import lcx.models.swat as swat  # registers the "lcx_swat" attention before loading
+    import lcx.hf.swat as swat  # registers the "lcx_swat" attention before loading
     from lcx.data import load_corpus
     from lcx.data.io import atomic_write_json, environment
     from lcx.eval.perplexity import perplexity_by_length

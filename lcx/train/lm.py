@@ -322,7 +322,7 @@ def _build_sdpa(config) -> torch.nn.Module:
 
 
 def _build_swat(config) -> torch.nn.Module:
-    from lcx.models.swat import build_swat_model  # window: config.sliding_window
+    from lcx.hf.swat import build_swat_model  # window: config.sliding_window
 
     return build_swat_model(config)
 
@@ -332,7 +332,7 @@ def _build_swat(config) -> torch.nn.Module:
 # same LlamaConfig and must return an HF causal LM whose forward takes `input_ids`.
 ATTENTION_VARIANTS: dict[str, Callable[[Any], torch.nn.Module]] = {
     "sdpa": _build_sdpa,
-    "swat": _build_swat,  # SWAT (arXiv 2502.18845): sigmoid, window, balanced ALiBi; lcx.models.swat
+    "swat": _build_swat,  # SWAT (arXiv 2502.18845): sigmoid, window, balanced ALiBi; lcx.hf.swat
 }
 # Variants that take ModelConfig.window (passed to the builder as LlamaConfig.sliding_window).
 WINDOWED_VARIANTS = frozenset({"swat"})
@@ -349,7 +349,7 @@ def build_model(mc: ModelConfig, *, seed: int | None = None, **token_ids: int) -
 def model_config_of(config: Any) -> ModelConfig:
     """The `ModelConfig` of an HF Llama config (a model written by `lcx train lm`, or any plain
     Llama-family checkpoint with default RoPE); SWAT configs map to attention="swat"."""
-    from lcx.models.swat import is_swat
+    from lcx.hf.swat import is_swat
 
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
@@ -388,7 +388,7 @@ def init_model_config(init: str) -> ModelConfig:
     """`ModelConfig` of the `--init` model, read from its config.json (weights not loaded)."""
     from transformers import AutoConfig
 
-    from lcx.models.swat import from_pretrained_kwargs
+    from lcx.hf.swat import from_pretrained_kwargs
 
     path = resolve_init(init)
     return model_config_of(AutoConfig.from_pretrained(path, local_files_only=True, **from_pretrained_kwargs(path)))

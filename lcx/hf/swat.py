@@ -23,7 +23,7 @@ How it plugs in (transformers 5.x attention-interface registry, no copied model 
       config.sliding_window = w            # HF's DynamicCache keeps the last w - 1 keys
       config.attn_implementation = "lcx_swat"   # written to config.json: a plain
                                                 # from_pretrained fails loudly unless
-                                                # `lcx.models.swat` was imported
+                                                # `lcx.hf.swat` was imported
   `backend` is the `lcx.attention` backend that runs the call (a speed choice; every backend
   computes the same thing). The slopes are stored, not recomputed, so a saved model keeps its
   schedule.
@@ -137,7 +137,7 @@ def _module_params(config: Any) -> SwatParams:
     d = getattr(config, CONFIG_KEY, None)
     if not d or d.get("type") != "swat":
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs config.{CONFIG_KEY} "
-                         f"= {{'type': 'swat', 'window': w, ...}} (use lcx.models.swat.swat_config)")
+                         f"= {{'type': 'swat', 'window': w, ...}} (use lcx.hf.swat.swat_config)")
     extra = set(d) - {"type", "window", "alibi_slopes", "backend"}
     if extra:
         raise ValueError(f"unknown {CONFIG_KEY} key(s) {sorted(extra)}")
@@ -183,7 +183,8 @@ def _attend_rows(q, k, v, spec, row_pos: torch.Tensor, backend: str) -> torch.Te
     The window and ALiBi see index differences, so a row's keys must be consecutive positions
     (a full history, or the last keys of one: what the engine's eviction keeps)."""
     from lcx.attention import attention
-    from lcx.hf.attention_patch import iter_rows
+
+    from .attention_patch import iter_rows
 
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
     for b, idx, nq in iter_rows(row_pos, q.shape[1]):
