@@ -162,7 +162,7 @@ def test_served_lm_infinite_concurrent_requests(model64):
 def test_engine_swat_model_batched_with_bounded_cache():
     """A SWAT model (window w) in the engine: ragged prompts batched together decode what each
     prompt alone decodes with a full DynamicCache, while the cache keeps <= w - 1 keys per row."""
-    from lcx.hf.swat import build_swat_model
+    from lcx.models.swat import build_swat_model
 
     _, tok = tiny_llama(seed=0)
     cfg = tiny_llama(seed=0)[0].config

@@ -1,4 +1,5 @@
-"""SWAT model variant (lcx.hf.swat): the HF model's attention is lcx.attention's SWAT.
+"""SWAT model variant: the HF model's attention is lcx.attention's SWAT (lcx.models.swat builds the
+model, lcx.hf.swat runs its attention inside transformers).
 
 Micro models only (hidden 32, 4 query / 2 kv heads, head_dim 8): the whole module runs in a
 few seconds on 2 CPU cores. Exactness checks run in float64.

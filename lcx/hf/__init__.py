@@ -8,9 +8,12 @@
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec.
 - `lcx.hf.attention_patch`: the attention patch (`patch_attention`, `unpatch_attention`,
   `attention_patched`, `current_patch`): every `self_attn` runs an `lcx.methods` method.
+- `lcx.hf.swat`: SWAT's glue: the `"lcx_swat"` attention and mask functions registered with
+  transformers, the `config.lcx_attention` format (`SwatParams`) and `from_pretrained_kwargs`.
+  Building a SWAT model is `lcx.models.swat`.
 
-Public entry points stay `lcx.patch` / `lcx.patched` / `lcx.unpatch` (a whole `MethodConfig`)
-and `lcx.methods.patch_attention` & co. Only `lcx.hf.models` is imported with the package: the
+Callers use the public entry points `lcx.patch` / `lcx.patched` / `lcx.unpatch` (a whole
+`MethodConfig`) and `lcx.methods.patch_attention` & co. Only `lcx.hf.models` is imported with the package: the
 other modules import `lcx.attention`, `lcx.methods` or transformers, so import them by name.
 """
 

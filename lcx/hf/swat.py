@@ -1,4 +1,4 @@
-"""SWAT as a Hugging Face model: a stock `LlamaForCausalLM` whose attention is SWAT's.
+"""SWAT inside transformers: how a stock `LlamaForCausalLM` runs SWAT's attention (the HF glue).
 
 SWAT (Sliding Window Attention Training, arXiv 2502.18845): for query i and head h,
 
@@ -10,14 +10,22 @@ slopes (`lcx.attention.balanced_alibi_slopes`: the first half of the heads penal
 m > 0, the second half favour it, m < 0). In the paper's notation `b_h * (i - j)` with
 b_h = -m_h. Sigmoid, not softmax: no normalisation over keys, hence no attention sink. The
 maths is `lcx.attention` (`AttentionSpec.swat`, reference `attention_ref`); this module only
-plugs it into transformers.
+plugs it into transformers. Building a SWAT model (writing the config, a fresh model) is
+`lcx.models.swat` (`swat_config`, `build_swat_model`), which uses this module.
+
+What lives here, and why here: the attention and mask functions and their registration, the
+format of the parameters in an HF config (`SwatParams`, `config.lcx_attention`, read back at
+every call and by `lcx.engine`) and what `from_pretrained` needs to load a SWAT directory. That
+is how SWAT is installed into transformers modules, as `lcx.hf.attention_patch` is for the
+attention methods; it depends on `lcx.attention` only, never on `lcx.models`.
 
 How it plugs in (transformers 5.x attention-interface registry, no copied model code):
 
 - `register()` adds the attention function `"lcx_swat"` to `transformers.AttentionInterface`
   (and a mask function of the same name that builds no mask: the window lives in the
   attention function). It is idempotent; importing this module calls it.
-- The config carries the method, so it survives `save_pretrained`:
+- The config carries the method, so it survives `save_pretrained` (`lcx.models.swat.swat_config`
+  writes it):
       config.lcx_attention = {"type": "swat", "window": w, "alibi_slopes": [m_0, ...],
                               "backend": "blockwise"}
       config.sliding_window = w            # HF's DynamicCache keeps the last w - 1 keys
@@ -137,7 +145,7 @@ def _module_params(config: Any) -> SwatParams:
     d = getattr(config, CONFIG_KEY, None)
     if not d or d.get("type") != "swat":
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs config.{CONFIG_KEY} "
-                         f"= {{'type': 'swat', 'window': w, ...}} (use lcx.hf.swat.swat_config)")
+                         f"= {{'type': 'swat', 'window': w, ...}} (use lcx.models.swat.swat_config)")
     extra = set(d) - {"type", "window", "alibi_slopes", "backend"}
     if extra:
         raise ValueError(f"unknown {CONFIG_KEY} key(s) {sorted(extra)}")
@@ -214,41 +222,7 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, swat_mask)
 
 
-# ---------------------------------------------------------------------- configs and models
-
-
-def swat_config(config: Any, window: int, *, alibi_slopes=None, backend: str = DEFAULT_BACKEND) -> Any:
-    """Make a `LlamaConfig` (in place, returned) describe a SWAT model with a window of `window`
-    keys; slopes default to `balanced_alibi_slopes(num_attention_heads)`."""
-    n_heads = config.num_attention_heads
-    if alibi_slopes is None:
-        p = SwatParams.default(window, n_heads, backend)
-    else:
-        p = SwatParams(window, tuple(alibi_slopes), backend)
-    if len(p.alibi_slopes) != n_heads:
-        raise ValueError(f"{len(p.alibi_slopes)} alibi slopes for {n_heads} heads")
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError("SWAT attention has no attention dropout (attention_dropout must be 0)")
-    register()
-    setattr(config, CONFIG_KEY, p.to_dict())
-    config.sliding_window = window  # DynamicCache(config) then keeps w - 1 keys per layer
-    config.attn_implementation = ATTN_IMPLEMENTATION  # serialised; read back by PretrainedConfig
-    config._attn_implementation = ATTN_IMPLEMENTATION
-    return config
-
-
-def build_swat_model(config: Any, window: int | None = None) -> torch.nn.Module:
-    """A freshly initialised SWAT `LlamaForCausalLM` from a `LlamaConfig`.
-
-    `window` defaults to `config.sliding_window` (how `lcx train lm --window` passes it). This is
-    the builder `lcx.train.lm.ATTENTION_VARIANTS["swat"]` calls.
-    """
-    from transformers import LlamaForCausalLM
-
-    window = window if window is not None else getattr(config, "sliding_window", None)
-    if window is None:
-        raise ValueError("SWAT needs a window (config.sliding_window or window=...), e.g. 128")
-    return LlamaForCausalLM(swat_config(config, window))
+# ---------------------------------------------------------------------- loading
 
 
 def _read_config(path_or_config: Any) -> Mapping[str, Any] | Any:
@@ -282,13 +256,12 @@ register()
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_KEY",
+    "DEFAULT_BACKEND",
     "SwatParams",
-    "build_swat_model",
     "from_pretrained_kwargs",
     "is_swat",
     "register",
     "swat_attention_forward",
-    "swat_config",
     "swat_mask",
     "swat_params",
 ]

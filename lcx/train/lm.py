@@ -322,7 +322,7 @@ def _build_sdpa(config) -> torch.nn.Module:
 
 
 def _build_swat(config) -> torch.nn.Module:
-    from lcx.hf.swat import build_swat_model  # window: config.sliding_window
+    from lcx.models.swat import build_swat_model  # window: config.sliding_window
 
     return build_swat_model(config)
 
@@ -332,7 +332,7 @@ def _build_swat(config) -> torch.nn.Module:
 # same LlamaConfig and must return an HF causal LM whose forward takes `input_ids`.
 ATTENTION_VARIANTS: dict[str, Callable[[Any], torch.nn.Module]] = {
     "sdpa": _build_sdpa,
-    "swat": _build_swat,  # SWAT (arXiv 2502.18845): sigmoid, window, balanced ALiBi; lcx.hf.swat
+    "swat": _build_swat,  # SWAT (arXiv 2502.18845): sigmoid, window, balanced ALiBi; lcx.models.swat
 }
 # Variants that take ModelConfig.window (passed to the builder as LlamaConfig.sliding_window).
 WINDOWED_VARIANTS = frozenset({"swat"})
