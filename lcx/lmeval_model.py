@@ -95,7 +95,7 @@ class LcxLM(HFLM):
     def __init__(self, pretrained: str, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                  **kwargs: Any) -> None:
         import lcx
-        from lcx.patching import current_spec
+        from lcx.hf.rope_patch import current_spec
 
         cfg, hflm = split_model_args(kwargs)
         if not isinstance(pretrained, str):

@@ -262,9 +262,9 @@ class MethodConfig:
     def apply(self, model: Any) -> "Applied":
         """Patch `model` in place (RoPE, then attention); returns a handle whose `restore()`
         (or leaving it as a context manager) puts back what the model ran before."""
-        from .methods.attention_patch import DEFAULT_BACKEND, current_patch, patch_attention
-        from .patching import current_spec
-        from .patching import patch as patch_rope
+        from .hf.attention_patch import DEFAULT_BACKEND, current_patch, patch_attention
+        from .hf.rope_patch import current_spec
+        from .hf.rope_patch import patch as patch_rope
 
         handle = Applied(model, current_spec(model) if self.rope is not None else None, current_patch(model),
                          self.rope is not None, self.attention is not None)
@@ -321,9 +321,9 @@ class Applied:
     def restore(self) -> Any:
         if self._done:
             return self.model
-        from .methods.attention_patch import patch_attention, unpatch_attention
-        from .patching import patch as patch_rope
-        from .patching import unpatch as unpatch_rope
+        from .hf.attention_patch import patch_attention, unpatch_attention
+        from .hf.rope_patch import patch as patch_rope
+        from .hf.rope_patch import unpatch as unpatch_rope
 
         if self._attention:
             if self._prev_attention is None:
@@ -355,8 +355,8 @@ def patch(model: Any, cfg: "MethodConfig | Mapping[str, Any] | RopeSpec") -> Any
 
 def unpatch(model: Any) -> Any:
     """Restore the model as loaded: RoPE and attention."""
-    from .methods.attention_patch import unpatch_attention
-    from .patching import unpatch as unpatch_rope
+    from .hf.attention_patch import unpatch_attention
+    from .hf.rope_patch import unpatch as unpatch_rope
 
     unpatch_attention(model)
     return unpatch_rope(model)

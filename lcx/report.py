@@ -263,9 +263,10 @@ CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
 
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
 CELL_VERSION = 2
-# The modules whose source determines a cell's numbers, per measurement (packages: every .py).
+# The modules whose source determines a cell's numbers, per measurement (packages: every .py;
+# "lcx.hf", the HF adapter, covers lcx.hf.rope_patch, lcx.hf.attention_patch and lcx.hf.swat).
 _COMMON_MODULES = ("lcx.rope", "lcx.attention", "lcx.masks", "lcx.methods", "lcx.method_config", "lcx.presets",
-                   "lcx.hf", "lcx.patching", "lcx.models", "lcx.cache.kv", "lcx.data.corpus")
+                   "lcx.hf", "lcx.models", "lcx.cache.kv", "lcx.data.corpus")
 NUMERICS_MODULES: dict[str, tuple[str, ...]] = {
     "lmeval": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.eval_tasks.common", "lcx.eval_tasks.base",
                                  "lcx.eval_tasks.passkey", "lcx.eval_tasks.lcx_ppl"),

@@ -243,7 +243,7 @@ def test_lm_infinite_layers_equal_lambda_attention_ref(model64, G, L, cap):
 def test_yarn_composes_with_lm_infinite(model64):
     """LM-Infinite + YaRN: the attention reads the patched RoPE basis (inv_freq and attention
     factor), in either patching order; with a wide window it equals YaRN alone."""
-    from lcx.patching import patched
+    from lcx.hf.rope_patch import patched
 
     m, _ = model64
     ids = _ids(33)
@@ -403,8 +403,7 @@ def test_unrotated_methods_come_from_the_registry():
 
 
 def test_model_types_are_one_table():
-    from lcx.methods import attention_patch
-    from lcx.patching import ATTENTION_MODEL_TYPES, MODEL_TYPES, SUPPORTED_MODEL_TYPES
+    from lcx.hf import ATTENTION_MODEL_TYPES, MODEL_TYPES, SUPPORTED_MODEL_TYPES, attention_patch
 
     assert SUPPORTED_MODEL_TYPES == tuple(MODEL_TYPES)
     assert attention_patch.SUPPORTED_MODEL_TYPES == ATTENTION_MODEL_TYPES

@@ -142,7 +142,7 @@ def test_rope_method_equals_patched_model(rope_type):
     """Engine with methods={"rope": spec} == the model patched with the same spec: logprobs of a
     full forward for static types; greedy tokens of HF generate for length-dependent types (whose
     basis changes per forward, so a cache holds keys of several bases, as in HF)."""
-    import lcx
+    from lcx.hf.rope_patch import current_spec
 
     model, tok = tiny_llama(seed=1, max_position_embeddings=L_SMALL)
     model = model.double()
@@ -151,7 +151,7 @@ def test_rope_method_equals_patched_model(rope_type):
     eng = Engine(model, tok, EngineConfig(methods={"rope": spec}, max_model_len=4 * L_SMALL))
     out = eng.generate([prompt], SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=0, prompt_logprobs=0))[0]
     # the engine patched `model` itself: it now is "the patched model"
-    assert lcx.patching.current_spec(model) == RopeSpec.for_model(spec, model.config)
+    assert current_spec(model) == RopeSpec.for_model(spec, model.config)
     if RopeSpec.for_model(spec, model.config).is_length_dependent:
         hf = model.generate(torch.tensor([prompt]), max_new_tokens=GEN, do_sample=False, pad_token_id=0,
                             eos_token_id=None)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import lcx
-from lcx.patching import SUPPORTED_MODEL_TYPES, current_spec, patch, patched, unpatch
+from lcx.hf import SUPPORTED_MODEL_TYPES
+from lcx.hf.rope_patch import current_spec, patch, patched, unpatch
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq
 
 L = 32  # tiny original context so sequences of 3-4 L stay cheap

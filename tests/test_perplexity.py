@@ -113,7 +113,7 @@ def test_tail_covers_the_whole_window_when_longer(micro):
 
 
 def test_spec_is_applied_and_removed(micro):
-    from lcx.patching import current_spec
+    from lcx.hf.rope_patch import current_spec
 
     model, tok = micro
     kw = dict(max_tokens_per_length=64, progress=False)

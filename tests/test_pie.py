@@ -26,7 +26,7 @@ from lcx.cache import (
     update_cache,
 )
 from lcx.studies.code_edit import evaluate, make_samples, next_line, summarize, token_edits
-from lcx.patching import patch, patched
+from lcx.hf.rope_patch import patch, patched
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rotate_by_positions_ref
 
 N_OLD = 61  # odd cache length

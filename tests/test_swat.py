@@ -1,4 +1,5 @@
-"""SWAT model variant (lcx.models.swat): the HF model's attention is lcx.attention's SWAT.
+"""SWAT model variant: the HF model's attention is lcx.attention's SWAT (lcx.models.swat builds the
+model, lcx.hf.swat runs its attention inside transformers).
 
 Micro models only (hidden 32, 4 query / 2 kv heads, head_dim 8): the whole module runs in a
 few seconds on 2 CPU cores. Exactness checks run in float64.
@@ -88,7 +89,7 @@ def test_layer_equals_reference(w, T):
 def test_formula_written_out():
     """o_i = sum_{i-w<j<=i} sigmoid(q~_i.k~_j/sqrt(d) + b_h (i-j)) v_j, b_h = -m_h, by loops."""
     from lcx.attention import balanced_alibi_slopes
-    from lcx.models.swat import swat_attention_forward
+    from lcx.hf.swat import swat_attention_forward
     from lcx.rope import apply_rotary_ref, rope_cos_sin
 
     w, T, H, Hkv, D = 3, 7, 4, 2, 8
@@ -189,7 +190,7 @@ def test_generate_matches_greedy_full_forward():
 def test_save_load_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from lcx.models.swat import ATTN_IMPLEMENTATION, from_pretrained_kwargs, swat_params
+    from lcx.hf.swat import ATTN_IMPLEMENTATION, from_pretrained_kwargs, swat_params
 
     model = micro_model(5, layers=2, dtype=torch.float32)
     ids = tokens(23)
@@ -214,7 +215,7 @@ def _loading_calls_hook() -> bool:
 
 
 @pytest.mark.xfail(not _loading_calls_hook(), strict=True,
-                   reason="lcx/models/loading.py does not call lcx.models.swat.from_pretrained_kwargs yet")
+                   reason="lcx/models/loading.py does not call lcx.hf.swat.from_pretrained_kwargs yet")
 def test_load_model_resaved_dir(tmp_path):
     """lcx.load_model restores SWAT from `lcx_attention` alone (a directory re-saved by HF)."""
     from lcx.models import load_model
@@ -262,7 +263,7 @@ def test_training_reduces_loss():
 
 
 def test_config_validation():
-    from lcx.models.swat import SwatParams
+    from lcx.hf.swat import SwatParams
     from lcx.train.lm import ModelConfig
 
     with pytest.raises(ValueError, match="window is required"):

@@ -9,7 +9,7 @@ Checks:
 - for each method in METHODS, vLLM's prompt logprobs equal lcx's within 1e-4 (float32), on
   prompts longer than the model's 256-token context so the RoPE methods and the window matter;
   lcx's side is the `Engine` where it runs the method, and always the HF model patched with
-  lcx.patching / lcx.methods;
+  lcx.hf.rope_patch / lcx.methods;
 - the same prompts give *different* logprobs without the method (so the check can fail);
 - vLLM's greedy decode (paged cache, one query per step) gives lcx's greedy tokens;
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
@@ -103,11 +103,11 @@ def prompts() -> list[list[int]]:
 
 
 def _lcx_hf_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -> list[list[float]]:
-    """Prompt logprobs of the HF model patched with lcx.patching (rope) and lcx.methods (attention)."""
+    """Prompt logprobs of the HF model patched with lcx.hf.rope_patch (rope) and lcx.methods (attention)."""
     from transformers import AutoModelForCausalLM
 
     from lcx.methods import attention_patched
-    from lcx.patching import patched
+    from lcx.hf.rope_patch import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
@@ -246,7 +246,7 @@ def _lcx_greedy_ids(model_dir: Path, methods: dict, ids: list[int], n: int) -> l
     from transformers import AutoModelForCausalLM
 
     from lcx.methods import attention_patched
-    from lcx.patching import patched
+    from lcx.hf.rope_patch import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seq = list(ids)

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    import lcx.models.swat as swat  # registers the "lcx_swat" attention before loading
+    import lcx.hf.swat as swat  # registers the "lcx_swat" attention before loading
     from lcx.bench.record import write_record
     from lcx.data import load_corpus
     from lcx.eval.perplexity import perplexity_by_length

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..hf import decoder as _decoder
 from ..hf import head_dim_of
-from ..patching import LcxRotaryEmbedding
+from ..hf.rope_patch import LcxRotaryEmbedding
 from ..rope import compute_inv_freq
 
 # HF rope types whose basis depends on the sequence length (HF's own rotary module mutates

@@ -45,7 +45,7 @@ Logprobs (generated and prompt) are of the model's raw distribution, log_softmax
 penalties, temperature and truncation, as in vLLM.
 
 Length-dependent RoPE types (dynamic NTK, longrope) pick their basis per forward from the
-largest position in it (`lcx.patching`, as transformers): in a batch that is the longest row's, so
+largest position in it (`lcx.hf.rope_patch`, as transformers): in a batch that is the longest row's, so
 for them a request's output depends on what it is batched with (as with HF batched `generate`);
 run with `max_batch=1` for per-request semantics. Static types have no such effect.
 
@@ -56,7 +56,7 @@ unknown names raise. Attention methods (`"attention": {"type": "lm_infinite", "n
 evict, after every step, the cached slots no later query of the row can see
 (`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
 `BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
-own keys (`lcx_key_positions`, `lcx.methods.attention_patch`); tokens equal unbatched decoding
+own keys (`lcx_key_positions`, `lcx.hf.attention_patch`); tokens equal unbatched decoding
 with a `BoundedKVCache` (tests/test_engine_attention.py).
 
 Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS, the

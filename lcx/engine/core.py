@@ -85,7 +85,7 @@ class Engine:
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = "attention" in self.resolved_methods
-        from ..models.swat import swat_params
+        from ..hf.swat import swat_params
 
         swat = swat_params(model.config)
         if swat is not None:  # a SWAT model: per-row window attention, cache bounded to w - 1 keys

@@ -68,7 +68,7 @@ class EngineMethod:
 
 
 def _apply_rope(model: nn.Module, params: Mapping[str, Any]):
-    from ..patching import current_spec, patch
+    from ..hf.rope_patch import current_spec, patch
 
     patch(model, dict(params))
     return current_spec(model)
@@ -98,7 +98,7 @@ class ResolvedAttention:
 
 def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAttention:
     from ..method_config import MethodConfig
-    from ..methods.attention_patch import DEFAULT_BACKEND
+    from ..hf.attention_patch import DEFAULT_BACKEND
 
     cfg = MethodConfig.from_dict({"attention": params})
     cfg.apply(model)

@@ -8,17 +8,15 @@
 - `lcx.methods.spec`: the methods (`ATTENTION_METHODS`), each `attend(q, k, v, rotary=...)`
   on UNROTATED q/k, and `cache_window` for bounded caches.
 - `lcx.methods.streaming`: StreamingLLM's renumbered positions over a whole sequence.
-- `lcx.methods.attention_patch`: `patch_attention` / `unpatch_attention` / `attention_patched`.
 - `lcx.methods.bounded_cache`: `BoundedKVCache` (a transformers `Cache`), `greedy_generate`.
+- `patch_attention` / `unpatch_attention` / `attention_patched` / `current_attention`: the
+  attention patch, which installs a method in an HF model, lives in the HF adapter
+  (`lcx.hf.attention_patch`); re-exported here, resolved on first use.
 """
 
-from .attention_patch import (
-    ATTN_IMPLEMENTATION,
-    attention_patched,
-    current_attention,
-    patch_attention,
-    unpatch_attention,
-)
+from importlib import import_module
+from typing import Any
+
 from .bounded_cache import BoundedKVCache, GenerationResult, cache_len, cache_nbytes, greedy_generate
 from .spec import (
     ATTENTION_METHODS,
@@ -38,6 +36,17 @@ from .spec import (
 )
 from .self_extend import self_extend_ref
 from .streaming import streaming_attention, streaming_attention_ref
+
+# Re-exported from the HF adapter lazily: `lcx.hf.attention_patch` imports `lcx.methods.spec`,
+# so an eager import here would fail whenever `lcx.hf.attention_patch` is imported first.
+_FROM_HF = ("ATTN_IMPLEMENTATION", "attention_patched", "current_attention", "patch_attention", "unpatch_attention")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_HF:
+        return getattr(import_module("lcx.hf.attention_patch"), name)
+    raise AttributeError(f"module 'lcx.methods' has no attribute {name!r}")
+
 
 __all__ = [
     "ATTENTION_METHODS",

@@ -35,7 +35,7 @@ Semantics (stated once; pinned by tests/test_attention_methods.py):
   depend on Tk, i.e. limit_distance <= n_global + n_local - 1 (the default, n_local, is;
   `check_bounded` raises otherwise); StreamingLLM: its definition *is* the compressed cache
   (`lcx.methods.streaming`). Holds for decode and for chunked prefill (any Tq per call).
-- Batches: rows share positions (no padding), as in `lcx.methods.attention_patch`.
+- Batches: rows share positions (no padding), as in `lcx.hf.attention_patch`.
 """
 
 from __future__ import annotations

@@ -240,9 +240,9 @@ def is_gguf_cached(gguf_path: str | os.PathLike) -> bool:
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # SWAT checkpoints name lcx's attention function; importing lcx.models.swat registers it
+    # SWAT checkpoints name lcx's attention function; importing lcx.hf.swat registers it
     # with transformers (done here, not at `import lcx`, to keep that light).
-    from lcx.models.swat import from_pretrained_kwargs
+    from lcx.hf.swat import from_pretrained_kwargs
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                  **from_pretrained_kwargs(path))

@@ -349,7 +349,7 @@ def build_model(mc: ModelConfig, *, seed: int | None = None, **token_ids: int) -
 def model_config_of(config: Any) -> ModelConfig:
     """The `ModelConfig` of an HF Llama config (a model written by `lcx train lm`, or any plain
     Llama-family checkpoint with default RoPE); SWAT configs map to attention="swat"."""
-    from lcx.models.swat import is_swat
+    from lcx.hf.swat import is_swat
 
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
@@ -388,7 +388,7 @@ def init_model_config(init: str) -> ModelConfig:
     """`ModelConfig` of the `--init` model, read from its config.json (weights not loaded)."""
     from transformers import AutoConfig
 
-    from lcx.models.swat import from_pretrained_kwargs
+    from lcx.hf.swat import from_pretrained_kwargs
 
     path = resolve_init(init)
     return model_config_of(AutoConfig.from_pretrained(path, local_files_only=True, **from_pretrained_kwargs(path)))

@@ -42,6 +42,10 @@ Semantics stated once:
 Supported: model types llama, mistral, qwen2 (q/k/v/o projections, rotate-half RoPE on the
 full head, no q/k norm). Not supported (raises): padding in `attention_mask`, attention
 dropout in training mode, models whose attention module has q/k norms (qwen3).
+
+Part of the HF adapter (`lcx.hf`): the methods (`lcx.methods.spec`) know nothing of
+transformers; this module installs them in a model. `lcx.methods` re-exports `patch_attention`,
+`unpatch_attention`, `attention_patched`, `current_attention` and `ATTN_IMPLEMENTATION`.
 """
 
 from __future__ import annotations
@@ -56,10 +60,10 @@ import torch
 from torch import nn
 
 from lcx.attention import BACKENDS, Rotary
+from lcx.methods.spec import AttentionMethod, method_from_dict
 
-from ..hf import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # noqa: F401  (lcx.hf.MODEL_TYPES)
-from ..hf import attention_layers, check_model_type, decoder
-from .spec import AttentionMethod, method_from_dict
+from .models import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # noqa: F401  (lcx.hf.MODEL_TYPES)
+from .models import attention_layers, check_model_type, decoder
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
 DEFAULT_BACKEND = "blockwise"
@@ -100,7 +104,7 @@ def _no_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> No
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise NotImplementedError(
             "lcx attention methods take no padded attention_mask (it has zeros); pass lcx_key_positions "
-            "[B, Tk] instead (see lcx.methods.attention_patch), or run unpadded rows")
+            "[B, Tk] instead (see lcx.hf.attention_patch), or run unpadded rows")
     return None
 
 
@@ -149,8 +153,7 @@ def lcx_attention_forward(
     (HF's cos/sin) are ignored: positions come from `position_ids` or the bounded cache.
     """
     from lcx.cache.kv import rope_basis
-
-    from .bounded_cache import BoundedKVCache
+    from lcx.methods.bounded_cache import BoundedKVCache
 
     st: _ModuleState = getattr(self, _STATE)
     if attention_mask is not None:

@@ -14,6 +14,10 @@ so every attention implementation of transformers (eager, sdpa, flex) sees the n
 Length-dependent types (dynamic NTK, longrope) follow transformers: the basis is chosen from
 the current forward's max position + 1. With a KV cache of rotated keys, dynamic NTK makes
 old keys inconsistent (transformers #25104); vLLM instead fixes it at n = L*s. lcx matches HF.
+
+Part of the HF adapter (`lcx.hf`). Callers use `lcx.patch` / `lcx.patched` / `lcx.unpatch`
+(`lcx.method_config`), which apply a whole `MethodConfig` (RoPE and attention) through this
+module and `lcx.hf.attention_patch`.
 """
 
 from __future__ import annotations
@@ -25,16 +29,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from .rope import RopeSpec, compute_inv_freq, rope_angles
-
-from .hf.models import (  # noqa: F401  (re-exported: the table lives in the HF adapter)
-    ATTENTION_MODEL_TYPES,
-    MODEL_TYPES,
-    SUPPORTED_MODEL_TYPES,
-    check_model_type,
-    decoder,
-    head_dim_of,
-)
+from ..rope import RopeSpec, compute_inv_freq, rope_angles
+from .models import check_model_type, decoder, head_dim_of
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
 
