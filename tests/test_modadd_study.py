@@ -468,3 +468,22 @@ def test_lm_eval_cli_on_the_committed_decoder(tmp_path):
     want = tm.decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], [modadd.answer(a, b) for a, b in pairs])
     assert res["modadd_shift_id"]["exact_match,none"] == pytest.approx(want)
     assert want > 0.5
+
+
+def test_sinusoidal_position_init_has_relative_structure():
+    from lcx.studies.modadd.model import sinusoidal_table
+
+    t = sinusoidal_table(64, 8).double()  # [P, D]: pairs (sin, cos) per frequency
+    assert t.pow(2).mean().sqrt().item() == pytest.approx(0.02, rel=1e-6)
+    pairs = t.view(64, 4, 2)
+    # shifting by k positions is one fixed rotation per frequency, the same at every position
+    for k in (1, 5):
+        for f in range(4):
+            a, b = pairs[:-k, f], pairs[k:, f]  # [P - k, 2]
+            rot = torch.linalg.lstsq(a, b).solution
+            torch.testing.assert_close(a @ rot, b, atol=1e-7, rtol=0)  # float32 table, entries ~0.02
+    model = ModAddEncoder(EncoderConfig(position_init="sinusoidal", max_positions=64, d_model=8, n_heads=2))
+    torch.testing.assert_close(model.pe.table.weight.detach().double(), t.double(), atol=1e-7, rtol=0)
+    assert model.pe.table.weight.requires_grad  # still a learned table
+    with pytest.raises(ValueError, match="position_init"):
+        EncoderConfig(position_init="fixed")

@@ -55,6 +55,11 @@ class EncoderConfig:
     rope_theta: float = 10000.0
     n_classes: int = 97
     dropout: float = 0.0
+    # Initial values of the learned position table: "normal" (N(0, 0.02), BERT-style: no
+    # relation between positions at the start) or "sinusoidal" (the Transformer's sin/cos
+    # table, scaled to the same 0.02 root-mean-square per entry: p[i + k] is a fixed rotation of p[i], so
+    # attention by relative offset is available from step 0). Still learned either way.
+    position_init: str = "normal"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_positions", "n_classes"):
@@ -71,6 +76,8 @@ class EncoderConfig:
             raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.position_init not in POSITION_INITS:
+            raise ValueError(f"position_init must be one of {POSITION_INITS}, got {self.position_init!r}")
 
     @property
     def head_dim(self) -> int:
@@ -108,13 +115,32 @@ class PositionEncoding(nn.Module):
         return None
 
 
+POSITION_INITS = ("normal", "sinusoidal")
+
+
+def sinusoidal_table(n_positions: int, d_model: int, std: float = 0.02) -> torch.Tensor:
+    """`[n_positions, d_model]`: sin/cos of position x 10000^(-2i/d) (Vaswani et al.), interleaved
+    per frequency, scaled to root-mean-square `std` per entry (each sin/cos pair has unit norm),
+    the magnitude of an N(0, std) initialisation."""
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    angles = pos * inv_freq[None]  # [P, D/2]
+    table = torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(n_positions, d_model)
+    return (table * (std * math.sqrt(2.0))).float()  # entries' mean square is 1/2 before scaling
+
+
 class LearnedPositions(PositionEncoding):
-    """Learned absolute position embeddings (the paper's model); positions < max_positions."""
+    """Learned absolute position embeddings (the paper's model); positions < max_positions;
+    initialised per `EncoderConfig.position_init`."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__(cfg)
         self.table = nn.Embedding(cfg.max_positions, cfg.d_model)
-        nn.init.normal_(self.table.weight, std=0.02)
+        if cfg.position_init == "sinusoidal":
+            with torch.no_grad():
+                self.table.weight.copy_(sinusoidal_table(cfg.max_positions, cfg.d_model))
+        else:
+            nn.init.normal_(self.table.weight, std=0.02)
 
     def embed(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if int(pos.max()) >= self.cfg.max_positions:
