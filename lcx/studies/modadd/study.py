@@ -1086,11 +1086,21 @@ SINUSOIDAL_STUDY = StudyConfig(
                  "at the default study's budget, one seed, learning curves every 100 steps."),
 )
 
+# Is it the budget? The full recipe with natural-language phrasings (robust_nl, the mixture that
+# transfers to unseen templates) at 8x the default steps, one seed, curves every 500 steps.
+BUDGET_STUDY = StudyConfig(
+    configs=(("robust_nl", "learned"),),
+    seeds=(0,),
+    run={**DEFAULT_STUDY.run, "steps": 8000, "eval_every": 500},
+    budget_note=("robust_nl at 8x the default study's steps (8000 x 256 sequences), one seed, learning "
+                 "curves every 500 steps: does the combined recipe converge given the budget?"),
+)
+
 # `--config NAME` picks one of these; `--config FILE.json` reads a StudyConfig. Default output
 # directory: results/modadd for `default`, results/modadd/<name> for the others.
 STUDY_PRESETS: dict[str, StudyConfig] = {"default": DEFAULT_STUDY, "long": LONG_STUDY,
                                           "diagnosis": DIAGNOSIS_STUDY, "staged": STAGED_STUDY,
-                                          "sinusoidal": SINUSOIDAL_STUDY}
+                                          "sinusoidal": SINUSOIDAL_STUDY, "budget": BUDGET_STUDY}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
