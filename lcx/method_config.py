@@ -1,7 +1,7 @@
 """`lcx.MethodConfig`: what lcx applies to a model, as one frozen, validated value.
 
 A method config is a RoPE spec (`lcx.rope.RopeSpec`, possibly partial: unset keys come from
-the model) plus an attention method (`lcx.methods`: LM-Infinite, sliding window, sinks, ...)
+the model) plus an attention method (`lcx.methods`: LM-Infinite, sliding window, sinks, SWAT, ...)
 plus the `lcx.attention` backends of the attention method's calls. Every entry point takes it
 in the same formats:
 
@@ -22,7 +22,12 @@ in the same formats:
 
 `backend=None` means the default of `lcx.methods.patch_attention` (`blockwise`, which also
 trains); inference front ends ask for `INFERENCE_BACKEND` (`flash`, the fastest exact CPU route)
-through `with_default_backend` (lm-eval's `lcx` model, `lcx eval ppl`, `lcx report`).
+through `with_default_backend` (lm-eval's `lcx` model, `lcx eval ppl`, `lcx report`), which
+leaves it out for a method flash cannot run (SWAT's sigmoid).
+
+A model trained with an attention method (SWAT) records it in its HF config in this format's
+attention form, `{"type": "swat", "window": 128, ..., "backend": "blockwise"}`
+(`lcx.hf.recorded`), and runs it as loaded; an empty MethodConfig leaves it as it is.
 """
 
 from __future__ import annotations
@@ -213,8 +218,13 @@ class MethodConfig:
 
     # ------------------------------------------------------------------ derived values
     def with_default_backend(self, backend: str | None) -> "MethodConfig":
-        """This config with `backend` filled in when it has an attention method and none is set."""
+        """This config with `backend` filled in when it has an attention method, none is set, and
+        the method can run on it (`AttentionMethod.supports`): a default the method cannot take
+        (SWAT's sigmoid on the softmax-only `flash`) is left out, so `lcx.methods`' default
+        (`blockwise`) runs it. A backend asked for explicitly is never replaced."""
         if self.attention is None or self.backend is not None or backend is None:
+            return self
+        if self.attention.supports(backend) is not None:
             return self
         return dataclasses.replace(self, backend=backend)
 

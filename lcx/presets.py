@@ -23,8 +23,10 @@ Settings (papers' defaults where they give one; see ../shared/METHODS.md):
                       models: the window bounds distances, YaRN the frequencies)
     self_extend       Self-Extend: true positions within W = L0 / 4 keys, floor(p / G) beyond,
                       G the smallest group size with (L0 - W) * G + W >= s * L0
-    swat              SWAT: not a patch but a model trained with it (sigmoid, sliding window,
-                      ALiBi + RoPE); runs on the sibling model `SIBLINGS` names
+    swat              SWAT (sigmoid, sliding window, ALiBi + RoPE; the registry method `swat`):
+                      meaningful on a model trained with it, so the preset runs the sibling model
+                      its `siblings` names, as loaded (that model's config records the method;
+                      `--attention swat --window W` applies it to any model instead)
 
 A preset that cannot run for a model says why (`resolve` returns the reason as a string).
 """
@@ -44,7 +46,8 @@ SINKS = 4  # StreamingLLM's sink count
 @dataclass(frozen=True)
 class Preset:
     """name: build(L0, factor) -> MethodConfig. `siblings`: for methods that need a model trained
-    with them, model name -> that model (the preset then runs on the sibling, unpatched)."""
+    with them, model name -> that model (the preset then runs on the sibling, as loaded: the
+    sibling's config records the method, `lcx.hf.recorded`)."""
 
     name: str
     build: Callable[[int, float], dict[str, Any]]
@@ -75,8 +78,6 @@ def _self_extend(L0: int, s: float) -> dict[str, Any]:
     return {"attention": {"type": "self_extend", "group_size": G, "window": W}}
 
 
-SWAT_SIBLINGS: dict[str, str] = {"tiny-5m": "tiny-swat-5m"}
-
 _ALL = (
     Preset("vanilla", lambda L0, s: {}, "the model as loaded"),
     Preset("linear", _rope("linear"), "position interpolation, positions / s"),
@@ -97,7 +98,7 @@ _ALL = (
     Preset("self_extend", _self_extend, "Self-Extend: window L0/4, positions beyond it floor-divided by G "
            "(the smallest G reaching s x L0)"),
     Preset("swat", lambda L0, s: {}, "SWAT: the sibling model trained with sigmoid sliding-window attention",
-           siblings=SWAT_SIBLINGS),
+           siblings={"tiny-5m": "tiny-swat-5m"}),
 )
 # name -> preset. The only table of presets; tests iterate over it.
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
@@ -116,7 +117,8 @@ def config(name: str, *, L0: int, factor: float) -> MethodConfig:
 
 @dataclass(frozen=True)
 class PresetRun:
-    """What to run for a preset on a model: the model to load (a sibling for SWAT) and the config."""
+    """What to run for a preset on a model: the model to load (its sibling, for a preset that
+    has siblings) and the config."""
 
     name: str
     model: str
@@ -133,4 +135,4 @@ def resolve(name: str, model: str, *, L0: int, factor: float) -> PresetRun | str
     return PresetRun(name, model, p.config(L0, factor))
 
 
-__all__ = ["PRESETS", "Preset", "PresetRun", "SWAT_SIBLINGS", "config", "get", "resolve"]
+__all__ = ["PRESETS", "Preset", "PresetRun", "config", "get", "resolve"]

@@ -5,9 +5,10 @@
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
 For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe
-truncation, LM-Infinite, sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT when
-the model has a SWAT sibling, e.g. tiny-5m -> tiny-swat-5m) it measures, beyond the model's
-training context L0:
+truncation, LM-Infinite, sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT;
+a preset with sibling models, like SWAT's, runs on the model's sibling trained with the method,
+e.g. tiny-5m -> tiny-swat-5m, and is skipped for a model without one) it measures, beyond the
+model's training context L0:
 
 - passkey accuracy by context length x needle depth and perplexity by context length, through
   lm-eval's `simple_evaluate` on the lcx tasks `passkey` and `lcx_ppl` with the `lcx` lm-eval
@@ -17,7 +18,7 @@ training context L0:
   the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).
 
 No method is re-implemented here: each is a `{"rope": ..., "attention": ...}` config handed to
-those two components (`lcx.presets`). Defaults scale with the model: RoPE factor s =
+those two components (`lcx.presets`); a sibling model runs the method its config records. Defaults scale with the model: RoPE factor s =
 max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local = L0, windows L0.
 
 Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
@@ -129,7 +130,7 @@ class ReportConfig:
 @dataclass(frozen=True)
 class MethodRun:
     """One report method: its `lcx.MethodConfig` and the model it runs on (None: the report's
-    model; else a preset's sibling, e.g. SWAT's)."""
+    model; else the preset's sibling model)."""
 
     config: Any  # lcx.MethodConfig
     model: str | None = None
@@ -264,7 +265,7 @@ CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
 CELL_VERSION = 2
 # The modules whose source determines a cell's numbers, per measurement (packages: every .py;
-# "lcx.hf", the HF adapter, covers lcx.hf.rope_patch, lcx.hf.attention_patch and lcx.hf.swat).
+# "lcx.hf", the HF adapter, covers lcx.hf.rope_patch, lcx.hf.attention_patch, lcx.hf.recorded, lcx.hf.swat).
 _COMMON_MODULES = ("lcx.rope", "lcx.attention", "lcx.masks", "lcx.methods", "lcx.method_config", "lcx.presets",
                    "lcx.hf", "lcx.models", "lcx.cache.kv", "lcx.data.corpus")
 NUMERICS_MODULES: dict[str, tuple[str, ...]] = {

@@ -18,6 +18,7 @@ METHODS = {
     "lm_infinite": {"type": "lm_infinite", "n_global": 3, "n_local": 12},
     "sliding_window": {"type": "sliding_window", "window": 10},
     "sinks": {"type": "sinks", "n_sink": 2, "window": 9},
+    "swat": {"type": "swat", "window": 8},  # applied to a softmax model: the same machinery
 }
 
 
@@ -180,6 +181,31 @@ def test_engine_swat_model_batched_with_bounded_cache():
             got[ev.request_id] += ev.token_ids
         assert engine.cache_len <= len(prompts) * 7
     assert [got[i] for i in ids] == want
+
+
+def test_engine_takes_a_swat_models_recorded_method():
+    """A model trained with a method (SWAT) needs no `attention` entry: the engine reads the
+    method its config records, as it would resolve one asked for (bounded, window (0, w)),
+    without patching; an `attention` entry asked for replaces it."""
+    from lcx.engine import model_attention
+    from lcx.hf.recorded import recorded_method
+    from lcx.methods import sliding_window, swat
+    from lcx.models.swat import build_swat_model
+
+    model, tok = tiny_llama(seed=0)
+    model = build_swat_model(model.config, window=8).eval()
+    own = model_attention(model)
+    assert own.method == recorded_method(model).attention == swat(8).for_heads(4)
+    assert own.bounded and own.method.cache_window == (0, 8) and own.backend == "blockwise"
+    engine = Engine(model, tok, EngineConfig(max_model_len=64))
+    assert engine.resolved_methods["attention"] == own and engine._row_attention
+    assert model.config._attn_implementation == "lcx_swat"  # runs as loaded, not patched
+    asked = Engine(model, tok, EngineConfig(methods={"attention": {"type": "sliding_window", "window": 5}}))
+    assert asked.resolved_methods["attention"].method == sliding_window(window=5)
+    from lcx.methods import unpatch_attention
+
+    unpatch_attention(model)
+    assert model_attention(tiny_llama(seed=0)[0]) is None  # stock attention
 
 
 def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):

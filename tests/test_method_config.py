@@ -20,10 +20,13 @@ CONFIGS = [
     {"attention": {"type": "sinks", "n_sink": 2, "window": 31}},
     {"attention": {"type": "sinks", "n_sink": 2, "window": 31, "renumber": False}},
     {"attention": {"type": "lm_infinite", "n_global": 3, "n_local": 17, "limit_distance": 9}},
+    {"attention": {"type": "swat", "window": 9}},
+    {"attention": {"type": "swat", "window": 9, "alibi_slopes": [0.5, 0.25, -0.5, -0.25]}, "backend": "blockwise"},
     {"rope": {"rope_type": "ntk", "factor": 2.5}, "attention": {"type": "sliding_window", "window": 7},
      "backend": "flash", "decode_backend": "blockwise"},
 ]
-IDS = ["identity", "yarn", "truncate", "longrope", "sinks", "sinks-norenumber", "lm_infinite", "ntk+window"]
+IDS = ["identity", "yarn", "truncate", "longrope", "sinks", "sinks-norenumber", "lm_infinite", "swat",
+       "swat-slopes", "ntk+window"]
 
 
 @pytest.mark.parametrize("d", CONFIGS, ids=IDS)
@@ -88,6 +91,9 @@ def test_cli_flags_build_the_same_config():
     assert _parse(["--attention", "sinks", "--n-sink", "2", "--window", "31", "--renumber", "false"]) == \
         MethodConfig.from_dict(CONFIGS[5])
     assert _parse([]).is_identity
+    assert _parse(["--attention", "swat", "--window", "9"]) == MethodConfig.from_dict(CONFIGS[7])
+    assert _parse(["--attention", "swat", "--window", "9", "--alibi-slopes", "[0.5,0.25,-0.5,-0.25]",
+                   "--attn-backend", "blockwise"]) == MethodConfig.from_dict(CONFIGS[8])
     for argv, match in [
         (["--window", "3"], "without --attention"),
         (["--attention", "lm_infinite", "--n-global", "1", "--n-local", "4", "--window", "3"], "takes no --window"),
@@ -112,6 +118,15 @@ def test_derived_values():
     assert MethodConfig.from_dict({"attention": {"type": "lm_infinite", "n_global": 2, "n_local": 4,
                                                  "limit_distance": 50}}).kv_window is None
     assert MethodConfig.from_dict(CONFIGS[1]).kv_window is None
+    assert MethodConfig.from_dict(CONFIGS[7]).kv_window == (0, 9)
+    # a default backend the method cannot run is left out (SWAT's sigmoid on softmax-only flash);
+    # one asked for is kept
+    assert MethodConfig.from_dict(CONFIGS[7]).with_default_backend("flash").backend is None
+    assert MethodConfig.from_dict(CONFIGS[4]).with_default_backend("flash").backend == "flash"
+    assert MethodConfig.from_dict(CONFIGS[8]).with_default_backend("flash").backend == "blockwise"
+    from lcx.lmeval_model import split_model_args  # lm-eval: attention=swat,window=9 runs on blockwise
+
+    assert split_model_args(parse_flat("attention=swat,window=9"))[0] == MethodConfig.from_dict(CONFIGS[7])
     spec = MethodConfig.from_dict(CONFIGS[1]).rope_spec(type("C", (), {"rope_parameters": {"rope_theta": 500.0},
                                                                        "max_position_embeddings": 64})())
     assert spec.rope_theta == 500.0 and spec.original_max_position_embeddings == 64

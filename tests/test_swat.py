@@ -153,6 +153,31 @@ def test_backends_agree(backend):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+def test_model_runs_the_registry_method():
+    """A SWAT model runs exactly the registry method its config records: the same weights in a
+    plain Llama with `swat` applied (lcx.patch, unrotated q/k through `SWAT.attend`) give the
+    same logits, up to HF's float32 RoPE tables (lcx rotates with float64 ones)."""
+    import lcx
+    from lcx.hf.swat import swat_params
+    from lcx.methods import swat
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    w = 5
+    model = micro_model(w, layers=2)
+    assert swat_params(model.config) == swat(w).for_heads(MICRO["num_attention_heads"])
+    d = {k: v for k, v in model.config.to_dict().items()
+         if k not in ("lcx_attention", "attn_implementation", "sliding_window")}
+    plain = LlamaForCausalLM(LlamaConfig(**d)).to(torch.float64).eval()  # the same Llama, stock attention
+    plain.load_state_dict(model.state_dict())
+    ids = tokens(23)
+    want = logits(model, ids)
+    assert (logits(plain, ids) - want).abs().max() > 1e-2  # softmax: a different model
+    with lcx.patched(plain, {"attention": swat_params(model.config).to_dict()}):
+        torch.testing.assert_close(logits(plain, ids), want, rtol=1e-5, atol=1e-5)
+    with lcx.patched(plain, {"attention": {"type": "swat", "window": w}}):  # default slopes: the same
+        torch.testing.assert_close(logits(plain, ids), want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- decoding and I/O
 
 
@@ -263,7 +288,9 @@ def test_training_reduces_loss():
 
 
 def test_config_validation():
-    from lcx.hf.swat import SwatParams
+    from lcx.hf.recorded import recorded_method
+    from lcx.methods import method_from_dict, swat
+    from lcx.models.swat import swat_config
     from lcx.train.lm import ModelConfig
 
     with pytest.raises(ValueError, match="window is required"):
@@ -272,12 +299,16 @@ def test_config_validation():
         ModelConfig(attention="sdpa", window=128)
     with pytest.raises(ValueError, match="positive integer"):
         ModelConfig(attention="swat", window=0)
+    # SwatParams is now the registry method lcx.methods.SWAT; the config record is read by
+    # lcx.hf.recorded (method + backend), with the same checks.
     with pytest.raises(ValueError, match="unknown lcx_attention key"):
-        SwatParams.from_dict({"type": "swat", "window": 4, "alibi_slopes": [1.0], "windo": 3})
+        recorded_method({"lcx_attention": {"type": "swat", "window": 4, "alibi_slopes": [1.0], "windo": 3}})
     with pytest.raises(ValueError, match="backend"):
-        SwatParams(4, (1.0,), backend="nope")
-    p = SwatParams.default(128, 4)
-    assert SwatParams.from_dict(p.to_dict()) == p
+        recorded_method({"lcx_attention": {"type": "swat", "window": 4, "alibi_slopes": [1.0], "backend": "nope"}})
+    p = swat(128).for_heads(4)
+    assert method_from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="alibi slopes for 4 heads"):
+        swat_config(micro_model(4).config, 4, alibi_slopes=[0.5, -0.5])
 
 
 def test_padding_is_refused():

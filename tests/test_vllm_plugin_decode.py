@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lcx.attention import Rotary
-from lcx.methods import lm_infinite, self_extend, sinks, sliding_window
+from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
 from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
@@ -27,6 +27,7 @@ METHODS = {
     "sinks_2_9_no_renumber": sinks(2, 9, renumber=False),
     "sliding_window_7": sliding_window(window=7),
     "self_extend_2_8": self_extend(2, 8),  # unbounded: per-request path
+    "swat_9": swat(9),  # sigmoid + balanced ALiBi: bounded, (0, w)
 }
 # (cached keys n, queries this step): decode rows of many lengths (below, at and above G + L),
 # a prefill and a chunked prefill in the same step.
@@ -111,3 +112,16 @@ def test_plan_is_built_once_per_step_and_shared_by_layers(monkeypatch):
     _, meta2, _, _, _ = _step(seed=1)  # the next step: new metadata object, new plan
     impl.forward(None, query, None, None, cache, meta2, torch.empty_like(query))
     assert len(calls) == 2
+
+
+def test_methods_vllm_kernels_lack_take_the_lcx_path():
+    """Only causal and sliding_window run on vLLM's own kernels; SWAT (sigmoid + ALiBi) and the
+    position-changing methods run through `.method_attention`, never silently as softmax."""
+    from lcx.methods import ATTENTION_METHODS, UNROTATED_METHODS
+    from lcx.serve.vllm_plugin.config import NATIVE_METHODS, VllmMethods
+
+    assert set(UNROTATED_METHODS) <= set(ATTENTION_METHODS) - set(NATIVE_METHODS)
+    assert VllmMethods(attention=swat(16)).needs_unrotated
+    assert VllmMethods(attention=self_extend(2, 8)).needs_unrotated
+    assert not VllmMethods(attention=sliding_window(window=16)).needs_unrotated
+    assert not VllmMethods().needs_unrotated

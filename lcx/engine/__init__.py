@@ -1,6 +1,6 @@
 """A small native inference engine: batched prefill + decode with a KV cache over an HF Llama-family
-model, with lcx methods (RoPE specs; LM-Infinite, sliding window, StreamingLLM sinks) chosen at
-start-up.
+model, with lcx methods (RoPE specs; `lcx.methods` attention methods: LM-Infinite, sliding window,
+StreamingLLM sinks, Self-Extend, SWAT) chosen at start-up.
 
     engine = Engine.from_pretrained("tiny-5m", EngineConfig(methods={"rope": {"rope_type": "yarn", "factor": 4}}))
     outs = engine.generate([engine.encode("ROMEO:"), engine.encode("JULIET:")],
@@ -57,7 +57,10 @@ evict, after every step, the cached slots no later query of the row can see
 (`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
 `BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
 own keys (`lcx_key_positions`, `lcx.hf.attention_patch`); tokens equal unbatched decoding
-with a `BoundedKVCache` (tests/test_engine_attention.py).
+with a `BoundedKVCache` (tests/test_engine_attention.py). A model trained with an attention
+method (SWAT) records it in its config (`lcx.hf.recorded`); without an `attention` entry the
+engine takes that method (`model_attention`) and bounds the cache from its `cache_window` the
+same way, without patching (the model already runs it).
 
 Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS, the
 KV policies), `outputs` (TokenLogprob, StepEvent, RequestOutput, EngineStats), `batch` (the
@@ -66,7 +69,8 @@ detokenization, the scheduler loop). Import from `lcx.engine`.
 """
 
 from .core import Engine
-from .methods import ENGINE_METHODS, EngineMethod, KVPolicy, ResolvedAttention, check_method, window_policy
+from .methods import (ENGINE_METHODS, EngineMethod, KVPolicy, ResolvedAttention, check_method, model_attention,
+                      window_policy)
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
 from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
 
@@ -88,5 +92,6 @@ __all__ = [
     "StepEvent",
     "TokenLogprob",
     "check_method",
+    "model_attention",
     "window_policy",
 ]

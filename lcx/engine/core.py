@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .batch import _hf_cache, _left_pad
-from .methods import KVPolicy, check_method, window_policy
+from .methods import ENGINE_METHODS, KVPolicy, check_method, model_attention
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
 from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
 
@@ -82,15 +82,18 @@ class Engine:
             policy = method.kv_policy(resolved)
             if policy is not None:
                 self._kv_policies.append(policy)
+        if "attention" not in self.resolved_methods:
+            # none asked for: the model's own attention method, when its config records one (a
+            # model trained with it, e.g. SWAT), resolved and bounded like one asked for
+            own = model_attention(model)
+            if own is not None:
+                self.resolved_methods["attention"] = own
+                policy = ENGINE_METHODS["attention"].kv_policy(own)
+                if policy is not None:
+                    self._kv_policies.append(policy)
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = "attention" in self.resolved_methods
-        from ..hf.swat import swat_params
-
-        swat = swat_params(model.config)
-        if swat is not None:  # a SWAT model: per-row window attention, cache bounded to w - 1 keys
-            self._row_attention = True
-            self._kv_policies.append(window_policy(0, swat.window))
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.vocab_size = int(model.config.vocab_size)

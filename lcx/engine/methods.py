@@ -108,6 +108,21 @@ def _apply_attention(model: nn.Module, params: Mapping[str, Any]) -> ResolvedAtt
                              cfg.decode_backend)
 
 
+def model_attention(model: nn.Module) -> ResolvedAttention | None:
+    """The attention method a model runs as loaded, when its config records one
+    (`lcx.hf.recorded`: a model trained with a registry method, e.g. SWAT), resolved as
+    `_apply_attention` resolves one asked for, but not applied: the model already runs it, per
+    row on `lcx_key_positions` like a patched model. None for a model with stock attention."""
+    from ..hf.attention_patch import DEFAULT_BACKEND
+    from ..hf.recorded import recorded_method
+
+    cfg = recorded_method(model.config)
+    if cfg is None:
+        return None
+    return ResolvedAttention(cfg.attention, cfg.backend or DEFAULT_BACKEND, cfg.kv_window is not None,
+                             cfg.decode_backend)
+
+
 def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
     return window_policy(*resolved.method.cache_window) if resolved.bounded else None
 
@@ -131,8 +146,9 @@ ENGINE_METHODS: dict[str, EngineMethod] = {
         description="a RoPE spec from lcx.rope (HF key names; unset keys come from the model)"),
     "attention": EngineMethod(
         name="attention", apply=_apply_attention, kv_policy=_attention_kv_policy,
-        description="an lcx.methods attention method ({'type': 'lm_infinite'|'sliding_window'|'sinks', ...}, "
-                    "optional 'backend', 'decode_backend') with a bounded per-row KV cache"),
+        description="an lcx.methods attention method ({'type': 'lm_infinite'|'sliding_window'|'sinks'|'swat'|..., "
+                    "...}, optional 'backend', 'decode_backend') with a bounded per-row KV cache; without it, "
+                    "the method a model's config records (e.g. a SWAT model's)"),
 }
 
 

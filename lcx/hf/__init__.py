@@ -8,9 +8,13 @@
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec.
 - `lcx.hf.attention_patch`: the attention patch (`patch_attention`, `unpatch_attention`,
   `attention_patched`, `current_patch`): every `self_attn` runs an `lcx.methods` method.
-- `lcx.hf.swat`: SWAT's glue: the `"lcx_swat"` attention and mask functions registered with
-  transformers, the `config.lcx_attention` format (`SwatParams`) and `from_pretrained_kwargs`.
-  Building a SWAT model is `lcx.models.swat`.
+- `lcx.hf.recorded`: a model's own attention method, recorded in its config
+  (`config.lcx_attention`, `lcx.MethodConfig`'s attention form): `recorded_method`,
+  `record_method`. A model trained with a registry method (SWAT) carries it there; the engine
+  reads it like any method it applies.
+- `lcx.hf.swat`: SWAT's glue, how a model trained with the registry method `swat` runs it as
+  loaded: the `"lcx_swat"` attention and mask functions registered with transformers, and
+  `from_pretrained_kwargs`. Building a SWAT model is `lcx.models.swat`.
 
 Callers use the public entry points `lcx.patch` / `lcx.patched` / `lcx.unpatch` (a whole
 `MethodConfig`) and `lcx.methods.patch_attention` & co. Only `lcx.hf.models` is imported with the package: the

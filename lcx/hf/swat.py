@@ -1,23 +1,24 @@
 """SWAT inside transformers: how a stock `LlamaForCausalLM` runs SWAT's attention (the HF glue).
 
-SWAT (Sliding Window Attention Training, arXiv 2502.18845): for query i and head h,
+SWAT (Sliding Window Attention Training, arXiv 2502.18845) is an attention method of the
+registry, `lcx.methods.swat.SWAT` (`{"type": "swat", "window": w, "alibi_slopes": [...]}`):
+for query i and head h,
 
     o_i = sum_{i-w < j <= i} sigmoid( q~_i . k~_j / sqrt(d) - m_h * (i - j) ) v_j
 
-q~, k~: q and k rotated by RoPE (the Llama rotary embedding, unchanged); w: the window, in
-keys, the query itself included (`lcx.masks.sliding_window(left=w - 1)`); m_h: lcx's balanced ALiBi
-slopes (`lcx.attention.balanced_alibi_slopes`: the first half of the heads penalise distance,
-m > 0, the second half favour it, m < 0). In the paper's notation `b_h * (i - j)` with
-b_h = -m_h. Sigmoid, not softmax: no normalisation over keys, hence no attention sink. The
-maths is `lcx.attention` (`AttentionSpec.swat`, reference `attention_ref`); this module only
-plugs it into transformers. Building a SWAT model (writing the config, a fresh model) is
-`lcx.models.swat` (`swat_config`, `build_swat_model`), which uses this module.
+(see that module for the definition, the slopes and the window convention). Like every
+registry method it can be applied to any model (`lcx.patch`, `--attention swat --window w`:
+`lcx.hf.attention_patch` runs `SWAT.attend` on unrotated q/k). This module is for the models
+trained with it: their config records the method (`lcx.hf.recorded`, `config.lcx_attention`)
+and they run it as loaded, through transformers' own attention interface. Building a SWAT
+model (writing the config, a fresh model) is `lcx.models.swat` (`swat_config`,
+`build_swat_model`), which uses this module.
 
-What lives here, and why here: the attention and mask functions and their registration, the
-format of the parameters in an HF config (`SwatParams`, `config.lcx_attention`, read back at
-every call and by `lcx.engine`) and what `from_pretrained` needs to load a SWAT directory. That
-is how SWAT is installed into transformers modules, as `lcx.hf.attention_patch` is for the
-attention methods; it depends on `lcx.attention` only, never on `lcx.models`.
+What lives here, and why here: the attention and mask functions and their registration, and
+what `from_pretrained` needs to load a SWAT directory. The method's parameters and maths are
+`lcx.methods.swat` / `lcx.attention` (`SWAT.attention_spec`, reference `attention_ref`); the
+record is read with `lcx.hf.recorded.recorded_method` (at every call, cached, and by
+`lcx.engine`, which bounds the cache of a SWAT model as for any method, from `cache_window`).
 
 How it plugs in (transformers 5.x attention-interface registry, no copied model code):
 
@@ -32,9 +33,9 @@ How it plugs in (transformers 5.x attention-interface registry, no copied model 
       config.attn_implementation = "lcx_swat"   # written to config.json: a plain
                                                 # from_pretrained fails loudly unless
                                                 # `lcx.hf.swat` was imported
-  `backend` is the `lcx.attention` backend that runs the call (a speed choice; every backend
-  computes the same thing). The slopes are stored, not recomputed, so a saved model keeps its
-  schedule.
+  `backend` (and optionally `decode_backend`, for one-token calls) is the `lcx.attention`
+  backend that runs the call (a speed choice; every backend computes the same thing). The
+  slopes are stored, not recomputed, so a saved model keeps its schedule.
 - Loading: `from_pretrained_kwargs(path)` registers the function and returns
   `{"attn_implementation": "lcx_swat"}` for a SWAT directory (`{}` otherwise); `lcx.load_model`
   passes it to `from_pretrained`. This also covers a directory re-saved by transformers, which
@@ -58,98 +59,33 @@ SWAT windows would then cross the boundary.
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 import os
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from .recorded import CONFIG_KEY, recorded_method
+
 ATTN_IMPLEMENTATION = "lcx_swat"
-CONFIG_KEY = "lcx_attention"
 DEFAULT_BACKEND = "blockwise"
 
 
-@dataclass(frozen=True)
-class SwatParams:
-    """SWAT's parameters as stored in `config.lcx_attention` (plus `"type": "swat"`).
-
-    window:       keys each query sees, itself included (w >= 1).
-    alibi_slopes: per query head, `lcx.attention` convention (logit gets -m_h * (i - j)).
-    backend:      `lcx.attention` backend name (speed only; same result).
-    """
-
-    window: int
-    alibi_slopes: tuple[float, ...]
-    backend: str = DEFAULT_BACKEND
-
-    def __post_init__(self) -> None:
-        from lcx.attention import BACKENDS
-
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"SWAT window must be an integer >= 1, got {self.window!r}")
-        slopes = tuple(float(s) for s in self.alibi_slopes)
-        if not slopes or not all(math.isfinite(s) for s in slopes):
-            raise ValueError(f"SWAT alibi_slopes must be finite and non-empty, got {slopes}")
-        object.__setattr__(self, "alibi_slopes", slopes)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"SWAT backend {self.backend!r} is not known; known: {sorted(BACKENDS)}")
-
-    @classmethod
-    def default(cls, window: int, n_heads: int, backend: str = DEFAULT_BACKEND) -> "SwatParams":
-        from lcx.attention import balanced_alibi_slopes
-
-        return cls(window, balanced_alibi_slopes(n_heads), backend)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SwatParams":
-        d = dict(d)
-        kind = d.pop("type", "swat")
-        if kind != "swat":
-            raise ValueError(f"{CONFIG_KEY}.type is {kind!r}, not 'swat'")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown {CONFIG_KEY} key(s) {unknown}; accepted: {sorted(names | {'type'})}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "swat", "window": self.window, "alibi_slopes": list(self.alibi_slopes),
-                "backend": self.backend}
+def swat_params(config: Any) -> Any:
+    """The SWAT method (`lcx.methods.SWAT`) an HF config (object or dict) records, or None for
+    a model that does not run SWAT as loaded."""
+    cfg = recorded_method(config)
+    return cfg.attention if cfg is not None and cfg.attention.name == "swat" else None
 
 
-def swat_params(config: Any) -> SwatParams | None:
-    """The SWAT parameters of an HF config (object or dict), or None for a non-SWAT model."""
-    d = config.get(CONFIG_KEY) if isinstance(config, Mapping) else getattr(config, CONFIG_KEY, None)
-    if not d or d.get("type") != "swat":
-        return None
-    return SwatParams.from_dict(d)
-
-
-@functools.lru_cache(maxsize=64)
-def _spec(window: int, slopes: tuple[float, ...], scale: float | None):
-    from lcx.attention import AttentionSpec
-
-    return AttentionSpec.swat(window, len(slopes), alibi_slopes=slopes, scale=scale)
-
-
-@functools.lru_cache(maxsize=64)
-def _params_cached(window: int, slopes: tuple[float, ...], backend: str) -> SwatParams:
-    return SwatParams(window, slopes, backend)
-
-
-def _module_params(config: Any) -> SwatParams:
-    d = getattr(config, CONFIG_KEY, None)
-    if not d or d.get("type") != "swat":
+def _module_method(config: Any) -> Any:
+    """The recorded `MethodConfig` of a layer running `"lcx_swat"` (a SWAT method + backends)."""
+    cfg = recorded_method(config)
+    if cfg is None or cfg.attention.name != "swat":
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs config.{CONFIG_KEY} "
                          f"= {{'type': 'swat', 'window': w, ...}} (use lcx.models.swat.swat_config)")
-    extra = set(d) - {"type", "window", "alibi_slopes", "backend"}
-    if extra:
-        raise ValueError(f"unknown {CONFIG_KEY} key(s) {sorted(extra)}")
-    return _params_cached(d["window"], tuple(d["alibi_slopes"]), d.get("backend", DEFAULT_BACKEND))
+    return cfg
 
 
 # ------------------------------------------------------------------------ the HF functions
@@ -174,15 +110,17 @@ def swat_attention_forward(
             "SWAT attention builds its own window mask; a custom 4-D attention_mask is not supported")
     if dropout:
         raise NotImplementedError("SWAT attention has no attention dropout (set attention_dropout=0)")
-    p = _module_params(module.config)
-    if len(p.alibi_slopes) != query.shape[1]:
-        raise ValueError(f"{len(p.alibi_slopes)} SWAT alibi slopes for {query.shape[1]} heads")
-    spec = _spec(p.window, p.alibi_slopes, None if scaling is None else float(scaling))
+    cfg = _module_method(module.config)
+    method = cfg.attention.for_heads(query.shape[1])  # raises when stored slopes do not match
+    spec = method.attention_spec(None if scaling is None else float(scaling))
+    backend = cfg.backend or DEFAULT_BACKEND
+    if query.shape[2] == 1 and cfg.decode_backend:
+        backend = cfg.decode_backend
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]
     row_pos = kwargs.get("lcx_key_positions")
     if row_pos is not None:  # a padded batch (lcx.engine): each row on its own keys
-        return _attend_rows(q, k, v, spec, row_pos.to(q.device), p.backend), None
-    out = attention(q, k, v, spec, backend=p.backend)  # [B, Tq, H, D]; q_offset = Tk - Tq
+        return _attend_rows(q, k, v, spec, row_pos.to(q.device), backend), None
+    out = attention(q, k, v, spec, backend=backend)  # [B, Tq, H, D]; q_offset = Tk - Tq
     return out, None
 
 
@@ -240,15 +178,19 @@ def from_pretrained_kwargs(path_or_config: Any) -> dict[str, Any]:
 
         model = AutoModelForCausalLM.from_pretrained(path, **swat.from_pretrained_kwargs(path))
     """
-    if swat_params(_read_config(path_or_config)) is None:
+    cfg = recorded_method(_read_config(path_or_config))
+    if cfg is None:
         return {}
+    if cfg.attention.name != "swat":  # nothing else runs as loaded; apply it with lcx.patch instead
+        raise ValueError(f"config.{CONFIG_KEY} records {cfg.attention.describe()}; only SWAT models run "
+                         "their recorded method as loaded (apply other methods with lcx.patch)")
     register()
     return {"attn_implementation": ATTN_IMPLEMENTATION}
 
 
 def is_swat(model_or_config: Any) -> bool:
-    config = getattr(model_or_config, "config", model_or_config)
-    return swat_params(config) is not None
+    """True for a model (or config) that runs SWAT as loaded (its config records it)."""
+    return swat_params(model_or_config) is not None
 
 
 register()
@@ -257,7 +199,6 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_KEY",
     "DEFAULT_BACKEND",
-    "SwatParams",
     "from_pretrained_kwargs",
     "is_swat",
     "register",

@@ -1,4 +1,4 @@
-"""Attention methods for whole HF models: LM-Infinite, sliding window, StreamingLLM sinks, Self-Extend.
+"""Attention methods for whole HF models: LM-Infinite, sliding window, StreamingLLM sinks, Self-Extend, SWAT.
 
 >>> from lcx.methods import lm_infinite, attention_patched, BoundedKVCache, greedy_generate
 >>> with attention_patched(model, lm_infinite(n_global=16, n_local=256)):      # doctest: +SKIP
@@ -8,6 +8,7 @@
 - `lcx.methods.spec`: the methods (`ATTENTION_METHODS`), each `attend(q, k, v, rotary=...)`
   on UNROTATED q/k, and `cache_window` for bounded caches.
 - `lcx.methods.streaming`: StreamingLLM's renumbered positions over a whole sequence.
+- `lcx.methods.self_extend`, `lcx.methods.swat`: Self-Extend and SWAT, one module each.
 - `lcx.methods.bounded_cache`: `BoundedKVCache` (a transformers `Cache`), `greedy_generate`.
 - `patch_attention` / `unpatch_attention` / `attention_patched` / `current_attention`: the
   attention patch, which installs a method in an HF model, lives in the HF adapter
@@ -27,12 +28,14 @@ from .spec import (
     Sinks,
     SelfExtend,
     SlidingWindow,
+    SWAT,
     causal,
     lm_infinite,
     method_from_dict,
     self_extend,
     sinks,
     sliding_window,
+    swat,
 )
 from .self_extend import self_extend_ref
 from .streaming import streaming_attention, streaming_attention_ref
@@ -59,6 +62,7 @@ __all__ = [
     "Sinks",
     "SelfExtend",
     "SlidingWindow",
+    "SWAT",
     "UNROTATED_METHODS",
     "attention_patched",
     "cache_len",
@@ -75,5 +79,6 @@ __all__ = [
     "sliding_window",
     "streaming_attention",
     "streaming_attention_ref",
+    "swat",
     "unpatch_attention",
 ]

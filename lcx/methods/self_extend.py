@@ -124,3 +124,6 @@ class SelfExtend(AttentionMethod):
 
     def _spec(self, scale):
         raise NotImplementedError("self_extend is two attention calls (see SelfExtend.attend), not one spec")
+
+    def _call_specs(self):
+        return (AttentionSpec(mask=sliding_window_mask(left=self.window - 1)), AttentionSpec(mask=causal_mask))

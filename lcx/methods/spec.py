@@ -23,6 +23,9 @@ Methods
                               positions renumbered as StreamingLLM's cache does
                               (`lcx.methods.streaming`). `sinks(S, w, renumber=False)` is the bare
                               `attention_sinks` mask at true positions (no renumbering).
+- `swat(w)`                   SWAT (arXiv 2502.18845): sigmoid attention over a window of w keys
+                              with per-head ALiBi (balanced by default) + RoPE (`lcx.methods.swat`);
+                              meaningful on a model trained with it, which records it in its config.
 
 Bounded cache (`lcx.methods.bounded_cache`): a method that only ever looks at the first
 `n_first` keys and the last `n_recent` keys (the query included) can decode with a cache of
@@ -77,6 +80,20 @@ class AttentionMethod:
 
     def _spec(self, scale: float | None) -> AttentionSpec:
         raise NotImplementedError
+
+    def supports(self, backend: str) -> str | None:
+        """Why the `lcx.attention` backend `backend` cannot run this method's calls, judged on the
+        method alone (a call's tensors may still rule it out; the dispatcher then raises naming
+        why), or None if it can. E.g. SWAT's sigmoid on the softmax-only `flash` backend."""
+        from lcx.attention import BACKENDS
+
+        if backend not in BACKENDS:
+            return f"{backend!r} is not an lcx.attention backend; known: {sorted(BACKENDS)}"
+        return next((r for spec in self._call_specs() if (r := BACKENDS[backend].supports(spec, None))), None)
+
+    def _call_specs(self) -> tuple[AttentionSpec, ...]:
+        """The specs of the `lcx.attention` calls `attend` makes (what `supports` checks)."""
+        return (self.attention_spec(),)
 
     # --------------------------------------------------------------- what a bounded cache keeps
     @property
@@ -227,11 +244,13 @@ class Sinks(AttentionMethod):
         return (self.n_sink, self.window)
 
 
-from .self_extend import SelfExtend  # noqa: E402  (its module imports AttentionMethod from here)
+# (their modules import AttentionMethod from here)
+from .self_extend import SelfExtend  # noqa: E402
+from .swat import SWAT  # noqa: E402
 
 # name -> class. The only list of attention methods; tests iterate over it.
 ATTENTION_METHODS: dict[str, type[AttentionMethod]] = {
-    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend)
+    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend, SWAT)
 }
 # the methods whose caches hold unrotated keys (read from the classes; not a second list)
 UNROTATED_METHODS: tuple[str, ...] = tuple(n for n, cls in ATTENTION_METHODS.items() if cls.needs_unrotated_keys)
@@ -257,6 +276,11 @@ def sinks(n_sink: int, window: int, renumber: bool = True) -> Sinks:
 
 def self_extend(group_size: int, window: int) -> SelfExtend:
     return SelfExtend(group_size, window)
+
+
+def swat(window: int, alibi_slopes=None) -> SWAT:
+    """SWAT over `window` keys, the query included; slopes default to the balanced schedule."""
+    return SWAT(window, alibi_slopes)
 
 
 def method_from_dict(d: Mapping[str, Any] | AttentionMethod) -> AttentionMethod:

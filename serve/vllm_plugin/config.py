@@ -22,8 +22,10 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
   manager then frees blocks that left every window; the overrides set `sliding_window` and
   `layer_types` (all "sliding_attention") in the HF config, which vLLM's Llama reads.
 - `attention: causal`: the unpatched model (a control).
-- `attention: lm_infinite` (Λ-mask, capped global distance) and `sinks` (StreamingLLM): the layer
-  skips vLLM's rotary, caches unrotated keys and calls the lcx method per request
+- every other method: `lm_infinite` (Λ-mask, capped global distance), `sinks` (StreamingLLM),
+  `self_extend` (grouped positions) — the methods that change distances
+  (`lcx.methods.UNROTATED_METHODS`) — and those vLLM's kernels lack (`swat`: sigmoid + ALiBi):
+  the layer skips vLLM's rotary, caches unrotated keys and calls the lcx method per request
   (`.method_attention`): exact, but a Python loop over lcx's blockwise attention (slow), the
   KV cache keeps every block, and only on vLLM's CPU backend.
 """
@@ -42,9 +44,12 @@ METHOD_KEYS = ("rope", "attention")  # the MethodConfig keys vLLM takes (no lcx 
 # HF architecture -> the lcx architecture registered with vLLM's ModelRegistry.
 ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
 
-# Attention methods that change positions (LM-Infinite's capped distance, StreamingLLM's
-# renumbering; `lcx.methods.UNROTATED_METHODS`) run on unrotated q/k through
-# `.method_attention` (exact, slow, CPU backend only).
+# vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
+# other registry method runs on unrotated q/k through `.method_attention` (exact, slow, CPU
+# backend only): the methods that change positions (LM-Infinite's capped distance, StreamingLLM's
+# renumbering, Self-Extend's groups; `lcx.methods.UNROTATED_METHODS`) need it, and a method the
+# kernels lack (SWAT's sigmoid + ALiBi) would otherwise silently run as softmax attention.
+NATIVE_METHODS = ("causal", "sliding_window")
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,8 @@ class VllmMethods:
 
     @property
     def needs_unrotated(self) -> bool:
-        return self.attention is not None and self.attention.name in UNROTATED_METHODS
+        """True when the layers run the lcx method themselves on unrotated q/k (`.method_attention`)."""
+        return self.attention is not None and self.attention.name not in NATIVE_METHODS
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -158,5 +164,5 @@ def rope_context_len(hf_config: Any, methods: VllmMethods) -> int | None:
     return int(L * spec.factor) if L else None
 
 
-__all__ = ["ARCHITECTURES", "LCX_KEY", "UNROTATED_METHODS", "VllmMethods", "hf_overrides",
+__all__ = ["ARCHITECTURES", "LCX_KEY", "NATIVE_METHODS", "UNROTATED_METHODS", "VllmMethods", "hf_overrides",
            "rope_context_len"]

@@ -1,4 +1,4 @@
-"""lcx attention methods that need *unrotated* keys (LM-Infinite, StreamingLLM sinks) inside vLLM.
+"""lcx attention methods vLLM's kernels cannot run (LM-Infinite, StreamingLLM sinks, Self-Extend, SWAT) inside vLLM.
 
 LM-Infinite scores its global keys at a capped distance (global keys unrotated, the query rotated
 to min(limit, Tk - 1)) and StreamingLLM renumbers positions inside its cache; neither fits vLLM's

@@ -46,7 +46,8 @@ class LcxRotaryEmbedding(RotaryEmbedding):
 
 class LcxLlamaAttention(LlamaAttention):
     """LlamaAttention whose rotary embedding is the lcx spec of `config.lcx_methods` (if any),
-    and which runs LM-Infinite / StreamingLLM on unrotated q/k (`.method_attention`)."""
+    and which runs the other lcx methods (LM-Infinite, StreamingLLM, Self-Extend, SWAT) on unrotated
+    q/k (`.method_attention`)."""
 
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
