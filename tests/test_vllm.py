@@ -270,6 +270,7 @@ LMEVAL_LENGTHS = [300, 600]  # past tiny-5m's 256-token context: the methods mat
 
 
 def _lm_eval_run(python: str, model: str, model_args: str, out_dir: Path, env: dict) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [python, "-m", "lcx.eval_tasks", "--model", model, "--model_args", model_args, "--tasks", "lcx_ppl",
            "--limit", "2", "--metadata", json.dumps({"max_seq_lengths": LMEVAL_LENGTHS}),
            "--output_path", str(out_dir)]
