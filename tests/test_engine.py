@@ -14,7 +14,9 @@ from lcx.engine import (
     EngineConfig,
     EngineMethod,
     SamplingParams,
+    greedy_decode_ref,
 )
+from lcx.methods import greedy_generate
 from lcx.models.tiny import tiny_llama
 from lcx.rope import ROPE_TYPES, RopeSpec
 
@@ -62,7 +64,30 @@ def test_batched_equals_unbatched_equals_hf_generate(model64):
                                    rtol=0, atol=1e-10)
         hf = model.generate(torch.tensor([p]), max_new_tokens=GEN, do_sample=False, pad_token_id=0)
         assert hf[0, len(p):].tolist() == a.token_ids
+        # the reference decode loop (bounded caches: tests/test_engine_attention.py)
+        assert greedy_generate(model, torch.tensor([p]), GEN).tokens[0].tolist() == a.token_ids
     assert eng.stats.max_batch_size == len(prompts)
+
+
+def test_greedy_decode_ref_loop():
+    """The reference loop: argmax per row, `stop` sees each token and ends the loop with it, and
+    the last token returned is never fed (its forward would be wasted)."""
+    V = 10
+    fed: list[list[int]] = []
+
+    def feed(tok):  # [B] -> [B, V]: next token = (fed token + 3) mod V, row 1 one ahead
+        fed.append(tok.tolist())
+        return torch.nn.functional.one_hot((tok + 3) % V, V).double()
+
+    first = torch.nn.functional.one_hot(torch.tensor([1, 2]), V).double()  # [B=2, V]
+    out = greedy_decode_ref(feed, first, 4)
+    assert out.tolist() == [[1, 4, 7, 0], [2, 5, 8, 1]]
+    assert fed == [[1, 2], [4, 5], [7, 8]]
+    fed.clear()
+    out = greedy_decode_ref(feed, first[:1], 50, stop=lambda tok: int(tok[0]) == 7)
+    assert out.tolist() == [[1, 4, 7]] and fed == [[1], [4]]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        greedy_decode_ref(feed, first, 0)
 
 
 def test_continuous_batching_joins_and_queues(model64):

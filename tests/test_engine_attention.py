@@ -1,8 +1,12 @@
 """Attention methods in `lcx.engine`: a padded, continuously batched engine with per-row bounded
 caches decodes exactly what one unpadded row with `BoundedKVCache` decodes (float64 model, greedy),
-and its cache stays bounded while the requests run past the window."""
+and its cache stays bounded while the requests run past the window. The unpadded row is the
+reference decode loop (`lcx.methods.greedy_generate`, i.e. `lcx.engine.reference.greedy_decode_ref`
+over a transformers `Cache`)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -39,15 +43,26 @@ def _reference(model, method, prompt):
         return greedy_generate(model, ids, GEN, cache=BoundedKVCache(method)).tokens[0].tolist()
 
 
-@pytest.mark.parametrize("name", list(METHODS))
-def test_engine_batch_equals_bounded_cache_rows(model64, name):
-    model, tok = model64
+@contextlib.contextmanager
+def _method_engine(model, tok, name):
+    """`(engine, method, prompts, want)`: an engine running METHODS[name], its prompts and each
+    prompt's reference tokens; the model's attention patch is removed on exit."""
+    from lcx.methods import unpatch_attention
+
     params = METHODS[name]
     method = method_from_dict(params)
     prompts = _prompts(tok)
     want = [_reference(model, method, p) for p in prompts]
-    engine = Engine(model, tok, EngineConfig(methods={"attention": params}, max_model_len=256))
     try:
+        yield Engine(model, tok, EngineConfig(methods={"attention": params}, max_model_len=256)), method, prompts, want
+    finally:
+        unpatch_attention(model)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_engine_batch_equals_bounded_cache_rows(model64, name):
+    model, tok = model64
+    with _method_engine(model, tok, name) as (engine, method, prompts, want):
         sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
         for p in prompts:
             engine.add_request(p, sp)
@@ -64,21 +79,12 @@ def test_engine_batch_equals_bounded_cache_rows(model64, name):
             # batch, so the cache is at most rows * (n_first + n_recent - 1) wide
             assert engine.cache_len <= len(prompts) * (n_first + n_recent - 1)
         assert [got[r] for r in order] == want
-    finally:
-        from lcx.methods import unpatch_attention
-
-        unpatch_attention(model)
 
 
 def test_engine_attention_joins_running_batch(model64):
     """A request added while others decode (merged into the running batch) still matches."""
     model, tok = model64
-    params = METHODS["lm_infinite"]
-    method = method_from_dict(params)
-    prompts = _prompts(tok)
-    want = [_reference(model, method, p) for p in prompts]
-    engine = Engine(model, tok, EngineConfig(methods={"attention": params}, max_model_len=256))
-    try:
+    with _method_engine(model, tok, "lm_infinite") as (engine, _, prompts, want):
         sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
         ids = [engine.add_request(prompts[0], sp)]
         got: dict[str, list[int]] = {ids[0]: []}
@@ -92,10 +98,6 @@ def test_engine_attention_joins_running_batch(model64):
                 ids.append(rid)
                 got[rid] = []
         assert [got[r] for r in ids] == want
-    finally:
-        from lcx.methods import unpatch_attention
-
-        unpatch_attention(model)
 
 
 def test_engine_rejects_bad_attention_params():

@@ -15,6 +15,13 @@ works. Metadata: `max_seq_lengths` (default 256, 512, 1024), `max_docs` (default
 `window_tokens` (default: max(max_seq_lengths); a larger value cuts the same windows as a run
 over longer lengths would, so one length evaluated alone scores the same text as it does in a
 sweep: `lcx report` evaluates length by length this way).
+
+Not the protocol of `lcx eval ppl` (`lcx.eval.perplexity`), which joins the split's documents
+into one token stream, tiles the same evenly spaced chunks by every length, scores n - 1 tokens
+per window without a prefix token and reports nats per token. Here: per-work windows, bucket L a
+prefix of its window, all L tokens scored after lm-eval's prefix token, per-word / per-byte
+metrics (comparable across tokenizers). The two share no window or scoring code on purpose: each
+has committed numbers; `lcx.eval.perplexity`'s docstring lists the differences and when to use which.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
     lcx bench decode --contexts 1024 --new-tokens 16 --out /tmp/d.json
 
 For each context length n: a prompt of n held-out tokens is prefilled, then `--new-tokens`
-tokens are decoded greedily, one forward per token (`lcx.methods.greedy_generate`). Cases:
+tokens are decoded greedily, one forward per token, by the reference decode loop
+(`lcx.engine.reference.greedy_decode_ref`, the loop of `lcx.methods.greedy_generate`) over HF's
+own cache objects, which is what is compared; `lcx report` measures decoding in lcx's engine. Cases:
 
   vanilla_full     the unpatched model (HF sdpa, DynamicCache of rotated keys): the baseline;
   lminf_full       LM-Infinite (G, L) through `patch_attention`, full DynamicCache (unrotated
@@ -51,6 +53,7 @@ def child(case: str, n: int, args) -> dict:
     from transformers.utils import logging as hf_logging
 
     from lcx.data.tokenizer import encode_documents
+    from lcx.engine.reference import greedy_decode_ref
     from lcx.eval.perplexity import load_texts
     from lcx.measure import reset_peak, status_bytes
     from lcx.methods import BoundedKVCache, attention_patched, cache_nbytes, lm_infinite, sinks
@@ -77,18 +80,20 @@ def child(case: str, n: int, args) -> dict:
         prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         prefill_peak = status_bytes("VmHWM") - before
         cache_after_prefill = cache_nbytes(cache)
-        nxt = out.logits[:, -1].argmax(-1)
+        logits = out.logits[:, -1]  # [1, V]
         del out
-        before = status_bytes("VmRSS")
-        reset_peak()
-        toks, steps, cpu = [int(nxt)], [], []
-        for _ in range(args.new_tokens - 1):
+        steps, cpu = [], []
+
+        def feed(nxt: torch.Tensor) -> torch.Tensor:  # [1] -> logits [1, V]; one timed decode step
             ts, cs = time.perf_counter(), time.process_time()
-            out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1)
+            logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
             steps.append(time.perf_counter() - ts)
             cpu.append(time.process_time() - cs)
-            toks.append(int(nxt))
+            return logits
+
+        before = status_bytes("VmRSS")
+        reset_peak()
+        toks = greedy_decode_ref(feed, logits, args.new_tokens)[0].tolist()
         decode_peak = status_bytes("VmHWM") - before
     med = statistics.median(cpu)
     return {"prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "decode_step_median_cpu_s": med,

@@ -94,7 +94,18 @@ class StreamResult:
 
 class StreamingSession:
     """One streaming sequence (batch 1). `read(chunk)` then the wait-k writes; `finish()` at the end
-    of the source. See the module docstring for the semantics of each mode."""
+    of the source. See the module docstring for the semantics of each mode.
+
+    This is the reference wait-k streaming decoder, a decode loop of its own beside
+    `lcx.engine.Engine` and `lcx.engine.reference.greedy_decode_ref`, because neither can express
+    it: reads and writes interleave (the policy, not a token count, decides when the next target
+    token is written), source and target live in two `PositionedKVCache`s with their own position
+    groups (target input j at phi + j whatever the source length, which the engine's "position =
+    index in the request" rules out), and `interleaved` mode moves the target cache behind new
+    source. Its group-mode logits equal one batched forward under `group_layout`
+    (`group_forward_logits`; tests/test_streaming.py: `test_group_streaming_matches_batch_forward`),
+    the layout `lcx train stream` trains with.
+    """
 
     def __init__(self, model: nn.Module, config: StreamingConfig) -> None:
         self.model, self.cfg = model, config

@@ -65,7 +65,9 @@ same way, without patching (the model already runs it).
 Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS, the
 KV policies), `outputs` (TokenLogprob, StepEvent, RequestOutput, EngineStats), `batch` (the
 padded KV cache as tensors), `core` (the Engine: per-request state, prefill/decode, sampling,
-detokenization, the scheduler loop). Import from `lcx.engine`.
+detokenization, the scheduler loop), `reference` (`greedy_decode_ref`: the one-token-per-forward
+greedy loop over a caller's cache that the engine is checked against, and that decodes where the
+engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Import from `lcx.engine`.
 """
 
 from .core import Engine
@@ -73,6 +75,7 @@ from .methods import (ENGINE_METHODS, EngineMethod, KVPolicy, ResolvedAttention,
                       window_policy)
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
 from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
+from .reference import greedy_decode_ref
 
 __all__ = [
     "ENGINE_METHODS",
@@ -92,6 +95,7 @@ __all__ = [
     "StepEvent",
     "TokenLogprob",
     "check_method",
+    "greedy_decode_ref",
     "model_attention",
     "window_policy",
 ]

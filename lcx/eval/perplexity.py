@@ -19,6 +19,26 @@ Which tokens are scored (the same for every length, so lengths are comparable):
 positions of each window (positions n - tail .. n - 1, all of them when n <= tail) — the
 positions that are farthest beyond a short training context, so extrapolation failures show
 there first. `ppl = exp(nll)`. NLL is in nats, summed in float64.
+
+Two perplexity protocols. This module (`lcx eval ppl`, `lcx demo`, `lcx bench extrapolation`,
+`lcx bench swat`) is one; the lm-eval task `lcx_ppl` (`eval_tasks/lcx_ppl/`, used by `lcx report`
+and `lcx bench lmeval`) is the other. They measure different things and share no code on purpose
+(a common core would change one side's committed numbers):
+
+- text: here the split's documents (both editions of a play) joined into one stream; `lcx_ppl`
+  one edition per held-out work, each work tokenized on its own.
+- windows: here k chunks of C = max(lengths) spread over the stream, each tiled by windows of n,
+  so every length scores the same k * C tokens; `lcx_ppl` consecutive windows of max(L) per work,
+  and bucket L is each window's first L tokens (nested prefixes of the same text).
+- tokens scored: here n - 1 per window (the first is context only, no <s>); `lcx_ppl` all L, the
+  first after lm-eval's prefix token (BOS, else EOS), via `loglikelihood_rolling`.
+- metric: here nats per token (`ppl = exp(nll)`, `tail_*` over the last `tail` positions);
+  `lcx_ppl` lm-eval's word perplexity, byte perplexity and bits per byte (`lcx_ppl_tail`: the
+  second half of each bucket given the first).
+
+Use this module to compare methods on one model (per-token NLL, one tokenizer, lengths over the
+same tokens), fast and without lm-eval. Use `lcx_ppl` to compare models with different tokenizers
+(per word / per byte) or to report beside other lm-eval tasks (passkey) in one harness.
 """
 
 from __future__ import annotations

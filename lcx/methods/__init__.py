@@ -9,7 +9,8 @@
   on UNROTATED q/k, and `cache_window` for bounded caches.
 - `lcx.methods.streaming`: StreamingLLM's renumbered positions over a whole sequence.
 - `lcx.methods.self_extend`, `lcx.methods.swat`: Self-Extend and SWAT, one module each.
-- `lcx.methods.bounded_cache`: `BoundedKVCache` (a transformers `Cache`), `greedy_generate`.
+- `lcx.methods.bounded_cache`: `BoundedKVCache` (a transformers `Cache`), `greedy_generate` (the
+  reference decode loop over such a cache; `lcx.engine` is lcx's decode loop and is tested equal).
 - `patch_attention` / `unpatch_attention` / `attention_patched` / `current_attention`: the
   attention patch, which installs a method in an HF model, lives in the HF adapter
   (`lcx.hf.attention_patch`); re-exported here, resolved on first use.

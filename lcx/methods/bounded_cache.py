@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..engine.reference import greedy_decode_ref
 from .spec import AttentionMethod, method_from_dict
 
 
@@ -218,7 +219,14 @@ def greedy_generate(
     prefill_chunk: int | None = None,
     record_cache_bytes: bool = False,
 ) -> GenerationResult:
-    """Greedy decoding of `max_new_tokens` after `input_ids [B, T]`, one token per forward.
+    """Greedy decoding of `max_new_tokens` after `input_ids [B, T]`, one token per forward, over a
+    transformers `Cache`: the reference decode loop (`lcx.engine.reference.greedy_decode_ref`).
+
+    Why it exists beside `lcx.engine.Engine` (lcx's decode loop): it decodes over the cache object
+    given, so it is what bounded decoding is defined and checked by. `BoundedKVCache` tokens equal
+    full-cache tokens here (tests/test_attention_methods.py), and the engine's per-row bounded
+    caches equal this loop token for token (tests/test_engine_attention.py). Rows share positions
+    (no padding); for ragged prompts, sampling or stop rules use the engine.
 
     cache: a transformers `Cache` (`BoundedKVCache(method)` for bounded decoding); None = a
         full `DynamicCache` (what the model, patched or not, does by default).
@@ -231,25 +239,26 @@ def greedy_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     cache = DynamicCache() if cache is None else cache
     sizes: list[int] = []
+    steps: list[float] = []
     t0 = time.perf_counter()
     step = prefill_chunk or input_ids.shape[1]
     for s in range(0, input_ids.shape[1], step):
         out = model(input_ids=input_ids[:, s:s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1)  # [B]
+    logits = out.logits[:, -1]  # [B, V]
     t1 = time.perf_counter()
     if record_cache_bytes:
         sizes.append(cache_nbytes(cache))
-    toks, steps = [nxt], []
-    for _ in range(max_new_tokens - 1):
+
+    def feed(nxt: torch.Tensor) -> torch.Tensor:  # [B] -> [B, V]
         ts = time.perf_counter()
-        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1)
+        logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
         steps.append(time.perf_counter() - ts)
-        toks.append(nxt)
         if record_cache_bytes:
             sizes.append(cache_nbytes(cache))
-    t2 = time.perf_counter()
-    return GenerationResult(torch.stack(toks, dim=1), t1 - t0, t2 - t1, sizes, steps)
+        return logits
 
+    tokens = greedy_decode_ref(feed, logits, max_new_tokens)  # [B, max_new_tokens]
+    t2 = time.perf_counter()
+    return GenerationResult(tokens, t1 - t0, t2 - t1, sizes, steps)
 
 __all__ = ["BoundedKVCache", "BoundedLayer", "GenerationResult", "cache_len", "cache_nbytes", "greedy_generate"]

@@ -46,6 +46,7 @@ from torch import nn
 
 from lcx.cache.kv import PositionedKVCache
 from lcx.cache.pie import EDIT_STRATEGIES, Edit, apply_edits, update_cache
+from lcx.engine.reference import greedy_decode_ref
 
 EDIT_KINDS = ("insertion", "deletion", "multi")
 TARGET_POLICIES = ("any", "context")
@@ -221,24 +222,31 @@ def next_line(text: str) -> tuple[str, bool]:
 def greedy_line(model: nn.Module, tokenizer: Any, cache: PositionedKVCache, next_id: int,
                 max_new_tokens: int = 48) -> tuple[str, int]:
     """Feed `next_id` at `cache.next_position`, decode greedily and return `(next_line(text),
-    tokens generated)`, stopping once that line is complete (or after `max_new_tokens`).
-    Mutates `cache` (appends the decoded tokens).
+    tokens generated)`, stopping once that line is complete, at EOS, or after `max_new_tokens`.
+    Mutates `cache` (appends every decoded token but the last).
+
+    The loop is `lcx.engine.reference.greedy_decode_ref` over the cache itself, not
+    `lcx.engine.Engine`: what this eval measures is decoding *from the edited cache* each
+    strategy produced (PIE's re-rotated keys, `conflict`'s stale ones), and the engine only
+    builds its cache by prefilling token ids, which would be `recompute` for every strategy.
 
     The prompt ends before the line break of its last line, not after it: BPE vocabularies
     merge a newline with the next line's indentation ("\\n" + 7 spaces is one SmolLM2 token),
     so a prompt ending in a bare "\\n" token is out of distribution for an indented line.
     """
     dev = cache.token_ids.device
+    eos = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
-    _, logits = cache.extend_logits(model, torch.tensor([[next_id]], device=dev))
-    for _ in range(max_new_tokens):
-        tok = int(logits[0].argmax())
-        ids.append(tok)
-        if next_line(tokenizer.decode(ids, skip_special_tokens=True))[1]:
-            break
-        if tok == getattr(tokenizer, "eos_token_id", None):
-            break
-        _, logits = cache.extend_logits(model, torch.tensor([[tok]], device=dev))
+
+    def line_done(tok: torch.Tensor) -> bool:  # tok [1]
+        ids.append(int(tok[0]))
+        return next_line(tokenizer.decode(ids, skip_special_tokens=True))[1] or ids[-1] == eos
+
+    def feed(tok: torch.Tensor) -> torch.Tensor:  # [1] -> logits [1, V]
+        return cache.extend_logits(model, tok[:, None])[1]
+
+    _, logits = cache.extend_logits(model, torch.tensor([[next_id]], device=dev))  # [1, V]
+    greedy_decode_ref(feed, logits, max_new_tokens, stop=line_done)
     return next_line(tokenizer.decode(ids, skip_special_tokens=True))[0], len(ids)
 
 

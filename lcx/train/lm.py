@@ -86,6 +86,7 @@ import torch
 import torch.nn.functional as F
 
 from lcx.data.io import atomic_savefig, atomic_write, atomic_write_json, environment
+from lcx.train.common import adamw_decay_matrices, config_from_dict, warmup_cosine_lr
 
 # ---------------------------------------------------------------------------------- corpora
 
@@ -122,14 +123,6 @@ def autocast_ctx(cfg: "TrainConfig", device_type: str = "cpu"):
 
 
 # ---------------------------------------------------------------------------------- configs
-
-
-def _from_dict(cls, d: Mapping[str, Any]):
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; accepted: {sorted(names)}")
-    return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -173,7 +166,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        return _from_dict(cls, d)
+        return config_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -275,7 +268,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
-        return _from_dict(cls, d)
+        return config_from_dict(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -421,11 +414,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warmup over `warmup_steps` (step 0 gets lr/warmup), then cosine to min_lr_ratio*lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return warmup_cosine_lr(step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                            min_ratio=cfg.min_lr_ratio)
 
 
 def passkey_rows(cfg: TrainConfig) -> int:
@@ -655,13 +645,7 @@ class TrainResult:
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False,
-    )
+    return adamw_decay_matrices(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
 
 
 def _save_hf(model, tokenizer, out: Path, extra: dict[str, Any]) -> None:

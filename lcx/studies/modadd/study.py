@@ -58,6 +58,8 @@ import torch
 import torch.nn.functional as F
 
 from lcx.data.io import atomic_savefig, atomic_write_json, atomic_write_text, environment
+from lcx.train.common import adamw_decay_matrices, warmup_cosine_lr
+from lcx.train.common import config_from_dict as _from_dict
 from lcx.data.modadd import (
     CANONICAL,
     CLS_ID,
@@ -74,14 +76,6 @@ from lcx.data.modadd import (
 from .model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
 
 # ---------------------------------------------------------------------------------- configs
-
-
-def _from_dict(cls, d: Mapping[str, Any]):
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; accepted: {sorted(names)}")
-    return cls(**d)
 
 
 def _check_int(name: str, v: Any, minimum: int) -> None:
@@ -422,10 +416,7 @@ def curve_metrics(model: ModAddEncoder, cfg: RunConfig, n_pairs: int = CURVE_PAI
 
 def lr_at(cfg: RunConfig, step: int) -> float:
     """Linear warmup, then cosine decay to 10% of `lr`."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return warmup_cosine_lr(step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_ratio=0.1)
 
 
 def build_model(cfg: RunConfig) -> ModAddEncoder:
@@ -435,11 +426,7 @@ def build_model(cfg: RunConfig) -> ModAddEncoder:
 
 
 def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.98), foreach=False)
+    return adamw_decay_matrices(model, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
 
 
 def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int,

@@ -1,0 +1,49 @@
+"""What lcx's training loops share (`lcx train lm` / `stream` / `retrieval` through `lcx.train.lm`,
+and the modular-addition study `lcx.studies.modadd`): the learning-rate schedule, AdamW's
+parameter groups and strict config dicts. Each caller keeps its own hyperparameters; only the
+formulas live here, so a fix reaches every loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import torch
+
+
+def config_from_dict(cls, d: Mapping[str, Any]):
+    """`cls(**d)` for a config dataclass, rejecting unknown keys by name (configs are data)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; accepted: {sorted(names)}")
+    return cls(**d)
+
+
+def warmup_cosine_lr(step: int, *, lr: float, steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Learning rate at 0-based `step`: linear warmup over `warmup_steps` (step 0 gets
+    lr / warmup_steps), then cosine decay from `lr` to `min_ratio * lr` at step `steps`."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def adamw_decay_matrices(model: torch.nn.Module, *, lr: float, weight_decay: float,
+                         betas: tuple[float, float], eps: float = 1e-8) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (tied weights once), weight decay on matrices (dim >= 2)
+    only: embeddings and projections decay, norm gains and biases do not. Two groups, in that
+    order (a saved optimizer state depends on it); `foreach=False`, the per-tensor update every
+    committed run used."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=betas, eps=eps, foreach=False,
+    )
+
+
+__all__ = ["adamw_decay_matrices", "config_from_dict", "warmup_cosine_lr"]
