@@ -291,8 +291,10 @@ def test_lm_eval_vllm_model_applies_lcx_methods(model_dir, tmp_path):
     try:
         env = {**vllm_env(private, threads=1), "PYTHONPATH": ""}
         got = _lm_eval_run(python, "vllm", json.dumps({"pretrained": model, **kwargs}), tmp_path / "vllm", env)
-        plain = _lm_eval_run(python, "vllm", json.dumps({"pretrained": model, "dtype": "float32",
-                                                         "max_model_len": MAX_MODEL_LEN}), tmp_path / "plain", env)
+        # plain vLLM: only the length limit raised (as the plain scoring worker does)
+        plain = _lm_eval_run(python, "vllm", json.dumps({
+            "pretrained": model, "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
+            "hf_overrides": {"max_position_embeddings": MAX_MODEL_LEN}}), tmp_path / "plain", env)
     finally:
         shutil.rmtree(private, ignore_errors=True)
     lcx_args = (f"pretrained={model_dir},rope_type=yarn,factor=2,attention=lm_infinite,n_global=4,n_local=200,"
