@@ -50,6 +50,7 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.methods import AttentionMethod
+from lcx.methods.bounded_cache import kept_slots
 
 
 class _MethodAttention:
@@ -168,11 +169,10 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     for k_len, reqs in sorted(decode.items()):
         req = torch.tensor(reqs, dtype=torch.long)
         n = seq_lens.long()[req][:, None]  # [B, 1]
-        if k_len == n_first + n_recent:
-            idx = torch.cat((torch.arange(n_first).expand(len(reqs), -1),
-                             n - n_recent + torch.arange(n_recent)), dim=1)  # [B, K]
-        else:
-            idx = torch.arange(k_len).expand(len(reqs), -1)
+        cand = torch.arange(int(n.max()))[None]  # [1, N] key indices
+        # the one eviction rule of lcx's bounded caches; the query is the last key (index n - 1)
+        keep = kept_slots(cand, n - 1, n_first, n_recent) & (cand < n)  # [B, N], K per row
+        idx = cand.expand(len(reqs), -1)[keep].view(len(reqs), k_len)  # [B, K]
         blocks = block_table.long()[req[:, None], idx // block_size]  # [B, K]
         positions = torch.arange(k_len).expand(len(reqs), -1) if method.renumber_in_cache else idx
         rows = query_start_loc.long()[req]
