@@ -11,7 +11,7 @@ site-packages, i.e. at the root of the wheel:
   import hook instead of `build_lib`, so `editable_wheel` adds the file to the wheel it just
   wrote (and to its RECORD).
 
-tests/test_lmeval_cli.py builds both kinds of wheel and checks the file is there.
+tests/eval_tasks/test_lmeval_cli.py builds both kinds of wheel and checks the file is there.
 """
 
 from __future__ import annotations

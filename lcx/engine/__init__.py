@@ -57,7 +57,7 @@ evict, after every step, the cached slots no later query of the row can see
 (`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
 `BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
 own keys (`lcx_key_positions`, `lcx.hf.attention_patch`); tokens equal unbatched decoding
-with a `BoundedKVCache` (tests/test_engine_attention.py). A model trained with an attention
+with a `BoundedKVCache` (tests/engine/test_engine_attention.py). A model trained with an attention
 method (SWAT) records it in its config (`lcx.hf.recorded`); without an `attention` entry the
 engine takes that method (`model_attention`) and bounds the cache from its `cache_window` the
 same way, without patching (the model already runs it).

@@ -6,9 +6,9 @@ detokenization). This is the small loop beside it, for two jobs the engine canno
 - **the reference the engine is checked against.** `lcx.methods.greedy_generate` runs it over a
   transformers `Cache` (`BoundedKVCache` or a full `DynamicCache`), one batch of unpadded rows;
   the engine's greedy tokens equal it for every bounded attention method and for a SWAT model
-  (tests/test_engine_attention.py: `test_engine_batch_equals_bounded_cache_rows`,
+  (tests/engine/test_engine_attention.py: `test_engine_batch_equals_bounded_cache_rows`,
   `test_engine_swat_model_batched_with_bounded_cache`) and with a full cache
-  (tests/test_engine.py: `test_batched_equals_unbatched_equals_hf_generate`);
+  (tests/engine/test_engine.py: `test_batched_equals_unbatched_equals_hf_generate`);
 - **decoding over a cache that is not the engine's.** `lcx bench decode` times HF's own cache
   classes (DynamicCache vs BoundedKVCache), and the PIE code-edit eval
   (`lcx.studies.code_edit.greedy_line`) decodes after an edit of a `PositionedKVCache`; the

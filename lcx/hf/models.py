@@ -8,7 +8,7 @@ A Llama-family `*ForCausalLM` in transformers 5.x:
         └── layers[i].self_attn   q_proj, k_proj, v_proj, o_proj, head_dim, layer_idx, scaling
 
 Every type in `MODEL_TYPES` takes (cos, sin) from `rotary_emb` and rotates the full head with
-HF's rotate-half convention, so the RoPE patch works on all of them (tests/test_patch.py).
+HF's rotate-half convention, so the RoPE patch works on all of them (tests/hf/test_patch.py).
 `attention_methods`: the attention patch recomputes q/k from the projections, so a type that
 normalises q/k before RoPE (qwen3's q_norm/k_norm) is refused there.
 """

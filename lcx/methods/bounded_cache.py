@@ -11,7 +11,7 @@ A method whose queries only see the first `n_first` keys and the last `n_recent`
 included), `method.cache_window`, needs between steps only those n_first + n_recent - 1 keys
 per layer: memory and per-token attention cost independent of the length decoded.
 
-Semantics (stated once; pinned by tests/test_attention_methods.py):
+Semantics (stated once; pinned by tests/methods/test_attention_methods.py):
 
 - **Keys are stored BEFORE RoPE**, with their true positions (`key_positions`). Every
   attention call rotates the G + L keys it reads (`lcx.attention` does, inside the call; one
@@ -224,8 +224,8 @@ def greedy_generate(
 
     Why it exists beside `lcx.engine.Engine` (lcx's decode loop): it decodes over the cache object
     given, so it is what bounded decoding is defined and checked by. `BoundedKVCache` tokens equal
-    full-cache tokens here (tests/test_attention_methods.py), and the engine's per-row bounded
-    caches equal this loop token for token (tests/test_engine_attention.py). Rows share positions
+    full-cache tokens here (tests/methods/test_attention_methods.py), and the engine's per-row bounded
+    caches equal this loop token for token (tests/engine/test_engine_attention.py). Rows share positions
     (no padding); for ragged prompts, sampling or stop rules use the engine.
 
     cache: a transformers `Cache` (`BoundedKVCache(method)` for bounded decoding); None = a

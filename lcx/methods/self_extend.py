@@ -122,6 +122,18 @@ class SelfExtend(AttentionMethod):
         out, _ = merge_attention(near, lse_near, far, lse_far)
         return out
 
+    def last_query_keys(self, positions):
+        from .spec import LastQueryKeys
+
+        # keys W or more behind the query: q at gq(p_i), k at gk(p_j), i.e. k moved to
+        # p_i - (gq(p_i) - gk(p_j)) against the query at p_i (float positions)
+        Tk = positions.shape[-1]
+        near = torch.arange(Tk, device=positions.device) > Tk - 1 - self.window
+        p = positions.to(torch.float64)
+        gq = grouped_positions(positions[..., -1:], self.group_size, self.window, query=True)
+        far = p[..., -1:] - (gq - grouped_positions(positions, self.group_size, self.window, query=False))
+        return LastQueryKeys(None, torch.where(near, p, far))
+
     def _spec(self, scale):
         raise NotImplementedError("self_extend is two attention calls (see SelfExtend.attend), not one spec")
 

@@ -95,6 +95,14 @@ class AttentionMethod:
         """The specs of the `lcx.attention` calls `attend` makes (what `supports` checks)."""
         return (self.attention_spec(),)
 
+    def last_query_keys(self, positions: torch.Tensor) -> "LastQueryKeys | None":
+        """The attention of the LAST query of a call as plain softmax attention over rotated keys:
+        which keys it sees and the position each key must be rotated to (the query at its own
+        position `positions[..., -1]`), or None where the method is not of that form (SWAT's
+        sigmoid). `positions` `[B, Tk]`: the keys' RoPE positions in the call.
+        `lcx.methods.last_query` runs it; tested equal to `attend` for every method."""
+        return None
+
     # --------------------------------------------------------------- what a bounded cache keeps
     @property
     def cache_window(self) -> tuple[int, int] | None:
@@ -126,6 +134,21 @@ class AttentionMethod:
         return f"{self.name}({params})"
 
 
+@dataclass(frozen=True)
+class LastQueryKeys:
+    """What the last query of a call sees (`AttentionMethod.last_query_keys`).
+
+    visible:       `[B, Tk]` bool, or None when it sees every key;
+    key_positions: `[B, Tk]` the position to rotate each key to: a score q.R(p_k - p_q)k needs
+                   only the relative rotation, so a branch that rotates the query to a
+                   different position (LM-Infinite's cap, StreamingLLM's renumbered sinks,
+                   Self-Extend's groups) moves the key instead, by the same amount.
+    """
+
+    visible: torch.Tensor | None
+    key_positions: torch.Tensor
+
+
 @functools.lru_cache(maxsize=256)
 def _spec_for(method: AttentionMethod, scale: float | None) -> AttentionSpec:
     return method._spec(scale)
@@ -139,6 +162,9 @@ class Causal(AttentionMethod):
 
     def _spec(self, scale):
         return AttentionSpec(mask=causal_mask, scale=scale)
+
+    def last_query_keys(self, positions):
+        return LastQueryKeys(None, positions)
 
 
 @dataclass(frozen=True)
@@ -172,6 +198,17 @@ class LMInfinite(AttentionMethod):
     def cache_window(self):
         return (self.n_global, self.n_local)
 
+    def last_query_keys(self, positions):
+        # local keys (the last n_local) at their positions; global keys outside the window are
+        # scored with the query at d = min(limit, Tk - 1) and the key at 0: relative rotation -d
+        Tk = positions.shape[-1]
+        j = torch.arange(Tk, device=positions.device)
+        local = j >= Tk - self.n_local
+        glob = (j < self.n_global) & ~local
+        d = LambdaParams(self.n_global, self.n_local, self.limit_distance).effective_limit(Tk)
+        eff = torch.where(glob, positions[..., -1:] - d, positions)
+        return LastQueryKeys((local | glob).expand_as(positions), eff)
+
     def check_bounded(self) -> None:
         # The global branch rotates the query to min(limit_distance, Tk - 1). A compressed
         # cache has Tk <= n_global + n_local, so it reproduces the full cache only if the cap
@@ -196,6 +233,11 @@ class SlidingWindow(AttentionMethod):
 
     def _spec(self, scale):
         return AttentionSpec(mask=sliding_window_mask(left=self.window - 1), scale=scale)
+
+    def last_query_keys(self, positions):
+        Tk = positions.shape[-1]
+        visible = torch.arange(Tk, device=positions.device) >= Tk - self.window
+        return LastQueryKeys(visible.expand_as(positions), positions)
 
     @property
     def cache_window(self):
@@ -238,6 +280,20 @@ class Sinks(AttentionMethod):
 
         return streaming_attention(q, k, v, rotary=rotary, n_sink=self.n_sink, window=self.window,
                                    backend=backend, scale=scale)
+
+    def last_query_keys(self, positions):
+        # query i = Tk - 1; window keys j > i - w at their positions; sinks j < S outside the
+        # window: renumbered, the query at p[c], c = min(i, S + w - 1) (`lcx.methods.streaming`)
+        Tk = positions.shape[-1]
+        i = Tk - 1
+        j = torch.arange(Tk, device=positions.device)
+        window = j > i - self.window
+        sink = (j < self.n_sink) & ~window
+        eff = positions
+        if self.renumber:
+            shift = positions[..., i:] - positions[..., min(i, self.n_sink + self.window - 1)][..., None]
+            eff = torch.where(sink, positions + shift, positions)
+        return LastQueryKeys((window | sink).expand_as(positions), eff)
 
     @property
     def cache_window(self):

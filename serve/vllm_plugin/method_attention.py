@@ -24,9 +24,14 @@ Two paths, both the method's own `attend`:
   the paged cache as `[B, n_first + n_recent, Hkv, D]` (rows of a shorter request, whose
   compressed set is its whole cache, are grouped by length) and each group is one batched call,
   with per-row rotary positions. The gather plan (block/offset/position indices) depends only
-  on the step's metadata, so it is built once per step and shared by every layer.
-- prefill and chunked prefill (several queries per request): a Python loop over requests, each
-  gathering its keys through its block table (O(Tq * (G + L)) memory with the blockwise backend).
+  on the step's metadata, so it is built once per step and shared by every layer. Each call is
+  `lcx.methods.last_query.LastQueryPlan.attend`: one query per row is plain softmax attention
+  over keys rotated to method-given positions (one SDPA call; the rotation tables are built by
+  the step's first layer and reused by the others), tested equal to `method.attend`.
+- prefill and chunked prefill (several queries per request): requests with equal numbers of
+  queries and keys (e.g. prompts of equal length arriving together) are one batched call on
+  their whole caches, gathered through their block tables; others one call each
+  (O(Tq * (G + L)) memory with the blockwise backend).
 
 KV memory: the cache keeps every block. vLLM 0.32's KV manager frees blocks only for layers
 whose KV spec says so: `SlidingWindowSpec` frees everything before the window (LM-Infinite's
@@ -44,13 +49,14 @@ selected through the documented `--attention-backend` route).
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lcx.attention import Rotary
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
+from lcx.methods.last_query import LastQueryPlan
 
 
 class _MethodAttention:
@@ -80,23 +86,16 @@ class _MethodAttention:
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
             kv = kv_cache[g.blocks, :, g.offsets]  # [B, K, Hkv, 2D]
             q = query[g.rows][:, None]  # [B, 1, H, D]
-            rotary = Rotary(self.lcx_inv_freq, g.positions, self.lcx_attention_factor)
-            out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale)
+            out = g.attend(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor,
+                           q, kv[..., :d], kv[..., d:], self.scale)
             output[g.rows] = out[:, 0].to(output.dtype)
-        if not plan.multi_query:
-            return output
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
         rotary = Rotary(self.lcx_inv_freq, None, self.lcx_attention_factor)
-        for i in plan.multi_query:
-            s, e, n_keys = starts[i], starts[i + 1], int(seq_lens[i])
-            n_blk = -(-n_keys // block_size)
-            blocks = attn_metadata.block_table[i, :n_blk].long()
-            kv = kv_cache[blocks].permute(0, 2, 1, 3).reshape(n_blk * block_size, hkv, two_d)[:n_keys]  # [Tk, Hkv, 2D]
-            k, v = kv[..., :d], kv[..., d:]
-            q = query[s:e]  # [Tq, H, D], the last Tq of the Tk keys
-            out = self.lcx_method.attend(q[None], k[None], v[None], rotary=rotary, scale=self.scale)  # [1, Tq, H, D]
-            output[s:e] = out[0].to(output.dtype)
+        for g in plan.multi_query_groups:  # one batched call per group of equally shaped requests
+            B, n_blk = g.blocks.shape
+            kv = kv_cache[g.blocks].permute(0, 1, 3, 2, 4).reshape(B, n_blk * block_size, hkv, two_d)[:, :g.n_keys]
+            q = query[g.token_rows].view(B, g.n_queries, *query.shape[1:])  # the last Tq of the Tk keys
+            out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale)
+            output[g.token_rows] = out.reshape(B * g.n_queries, *out.shape[2:]).to(output.dtype)
         return output
 
 
@@ -108,12 +107,44 @@ class _DecodeGroup:
     blocks: torch.Tensor  # [B, K] physical block of each kept key
     offsets: torch.Tensor  # [B, K] offset in that block
     positions: torch.Tensor  # [B, K] rotary position of each kept key
+    # rotary (inv_freq, attention factor) -> its LastQueryPlan (or None: the method's own attend);
+    # built by the first layer of the step, reused by every layer with the same rotary
+    plans: dict = field(default_factory=dict, compare=False)
+
+    def attend(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
+               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        rotary = Rotary(inv_freq, self.positions, attention_factor)
+        key = (id(inv_freq), attention_factor)
+        if key not in self.plans:
+            self.plans[key] = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0],
+                                                  device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
+        plan = self.plans[key]
+        if plan is None:  # not plain softmax attention (SWAT): the method's own path
+            return method.attend(q, k, v, rotary=rotary, scale=scale)
+        return plan.attend(q, k, v, scale=scale)
+
+
+@dataclass(frozen=True)
+class _MultiQueryGroup:
+    """Requests with the same number of queries and of keys (prefills of equal length, chunks of
+    a chunked prefill; decode rows of an unbounded method): one batched call on their whole caches."""
+
+    requests: tuple[int, ...]
+    n_queries: int
+    n_keys: int
+    token_rows: torch.Tensor  # [B * n_queries] rows of `query` / `output`, request by request
+    blocks: torch.Tensor  # [B, ceil(n_keys / block_size)] their block tables
 
 
 @dataclass(frozen=True)
 class _StepPlan:
     decode_groups: tuple[_DecodeGroup, ...]
-    multi_query: tuple[int, ...]  # requests run one by one (prefill, chunked prefill; any unbounded method)
+    multi_query_groups: tuple[_MultiQueryGroup, ...]
+
+    @property
+    def multi_query(self) -> tuple[int, ...]:
+        """The requests that take the whole-cache path (prefill, chunked prefill; unbounded methods)."""
+        return tuple(sorted(i for g in self.multi_query_groups for i in g.requests))
 
 
 _PLAN_ATTR = "_lcx_step_plan"
@@ -177,7 +208,15 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
         positions = torch.arange(k_len).expand(len(reqs), -1) if method.renumber_in_cache else idx
         rows = query_start_loc.long()[req]
         groups.append(_DecodeGroup(rows, blocks, idx % block_size, positions))
-    return _StepPlan(tuple(groups), tuple(multi))
+    shapes: dict[tuple[int, int], list[int]] = {}  # (n_queries, n_keys) -> request indices
+    for i in multi:
+        shapes.setdefault((starts[i + 1] - starts[i], int(lens[i])), []).append(i)
+    multi_groups = []
+    for (n_q, n_keys), reqs in sorted(shapes.items()):
+        token_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs])
+        blocks = block_table.long()[torch.tensor(reqs)][:, : -(-n_keys // block_size)]
+        multi_groups.append(_MultiQueryGroup(tuple(reqs), n_q, n_keys, token_rows, blocks))
+    return _StepPlan(tuple(groups), tuple(multi_groups))
 
 
 def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float) -> None:

@@ -6,7 +6,7 @@
 prompts.json: a list of token-id lists. Writes `{"logprobs": [[lp(t_1|t_0), ...], ...],
 "overrides": {...}}`: for each prompt, the logprob of every token after the first given the
 tokens before it (vLLM's `prompt_logprobs`, float32 when --dtype float32). Used by
-tests/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM start for many prompts;
+tests/serve/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM start for many prompts;
 `"generated"` holds each prompt's `--gen` greedy tokens (vLLM's decode path over its paged cache).
 """
 

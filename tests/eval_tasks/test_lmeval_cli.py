@@ -24,7 +24,7 @@ pytest.importorskip("lm_eval")
 
 from lcx.eval_tasks import TASKS_DIR  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PTH_NAME = "lcx-lmeval-hook.pth"
 LENGTHS = [300, 512]  # byte tokenizer: the passkey scaffold alone is ~260 tokens
 LIBRA = os.path.join("lm_eval", "tasks", "libra", "passkey.yaml")

@@ -1,7 +1,7 @@
 """lcx's lm-eval tasks, in process: data (modadd split, passkey sizing, ppl windows), scoring
 (an oracle model scores 1.0 and a wrong one 0.0 on every task), and the `lcx` model.
 
-The literal `lm_eval` command line and the start-up hook are in tests/test_lmeval_cli.py.
+The literal `lm_eval` command line and the start-up hook are in tests/eval_tasks/test_lmeval_cli.py.
 """
 
 from __future__ import annotations

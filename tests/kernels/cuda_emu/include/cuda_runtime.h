@@ -1,5 +1,5 @@
 // Host emulation of the few CUDA built-ins lcx's .cu kernels use, so a kernel file compiles with
-// g++ and runs on CPU threads in tests (tests/test_cuda_kernels.py, no GPU needed). Not a CUDA
+// g++ and runs on CPU threads in tests (tests/kernels/test_cuda_kernels.py, no GPU needed). Not a CUDA
 // implementation: one block at a time, one std::thread per CUDA thread, __syncthreads and warp
 // shuffles by barriers (valid for kernels whose shuffles run in warp-uniform control flow, which
 // the kernels assert by construction). Shared memory is NaN-filled before each block so reads of

@@ -599,5 +599,5 @@ def test_swat_on_a_softmax_model(model64):
     engine = Engine(m, tok, EngineConfig(methods={"attention": {"type": "swat", "window": 6}}))
     out = engine.generate([ids[0].tolist()], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert out[0].token_ids == want[40:]
-    assert engine.resolved_methods["attention"].bounded  # a cache of w - 1 keys (tests/test_engine_attention.py)
+    assert engine.resolved_methods["attention"].bounded  # a cache of w - 1 keys (tests/engine/test_engine_attention.py)
     unpatch_attention(m)

@@ -6,7 +6,7 @@ Where the Triton cases run:
   `TRITON_INTERPRET=1` set before anything imports triton (setting it in this process would
   turn every later Triton kernel of the session into an interpreted one), on CPU tensors.
 The CUDA C++ source is compiled with nvcc for sm_80 and sm_90 whenever nvcc exists
-(tests/test_cuda_kernels.py); loading and running it needs a GPU (`gpu` marker).
+(tests/kernels/test_cuda_kernels.py); loading and running it needs a GPU (`gpu` marker).
 
 Tolerance (derived, not guessed): a kernel's max error against the float64 truth must be at
 most twice the error of the PyTorch reference computed in the kernel's storage dtype
@@ -27,7 +27,7 @@ from lcx.cache.rerotate import REROTATE_BACKENDS, rerotate, rerotate_ref
 from lcx.rope import ROPE_TYPES, RopeSpec, apply_rotary_ref, compute_inv_freq, rope_cos_sin
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (B, T, H, D, rotary_dim): odd lengths, GQA-like head counts, partial rotary, one slot
 SHAPES = [(1, 1, 1, 8, 8), (2, 63, 3, 64, 64), (1, 217, 2, 16, 8), (3, 5, 4, 32, 32)]
@@ -184,7 +184,7 @@ def test_triton_under_interpreter():
 
 
 # ----------------------------------------------------------------------------- CUDA C++
-# The nvcc compile check of rerotate.cu (sm_80, sm_90) lives in tests/test_cuda_kernels.py,
+# The nvcc compile check of rerotate.cu (sm_80, sm_90) lives in tests/kernels/test_cuda_kernels.py,
 # parametrized over every kernels/cuda/*.cu.
 
 

@@ -13,7 +13,7 @@ from lcx.data import corpus as corpus_mod
 from lcx.data import encode_documents, load_corpus, train_tokenizer
 from lcx.data.corpus import VALIDATION_WORKS, clean_gutenberg, shakespeare_work
 
-ASSET = Path(__file__).resolve().parents[1] / "lcx" / "assets" / "tiny-llama-5m"
+ASSET = Path(__file__).resolve().parents[2] / "lcx" / "assets" / "tiny-llama-5m"
 ROUND_TRIP_STRINGS = [
     "",
     " ",

@@ -43,7 +43,7 @@ from lcx.rope import ROPE_TYPES, RopeSpec, apply_rotary_ref, compute_inv_freq, r
 from lcx.testing import assert_within_budget, poison_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 
 # ----------------------------------------------------------------------------- grids

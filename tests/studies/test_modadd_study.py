@@ -19,7 +19,7 @@ from lcx.data import modadd
 from lcx.studies.modadd.model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
 from lcx.studies.modadd import study as tm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PE_NAMES = sorted(POSITION_ENCODINGS)
 BATCH_SIZES = (1, 3)
 TINY_MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64}

@@ -64,7 +64,7 @@ def lcx_serve(model_dir: str | Path, log: Path, *args: str, cwd: str | None = No
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
-    """The in-process engine on one torch thread (see tests/test_engine.py); imported by a module
+    """The in-process engine on one torch thread (see tests/engine/test_engine.py); imported by a module
     it applies to that module's tests."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ Where things run:
 - compile checks: wherever nvcc exists (default suite); the torch bindings are syntax-checked
   against torch's headers with g++ (`slow`: ~20 s each);
 - CPU (default suite): `lambda_decode.cu` itself compiled with g++ against a host emulation of
-  the CUDA built-ins (tests/cuda_emu) and run on CPU threads over a small grid; the backend's
+  the CUDA built-ins (tests/kernels/cuda_emu) and run on CPU threads over a small grid; the backend's
   `supports` refusals, the key ranges it derives from each
   mask (against `mask_matrix`), and the kernel's algebra (keys rotated through
   `k . R(-p) y`, the capped query, split-K merge) mirrored in PyTorch from the same
@@ -36,7 +36,7 @@ from lcx.rope import RopeSpec, compute_inv_freq
 from lcx.testing import assert_within_budget, poison_
 
 NVCC = shutil.which("nvcc")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (B, Tk, H, Hkv, D): odd lengths, GQA groups 1/2/3/4/8, head dims 32/64/128/256
 SHAPES = [(1, 1, 1, 1, 64), (2, 217, 4, 2, 64), (1, 4161, 8, 1, 128), (3, 63, 6, 2, 128),
@@ -270,12 +270,12 @@ def test_kernel_algebra_matches_reference(name, pos, partial):
 
 
 # ----------------------------------------------------------------------------- the .cu on CPU threads
-# lambda_decode.cu itself, compiled with g++ against tests/cuda_emu/include (a host emulation of
+# lambda_decode.cu itself, compiled with g++ against tests/kernels/cuda_emu/include (a host emulation of
 # the CUDA built-ins it uses: one std::thread per CUDA thread, barriers for __syncthreads and warp
 # shuffles) and called through its extern "C" launcher with ctypes. This runs the real indexing,
 # shuffles, shared-memory merge and split-K combine without a GPU; what it cannot show is
 # GPU-specific (memory model, alignment faults, speed) - the `gpu` tests below cover that.
-EMU_INCLUDE = ROOT / "tests" / "cuda_emu" / "include"
+EMU_INCLUDE = ROOT / "tests" / "kernels" / "cuda_emu" / "include"
 EMU_GRID = [  # (B, Tk, H, Hkv, D), dtype, spec, positions, n_splits
     ((2, 61, 4, 2, 32), torch.float32, "lm_infinite", "bounded", 3),
     ((1, 45, 8, 1, 64), torch.bfloat16, "lm_infinite_cap7", "per-batch", 1),

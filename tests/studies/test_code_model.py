@@ -14,7 +14,7 @@ import torch
 from lcx.studies.code_edit import SampleResult, paired_difference, stdlib_files, summarize, wilson_interval
 from lcx.data.code import CODE_SPLITS, code_split, code_unit, load_code_corpus, split_of, split_record, stdlib_root
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The rule's output for a few packages, written down by hand: a change to SPLIT_ID, the
 # fractions or the hash moves some of them (and silently re-mixes train and eval otherwise).

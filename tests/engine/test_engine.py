@@ -64,7 +64,7 @@ def test_batched_equals_unbatched_equals_hf_generate(model64):
                                    rtol=0, atol=1e-10)
         hf = model.generate(torch.tensor([p]), max_new_tokens=GEN, do_sample=False, pad_token_id=0)
         assert hf[0, len(p):].tolist() == a.token_ids
-        # the reference decode loop (bounded caches: tests/test_engine_attention.py)
+        # the reference decode loop (bounded caches: tests/engine/test_engine_attention.py)
         assert greedy_generate(model, torch.tensor([p]), GEN).tokens[0].tolist() == a.token_ids
     assert eng.stats.max_batch_size == len(prompts)
 

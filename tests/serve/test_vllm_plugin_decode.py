@@ -5,7 +5,7 @@ block tables; here the paged cache, block tables and step metadata are built by 
 block placement, requests of different lengths, decode and prefill rows mixed in one step) and
 every output row must equal the method's `attend` over that request's whole cache in order
 (float64). This pins the batched decode (compressed caches gathered per row, one call per
-group) to the per-request semantics; tests/test_vllm.py checks the same path inside vLLM.
+group) to the per-request semantics; tests/serve/test_vllm.py checks the same path inside vLLM.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ METHODS = {
     "swat_9": swat(9),  # sigmoid + balanced ALiBi: bounded, (0, w)
 }
 # (cached keys n, queries this step): decode rows of many lengths (below, at and above G + L),
-# a prefill and a chunked prefill in the same step.
-STEP = ((1, 1), (5, 1), (13, 1), (14, 1), (30, 1), (41, 1), (17, 17), (29, 6), (64, 1))
+# prefills and chunked prefills in the same step, two of each shape (batched together).
+STEP = ((1, 1), (5, 1), (13, 1), (14, 1), (30, 1), (41, 1), (17, 17), (29, 6), (64, 1), (17, 17), (29, 6))
 
 
 def _step(seed: int = 0):
@@ -89,7 +89,9 @@ def test_plan_groups_decode_rows_by_compressed_length():
     sizes = {g.blocks.shape[1]: g.rows.tolist() for g in plan.decode_groups}
     # n = 1, 5 keep their whole cache; n = 13 (= G + L) and longer keep G + L = 13 keys
     assert sizes == {1: [0], 5: [1], 13: [2, 3, 4, 5, 29]}
-    assert plan.multi_query == (6, 7)
+    assert plan.multi_query == (6, 7, 9, 10)
+    shapes = {(g.n_queries, g.n_keys): g.requests for g in plan.multi_query_groups}
+    assert shapes == {(17, 17): (6, 9), (6, 29): (7, 10)}  # equal shapes: one batched call each
     long = next(g for g in plan.decode_groups if g.blocks.shape[1] == 13)
     assert long.positions[1].tolist() == [0, 1, 2, *range(4, 14)]  # n = 14: keys 0-2 and 4-13
     renum = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, sinks(3, 10), BLOCK)

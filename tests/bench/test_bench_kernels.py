@@ -13,7 +13,7 @@ import pytest
 
 from lcx.bench import kernels as bk
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _result(gpu="NVIDIA H100 80GB HBM3", **medians) -> dict:

@@ -1,0 +1,83 @@
+"""The last query of a call, fast: decode steps as one plain softmax attention per layer.
+
+A decode step asks one query per sequence. For every method but SWAT, that query's attention is
+plain softmax attention over a subset of the keys, each key rotated to some position
+(`AttentionMethod.last_query_keys`: a branch that moves the *query* — LM-Infinite's capped
+distance, StreamingLLM's renumbered sinks, Self-Extend's grouped positions — moves the key by
+the same relative amount instead). So the step is: rotate the query and the keys once, then one
+`scaled_dot_product_attention` call with a key mask, instead of the method's general path (two
+passes merged by log-sum-exp, or a doubled head dim) built for many queries.
+
+    plan = LastQueryPlan.build(method, rotary, n_keys=Tk, batch=B)   # once per step
+    out = plan.attend(q, k, v, scale=scale)                          # every layer sharing the rotary
+
+The tables depend only on the step's positions, so a caller that runs many layers with the same
+rotary (the vLLM plugin's decode step) builds the plan once. Rotation uses float64 angles rounded
+to tables in max(float32, input dtype), applied in that dtype — equal to `method.attend` within
+the tolerances of `lcx.testing` (tests/methods/test_last_query.py), not bit-identical to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lcx.attention import Rotary
+from lcx.rope import apply_rotary_ref, rope_cos_sin
+
+from .spec import AttentionMethod
+
+
+@dataclass(frozen=True)
+class LastQueryPlan:
+    """Rotation tables and key mask of one step's last queries (see the module docstring)."""
+
+    q_cos: torch.Tensor  # [B, 1, r]
+    q_sin: torch.Tensor
+    k_cos: torch.Tensor  # [B, Tk, r]
+    k_sin: torch.Tensor
+    mask: torch.Tensor | None  # [B, 1, 1, Tk] bool (True: attend), None: every key
+
+    @classmethod
+    def build(cls, method: AttentionMethod, rotary: Rotary, *, n_keys: int, batch: int,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LastQueryPlan | None:
+        """None if the method's last query is not plain softmax attention (then use `attend`)."""
+        pos = rotary.key_positions(n_keys, torch.device(device))
+        pos = pos.expand(batch, n_keys) if pos.dim() == 1 else pos
+        keys = method.last_query_keys(pos)
+        if keys is None:
+            return None
+        inv_freq, af = rotary.inv_freq.to(device), rotary.attention_factor
+        k_cos, k_sin = rope_cos_sin(keys.key_positions, inv_freq, af, dtype)
+        q_cos, q_sin = rope_cos_sin(pos[:, -1:], inv_freq, af, dtype)
+        mask = None
+        if keys.visible is not None and not bool(keys.visible.all()):
+            mask = keys.visible[:, None, None, :]
+        return cls(q_cos, q_sin, k_cos, k_sin, mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        """UNROTATED q `[B, 1, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` -> `[B, 1, H, Dv]`."""
+        wide = torch.promote_types(q.dtype, self.k_cos.dtype)
+        qr = apply_rotary_ref(q.to(wide), self.q_cos, self.q_sin).transpose(1, 2)  # [B, H, 1, D]
+        kr = apply_rotary_ref(k.to(wide), self.k_cos, self.k_sin).transpose(1, 2)  # [B, Hkv, Tk, D]
+        out = F.scaled_dot_product_attention(qr, kr, v.to(wide).transpose(1, 2), attn_mask=self.mask,
+                                             scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2).to(v.dtype)
+
+
+def attend_last_query(method: AttentionMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      rotary: Rotary, scale: float | None = None) -> torch.Tensor:
+    """`method.attend(q, k, v, ...)` for one query per row (Tq = 1), through `LastQueryPlan` where
+    the method allows it (else `attend` itself)."""
+    if q.shape[1] != 1:
+        raise ValueError(f"attend_last_query takes one query per row, got Tq={q.shape[1]}")
+    plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device,
+                               dtype=torch.promote_types(q.dtype, torch.float32))
+    if plan is None:
+        return method.attend(q, k, v, rotary=rotary, scale=scale)
+    return plan.attend(q, k, v, scale=scale)
+
+
+__all__ = ["LastQueryPlan", "attend_last_query"]
