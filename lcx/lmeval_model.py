@@ -21,8 +21,11 @@ Methods come from `--model_args` keys:
   `sdpa`, `ref`, ...) and `attn_decode_backend` the one of single-token calls (default: the same).
 
 Everything else is lm-eval's HFLM (this class subclasses it with the model preloaded), which
-does loglikelihood, loglikelihood_rolling and generate_until with the method in effect. One
-difference: HFLM truncates inputs to the model's `max_position_embeddings`; here `max_length`
+does loglikelihood, loglikelihood_rolling and generate_until with the method in effect; the
+tokens of generate_until come from `lcx.engine` (lcx's one decode loop: batched, with the
+attention method's bounded per-row cache) instead of HF `generate` — HFLM still encodes,
+truncates, stops and post-processes. Generation kwargs the engine does not take (beam search,
+`num_beams`, ...) raise `ValueError` naming them. One more difference: HFLM truncates inputs to the model's `max_position_embeddings`; here `max_length`
 defaults to `DEFAULT_MAX_LENGTH` (2**20 tokens), so prompts beyond the original context reach
 the model whole, which is the point of extrapolation. Pass `max_length=N` for HFLM's
 left-truncation at N. `batch_size=auto` probes memory at `max_length` and so needs an explicit,
@@ -38,6 +41,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from lcx.engine import Engine, EngineConfig, SamplingParams
 from lcx.method_config import INFERENCE_BACKEND, ROPE_KEYS, MethodConfig
 from lcx.methods.spec import ATTENTION_METHODS
 
@@ -80,6 +84,27 @@ def split_model_args(kwargs: dict[str, Any]) -> tuple[MethodConfig, dict[str, An
     return MethodConfig.from_dict(methods).with_default_backend(DEFAULT_ATTN_BACKEND), hflm
 
 
+# HF generation kwargs lm-eval tasks send and what they mean for `SamplingParams`
+_GEN_KWARGS = {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "attention_mask"}
+
+
+def _sampling_params(kwargs: dict[str, Any], max_tokens: int, stop: list[str]) -> SamplingParams:
+    """HF `generate` kwargs (lm-eval's `gen_kwargs`, normalised by HFLM) -> `SamplingParams`.
+    Greedy unless `do_sample` (HF's rule: temperature alone does not sample)."""
+    unknown = sorted(set(kwargs) - _GEN_KWARGS)
+    if unknown:
+        raise ValueError(f"lcx model: generation kwargs {unknown} are not supported by lcx.engine; "
+                         f"supported: {sorted(_GEN_KWARGS - {'attention_mask'})}")
+    sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
+    return SamplingParams(
+        max_tokens=max(0, max_tokens), stop=tuple(stop or ()),
+        temperature=float(kwargs.get("temperature", 1.0)) if sample else 0.0,
+        top_p=float(kwargs.get("top_p", 1.0)) if sample else 1.0,
+        top_k=int(kwargs.get("top_k", 0) or 0) if sample else 0,
+        min_p=float(kwargs.get("min_p", 0.0) or 0.0) if sample else 0.0,
+        repetition_penalty=float(kwargs.get("repetition_penalty", 1.0)))
+
+
 def _device(device: str | None) -> str:
     # lm-eval's CLI defaults to cuda:0; like HFLM, fall back to the CPU when there is no GPU.
     if device and device.startswith("cuda") and not torch.cuda.is_available():
@@ -102,7 +127,9 @@ class LcxLM(HFLM):
             raise TypeError("lcx model: pretrained must be a path or preset name (a string)")
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         model, tokenizer = lcx.load_model(pretrained, dtype=dtype, device=_device(device))
-        cfg.apply(model)
+        # the engine applies the methods (as `cfg.apply` would) and keeps them for HFLM's forwards
+        self.lcx_engine = Engine(model, tokenizer, EngineConfig(
+            methods=cfg, max_model_len=int(hflm.get("max_length") or DEFAULT_MAX_LENGTH)))
         self.lcx_config = cfg
         self.lcx_spec = current_spec(model)  # the RoPE spec resolved against the model, or None
         if cfg.rope is not None:
@@ -111,6 +138,29 @@ class LcxLM(HFLM):
         hflm.setdefault("max_length", DEFAULT_MAX_LENGTH)
         super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **hflm)
         self.pretrained = pretrained  # a name for lm-eval's results, not the model object
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
+                        **generation_kwargs: Any) -> torch.Tensor:
+        """HFLM's generation hook, run by `lcx.engine`: `context` `[B, T]` (left-padded with the
+        pad token, as HFLM's `tok_batch_encode` pads) -> `[B, max_length]`-or-shorter ids, context
+        then continuation, finished rows padded with the pad token (as HF `generate` returns)."""
+        params = _sampling_params(generation_kwargs, max_length - context.shape[1], stop)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.lcx_engine.pad_id
+        attention_mask = generation_kwargs.get("attention_mask")
+        rows = []
+        for b, row in enumerate(context.tolist()):
+            if attention_mask is not None:
+                row = [t for t, m in zip(row, attention_mask[b].tolist()) if m]
+            else:  # strip HFLM's left padding
+                first = next((i for i, t in enumerate(row) if t != pad), len(row))
+                row = row[first:]
+            rows.append(row)
+        outs = self.lcx_engine.generate(rows, params)
+        width = max(len(o.token_ids) for o in outs)
+        cont = torch.full((len(outs), width), pad, dtype=context.dtype)
+        for b, o in enumerate(outs):
+            cont[b, : len(o.token_ids)] = torch.tensor(o.token_ids, dtype=context.dtype)
+        return torch.cat((context.cpu(), cont), dim=1).to(context.device)
 
     def get_model_info(self) -> dict:
         """What lm-eval records about the model: no hub lookups (HFLM asks the hub for a SHA)."""

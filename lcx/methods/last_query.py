@@ -4,7 +4,8 @@ A decode step asks one query per sequence. For every method but SWAT, that query
 plain softmax attention over a subset of the keys, each key rotated to some position
 (`AttentionMethod.last_query_keys`: a branch that moves the *query* — LM-Infinite's capped
 distance, StreamingLLM's renumbered sinks, Self-Extend's grouped positions — moves the key by
-the same relative amount instead). So the step is: rotate the query and the keys once, then one
+the same relative amount instead). Only relative rotations matter, so the query stays unrotated
+and each key is rotated by (its position - the query's): one rotation of the keys, then one
 `scaled_dot_product_attention` call with a key mask, instead of the method's general path (two
 passes merged by log-sum-exp, or a doubled head dim) built for many queries.
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lcx.attention import Rotary
-from lcx.rope import apply_rotary_ref, rope_cos_sin
+from lcx.rope import rope_cos_sin
 
 from .spec import AttentionMethod
 
@@ -34,10 +35,8 @@ from .spec import AttentionMethod
 class LastQueryPlan:
     """Rotation tables and key mask of one step's last queries (see the module docstring)."""
 
-    q_cos: torch.Tensor  # [B, 1, r]
-    q_sin: torch.Tensor
-    k_cos: torch.Tensor  # [B, Tk, r]
-    k_sin: torch.Tensor
+    k_cos: torch.Tensor  # [B, Tk, 1, r]  (head axis for broadcasting), scaled by attention_factor^2
+    k_sin: torch.Tensor  # [B, Tk, 1, r]  sign-folded: [-sin | sin] (see `_rotate`)
     mask: torch.Tensor | None  # [B, 1, 1, Tk] bool (True: attend), None: every key
 
     @classmethod
@@ -49,22 +48,38 @@ class LastQueryPlan:
         keys = method.last_query_keys(pos)
         if keys is None:
             return None
-        inv_freq, af = rotary.inv_freq.to(device), rotary.attention_factor
-        k_cos, k_sin = rope_cos_sin(keys.key_positions, inv_freq, af, dtype)
-        q_cos, q_sin = rope_cos_sin(pos[:, -1:], inv_freq, af, dtype)
+        # the query stays unrotated: a.R(p_q)q . a.R(p_k)k = q . a^2 R(p_k - p_q)k
+        rel = keys.key_positions - pos[:, -1:]
+        k_cos, k_sin = _tables(rel, rotary.inv_freq.to(device), rotary.attention_factor ** 2, dtype)
         mask = None
         if keys.visible is not None and not bool(keys.visible.all()):
             mask = keys.visible[:, None, None, :]
-        return cls(q_cos, q_sin, k_cos, k_sin, mask)
+        return cls(k_cos, k_sin, mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
         """UNROTATED q `[B, 1, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` -> `[B, 1, H, Dv]`."""
         wide = torch.promote_types(q.dtype, self.k_cos.dtype)
-        qr = apply_rotary_ref(q.to(wide), self.q_cos, self.q_sin).transpose(1, 2)  # [B, H, 1, D]
-        kr = apply_rotary_ref(k.to(wide), self.k_cos, self.k_sin).transpose(1, 2)  # [B, Hkv, Tk, D]
-        out = F.scaled_dot_product_attention(qr, kr, v.to(wide).transpose(1, 2), attn_mask=self.mask,
+        kr = _rotate(k.to(wide), self.k_cos, self.k_sin).transpose(1, 2)  # [B, Hkv, Tk, D], relative to q
+        out = F.scaled_dot_product_attention(q.to(wide).transpose(1, 2), kr, v.to(wide).transpose(1, 2), attn_mask=self.mask,
                                              scale=scale, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2).to(v.dtype)
+
+
+def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, af: float, dtype: torch.dtype):
+    """cos and sign-folded sin `[B, T, 1, r]`: sin_signed = [-sin(a) | sin(a)] for the halves."""
+    cos, sin = rope_cos_sin(positions, inv_freq, af, dtype)
+    h = sin.shape[-1] // 2
+    return cos.unsqueeze(-2), torch.cat((-sin[..., :h], sin[..., h:]), dim=-1).unsqueeze(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`lcx.rope.apply_rotary_ref` in two fused ops: x*cos + swap_halves(x)*sin_signed (rotary
+    dim r = cos.shape[-1]; channels past r pass through)."""
+    r = cos.shape[-1]
+    xr = x[..., :r]
+    h = r // 2
+    out = torch.addcmul(xr * cos, torch.cat((xr[..., h:], xr[..., :h]), dim=-1), sin_signed)
+    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
 def attend_last_query(method: AttentionMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -39,6 +39,7 @@ from typing import ClassVar
 import torch
 
 from lcx.attention import AttentionSpec, Rotary, attention, merge_attention
+from lcx.attention.rotary import table_dtype
 from lcx.masks import causal_mask
 from lcx.masks import sliding_window as sliding_window_mask
 from lcx.masks.base import check_count
@@ -54,8 +55,9 @@ def grouped_positions(pos: torch.Tensor, group_size: int, window: int, *, query:
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-    """x `[B, T, H, D]` rotated to `positions` `[T]` or `[B, T]` (float64 tables, rounded once)."""
-    cos, sin = rope_cos_sin(positions, rotary.inv_freq, rotary.attention_factor, torch.float64)
+    """x `[B, T, H, D]` rotated to `positions` `[T]` or `[B, T]` (float64 angles, tables in
+    `lcx.attention.rotary.table_dtype`, as every lcx.attention call rotates)."""
+    cos, sin = rope_cos_sin(positions, rotary.inv_freq, rotary.attention_factor, table_dtype(x.dtype))
     return apply_rotary_ref(x, cos, sin)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, merge_attention, normalize_scores
 from lcx.attention.reference import gqa_scores, gqa_weighted_values
-from lcx.attention.rotary import lambda_global_mask, rotate_qk
+from lcx.attention.rotary import lambda_global_mask, rotate_qk, table_dtype
 from lcx.masks import attention_sinks, mask_matrix, sliding_window
 from lcx.masks.base import check_count, default_q_offset
 from lcx.rope import apply_rotary_ref, rope_cos_sin
@@ -42,7 +42,7 @@ def _sink_query_positions(rotary: Rotary, n_keys: int, q_offset: int, n_queries:
 
 
 def _rotate(x: torch.Tensor, rotary: Rotary, positions: torch.Tensor) -> torch.Tensor:
-    cos, sin = rope_cos_sin(positions, rotary.inv_freq.to(x.device), rotary.attention_factor, torch.float64)
+    cos, sin = rope_cos_sin(positions, rotary.inv_freq.to(x.device), rotary.attention_factor, table_dtype(x.dtype))
     return apply_rotary_ref(x, cos, sin)
 
 

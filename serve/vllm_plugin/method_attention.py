@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lcx.attention import Rotary
+from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
 from lcx.methods.last_query import LastQueryPlan
@@ -62,16 +63,18 @@ from lcx.methods.last_query import LastQueryPlan
 class _MethodAttention:
     """What a switched layer's impl runs: `forward` and `do_kv_cache_update` are bound onto the
     impl instance (as `lcx.methods.patch_attention` does for HF layers); `lcx_method`,
-    `lcx_inv_freq`, `lcx_attention_factor` are set on it by `switch_to_method`."""
+    `lcx_inv_freq`, `lcx_attention_factor`, `lcx_backend` are set on it by `switch_to_method`."""
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # kv_cache: [num_blocks, Hkv, block_size, 2 * D]; keys in [..., :D], values in [..., D:].
-        block_size, d = kv_cache.shape[2], key.shape[-1]
         slots = slot_mapping[: key.shape[0]].long()
         keep = slots >= 0  # -1: padding tokens
-        blk, off = slots[keep] // block_size, slots[keep] % block_size
-        kv_cache[blk, :, off, :d] = key[: slots.shape[0]][keep].to(kv_cache.dtype)  # [N, Hkv, D]
-        kv_cache[blk, :, off, d:] = value[: slots.shape[0]][keep].to(kv_cache.dtype)
+        n = slots.shape[0]
+        kv = torch.cat((key[:n], value[:n]), dim=-1)  # [N, Hkv, 2D]: one indexed write
+        if not bool(keep.all()):
+            kv, slots = kv[keep], slots[keep]
+        rows = _cache_rows(slots // kv_cache.shape[2], slots % kv_cache.shape[2], kv_cache.shape)  # [N, Hkv]
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, rows.flatten(), kv.reshape(-1, kv.shape[-1]).to(kv_cache.dtype))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -83,8 +86,10 @@ class _MethodAttention:
         num_blocks, hkv, block_size, two_d = kv_cache.shape
         d = two_d // 2
         plan = _step_plan(attn_metadata, self.lcx_method, block_size)
+        flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
-            kv = kv_cache[g.blocks, :, g.offsets]  # [B, K, Hkv, 2D]
+            B, K = g.blocks.shape
+            kv = flat.index_select(0, _cache_rows(g.blocks, g.offsets, kv_cache.shape).flatten()).view(B, K, hkv, two_d)
             q = query[g.rows][:, None]  # [B, 1, H, D]
             out = g.attend(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor,
                            q, kv[..., :d], kv[..., d:], self.scale)
@@ -94,9 +99,13 @@ class _MethodAttention:
             B, n_blk = g.blocks.shape
             kv = kv_cache[g.blocks].permute(0, 1, 3, 2, 4).reshape(B, n_blk * block_size, hkv, two_d)[:, :g.n_keys]
             q = query[g.token_rows].view(B, g.n_queries, *query.shape[1:])  # the last Tq of the Tk keys
-            out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale)
+            out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale,
+                                         backend=self.lcx_backend)
             output[g.token_rows] = out.reshape(B * g.n_queries, *out.shape[2:]).to(output.dtype)
         return output
+
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -107,18 +116,20 @@ class _DecodeGroup:
     blocks: torch.Tensor  # [B, K] physical block of each kept key
     offsets: torch.Tensor  # [B, K] offset in that block
     positions: torch.Tensor  # [B, K] rotary position of each kept key
-    # rotary (inv_freq, attention factor) -> its LastQueryPlan (or None: the method's own attend);
-    # built by the first layer of the step, reused by every layer with the same rotary
-    plans: dict = field(default_factory=dict, compare=False)
+    # (inv_freq, attention factor, its LastQueryPlan or None: the method's own attend), built by the
+    # first layer of the step and reused by every layer whose rotary has equal values (each layer
+    # holds its own inv_freq tensor)
+    plans: list = field(default_factory=list, compare=False)
 
     def attend(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         rotary = Rotary(inv_freq, self.positions, attention_factor)
-        key = (id(inv_freq), attention_factor)
-        if key not in self.plans:
-            self.plans[key] = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0],
-                                                  device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
-        plan = self.plans[key]
+        plan = next((pl for inv, af, pl in self.plans if af == attention_factor
+                     and (inv is inv_freq or torch.equal(inv, inv_freq))), _MISSING)
+        if plan is _MISSING:
+            plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device,
+                                       dtype=torch.promote_types(q.dtype, torch.float32))
+            self.plans.append((inv_freq, attention_factor, plan))
         if plan is None:  # not plain softmax attention (SWAT): the method's own path
             return method.attend(q, k, v, rotary=rotary, scale=scale)
         return plan.attend(q, k, v, scale=scale)
@@ -164,6 +175,14 @@ def _step_plan(attn_metadata, method: AttentionMethod, block_size: int) -> _Step
     except AttributeError:  # a metadata class with __slots__: every layer rebuilds the plan
         pass
     return plan
+
+
+def _cache_rows(blocks: torch.Tensor, offsets: torch.Tensor, cache_shape) -> torch.Tensor:
+    """Row indices `[..., Hkv]` into the cache viewed as `[num_blocks * Hkv * block_size, 2D]` of the
+    slots (blocks, offsets) `[...]`, every kv head."""
+    _, hkv, block_size, _ = cache_shape
+    heads = torch.arange(hkv, device=blocks.device)
+    return ((blocks[..., None] * hkv + heads) * block_size) + offsets[..., None]
 
 
 def _bounded(method: AttentionMethod) -> bool:
@@ -219,6 +238,12 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     return _StepPlan(tuple(groups), tuple(multi_groups))
 
 
+def prefill_backend(method: AttentionMethod) -> str:
+    """The `lcx.attention` backend of multi-query calls: lcx's fastest exact CPU route
+    (`INFERENCE_BACKEND`) where the method runs on it, else blockwise (SWAT's sigmoid)."""
+    return INFERENCE_BACKEND if method.supports(INFERENCE_BACKEND) is None else "blockwise"
+
+
 def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float) -> None:
     """Make vLLM `Attention` layer `attn_layer` run `method` on unrotated q/k (see module doc)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -230,5 +255,6 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     impl.do_kv_cache_update = types.MethodType(_MethodAttention.do_kv_cache_update, impl)
     impl.lcx_method = method
+    impl.lcx_backend = prefill_backend(method)
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)

@@ -369,3 +369,31 @@ def test_lcx_model_scores_beyond_the_original_context(yarn_lm, tiny_model_dir):
     gen = Instance("generate_until", doc={}, arguments=(ctx, {"until": ["\n"], "max_gen_toks": 4}), idx=0)
     (text,) = yarn_lm.generate_until([gen], disable_tqdm=True)
     assert isinstance(text, str) and len(yarn_lm.tokenizer(text, add_special_tokens=False).input_ids) <= 4
+
+
+def test_lcx_model_generates_with_the_engine_as_hf_generate_does(tiny_model_dir):
+    """generate_until's tokens come from lcx.engine (batched, bounded cache) and equal HF
+    `generate` on the same patched model, one request at a time (HF's batched generate cannot
+    pad an attention-method model); the engine really ran (its stats count the requests)."""
+    import types
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from lcx.lmeval_model import LcxLM
+
+    kw = dict(pretrained=str(tiny_model_dir), attention="lm_infinite", n_global=2, n_local=16,
+              rope_type="yarn", factor=2)
+    contexts = ["The quick brown fox jumps over the lazy dog. " * 3, "to be or not", "a b c d e f g h i j k l m n"]
+    gen = {"until": ["zz"], "max_gen_toks": 24, "do_sample": False}
+    reqs = [Instance("generate_until", None, (c, dict(gen)), i) for i, c in enumerate(contexts)]
+    lm = LcxLM(batch_size=3, **kw)
+    got = lm.generate_until(reqs)
+    assert sum(lm.lcx_engine.stats.finished.values()) == len(contexts) and lm.lcx_engine.stats.max_batch_size == 3
+    hf = LcxLM(batch_size=1, **kw)
+    hf._model_generate = types.MethodType(HFLM._model_generate, hf)
+    want = hf.generate_until([Instance("generate_until", None, (c, dict(gen)), i) for i, c in enumerate(contexts)])
+    assert got == want
+    assert all(len(g) > 0 for g in got)
+    with pytest.raises(ValueError, match="num_beams"):
+        lm.generate_until([Instance("generate_until", None, (contexts[1], {**gen, "num_beams": 2}), 0)])

@@ -17,7 +17,7 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
-from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan
+from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, prefill_backend
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
 METHODS = {
@@ -63,7 +63,8 @@ def _step(seed: int = 0):
 
 def _impl(method):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=inv_freq, lcx_attention_factor=1.0, scale=None)
+    impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=inv_freq, lcx_attention_factor=1.0, scale=None,
+                                 lcx_backend=prefill_backend(method))
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     return impl
 
@@ -127,3 +128,23 @@ def test_methods_vllm_kernels_lack_take_the_lcx_path():
     assert VllmMethods(attention=self_extend(2, 8)).needs_unrotated
     assert not VllmMethods(attention=sliding_window(window=16)).needs_unrotated
     assert not VllmMethods().needs_unrotated
+
+
+def test_kv_cache_update_writes_each_slot_and_skips_padding():
+    """`do_kv_cache_update`: token t's key/value land at slot_mapping[t] (block, offset) of every
+    kv head; -1 slots (padding) write nothing."""
+    g = torch.Generator().manual_seed(3)
+    n_blocks = 5
+    cache = torch.zeros(n_blocks, HKV, BLOCK, 2 * D, dtype=torch.float64)
+    key = torch.randn(6, HKV, D, generator=g, dtype=torch.float64)
+    value = torch.randn(6, HKV, D, generator=g, dtype=torch.float64)
+    slots = torch.tensor([17, 3, -1, 39, 8, -1])
+    _MethodAttention.do_kv_cache_update(None, None, key, value, cache, slots)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        torch.testing.assert_close(cache[s // BLOCK, :, s % BLOCK, :D], key[t], rtol=0, atol=0)
+        torch.testing.assert_close(cache[s // BLOCK, :, s % BLOCK, D:], value[t], rtol=0, atol=0)
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(n_blocks * BLOCK) if s not in written]
+    assert all(cache[s // BLOCK, :, s % BLOCK].abs().sum() == 0 for s in untouched)
