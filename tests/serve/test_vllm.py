@@ -18,7 +18,7 @@ Checks:
 - `lm_eval --model vllm` with `lcx vllm-args`' model_args (hf_overrides) scores lm-eval's
   `lcx_ppl` like `lm_eval --model lcx` with the same methods (in-process vLLM, no server).
 
-The default test run skips this module (pyproject addopts `-m "not vllm"`); without the vLLM
+The default test run skips this module (pyproject addopts `-m "not vllm and not slow"`); without the vLLM
 venv it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing venv fails.
 Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 9 minutes in all (14 tests).
 """
