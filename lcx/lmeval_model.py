@@ -25,8 +25,8 @@ does loglikelihood, loglikelihood_rolling and generate_until with the method in 
 tokens of generate_until come from `lcx.engine` (lcx's one decode loop: batched, with the
 attention method's bounded per-row cache) instead of HF `generate` — HFLM still encodes,
 truncates, stops and post-processes. Generation kwargs the engine does not take (beam search,
-`num_beams`, ...) raise `ValueError` naming them. One more difference: HFLM truncates inputs to the model's `max_position_embeddings`; here `max_length`
-defaults to `DEFAULT_MAX_LENGTH` (2**20 tokens), so prompts beyond the original context reach
+`num_beams`, ...) raise `ValueError` naming them. One more difference: HFLM truncates inputs
+to the model's `max_position_embeddings`; here `max_length` defaults to `DEFAULT_MAX_LENGTH` (2**20 tokens), so prompts beyond the original context reach
 the model whole, which is the point of extrapolation. Pass `max_length=N` for HFLM's
 left-truncation at N. `batch_size=auto` probes memory at `max_length` and so needs an explicit,
 realistic `max_length`.
@@ -141,20 +141,14 @@ class LcxLM(HFLM):
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
-        """HFLM's generation hook, run by `lcx.engine`: `context` `[B, T]` (left-padded with the
-        pad token, as HFLM's `tok_batch_encode` pads) -> `[B, max_length]`-or-shorter ids, context
-        then continuation, finished rows padded with the pad token (as HF `generate` returns)."""
+        """HFLM's generation hook, run by `lcx.engine`: `context` `[B, T]` (left-padded; HFLM passes
+        its `attention_mask`, 0 on padding) -> `[B, <= max_length]` ids, context then continuation,
+        finished rows padded with the pad token (as HF `generate` returns)."""
         params = _sampling_params(generation_kwargs, max_length - context.shape[1], stop)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.lcx_engine.pad_id
-        attention_mask = generation_kwargs.get("attention_mask")
-        rows = []
-        for b, row in enumerate(context.tolist()):
-            if attention_mask is not None:
-                row = [t for t, m in zip(row, attention_mask[b].tolist()) if m]
-            else:  # strip HFLM's left padding
-                first = next((i for i, t in enumerate(row) if t != pad), len(row))
-                row = row[first:]
-            rows.append(row)
+        mask = generation_kwargs.get("attention_mask")
+        rows = context.tolist() if mask is None else [
+            [t for t, m in zip(row, keep) if m] for row, keep in zip(context.tolist(), mask.tolist())]
         outs = self.lcx_engine.generate(rows, params)
         width = max(len(o.token_ids) for o in outs)
         cont = torch.full((len(outs), width), pad, dtype=context.dtype)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from lcx.attention import Rotary
+from lcx.attention.rotary import table_dtype
 from lcx.rope import rope_cos_sin
 
 from .spec import AttentionMethod
@@ -42,7 +43,8 @@ class LastQueryPlan:
     @classmethod
     def build(cls, method: AttentionMethod, rotary: Rotary, *, n_keys: int, batch: int,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LastQueryPlan | None:
-        """None if the method's last query is not plain softmax attention (then use `attend`)."""
+        """None if the method's last query is not plain softmax attention (then use `attend`).
+        `dtype`: the inputs' dtype; tables are in `lcx.attention.rotary.table_dtype(dtype)`."""
         pos = rotary.key_positions(n_keys, torch.device(device))
         pos = pos.expand(batch, n_keys) if pos.dim() == 1 else pos
         keys = method.last_query_keys(pos)
@@ -50,7 +52,7 @@ class LastQueryPlan:
             return None
         # the query stays unrotated: a.R(p_q)q . a.R(p_k)k = q . a^2 R(p_k - p_q)k
         rel = keys.key_positions - pos[:, -1:]
-        k_cos, k_sin = _tables(rel, rotary.inv_freq.to(device), rotary.attention_factor ** 2, dtype)
+        k_cos, k_sin = _tables(rel, rotary.inv_freq.to(device), rotary.attention_factor ** 2, table_dtype(dtype))
         mask = None
         if keys.visible is not None and not bool(keys.visible.all()):
             mask = keys.visible[:, None, None, :]
@@ -60,8 +62,8 @@ class LastQueryPlan:
         """UNROTATED q `[B, 1, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` -> `[B, 1, H, Dv]`."""
         wide = torch.promote_types(q.dtype, self.k_cos.dtype)
         kr = _rotate(k.to(wide), self.k_cos, self.k_sin).transpose(1, 2)  # [B, Hkv, Tk, D], relative to q
-        out = F.scaled_dot_product_attention(q.to(wide).transpose(1, 2), kr, v.to(wide).transpose(1, 2), attn_mask=self.mask,
-                                             scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+        out = F.scaled_dot_product_attention(q.to(wide).transpose(1, 2), kr, v.to(wide).transpose(1, 2),
+                                             attn_mask=self.mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2).to(v.dtype)
 
 
@@ -88,8 +90,7 @@ def attend_last_query(method: AttentionMethod, q: torch.Tensor, k: torch.Tensor,
     the method allows it (else `attend` itself)."""
     if q.shape[1] != 1:
         raise ValueError(f"attend_last_query takes one query per row, got Tq={q.shape[1]}")
-    plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device,
-                               dtype=torch.promote_types(q.dtype, torch.float32))
+    plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device, dtype=q.dtype)
     if plan is None:
         return method.attend(q, k, v, rotary=rotary, scale=scale)
     return plan.attend(q, k, v, scale=scale)

@@ -87,7 +87,9 @@ def apply_rotary_ref(
         out = (xr * cos_h - rotate_half(xr) * sin_h) / (cos_h * cos_h + sin_h * sin_h)
     else:
         out = xr * cos_h + rotate_half(xr) * sin_h
-    return torch.cat((out.to(x.dtype), xp), dim=-1)
+    out = out.to(x.dtype)
+    # (the full-width case skips a copy through cat; contiguous as cat's result was)
+    return out.contiguous() if r == x.shape[-1] else torch.cat((out, xp), dim=-1)
 
 
 def rotate_by_positions_ref(

@@ -30,8 +30,8 @@ Two paths, both the method's own `attend`:
   the step's first layer and reused by the others), tested equal to `method.attend`.
 - prefill and chunked prefill (several queries per request): requests with equal numbers of
   queries and keys (e.g. prompts of equal length arriving together) are one batched call on
-  their whole caches, gathered through their block tables; others one call each
-  (O(Tq * (G + L)) memory with the blockwise backend).
+  their whole caches, gathered through their block tables; others one call each; on
+  `prefill_backend(method)` (flash where the method runs on it, else blockwise).
 
 KV memory: the cache keeps every block. vLLM 0.32's KV manager frees blocks only for layers
 whose KV spec says so: `SlidingWindowSpec` frees everything before the window (LM-Infinite's
@@ -74,7 +74,8 @@ class _MethodAttention:
         if not bool(keep.all()):
             kv, slots = kv[keep], slots[keep]
         rows = _cache_rows(slots // kv_cache.shape[2], slots % kv_cache.shape[2], kv_cache.shape)  # [N, Hkv]
-        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, rows.flatten(), kv.reshape(-1, kv.shape[-1]).to(kv_cache.dtype))
+        flat = kv_cache.view(-1, kv_cache.shape[-1])  # rows (block, head, offset), as `forward` reads them
+        flat.index_copy_(0, rows.flatten(), kv.reshape(-1, kv.shape[-1]).to(kv_cache.dtype))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -128,7 +129,7 @@ class _DecodeGroup:
                      and (inv is inv_freq or torch.equal(inv, inv_freq))), _MISSING)
         if plan is _MISSING:
             plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device,
-                                       dtype=torch.promote_types(q.dtype, torch.float32))
+                                       dtype=q.dtype)
             self.plans.append((inv_freq, attention_factor, plan))
         if plan is None:  # not plain softmax attention (SWAT): the method's own path
             return method.attend(q, k, v, rotary=rotary, scale=scale)
