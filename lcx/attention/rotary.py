@@ -3,8 +3,8 @@
 Rotation itself is `lcx.rope.apply_rotary_ref` with tables whose angles are formed in float64,
 rounded to max(float32, input dtype) and applied in that dtype (`table_dtype`; float32 tables
 as the Triton/CUDA kernels build them), so every backend sees bit-identical rotated inputs.
-(Applying float64 tables to float32 inputs cost 10-30x the float32 rotation on CPU, for a
-difference of one rounding.)
+(Applying float64 tables to float32 inputs cost 10-30x the float32 rotation on CPU in a one-off
+measurement on the 2-core dev machine, for a difference of one rounding.)
 
 LM-Infinite's distance cap (arXiv 2308.16137, official `models/llama.py`): a global key is
 scored with the key UNROTATED and the query rotated by `d = min(limit_distance, Tk - 1)`.
