@@ -67,11 +67,53 @@ class LastQueryPlan:
         return out.transpose(1, 2).to(v.dtype)
 
 
+@dataclass(frozen=True)
+class RelativeKeys:
+    """Which keys each of a call's last Tq queries sees and at what relative position, as rows of
+    small rotation tables (what `lcx.kernels.cpu.paged_relative_attention_cpu` reads).
+
+    index: `[Bd, Tq, Tk]` int64, the table row of (query, key), -1 where not visible
+           (Bd = 1: shared by every request of the call, else one per request);
+    cos:   `[U, r/2]` cos of the angles of each distinct relative position (key - query), one
+           per rotary pair (the halves of `rope_cos_sin`'s tables are equal), x attention_factor^2;
+    sin:   `[U, r/2]` sin of the same.
+    """
+
+    index: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, method: AttentionMethod, rotary: Rotary, *, n_keys: int, n_queries: int = 1,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> RelativeKeys | None:
+        """From `method.query_keys` (None where the method is not plain softmax attention).
+        Rotary positions `[Tk]` (or None: 0..Tk-1) give Bd = 1, `[B, Tk]` give Bd = B."""
+        pos = rotary.key_positions(n_keys, torch.device(device))
+        pos = pos[None] if pos.dim() == 1 else pos  # [Bd, Tk]
+        keys = method.query_keys(pos, n_queries)
+        if keys is None:
+            return None
+        rel = keys.key_positions - pos[:, n_keys - n_queries:, None]  # [Bd, Tq, Tk]
+        visible = torch.ones_like(rel, dtype=torch.bool) if keys.visible is None else keys.visible
+        uniq, inverse = torch.unique(rel[visible], return_inverse=True)
+        index = torch.full(rel.shape, -1, dtype=torch.long, device=rel.device)
+        index[visible] = inverse
+        cos, sin = rope_cos_sin(uniq, rotary.inv_freq.to(device), rotary.attention_factor ** 2, table_dtype(dtype))
+        h = sin.shape[-1] // 2
+        return cls(index, cos[:, :h].contiguous(), sin[:, :h].contiguous())
+
+
 def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, af: float, dtype: torch.dtype):
-    """cos and sign-folded sin `[B, T, 1, r]`: sin_signed = [-sin(a) | sin(a)] for the halves."""
-    cos, sin = rope_cos_sin(positions, inv_freq, af, dtype)
+    """cos and sign-folded sin `[B, T, 1, r]`: sin_signed = [-sin(a) | sin(a)] for the halves.
+
+    A step's relative positions repeat across rows (every full compressed cache has its keys at
+    the same distances from its query), so the trigonometry runs on the distinct positions only
+    and is gathered back: elementwise per position, hence bit-identical to the direct tables."""
+    uniq, index = torch.unique(positions, return_inverse=True)
+    cos, sin = rope_cos_sin(uniq, inv_freq, af, dtype)  # [U, r]
     h = sin.shape[-1] // 2
-    return cos.unsqueeze(-2), torch.cat((-sin[..., :h], sin[..., h:]), dim=-1).unsqueeze(-2)
+    sin_signed = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+    return cos[index].unsqueeze(-2), sin_signed[index].unsqueeze(-2)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -96,4 +138,4 @@ def attend_last_query(method: AttentionMethod, q: torch.Tensor, k: torch.Tensor,
     return plan.attend(q, k, v, scale=scale)
 
 
-__all__ = ["LastQueryPlan", "attend_last_query"]
+__all__ = ["LastQueryPlan", "RelativeKeys", "attend_last_query"]

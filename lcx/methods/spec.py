@@ -103,6 +103,26 @@ class AttentionMethod:
         `lcx.methods.last_query` runs it; tested equal to `attend` for every method."""
         return None
 
+    def query_keys(self, positions: torch.Tensor, n_queries: int) -> "LastQueryKeys | None":
+        """`last_query_keys` for each of the call's last `n_queries` queries (query t is key
+        Tk - n_queries + t, the convention of every lcx call): `visible` and `key_positions`
+        `[B, Tq, Tk]`, key positions to be read relative to query t's own position. Default:
+        query t sees what the last query of the call cut after it would see (right for methods
+        whose query depends only on the keys up to it; a method whose queries also depend on
+        the call's length, like LM-Infinite's cap, overrides this). None: not plain softmax."""
+        Tk = positions.shape[-1]
+        vis, pos = [], []
+        for t in range(n_queries):
+            n = Tk - n_queries + t + 1
+            lq = self.last_query_keys(positions[..., :n])
+            if lq is None:
+                return None
+            pad = Tk - n
+            seen = torch.ones_like(positions[..., :n], dtype=torch.bool) if lq.visible is None else lq.visible
+            vis.append(torch.nn.functional.pad(seen, (0, pad), value=False))
+            pos.append(torch.nn.functional.pad(lq.key_positions, (0, pad), value=0))
+        return LastQueryKeys(torch.stack(vis, dim=-2), torch.stack(pos, dim=-2))
+
     # --------------------------------------------------------------- what a bounded cache keeps
     @property
     def cache_window(self) -> tuple[int, int] | None:
@@ -208,6 +228,20 @@ class LMInfinite(AttentionMethod):
         d = LambdaParams(self.n_global, self.n_local, self.limit_distance).effective_limit(Tk)
         eff = torch.where(glob, positions[..., -1:] - d, positions)
         return LastQueryKeys((local | glob).expand_as(positions), eff)
+
+    def query_keys(self, positions, n_queries):
+        # every query of the call scores its out-of-window global keys at the call's distance
+        # min(limit, Tk - 1) (not its own prefix's): the same rule as `last_query_keys`, per query
+        Tk = positions.shape[-1]
+        i = torch.arange(Tk - n_queries, Tk, device=positions.device)[:, None]  # [Tq, 1]
+        j = torch.arange(Tk, device=positions.device)  # [Tk]
+        local = (j <= i) & (j > i - self.n_local)
+        glob = (j < self.n_global) & (j <= i) & ~local
+        d = LambdaParams(self.n_global, self.n_local, self.limit_distance).effective_limit(Tk)
+        p = positions[..., None, :]  # [B, 1, Tk]
+        p_query = positions[..., Tk - n_queries:, None]  # [B, Tq, 1]
+        eff = torch.where(glob, p_query - d, p)
+        return LastQueryKeys((local | glob).expand_as(eff), eff)
 
     def check_bounded(self) -> None:
         # The global branch rotates the query to min(limit_distance, Tk - 1). A compressed

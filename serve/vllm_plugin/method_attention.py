@@ -14,24 +14,32 @@ This module runs them exactly instead:
   semantics, RoPE included, with the queries the last Tq of the keys (lcx's convention, which is
   also how vLLM schedules prefill, chunked prefill and decode).
 
-Two paths, both the method's own `attend`:
+Two paths, both exactly the method's semantics:
 
 - decode (one query per request), batched: every method here is bounded (`cache_window` =
   (n_first, n_recent): a query sees only the first n_first and the last n_recent keys), and on
   that compressed set of keys it computes exactly what it computes on the full cache
   (`lcx.methods.bounded_cache`: keys rotated by their true positions, or by their slot in the
-  compressed set for StreamingLLM's renumbering). So the decode rows of a step are gathered from
-  the paged cache as `[B, n_first + n_recent, Hkv, D]` (rows of a shorter request, whose
-  compressed set is its whole cache, are grouped by length) and each group is one batched call,
-  with per-row rotary positions. The gather plan (block/offset/position indices) depends only
-  on the step's metadata, so it is built once per step and shared by every layer. Each call is
-  `lcx.methods.last_query.LastQueryPlan.attend`: one query per row is plain softmax attention
-  over keys rotated to method-given positions (one SDPA call; the rotation tables are built by
-  the step's first layer and reused by the others), tested equal to `method.attend`.
+  compressed set for StreamingLLM's renumbering). So the decode rows of a step are grouped by
+  the length of their compressed set (shorter requests keep their whole cache) and each group
+  is one call. The plan (blocks, offsets, positions of the kept keys) depends only on the step's
+  metadata, so it is built once per step and shared by every layer.
 - prefill and chunked prefill (several queries per request): requests with equal numbers of
-  queries and keys (e.g. prompts of equal length arriving together) are one batched call on
-  their whole caches, gathered through their block tables; others one call each; on
-  `prefill_backend(method)` (flash where the method runs on it, else blockwise).
+  queries and keys (e.g. prompts of equal length arriving together) are one call over their
+  whole caches.
+
+Each call runs on `lcx.kernels.cpu.paged_relative_attention_cpu` (C++, compiled on first use;
+`decode_kernel()`): for every method but SWAT a query's attention is plain softmax over a subset
+of keys, each at a method-given position relative to the query (`AttentionMethod.query_keys`,
+as `lcx.methods.last_query.RelativeKeys`: visibility and small rotation tables, built once per
+step for decode and once per shape for prefill), so the kernel reads the kept keys straight
+from the paged cache, rotates them relative to the unrotated query, and does the masked
+softmax in one pass: no gather copy, no rotated-key temporaries, one call per group and layer.
+Where the extension cannot build (no compiler or ninja; logged), or for SWAT's sigmoid, the
+torch route runs instead: decode gathers the kept keys (`index_select`) and calls
+`LastQueryPlan.attend` (one SDPA), prefill calls the method's `attend` on
+`prefill_backend(method)` (flash where the method runs on it, else blockwise). Both routes are
+tested against `method.attend` (tests/serve/test_vllm_plugin_decode.py).
 
 KV memory: the cache keeps every block. vLLM 0.32's KV manager frees blocks only for layers
 whose KV spec says so: `SlidingWindowSpec` frees everything before the window (LM-Infinite's
@@ -48,6 +56,7 @@ selected through the documented `--attention-backend` route).
 
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass, field
 
@@ -57,7 +66,11 @@ from lcx.attention import Rotary
 from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
-from lcx.methods.last_query import LastQueryPlan
+from lcx.methods.last_query import LastQueryPlan, RelativeKeys
+
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # `lcx.kernels.cpu.relative_attention.DTYPES`
+
+_log = logging.getLogger(__name__)
 
 
 class _MethodAttention:
@@ -88,25 +101,44 @@ class _MethodAttention:
         d = two_d // 2
         plan = _step_plan(attn_metadata, self.lcx_method, block_size)
         flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
+        fused = (self.lcx_kernel == "cpp" and query.dtype == kv_cache.dtype == output.dtype
+                 and query.dtype in FUSED_DTYPES)
+        if fused:
+            from lcx.kernels.cpu import paged_relative_attention_cpu
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
             B, K = g.blocks.shape
-            kv = flat.index_select(0, _cache_rows(g.blocks, g.offsets, kv_cache.shape).flatten()).view(B, K, hkv, two_d)
+            rows = g.cache_rows(kv_cache.shape)  # [B, K, Hkv]
+            if fused:  # gather + relative rotation + masked softmax in one C++ call
+                keys = g.relative_keys(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor, query.dtype)
+                if keys is not None:
+                    paged_relative_attention_cpu(query, flat, rows, g.rows[:, None], keys, scale=self.scale,
+                                                 out=output)
+                    continue
+            kv = flat.index_select(0, rows.flatten()).view(B, K, hkv, two_d)
             q = query[g.rows][:, None]  # [B, 1, H, D]
-            out = g.attend(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor,
-                           q, kv[..., :d], kv[..., d:], self.scale)
+            lq = g.plan(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor, query.dtype)
+            if lq is None:  # not plain softmax attention (SWAT): the method's own path
+                out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], scale=self.scale,
+                                             rotary=Rotary(self.lcx_inv_freq, g.positions, self.lcx_attention_factor))
+            else:
+                out = lq.attend(q, kv[..., :d], kv[..., d:], scale=self.scale)
             output[g.rows] = out[:, 0].to(output.dtype)
         rotary = Rotary(self.lcx_inv_freq, None, self.lcx_attention_factor)
         for g in plan.multi_query_groups:  # one batched call per group of equally shaped requests
             B, n_blk = g.blocks.shape
+            if fused:
+                keys = _prefill_keys(self, g.n_keys, g.n_queries, query.dtype)
+                if keys is not None:
+                    paged_relative_attention_cpu(query, flat, g.cache_rows(kv_cache.shape),
+                                                 g.token_rows.view(B, g.n_queries), keys, scale=self.scale,
+                                                 out=output)
+                    continue
             kv = kv_cache[g.blocks].permute(0, 1, 3, 2, 4).reshape(B, n_blk * block_size, hkv, two_d)[:, :g.n_keys]
             q = query[g.token_rows].view(B, g.n_queries, *query.shape[1:])  # the last Tq of the Tk keys
             out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale,
                                          backend=self.lcx_backend)
             output[g.token_rows] = out.reshape(B * g.n_queries, *out.shape[2:]).to(output.dtype)
         return output
-
-
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -117,23 +149,40 @@ class _DecodeGroup:
     blocks: torch.Tensor  # [B, K] physical block of each kept key
     offsets: torch.Tensor  # [B, K] offset in that block
     positions: torch.Tensor  # [B, K] rotary position of each kept key
-    # (inv_freq, attention factor, its LastQueryPlan or None: the method's own attend), built by the
-    # first layer of the step and reused by every layer whose rotary has equal values (each layer
-    # holds its own inv_freq tensor)
+    # (inv_freq, attention factor, dtype, its LastQueryPlan or None: the method's own attend), built
+    # by the first layer of the step and reused by every layer whose rotary has equal values (each
+    # layer holds its own inv_freq tensor)
     plans: list = field(default_factory=list, compare=False)
+    keys: list = field(default_factory=list, compare=False)  # the same for `RelativeKeys` (the C++ kernel)
+    row_index: dict = field(default_factory=dict, compare=False)  # cache shape -> `_cache_rows` [B, K, Hkv]
 
-    def attend(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
-               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        rotary = Rotary(inv_freq, self.positions, attention_factor)
-        plan = next((pl for inv, af, pl in self.plans if af == attention_factor
-                     and (inv is inv_freq or torch.equal(inv, inv_freq))), _MISSING)
-        if plan is _MISSING:
-            plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device,
-                                       dtype=q.dtype)
-            self.plans.append((inv_freq, attention_factor, plan))
-        if plan is None:  # not plain softmax attention (SWAT): the method's own path
-            return method.attend(q, k, v, rotary=rotary, scale=scale)
-        return plan.attend(q, k, v, scale=scale)
+    def plan(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
+             dtype: torch.dtype) -> LastQueryPlan | None:
+        for inv, af, dt, pl in self.plans:
+            if af == attention_factor and dt == dtype and (inv is inv_freq or torch.equal(inv, inv_freq)):
+                return pl
+        pl = LastQueryPlan.build(method, Rotary(inv_freq, self.positions, attention_factor),
+                                 n_keys=self.blocks.shape[1], batch=self.blocks.shape[0], device=inv_freq.device,
+                                 dtype=dtype)
+        self.plans.append((inv_freq, attention_factor, dtype, pl))
+        return pl
+
+    def relative_keys(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
+                      dtype: torch.dtype) -> RelativeKeys | None:
+        """The C++ kernel's tables, built once per step (shared by layers like `plan`)."""
+        for inv, af, dt, rk in self.keys:
+            if af == attention_factor and dt == dtype and (inv is inv_freq or torch.equal(inv, inv_freq)):
+                return rk
+        rk = RelativeKeys.build(method, Rotary(inv_freq, self.positions, attention_factor),
+                                n_keys=self.blocks.shape[1], device=inv_freq.device, dtype=dtype)
+        self.keys.append((inv_freq, attention_factor, dtype, rk))
+        return rk
+
+    def cache_rows(self, cache_shape) -> torch.Tensor:
+        key = tuple(cache_shape)
+        if key not in self.row_index:
+            self.row_index[key] = _cache_rows(self.blocks, self.offsets, cache_shape).contiguous()
+        return self.row_index[key]
 
 
 @dataclass(frozen=True)
@@ -146,6 +195,17 @@ class _MultiQueryGroup:
     n_keys: int
     token_rows: torch.Tensor  # [B * n_queries] rows of `query` / `output`, request by request
     blocks: torch.Tensor  # [B, ceil(n_keys / block_size)] their block tables
+    row_index: dict = field(default_factory=dict, compare=False)  # cache shape -> rows [B, n_keys, Hkv]
+
+    def cache_rows(self, cache_shape) -> torch.Tensor:
+        """Cache rows (`_cache_rows`) of every key of each request, `[B, n_keys, Hkv]`."""
+        key = tuple(cache_shape)
+        if key not in self.row_index:
+            j = torch.arange(self.n_keys)
+            block_size = cache_shape[2]
+            self.row_index[key] = _cache_rows(self.blocks[:, j // block_size], (j % block_size).expand(
+                self.blocks.shape[0], -1), cache_shape).contiguous()
+        return self.row_index[key]
 
 
 @dataclass(frozen=True)
@@ -245,6 +305,36 @@ def prefill_backend(method: AttentionMethod) -> str:
     return INFERENCE_BACKEND if method.supports(INFERENCE_BACKEND) is None else "blockwise"
 
 
+_PREFILL_KEYS_MAX = 64  # shapes of prefill/chunk calls remembered per layer
+
+
+def _prefill_keys(impl, n_keys: int, n_queries: int, dtype: torch.dtype) -> RelativeKeys | None:
+    """`RelativeKeys` of a prefill or chunk of `n_queries` queries over `n_keys` keys at positions
+    0..n_keys-1, remembered per layer (prompts of a workload repeat a few shapes)."""
+    cache = impl.lcx_prefill_keys
+    key = (n_keys, n_queries, dtype)
+    if key not in cache:
+        if len(cache) >= _PREFILL_KEYS_MAX:
+            cache.pop(next(iter(cache)))
+        cache[key] = RelativeKeys.build(impl.lcx_method, Rotary(impl.lcx_inv_freq, None, impl.lcx_attention_factor),
+                                        n_keys=n_keys, n_queries=n_queries, device=impl.lcx_inv_freq.device,
+                                        dtype=dtype)
+    return cache[key]
+
+
+def decode_kernel() -> str:
+    """"cpp" (`lcx.kernels.cpu.paged_relative_attention_cpu`, compiled on first use) where the C++
+    extension builds, else "torch" (gather + `LastQueryPlan.attend` for decode, the method's
+    `attend` for prefill), logged with the reason."""
+    from lcx.kernels.cpu import unavailable
+
+    reason = unavailable()
+    if reason is None:
+        return "cpp"
+    _log.warning("lcx: the fused C++ decode kernel is unavailable (%s); decode runs on torch ops", reason)
+    return "torch"
+
+
 def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float) -> None:
     """Make vLLM `Attention` layer `attn_layer` run `method` on unrotated q/k (see module doc)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -257,5 +347,7 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.do_kv_cache_update = types.MethodType(_MethodAttention.do_kv_cache_update, impl)
     impl.lcx_method = method
     impl.lcx_backend = prefill_backend(method)
+    impl.lcx_kernel = decode_kernel()
+    impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> RelativeKeys, see `_prefill_keys`
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)

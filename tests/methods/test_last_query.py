@@ -5,7 +5,7 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.methods import causal, lm_infinite, self_extend, sinks, sliding_window, swat
-from lcx.methods.last_query import LastQueryPlan, attend_last_query
+from lcx.methods.last_query import LastQueryPlan, RelativeKeys, attend_last_query
 from lcx.rope import compute_inv_freq
 from lcx.testing import assert_within_budget
 
@@ -71,3 +71,36 @@ def test_grid_covers_every_registered_method():
     from lcx.methods import ATTENTION_METHODS
 
     assert {m.name for m in METHODS} == set(ATTENTION_METHODS)
+
+
+def _attend_relative(q, k, v, keys: RelativeKeys, scale):
+    """Plain torch over `RelativeKeys`: each (query, key) pair rotated by its own table row."""
+    idx = keys.index.clamp(min=0)  # [Bd, Tq, Tk]
+    c, s_ = keys.cos[idx], keys.sin[idx]  # [Bd, Tq, Tk, r/2]
+    cos, sin = torch.cat((c, c), dim=-1), torch.cat((-s_, s_), dim=-1)  # [Bd, Tq, Tk, r], sign-folded sin
+    rep = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # [B, Tk, H, D]
+    r, h = cos.shape[-1], cos.shape[-1] // 2
+    kr = kk[:, None, :, :, :r]  # [B, 1, Tk, H, r]
+    swapped = torch.cat((kr[..., h:], kr[..., :h]), dim=-1)
+    rot = kr * cos[:, :, :, None].to(k.dtype) + swapped * sin[:, :, :, None].to(k.dtype)  # [B, Tq, Tk, H, r]
+    rot = torch.cat((rot, kk[:, None, :, :, r:].expand(*rot.shape[:-1], -1)), dim=-1)
+    s = torch.einsum("bthd,btkhd->bthk", q, rot) * scale
+    s = s.masked_fill((keys.index < 0)[:, :, None, :], float("-inf"))
+    return torch.einsum("bthk,bkhd->bthd", s.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("method", METHODS[:-1], ids=lambda m: m.describe())
+@pytest.mark.parametrize("n_keys,n_queries", [(1, 1), (7, 7), (13, 4), (13, 1)])
+def test_query_keys_reproduce_attend_for_every_query(method, n_keys, n_queries):
+    """`AttentionMethod.query_keys` (through `RelativeKeys`): every query of a prefill or chunk
+    sees what `attend` gives it (float64, plain torch, no kernel)."""
+    g = torch.Generator().manual_seed(n_keys * 31 + n_queries)
+    q = torch.randn(B, n_queries, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, n_keys, HKV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, n_keys, HKV, D, generator=g, dtype=torch.float64)
+    inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
+    rotary = Rotary(inv_freq, None, 1.3)
+    keys = RelativeKeys.build(method, rotary, n_keys=n_keys, n_queries=n_queries, dtype=torch.float64)
+    want = method.attend(q, k, v, rotary=rotary, scale=0.4)
+    torch.testing.assert_close(_attend_relative(q, k, v, keys, 0.4), want, rtol=1e-9, atol=1e-9)

@@ -10,6 +10,7 @@ group) to the per-request semantics; tests/serve/test_vllm.py checks the same pa
 
 from __future__ import annotations
 
+import shutil
 import types
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
-from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, prefill_backend
+from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, decode_kernel, prefill_backend
+from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
 METHODS = {
@@ -61,10 +63,10 @@ def _step(seed: int = 0):
     return cache, meta, query, keys, values
 
 
-def _impl(method):
+def _impl(method, decode_kernel="torch"):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=inv_freq, lcx_attention_factor=1.0, scale=None,
-                                 lcx_backend=prefill_backend(method))
+                                 lcx_backend=prefill_backend(method), lcx_kernel=decode_kernel, lcx_prefill_keys={})
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     return impl
 
@@ -82,6 +84,27 @@ def test_every_row_equals_the_method_over_the_whole_cache(name):
         s, e = starts[r], starts[r + 1]
         want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary)[0]
         torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("name", list(METHODS))
+def test_fused_decode_kernel_equals_the_method(name):
+    """The same step in float32 with the fused C++ decode (`decode_kernel() == "cpp"`): every row
+    within `lcx.testing`'s budget of the float64 method; prefill rows take the same path as above."""
+    method = METHODS[name]
+    assert decode_kernel() == "cpp"
+    cache, meta, query, keys, values = _step()
+    impl = _impl(method, "cpp")
+    out = torch.full(query.shape, float("nan"))
+    impl.forward(None, query.float(), None, None, cache.float(), meta, out)
+    starts = meta.query_start_loc.tolist()
+    rotary = Rotary(impl.lcx_inv_freq, None, 1.0)
+    for r, (n, n_q) in enumerate(STEP):
+        s, e = starts[r], starts[r + 1]
+        args = (query[s:e][None], keys[r][None], values[r][None])
+        exact = method.attend(*args, rotary=rotary)[0]
+        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary)[0]
+        assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name}: request {r} (n={n})")
 
 
 def test_plan_groups_decode_rows_by_compressed_length():

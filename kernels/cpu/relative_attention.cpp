@@ -1,0 +1,164 @@
+// Softmax attention over a paged KV cache of UNROTATED keys with per-(query, key) relative
+// positions, on the CPU: the decode step and the prefill of every lcx method whose attention is
+// plain softmax over a subset of keys at method-given positions (`lcx.methods.last_query`).
+//
+// For request b, query t (row q_rows[b, t] of query/out), head h (kv head g = h / (H / Hkv)), key k:
+//
+//     u     = index[b or 0, t, k]                      (-1: key not visible to this query)
+//     s_k   = scale * q . Rot(cos[u], sin[u]) key_k     key_k = kv[rows[b, k, g], 0:D]
+//     out   = sum_k softmax(s)_k * kv[rows[b, k, g], D:2D]
+//
+// Rot is lcx's half-split rotation of the first r = 2 * half channels by the angles a_i of the
+// key's position relative to the query (cos/sin tables [U, half], the attention factor squared
+// folded in): (x_i, x_{i+half}) -> (x_i cos a_i - x_{i+half} sin a_i, x_{i+half} cos a_i + x_i sin a_i);
+// channels past r pass through. So the score needs one pass over the pairs:
+//     q . Rot k = sum_i cos a_i (q_i k_i + q_{i+h} k_{i+h}) + sin a_i (q_{i+h} k_i - q_i k_{i+h}).
+// The query stays unrotated (only relative rotations matter). The tables are indexed by a small
+// table row u, not by (query, key): a step's relative positions repeat, so U is small.
+// References: `LastQueryPlan.attend` and `AttentionMethod.attend` (tests/kernels/test_relative_attention_cpu.py).
+//
+// Threads: one task per (request, query, head) through at::parallel_for (torch's intra-op pool).
+// Accumulation in float32 whatever the storage dtype (float32, float16, bfloat16); the dot
+// products are vectorised (`omp simd` reductions, -fopenmp-simd: no OpenMP runtime involved).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename scalar_t>
+void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
+                             const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cos,
+                             const torch::Tensor& sin, double scale, torch::Tensor& out) {
+  const int64_t B = rows.size(0), K = rows.size(1), Hkv = rows.size(2), Tq = q_rows.size(1);
+  const int64_t H = query.size(1), D = query.size(2), half = cos.size(1), R = kv.size(0);
+  const int64_t U = cos.size(0), N = std::min(query.size(0), out.size(0));
+  const int64_t group = H / Hkv;
+  const bool per_request = index.size(0) != 1;
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* kv_ptr = kv.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int64_t* rows_ptr = rows.data_ptr<int64_t>();
+  const int64_t* qr_ptr = q_rows.data_ptr<int64_t>();
+  const int64_t* idx_ptr = index.data_ptr<int64_t>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t kvs = kv.stride(0);
+  const float fscale = static_cast<float>(scale);
+
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, B * Tq * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(D), acc(D), s(K);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % H, bt = task / H, t = bt % Tq, b = bt / Tq, g = h / group;
+      const int64_t* idx = idx_ptr + ((per_request ? b : 0) * Tq + t) * K;
+      const int64_t* key_rows = rows_ptr + b * K * Hkv + g;  // key k's row: key_rows[k * Hkv]
+      const int64_t row = qr_ptr[b * Tq + t];
+      if (row < 0 || row >= N) {
+        bad = true;
+        continue;
+      }
+      const scalar_t* q = q_ptr + row * qs0 + h * qs1;
+      for (int64_t i = 0; i < D; ++i) qf[i] = static_cast<float>(q[i]);
+      float mx = kNegInf;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t u = idx[k];
+        if (u >= U) bad = true;
+        if (u < 0 || u >= U) {
+          s[k] = kNegInf;
+          continue;
+        }
+        const int64_t kr = key_rows[k * Hkv];
+        if (kr < 0 || kr >= R) {  // indices are checked where they are read, not by a separate pass
+          bad = true;
+          s[k] = kNegInf;
+          continue;
+        }
+        const scalar_t* key = kv_ptr + kr * kvs;
+        const float* c = cos_ptr + u * half;
+        const float* sn = sin_ptr + u * half;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < half; ++i) {
+          const float k1 = static_cast<float>(key[i]), k2 = static_cast<float>(key[i + half]);
+          dot += c[i] * (qf[i] * k1 + qf[i + half] * k2) + sn[i] * (qf[i + half] * k1 - qf[i] * k2);
+        }
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 2 * half; i < D; ++i) dot += qf[i] * static_cast<float>(key[i]);
+        s[k] = dot * fscale;
+        mx = std::max(mx, s[k]);
+      }
+      scalar_t* o = o_ptr + row * os0 + h * os1;
+      if (mx == kNegInf) {  // no visible key: NaN, as SDPA gives
+        for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float total = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        if (s[k] == kNegInf) continue;
+        const float p = std::exp(s[k] - mx);
+        total += p;
+        const scalar_t* val = kv_ptr + key_rows[k * Hkv] * kvs + D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) acc[i] += p * static_cast<float>(val[i]);
+      }
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[i] * inv);
+    }
+  });
+  TORCH_CHECK(!bad, "an index is out of range: rows outside kv, q_rows outside query/out, or index past the tables");
+}
+
+void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
+                              const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cos,
+                              const torch::Tensor& sin, double scale, torch::Tensor out) {
+  TORCH_CHECK(query.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv.dim() == 2 && rows.dim() == 3 && q_rows.dim() == 2 &&
+                  index.dim() == 3,
+              "query/out [N, H, D], kv [R, 2D], rows [B, K, Hkv], q_rows [B, Tq], index [1 or B, Tq, K]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv.stride(1) == 1, "unit channel stride needed");
+  TORCH_CHECK(query.scalar_type() == kv.scalar_type() && out.scalar_type() == kv.scalar_type(),
+              "query, kv and out must share one dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && q_rows.scalar_type() == torch::kInt64 &&
+                  index.scalar_type() == torch::kInt64,
+              "int64 indices");
+  TORCH_CHECK(rows.is_contiguous() && q_rows.is_contiguous() && index.is_contiguous(), "contiguous indices");
+  const int64_t B = rows.size(0), K = rows.size(1), Hkv = rows.size(2), H = query.size(1), D = query.size(2);
+  const int64_t Tq = q_rows.size(1);
+  TORCH_CHECK(q_rows.size(0) == B, "q_rows must have one row of queries per request");
+  TORCH_CHECK((index.size(0) == 1 || index.size(0) == B) && index.size(1) == Tq && index.size(2) == K,
+              "index must be [1 or B, Tq, K]");
+  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(kv.size(1) == 2 * D, "kv rows hold keys then values: width 2 * head_dim");
+  TORCH_CHECK(out.size(1) == H && out.size(2) == D, "out must be [N, H, D]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "float32 tables");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes(),
+              "contiguous cos/sin tables [U, r / 2]");
+  TORCH_CHECK(2 * cos.size(1) <= D, "tables must be [U, r / 2] with r <= head_dim");
+  if (B == 0 || Tq == 0) return;
+  TORCH_CHECK(K >= 1, "at least one key per request");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, query.scalar_type(),
+                                  "paged_relative_attention", [&] {
+    relative_attention_impl<scalar_t>(query, kv, rows, q_rows, index, cos, sin, scale, out);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_relative_attention", &paged_relative_attention,
+        "softmax attention with per-(query, key) relative positions over a paged cache (CPU)", py::arg("query"),
+        py::arg("kv"), py::arg("rows"), py::arg("q_rows"), py::arg("index"), py::arg("cos"), py::arg("sin"),
+        py::arg("scale"), py::arg("out"));
+}
