@@ -1,15 +1,17 @@
 """`lcx bench serving`: throughput and latency of `lcx serve` (and vLLM) under a fixed concurrent load.
 
-    lcx bench serving                        # tiny-5m, 16 clients x 4 requests, 3 repeats -> results/serving_cpu.json
+    lcx bench serving                        # tiny-5m, 16 clients x 4 requests, 5 repeats -> results/serving_cpu.json
     lcx bench serving --model smollm2-135m --clients 8 --gen-len 64
     lcx bench serving --clients 2 --requests 1 --repeats 1 --vllm no --out /tmp/s.json   # smoke
 
 For each server configuration (batched: --max-batch = clients; baseline: --max-batch 1, i.e. one
 request at a time through the same scheduler) the script starts `lcx serve` as a subprocess, sends
 warm-up requests, then `repeats` times: `clients` threads each send `requests` greedy completions
-back to back (fixed prompt and generation lengths: token-id prompts, ignore_eos). Reported:
-generated tokens/s over the wall time (median over repeats), request latency p50/p99 (all
-repeats pooled), and the batched/baseline throughput ratio from the same run. Writes
+back to back (fixed prompt and generation lengths: token-id prompts, ignore_eos). All servers run
+at once and the repeats are interleaved (repeat r loads each server in turn), so a drift in the
+shared machine's load hits every row alike. Reported: generated tokens/s over the wall time
+(median over repeats), request latency p50/p99 (all repeats pooled), and ratios between rows as
+the median over repeats of the paired per-repeat ratios. Writes
 results/serving_cpu.json (config, environment, git SHA, numbers) and prints a table.
 
 vLLM is optional: it runs in its own venv (scripts/install_vllm_cpu.sh) as a server subprocess,
@@ -166,14 +168,36 @@ def run_load(url: str, prompt: list[int], args) -> dict:
     return {"wall_s": wall, "latencies_s": lat, "generated_tokens": gen_tokens[0]}
 
 
-def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Path,
-                 vllm_methods: dict | None | bool = False) -> dict:
-    with Server(args.model, max_batch, args.threads, args.dtype, log_dir, vllm_methods, name) as srv:
-        warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, max_batch), "requests": 1})
-        run_load(srv.url, prompt, warm)
-        s0 = srv.stats()
-        runs = [run_load(srv.url, prompt, args) for _ in range(args.repeats)]
-        stats = srv.stats()
+def bench_configs(specs: list[tuple[str, int, dict | None | bool]], prompt: list[int], args,
+                  log_dir: Path) -> list[dict]:
+    """Run every server configuration `(name, max_batch, vllm_methods)` of `specs` at once and
+    interleave their repeats: repeat r runs the load on each server in turn (the order rotated
+    per repeat), so drifts in the shared machine's load hit every row alike and the per-repeat
+    ratios between rows are paired. Servers are started one after another and idle between
+    their turns."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for name, max_batch, vllm_methods in specs:
+            srv = stack.enter_context(Server(args.model, max_batch, args.threads, args.dtype, log_dir,
+                                             vllm_methods, name))
+            warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, max_batch), "requests": 1})
+            run_load(srv.url, prompt, warm)
+            servers.append(srv)
+        s0 = [srv.stats() for srv in servers]
+        runs: list[list[dict]] = [[] for _ in specs]
+        for r in range(args.repeats):
+            for k in range(len(specs)):
+                i = (k + r) % len(specs)
+                runs[i].append(run_load(servers[i].url, prompt, args))
+        stats = [srv.stats() for srv in servers]
+    return [_summary(name, max_batch, vllm_methods, runs[i], s0[i], stats[i], args)
+            for i, (name, max_batch, vllm_methods) in enumerate(specs)]
+
+
+def _summary(name: str, max_batch: int, vllm_methods, runs: list[dict], s0: dict | None, stats: dict | None,
+             args) -> dict:
     lat = [x for r in runs for x in r["latencies_s"]]
     if vllm_methods is not False:
         engine = {"engine": "vllm", "plugin": vllm_methods is not None, "methods": vllm_methods}
@@ -191,7 +215,7 @@ def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Pa
         "requests": len(lat),
         # share of the wall time the engine worker spent in prefill/decode steps (the rest: HTTP,
         # JSON, waiting for requests); low values mean the server, not the model, is the bottleneck
-        **({} if stats is None else {
+        **({} if stats is None or s0 is None else {
             "engine_busy_fraction": (stats["engine"]["prefill_s"] + stats["engine"]["decode_s"]
                                      - s0["engine"]["prefill_s"] - s0["engine"]["decode_s"])
                                     / sum(r["wall_s"] for r in runs),
@@ -199,6 +223,13 @@ def bench_config(name: str, max_batch: int, prompt: list[int], args, log_dir: Pa
             "engine_batch_size_hist": stats["engine"]["batch_size_hist"],
         }),
     }
+
+
+def paired_ratio(row: dict, base: dict) -> tuple[float, list[float]]:
+    """Median over repeats of row / base throughput, repeat by repeat (interleaved runs), and the
+    per-repeat ratios."""
+    per = [a / b for a, b in zip(row["gen_tokens_per_s_runs"], base["gen_tokens_per_s_runs"])]
+    return statistics.median(per), per
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -209,7 +240,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client per repeat")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per server (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (1: best on a shared 2-core box)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vllm", choices=["auto", "yes", "no"], default="auto",
@@ -254,22 +285,19 @@ def run(args: argparse.Namespace) -> int:
         except VllmNotInstalled as e:
             print(f"skipping vLLM: {e}", file=sys.stderr)
     vllm_methods = json.loads(args.vllm_methods)
-    with tempfile.TemporaryDirectory() as d:
-        configs = [bench_config("batched", args.clients, prompt, args, Path(d)),
-                   bench_config("max_batch_1", 1, prompt, args, Path(d))]
-        if use_vllm:
-            configs.append(bench_config("vllm", args.clients, prompt, args, Path(d), vllm_methods=None))
-            configs += [bench_config(name, args.clients, prompt, args, Path(d), vllm_methods=m)
-                        for name, m in vllm_methods.items()]
-    by_name = {c["name"]: c for c in configs}
-    batched, base = by_name["batched"], by_name["max_batch_1"]
-    ratio = batched["gen_tokens_per_s"] / base["gen_tokens_per_s"]
-    ratios = {"batched_over_max_batch_1_throughput": ratio}
+    specs = [("batched", args.clients, False), ("max_batch_1", 1, False)]
     if use_vllm:
-        ratios["vllm_over_batched_throughput"] = by_name["vllm"]["gen_tokens_per_s"] / batched["gen_tokens_per_s"]
-        for name in vllm_methods:
-            ratios[f"{name}_over_vllm_throughput"] = (by_name[name]["gen_tokens_per_s"]
-                                                      / by_name["vllm"]["gen_tokens_per_s"])
+        specs += [("vllm", args.clients, None)] + [(name, args.clients, m) for name, m in vllm_methods.items()]
+    with tempfile.TemporaryDirectory() as d:
+        configs = bench_configs(specs, prompt, args, Path(d))
+    by_name = {c["name"]: c for c in configs}
+    ratios, per_repeat = {}, {}
+    pairs = [("batched", "max_batch_1", "batched_over_max_batch_1_throughput")]
+    if use_vllm:
+        pairs += [("vllm", "batched", "vllm_over_batched_throughput")]
+        pairs += [(name, "vllm", f"{name}_over_vllm_throughput") for name in vllm_methods]
+    for row, base, key in pairs:
+        ratios[key], per_repeat[key] = paired_ratio(by_name[row], by_name[base])
 
     from lcx.bench.record import write_record
 
@@ -277,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
                                             "threads", "dtype", "vllm", "vllm_methods")}
     extra = {
         **ratios,
+        "ratios_per_repeat": per_repeat,
         "notes": [
             ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
              "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
@@ -284,10 +313,14 @@ def run(args: argparse.Namespace) -> int:
              "the row: vllm_plugin_methods = lcx RoPE table in vLLM's rotary kernel + vLLM's sliding-window "
              "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path on unrotated keys "
              "(lcx.serve.vllm_plugin.method_attention): decode batched over requests on their compressed "
-             "caches (first G + last L keys gathered from the paged cache), prefill one request at a time."
+             "caches (first G + last L keys read from the paged cache), prefills of equal shape batched, both "
+             "on the C++ kernel lcx.kernels.cpu.paged_relative_attention_cpu."
              if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
             "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
             "latency: per request, send to full response, all repeats pooled.",
+            "All servers run at once and their repeats are interleaved (repeat r loads each server in turn, "
+            "the order rotated per repeat); a ratio is the median over repeats of the two rows' throughputs "
+            "in the same repeat (ratios_per_repeat lists them).",
             "max_batch_1 is the same server and scheduler with --max-batch 1: requests are decoded one "
             "at a time (FIFO), the no-batching baseline.",
             "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so.",

@@ -36,8 +36,9 @@ Semantics stated once:
   a key of row b (left padding, evicted slot). Each row's keys are then the slots >= 0, in
   order; they must be [first n_first | a contiguous run ending at the row's newest token]
   (a full history, or what a bounded cache keeps) and the row's queries its last new slots.
-  Attention runs per row on its own keys (projections and MLPs stay batched), exactly as an
-  unpadded row with a `BoundedKVCache` would; padded query slots get zeros.
+  Attention runs on each row's own keys (projections and MLPs stay batched; rows with equal
+  numbers of queries and keys share one call), exactly as an unpadded row with a
+  `BoundedKVCache` would; padded query slots get zeros.
 
 Supported: model types llama, mistral, qwen2 (q/k/v/o projections, rotate-half RoPE on the
 full head, no q/k norm). Not supported (raises): padding in `attention_mask`, attention
@@ -212,7 +213,9 @@ def iter_rows(row_pos: torch.Tensor, n_queries: int):
 
 
 def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float):
-    """Per-row attention of a padded batch (see "Padded / ragged batches" in the module doc).
+    """Attention of a padded batch (see "Padded / ragged batches" in the module doc): rows with
+    the same number of real queries and of keys are one batched call (per-row rotary positions),
+    so a decode step of many requests costs a few calls, not one per row.
 
     q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated), row_pos `[B, Tk]` -> out `[B, Tq, H, D]`.
     """
@@ -225,13 +228,18 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
     inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1)  # one basis per batch (as HF)
     inv_freq = inv_freq.to(q.device)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+    groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (nq, keys) -> rows
     for b, idx, nq in iter_rows(row_pos, Tq):
-        pos = row_pos[b, idx]  # [Tk_b] true positions
-        rot = torch.arange(len(idx), device=q.device) if st.method.renumber_in_cache else pos
-        out[b : b + 1, Tq - nq :] = st.method.attend(
-            q[b : b + 1, Tq - nq :], k[b : b + 1, idx], v[b : b + 1, idx],
+        groups.setdefault((nq, len(idx)), []).append((b, idx))
+    for (nq, n), rows in groups.items():
+        bs = torch.tensor([b for b, _ in rows], device=q.device)  # [G]
+        idx = torch.stack([i for _, i in rows])  # [G, n] key slots of each row
+        pos = row_pos[bs[:, None], idx]  # [G, n] true positions
+        rot = torch.arange(n, device=q.device).expand(len(rows), n) if st.method.renumber_in_cache else pos
+        out[bs, Tq - nq:] = st.method.attend(
+            q[bs, Tq - nq:], k[bs[:, None], idx], v[bs[:, None], idx],
             rotary=Rotary(inv_freq, rot, af), backend=st.backend_for(nq), scale=scale,
-        )  # fmt: skip
+        ).to(out.dtype)  # fmt: skip
     return out
 
 

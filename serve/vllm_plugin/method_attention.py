@@ -149,34 +149,32 @@ class _DecodeGroup:
     blocks: torch.Tensor  # [B, K] physical block of each kept key
     offsets: torch.Tensor  # [B, K] offset in that block
     positions: torch.Tensor  # [B, K] rotary position of each kept key
-    # (inv_freq, attention factor, dtype, its LastQueryPlan or None: the method's own attend), built
-    # by the first layer of the step and reused by every layer whose rotary has equal values (each
-    # layer holds its own inv_freq tensor)
-    plans: list = field(default_factory=list, compare=False)
-    keys: list = field(default_factory=list, compare=False)  # the same for `RelativeKeys` (the C++ kernel)
+    # ((inv_freq, attention factor, dtype, kind), value): tables built by the first layer of the
+    # step and reused by every layer whose rotary has equal values (each layer holds its own
+    # inv_freq tensor); kind "plan" (LastQueryPlan or None) or "keys" (RelativeKeys or None)
+    shared: list = field(default_factory=list, compare=False)
     row_index: dict = field(default_factory=dict, compare=False)  # cache shape -> `_cache_rows` [B, K, Hkv]
+
+    def _shared(self, kind: str, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype, build):
+        for (inv, af, dt, kd), value in self.shared:
+            if kd == kind and af == attention_factor and dt == dtype and (inv is inv_freq or torch.equal(inv, inv_freq)):
+                return value
+        value = build(Rotary(inv_freq, self.positions, attention_factor))
+        self.shared.append(((inv_freq, attention_factor, dtype, kind), value))
+        return value
 
     def plan(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
              dtype: torch.dtype) -> LastQueryPlan | None:
-        for inv, af, dt, pl in self.plans:
-            if af == attention_factor and dt == dtype and (inv is inv_freq or torch.equal(inv, inv_freq)):
-                return pl
-        pl = LastQueryPlan.build(method, Rotary(inv_freq, self.positions, attention_factor),
-                                 n_keys=self.blocks.shape[1], batch=self.blocks.shape[0], device=inv_freq.device,
-                                 dtype=dtype)
-        self.plans.append((inv_freq, attention_factor, dtype, pl))
-        return pl
+        """The torch route's plan (None: not plain softmax, use the method's attend)."""
+        B, K = self.blocks.shape
+        return self._shared("plan", inv_freq, attention_factor, dtype, lambda rot: LastQueryPlan.build(
+            method, rot, n_keys=K, batch=B, device=inv_freq.device, dtype=dtype))
 
     def relative_keys(self, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
                       dtype: torch.dtype) -> RelativeKeys | None:
-        """The C++ kernel's tables, built once per step (shared by layers like `plan`)."""
-        for inv, af, dt, rk in self.keys:
-            if af == attention_factor and dt == dtype and (inv is inv_freq or torch.equal(inv, inv_freq)):
-                return rk
-        rk = RelativeKeys.build(method, Rotary(inv_freq, self.positions, attention_factor),
-                                n_keys=self.blocks.shape[1], device=inv_freq.device, dtype=dtype)
-        self.keys.append((inv_freq, attention_factor, dtype, rk))
-        return rk
+        """The C++ kernel's tables (None: not plain softmax)."""
+        return self._shared("keys", inv_freq, attention_factor, dtype, lambda rot: RelativeKeys.build(
+            method, rot, n_keys=self.blocks.shape[1], device=inv_freq.device, dtype=dtype))
 
     def cache_rows(self, cache_shape) -> torch.Tensor:
         key = tuple(cache_shape)
