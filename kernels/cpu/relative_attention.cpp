@@ -17,7 +17,7 @@
 // table row u, not by (query, key): a step's relative positions repeat, so U is small.
 // References: `LastQueryPlan.attend` and `AttentionMethod.attend` (tests/kernels/test_relative_attention_cpu.py).
 //
-// Threads: one task per (request, query, head) through at::parallel_for (torch's intra-op pool).
+// Threads: one task per (request, query, kv head) through at::parallel_for (torch's intra-op pool).
 // Accumulation in float32 whatever the storage dtype (float32, float16, bfloat16); the dot
 // products are vectorised (`omp simd` reductions, -fopenmp-simd: no OpenMP runtime involved).
 
@@ -57,10 +57,12 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
   const float fscale = static_cast<float>(scale);
 
   std::atomic<bool> bad{false};
-  at::parallel_for(0, B * Tq * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), s(K);
+  // One task per (request, query, kv head): the key is read and rotated once for the `group`
+  // query heads that share it (GQA), each head keeping its own scores and accumulator.
+  at::parallel_for(0, B * Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * D), acc(group * D), s(group * K), kr(D), mx(group), total(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % H, bt = task / H, t = bt % Tq, b = bt / Tq, g = h / group;
+      const int64_t g = task % Hkv, bt = task / Hkv, t = bt % Tq, b = bt / Tq;
       const int64_t* idx = idx_ptr + ((per_request ? b : 0) * Tq + t) * K;
       const int64_t* key_rows = rows_ptr + b * K * Hkv + g;  // key k's row: key_rows[k * Hkv]
       const int64_t row = qr_ptr[b * Tq + t];
@@ -68,53 +70,60 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         bad = true;
         continue;
       }
-      const scalar_t* q = q_ptr + row * qs0 + h * qs1;
-      for (int64_t i = 0; i < D; ++i) qf[i] = static_cast<float>(q[i]);
-      float mx = kNegInf;
+      for (int64_t j = 0; j < group; ++j) {
+        const scalar_t* q = q_ptr + row * qs0 + (g * group + j) * qs1;
+        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[i]);
+      }
+      std::fill(mx.begin(), mx.end(), kNegInf);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t u = idx[k];
-        if (u >= U) bad = true;
-        if (u < 0 || u >= U) {
-          s[k] = kNegInf;
+        const int64_t kr_row = key_rows[k * Hkv];
+        if (u >= U || kr_row < 0 || kr_row >= R) bad = true;  // checked where read, not by a separate pass
+        if (u < 0 || u >= U || kr_row < 0 || kr_row >= R) {
+          for (int64_t j = 0; j < group; ++j) s[j * K + k] = kNegInf;
           continue;
         }
-        const int64_t kr = key_rows[k * Hkv];
-        if (kr < 0 || kr >= R) {  // indices are checked where they are read, not by a separate pass
-          bad = true;
-          s[k] = kNegInf;
-          continue;
-        }
-        const scalar_t* key = kv_ptr + kr * kvs;
+        const scalar_t* key = kv_ptr + kr_row * kvs;
         const float* c = cos_ptr + u * half;
         const float* sn = sin_ptr + u * half;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float k1 = static_cast<float>(key[i]), k2 = static_cast<float>(key[i + half]);
-          dot += c[i] * (qf[i] * k1 + qf[i + half] * k2) + sn[i] * (qf[i + half] * k1 - qf[i] * k2);
+          kr[i] = k1 * c[i] - k2 * sn[i];
+          kr[i + half] = k2 * c[i] + k1 * sn[i];
         }
+        for (int64_t i = 2 * half; i < D; ++i) kr[i] = static_cast<float>(key[i]);
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = qf.data() + j * D;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 2 * half; i < D; ++i) dot += qf[i] * static_cast<float>(key[i]);
-        s[k] = dot * fscale;
-        mx = std::max(mx, s[k]);
-      }
-      scalar_t* o = o_ptr + row * os0 + h * os1;
-      if (mx == kNegInf) {  // no visible key: NaN, as SDPA gives
-        for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
-        continue;
+          for (int64_t i = 0; i < D; ++i) dot += qj[i] * kr[i];
+          s[j * K + k] = dot * fscale;
+          mx[j] = std::max(mx[j], s[j * K + k]);
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      float total = 0.f;
+      std::fill(total.begin(), total.end(), 0.f);
       for (int64_t k = 0; k < K; ++k) {
-        if (s[k] == kNegInf) continue;
-        const float p = std::exp(s[k] - mx);
-        total += p;
+        if (s[k] == kNegInf) continue;  // the same keys are visible to every head of the group
         const scalar_t* val = kv_ptr + key_rows[k * Hkv] * kvs + D;
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = std::exp(s[j * K + k] - mx[j]);
+          total[j] += p;
+          float* a = acc.data() + j * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) acc[i] += p * static_cast<float>(val[i]);
+          for (int64_t i = 0; i < D; ++i) a[i] += p * static_cast<float>(val[i]);
+        }
       }
-      const float inv = 1.f / total;
-      for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[i] * inv);
+      for (int64_t j = 0; j < group; ++j) {
+        scalar_t* o = o_ptr + row * os0 + (g * group + j) * os1;
+        if (mx[j] == kNegInf) {  // no visible key: NaN, as SDPA gives
+          for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        const float inv = 1.f / total[j];
+        for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[j * D + i] * inv);
+      }
     }
   });
   TORCH_CHECK(!bad, "an index is out of range: rows outside kv, q_rows outside query/out, or index past the tables");
