@@ -35,7 +35,7 @@ from pathlib import Path
 DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
 # vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
 # rotary table), and LM-Infinite and StreamingLLM sinks (lcx's exact path on unrotated keys,
-# lcx.serve.vllm_plugin.method_attention: batched decode, per-request prefill).
+# lcx.serve.vllm_plugin.method_attention: batched decode and prefill on a C++ CPU kernel).
 # Not `lcx.presets`: the presets' windows are the model's context (256 for tiny-5m), longer than a
 # request here (64 + 32 tokens), so they would not change attention; windows of 48 make the
 # methods do work, and the committed results/serving_cpu.json was measured with these.
