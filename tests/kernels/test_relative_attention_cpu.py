@@ -78,6 +78,15 @@ def _check(method, B, Tk, Tq, H, Hkv, D, r, dtype, gaps):
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
+def test_smoke_equals_attend(B, Tk, Tq, method):
+    """The default tier's share of the grids below (which run with `-m slow`): every method,
+    decode on gapped positions and a chunked prefill, GQA, partial rotary."""
+    _check(method, B, Tk, Tq, 6, 2, 40, 16, torch.float32, gaps=Tq == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
 @pytest.mark.parametrize("D,r", DIMS, ids=str)
 @pytest.mark.parametrize("H,Hkv", HEADS, ids=str)
 @pytest.mark.parametrize("B,K", DECODE, ids=str)
@@ -85,6 +94,7 @@ def test_decode_equals_attend(B, K, H, Hkv, D, r, method):
     _check(method, B, K, 1, H, Hkv, D, r, torch.float32, gaps=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
 @pytest.mark.parametrize("D,r", DIMS, ids=str)
 @pytest.mark.parametrize("H,Hkv", HEADS[:2], ids=str)
@@ -94,7 +104,15 @@ def test_prefill_equals_attend(B, Tk, Tq, H, Hkv, D, r, method):
 
 
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS[:2], ids=lambda m: m.describe())
+@pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
+def test_low_precision_smoke(B, Tk, Tq, method, dtype):
+    _check(method, B, Tk, Tq, 4, 2, 40, 16, dtype, gaps=Tq == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("method", METHODS[2:], ids=lambda m: m.describe())
 @pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
 def test_low_precision(B, Tk, Tq, method, dtype):
     _check(method, B, Tk, Tq, 4, 2, 40, 16, dtype, gaps=Tq == 1)
