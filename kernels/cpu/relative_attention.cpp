@@ -61,6 +61,7 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
   // query heads that share it (GQA), each head keeping its own scores and accumulator.
   at::parallel_for(0, B * Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * D), acc(group * D), s(group * K), kr(D), mx(group), total(group);
+    std::vector<char> visible(K);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task % Hkv, bt = task / Hkv, t = bt % Tq, b = bt / Tq;
       const int64_t* idx = idx_ptr + ((per_request ? b : 0) * Tq + t) * K;
@@ -79,10 +80,8 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         const int64_t u = idx[k];
         const int64_t kr_row = key_rows[k * Hkv];
         if (u >= U || kr_row < 0 || kr_row >= R) bad = true;  // checked where read, not by a separate pass
-        if (u < 0 || u >= U || kr_row < 0 || kr_row >= R) {
-          for (int64_t j = 0; j < group; ++j) s[j * K + k] = kNegInf;
-          continue;
-        }
+        visible[k] = u >= 0 && u < U && kr_row >= 0 && kr_row < R;
+        if (!visible[k]) continue;
         const scalar_t* key = kv_ptr + kr_row * kvs;
         const float* c = cos_ptr + u * half;
         const float* sn = sin_ptr + u * half;
@@ -105,7 +104,7 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(total.begin(), total.end(), 0.f);
       for (int64_t k = 0; k < K; ++k) {
-        if (s[k] == kNegInf) continue;  // the same keys are visible to every head of the group
+        if (!visible[k]) continue;  // the same keys are visible to every head of the group
         const scalar_t* val = kv_ptr + key_rows[k * Hkv] * kvs + D;
         for (int64_t j = 0; j < group; ++j) {
           const float p = std::exp(s[j * K + k] - mx[j]);

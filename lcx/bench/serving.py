@@ -21,6 +21,7 @@ and nothing here imports it, so this module and `lcx bench --help` work without 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -175,8 +176,6 @@ def bench_configs(specs: list[tuple[str, int, dict | None | bool]], prompt: list
     per repeat), so drifts in the shared machine's load hit every row alike and the per-repeat
     ratios between rows are paired. Servers are started one after another and idle between
     their turns."""
-    import contextlib
-
     with contextlib.ExitStack() as stack:
         servers = []
         for name, max_batch, vllm_methods in specs:

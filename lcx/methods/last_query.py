@@ -95,22 +95,27 @@ class RelativeKeys:
             return None
         rel = keys.key_positions - pos[:, n_keys - n_queries:, None]  # [Bd, Tq, Tk]
         visible = torch.ones_like(rel, dtype=torch.bool) if keys.visible is None else keys.visible
-        uniq, inverse = torch.unique(rel[visible], return_inverse=True)
+        cos, sin, inverse = _distinct_cos_sin(rel[visible], rotary.inv_freq.to(device),
+                                              rotary.attention_factor ** 2, table_dtype(dtype))
         index = torch.full(rel.shape, -1, dtype=torch.long, device=rel.device)
         index[visible] = inverse
-        cos, sin = rope_cos_sin(uniq, rotary.inv_freq.to(device), rotary.attention_factor ** 2, table_dtype(dtype))
         h = sin.shape[-1] // 2
         return cls(index, cos[:, :h].contiguous(), sin[:, :h].contiguous())
 
 
-def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, af: float, dtype: torch.dtype):
-    """cos and sign-folded sin `[B, T, 1, r]`: sin_signed = [-sin(a) | sin(a)] for the halves.
+def _distinct_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, af: float, dtype: torch.dtype):
+    """`rope_cos_sin` `[U, r]` of the distinct values of `positions` and, per entry of
+    `positions`, its row. A step's relative positions repeat across rows (every full compressed
+    cache has its keys at the same distances from its query), so the trigonometry runs on the
+    distinct ones only: elementwise per position, hence bit-identical to the direct tables."""
+    uniq, inverse = torch.unique(positions, return_inverse=True)
+    cos, sin = rope_cos_sin(uniq, inv_freq, af, dtype)
+    return cos, sin, inverse
 
-    A step's relative positions repeat across rows (every full compressed cache has its keys at
-    the same distances from its query), so the trigonometry runs on the distinct positions only
-    and is gathered back: elementwise per position, hence bit-identical to the direct tables."""
-    uniq, index = torch.unique(positions, return_inverse=True)
-    cos, sin = rope_cos_sin(uniq, inv_freq, af, dtype)  # [U, r]
+
+def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, af: float, dtype: torch.dtype):
+    """cos and sign-folded sin `[B, T, 1, r]`: sin_signed = [-sin(a) | sin(a)] for the halves."""
+    cos, sin, index = _distinct_cos_sin(positions, inv_freq, af, dtype)  # [U, r], [B, T]
     h = sin.shape[-1] // 2
     sin_signed = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
     return cos[index].unsqueeze(-2), sin_signed[index].unsqueeze(-2)

@@ -219,19 +219,13 @@ class LMInfinite(AttentionMethod):
         return (self.n_global, self.n_local)
 
     def last_query_keys(self, positions):
-        # local keys (the last n_local) at their positions; global keys outside the window are
-        # scored with the query at d = min(limit, Tk - 1) and the key at 0: relative rotation -d
-        Tk = positions.shape[-1]
-        j = torch.arange(Tk, device=positions.device)
-        local = j >= Tk - self.n_local
-        glob = (j < self.n_global) & ~local
-        d = LambdaParams(self.n_global, self.n_local, self.limit_distance).effective_limit(Tk)
-        eff = torch.where(glob, positions[..., -1:] - d, positions)
-        return LastQueryKeys((local | glob).expand_as(positions), eff)
+        keys = self.query_keys(positions, 1)
+        return LastQueryKeys(keys.visible[..., 0, :], keys.key_positions[..., 0, :])
 
     def query_keys(self, positions, n_queries):
-        # every query of the call scores its out-of-window global keys at the call's distance
-        # min(limit, Tk - 1) (not its own prefix's): the same rule as `last_query_keys`, per query
+        # local keys (the last n_local up to the query) at their positions; global keys outside
+        # the window are scored with the query at d = min(limit, Tk - 1) of the whole call (not
+        # of its own prefix) and the key at 0: relative rotation -d
         Tk = positions.shape[-1]
         i = torch.arange(Tk - n_queries, Tk, device=positions.device)[:, None]  # [Tq, 1]
         j = torch.arange(Tk, device=positions.device)  # [Tk]

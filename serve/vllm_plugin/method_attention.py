@@ -29,7 +29,7 @@ Two paths, both exactly the method's semantics:
   whole caches.
 
 Each call runs on `lcx.kernels.cpu.paged_relative_attention_cpu` (C++, compiled on first use;
-`decode_kernel()`): for every method but SWAT a query's attention is plain softmax over a subset
+`attention_kernel()`): for every method but SWAT a query's attention is plain softmax over a subset
 of keys, each at a method-given position relative to the query (`AttentionMethod.query_keys`,
 as `lcx.methods.last_query.RelativeKeys`: visibility and small rotation tables, built once per
 step for decode and once per shape for prefill), so the kernel reads the kept keys straight
@@ -66,9 +66,9 @@ from lcx.attention import Rotary
 from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
+from lcx.kernels.cpu import paged_relative_attention_cpu
+from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys
-
-FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # `lcx.kernels.cpu.relative_attention.DTYPES`
 
 _log = logging.getLogger(__name__)
 
@@ -103,8 +103,6 @@ class _MethodAttention:
         flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
         fused = (self.lcx_kernel == "cpp" and query.dtype == kv_cache.dtype == output.dtype
                  and query.dtype in FUSED_DTYPES)
-        if fused:
-            from lcx.kernels.cpu import paged_relative_attention_cpu
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
             B, K = g.blocks.shape
             rows = g.cache_rows(kv_cache.shape)  # [B, K, Hkv]
@@ -177,10 +175,7 @@ class _DecodeGroup:
             method, rot, n_keys=self.blocks.shape[1], device=inv_freq.device, dtype=dtype))
 
     def cache_rows(self, cache_shape) -> torch.Tensor:
-        key = tuple(cache_shape)
-        if key not in self.row_index:
-            self.row_index[key] = _cache_rows(self.blocks, self.offsets, cache_shape).contiguous()
-        return self.row_index[key]
+        return _memo_rows(self.row_index, cache_shape, lambda: (self.blocks, self.offsets))
 
 
 @dataclass(frozen=True)
@@ -197,13 +192,9 @@ class _MultiQueryGroup:
 
     def cache_rows(self, cache_shape) -> torch.Tensor:
         """Cache rows (`_cache_rows`) of every key of each request, `[B, n_keys, Hkv]`."""
-        key = tuple(cache_shape)
-        if key not in self.row_index:
-            j = torch.arange(self.n_keys)
-            block_size = cache_shape[2]
-            self.row_index[key] = _cache_rows(self.blocks[:, j // block_size], (j % block_size).expand(
-                self.blocks.shape[0], -1), cache_shape).contiguous()
-        return self.row_index[key]
+        j, block_size = torch.arange(self.n_keys), cache_shape[2]
+        return _memo_rows(self.row_index, cache_shape, lambda: (
+            self.blocks[:, j // block_size], (j % block_size).expand(self.blocks.shape[0], -1)))
 
 
 @dataclass(frozen=True)
@@ -242,6 +233,15 @@ def _cache_rows(blocks: torch.Tensor, offsets: torch.Tensor, cache_shape) -> tor
     _, hkv, block_size, _ = cache_shape
     heads = torch.arange(hkv, device=blocks.device)
     return ((blocks[..., None] * hkv + heads) * block_size) + offsets[..., None]
+
+
+def _memo_rows(store: dict, cache_shape, slots) -> torch.Tensor:
+    """`_cache_rows` of the slots `(blocks, offsets) = slots()`, computed once per cache shape (a
+    group's rows serve every layer of the step)."""
+    key = tuple(cache_shape)
+    if key not in store:
+        store[key] = _cache_rows(*slots(), cache_shape).contiguous()
+    return store[key]
 
 
 def _bounded(method: AttentionMethod) -> bool:
@@ -320,7 +320,7 @@ def _prefill_keys(impl, n_keys: int, n_queries: int, dtype: torch.dtype) -> Rela
     return cache[key]
 
 
-def decode_kernel() -> str:
+def attention_kernel() -> str:
     """"cpp" (`lcx.kernels.cpu.paged_relative_attention_cpu`, compiled on first use) where the C++
     extension builds, else "torch" (gather + `LastQueryPlan.attend` for decode, the method's
     `attend` for prefill), logged with the reason."""
@@ -329,7 +329,7 @@ def decode_kernel() -> str:
     reason = unavailable()
     if reason is None:
         return "cpp"
-    _log.warning("lcx: the fused C++ decode kernel is unavailable (%s); decode runs on torch ops", reason)
+    _log.warning("lcx: the C++ attention kernel is unavailable (%s); attention runs on torch ops", reason)
     return "torch"
 
 
@@ -345,7 +345,7 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.do_kv_cache_update = types.MethodType(_MethodAttention.do_kv_cache_update, impl)
     impl.lcx_method = method
     impl.lcx_backend = prefill_backend(method)
-    impl.lcx_kernel = decode_kernel()
+    impl.lcx_kernel = attention_kernel()
     impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> RelativeKeys, see `_prefill_keys`
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)

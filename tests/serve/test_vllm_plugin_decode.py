@@ -18,7 +18,7 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
-from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, decode_kernel, prefill_backend
+from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, attention_kernel, prefill_backend
 from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
@@ -63,10 +63,10 @@ def _step(seed: int = 0):
     return cache, meta, query, keys, values
 
 
-def _impl(method, decode_kernel="torch"):
+def _impl(method, attention_kernel="torch"):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=inv_freq, lcx_attention_factor=1.0, scale=None,
-                                 lcx_backend=prefill_backend(method), lcx_kernel=decode_kernel, lcx_prefill_keys={})
+                                 lcx_backend=prefill_backend(method), lcx_kernel=attention_kernel, lcx_prefill_keys={})
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     return impl
 
@@ -88,11 +88,11 @@ def test_every_row_equals_the_method_over_the_whole_cache(name):
 
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("name", list(METHODS))
-def test_fused_decode_kernel_equals_the_method(name):
-    """The same step in float32 with the fused C++ decode (`decode_kernel() == "cpp"`): every row
+def test_fused_attention_kernel_equals_the_method(name):
+    """The same step in float32 with the fused C++ decode (`attention_kernel() == "cpp"`): every row
     within `lcx.testing`'s budget of the float64 method; prefill rows take the same path as above."""
     method = METHODS[name]
-    assert decode_kernel() == "cpp"
+    assert attention_kernel() == "cpp"
     cache, meta, query, keys, values = _step()
     impl = _impl(method, "cpp")
     out = torch.full(query.shape, float("nan"))
