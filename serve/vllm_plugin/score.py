@@ -1,6 +1,6 @@
-"""Prompt logprobs from vLLM with lcx methods (run with the vLLM venv's python).
+"""Prompt logprobs from vLLM with lcx methods (run with the python that has vLLM, `vllm_python()`).
 
-    .venv-vllm/bin/python -m lcx.serve.vllm_plugin.score --model DIR --methods JSON \
+    python -m lcx.serve.vllm_plugin.score --model DIR --methods JSON \
         --prompts prompts.json --out logprobs.json [--max-model-len N]
 
 prompts.json: a list of token-id lists. Writes `{"logprobs": [[lp(t_1|t_0), ...], ...],

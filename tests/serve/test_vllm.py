@@ -1,6 +1,7 @@
 """vLLM with lcx's plugin (marker `vllm`; its own CI step, after scripts/install_vllm_cpu.sh).
 
-vLLM runs in its own venv (.venv-vllm, or $LCX_VLLM_VENV) as subprocesses: the scoring worker
+vLLM runs as subprocesses of the python `vllm_python()` finds (lcx's own environment after
+scripts/install_vllm_cpu.sh, or .venv-vllm / $LCX_VLLM_VENV): the scoring worker
 `lcx.serve.vllm_plugin.score` (vLLM's `LLM` + prompt_logprobs) and `lcx serve --engine vllm`
 (vLLM's OpenAI server). Model: the bundled trained tiny-5m (head_dim 64, which vLLM's CPU
 attention supports), float32 on both sides.
@@ -18,8 +19,8 @@ Checks:
 - `lm_eval --model vllm` with `lcx vllm-args`' model_args (hf_overrides) scores lm-eval's
   `lcx_ppl` like `lm_eval --model lcx` with the same methods (in-process vLLM, no server).
 
-The default test run skips this module (pyproject addopts `-m "not vllm and not slow"`); without the vLLM
-venv it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing venv fails.
+The default test run skips this module (pyproject addopts `-m "not vllm and not slow"`); without vLLM
+it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing vLLM fails.
 Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 9 minutes in all (14 tests).
 """
 
@@ -37,7 +38,7 @@ import pytest
 import torch
 
 from lcx.serve.vllm_plugin import VllmMethods
-from lcx.serve.vllm_plugin.launch import VllmNotInstalled, venv_python, vllm_env
+from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python, vllm_env
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
@@ -70,7 +71,7 @@ START_TIMEOUT_S = 300
 
 def _python() -> Path:
     try:
-        return venv_python()
+        return vllm_python()
     except VllmNotInstalled as e:
         if os.environ.get("LCX_REQUIRE_VLLM") == "1":
             raise
