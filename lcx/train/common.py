@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -32,14 +32,16 @@ def warmup_cosine_lr(step: int, *, lr: float, steps: int, warmup_steps: int, min
 
 
 def adamw_decay_matrices(model: torch.nn.Module, *, lr: float, weight_decay: float,
-                         betas: tuple[float, float], eps: float = 1e-8) -> torch.optim.Optimizer:
+                         betas: tuple[float, float], eps: float = 1e-8,
+                         exempt: Iterable[torch.Tensor] = ()) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (tied weights once), weight decay on matrices (dim >= 2)
-    only: embeddings and projections decay, norm gains and biases do not. Two groups, in that
-    order (a saved optimizer state depends on it); `foreach=False`, the per-tensor update every
-    committed run used."""
+    only: embeddings and projections decay, norm gains and biases do not, nor the matrices in
+    `exempt`. Two groups, in that order (a saved optimizer state depends on it); `foreach=False`,
+    the per-tensor update every committed run used."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    skip = {id(p) for p in exempt}
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in skip]
+    no_decay = [p for p in params if p.dim() < 2 or id(p) in skip]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=betas, eps=eps, foreach=False,

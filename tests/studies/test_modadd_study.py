@@ -487,3 +487,36 @@ def test_sinusoidal_position_init_has_relative_structure():
     assert model.pe.table.weight.requires_grad  # still a learned table
     with pytest.raises(ValueError, match="position_init"):
         EncoderConfig(position_init="fixed")
+
+
+def test_place_value_errors_classifies_wrong_answers():
+    pairs = [(12, 34), (57, 8), (90, 90), (3, 4)]
+    truth = [(a + b) % 97 for a, b in pairs]
+    assert tm.place_value_errors(pairs, truth) == {"errors": 0, "share": None, "reversed": None,
+                                                   "chance": len(tm.PLACE_VALUE_SHIFTS) / 96}
+    # 21 + 34 (a's digits reversed), 57 + 8 + 9 (one digit at the wrong place: 9k), off by 1 and by 3
+    # (2 would count: 99 = 9 x 11 = 2 mod 97)
+    pred = [(21 + 34) % 97, (57 + 8 + 9) % 97, (180 + 1) % 97, 10]
+    r = tm.place_value_errors(pairs, pred)
+    assert r["errors"] == 4 and r["share"] == 0.5 and r["reversed"] == 0.25
+    assert 0.3 < r["chance"] < 0.45  # 36 of the 96 wrong classes
+    assert all((9 * k) % 97 in tm.PLACE_VALUE_SHIFTS for k in (1, -1, 18, -18))
+    assert 0 not in tm.PLACE_VALUE_SHIFTS and 1 not in tm.PLACE_VALUE_SHIFTS
+
+
+def test_position_decay_false_exempts_only_the_position_table():
+    for position_decay in (True, False):
+        cfg = tm.RunConfig(recipe="robust", position_decay=position_decay)
+        model = tm.build_model(cfg)
+        opt = tm._optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+        decayed = {id(p) for p in opt.param_groups[0]["params"]}
+        assert opt.param_groups[0]["weight_decay"] == 1.0 and opt.param_groups[1]["weight_decay"] == 0.0
+        assert (id(model.pe.table.weight) in decayed) == position_decay
+        assert id(model.tok.weight) in decayed and id(model.head.weight) in decayed
+    # no table to exempt: a no-op
+    cfg = tm.RunConfig(recipe="robust", position="rope", position_decay=False)
+    model = tm.build_model(cfg)
+    opt = tm._optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+    assert all(p.dim() < 2 for p in opt.param_groups[1]["params"])
+    with pytest.raises(ValueError, match="position_decay"):
+        tm.RunConfig(position_decay="no")

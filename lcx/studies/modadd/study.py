@@ -207,6 +207,9 @@ class RunConfig:
     batch_size: int = 128
     lr: float = 1e-3
     weight_decay: float = 1.0
+    # Weight decay on the learned position table too (every run committed before #17's
+    # digit-order diagnosis); False exempts it like norm gains and biases (no-op without a table).
+    position_decay: bool = True
     warmup_steps: int = 50
     grad_clip: float = 1.0
     eval_pairs: int = 1000
@@ -235,6 +238,8 @@ class RunConfig:
             raise ValueError(f"tag must be a string of letters, digits and _.=-, got {self.tag!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not isinstance(self.position_decay, bool):
+            raise ValueError(f"position_decay must be true or false, got {self.position_decay!r}")
         if self.weight_decay < 0 or not self.grad_clip > 0:
             raise ValueError("weight_decay must be >= 0 and grad_clip > 0")
         if not self.eval_offsets or any(not isinstance(o, int) or o < 0 for o in self.eval_offsets):
@@ -353,16 +358,42 @@ def loss_fn(model: ModAddEncoder, cfg: RunConfig, ids, lengths, labels, n_pairs,
 
 
 @torch.no_grad()
-def accuracy(model: ModAddEncoder, texts: Sequence[str], labels: Sequence[int], batch_size: int = 500) -> float:
+def predict(model: ModAddEncoder, texts: Sequence[str], batch_size: int = 500) -> list[int]:
+    """The model's class (argmax) for each text."""
     was = model.training
     model.eval()
-    hits = 0
+    out: list[int] = []
     for i in range(0, len(texts), batch_size):
         ids, lengths = pack(texts[i : i + batch_size])
-        pred = model(ids, lengths).argmax(-1)
-        hits += int((pred == torch.tensor(labels[i : i + batch_size])).sum())
+        out += model(ids, lengths).argmax(-1).tolist()
     model.train(was)
-    return hits / len(texts)
+    return out
+
+
+def accuracy(model: ModAddEncoder, texts: Sequence[str], labels: Sequence[int], batch_size: int = 500) -> float:
+    pred = predict(model, texts, batch_size)
+    return sum(int(p == y) for p, y in zip(pred, labels)) / len(texts)
+
+
+# Errors a reader of the right digits in the wrong places makes: giving a tens digit the weight of
+# a units digit (or back) moves the sum by 9 x (tens - units); any set of such swaps over the four
+# digits moves it by 9k with 0 < |k| <= 18.
+PLACE_VALUE_SHIFTS = frozenset((9 * k) % MODULUS for k in range(-18, 19) if k)
+
+
+def place_value_errors(pairs: Sequence[tuple[int, int]], pred: Sequence[int]) -> dict[str, float]:
+    """How a model's wrong answers on `pairs` are wrong: `share` of them off by a nonzero multiple
+    of 9 (mod 97, |k| <= 18: the right digits read at the wrong place value), `reversed` the share
+    equal to the answer with one or both operands' digits reversed, and `chance`, the share a
+    uniformly wrong answer would have (|PLACE_VALUE_SHIFTS| / 96). Shares are None when all are right."""
+    rev = lambda x: int(str(x)[::-1])  # noqa: E731
+    wrong = [((a, b), p) for (a, b), p in zip(pairs, pred) if p != (a + b) % MODULUS]
+    n = len(wrong)
+    nine = sum(1 for (a, b), p in wrong if (p - a - b) % MODULUS in PLACE_VALUE_SHIFTS)
+    swapped = sum(1 for (a, b), p in wrong
+                  if p in {(rev(a) + b) % MODULUS, (a + rev(b)) % MODULUS, (rev(a) + rev(b)) % MODULUS})
+    return {"errors": n, "share": nine / n if n else None, "reversed": swapped / n if n else None,
+            "chance": len(PLACE_VALUE_SHIFTS) / (MODULUS - 1)}
 
 
 def rendered_accuracy(model: ModAddEncoder, pairs: Sequence[tuple[int, int]], template: str, offset: int, *,
@@ -382,6 +413,7 @@ def evaluate(model: ModAddEncoder, cfg: RunConfig) -> dict[str, Any]:
 
     shift = {str(o): acc(test, CANONICAL, o) for o in cfg.eval_offsets}
     templates = [acc(test, t, 0) for t in OOD_TEMPLATES]
+    canonical = predict(model, [render(a, b, CANONICAL, 0, markers=cfg.recipe_obj.markers) for a, b in test])
     return {
         "id": shift["0"] if 0 in cfg.eval_offsets else acc(test, CANONICAL, 0),
         "pos": sum(shift[str(o)] for o in SHIFT_OFFSETS) / len(SHIFT_OFFSETS),
@@ -389,6 +421,8 @@ def evaluate(model: ModAddEncoder, cfg: RunConfig) -> dict[str, Any]:
         "train_id": acc(train, CANONICAL, 0),
         "shift": shift,
         "templates": templates,
+        # held-out errors at offset 0, canonical template: read at the wrong place value?
+        "place_value_errors": place_value_errors(test, canonical),
     }
 
 
@@ -425,8 +459,11 @@ def build_model(cfg: RunConfig) -> ModAddEncoder:
         return ModAddEncoder(cfg.model)
 
 
-def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    return adamw_decay_matrices(model, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
+               position_decay: bool = True) -> torch.optim.Optimizer:
+    table = getattr(getattr(model, "pe", None), "table", None)  # learned positions only
+    exempt = () if position_decay or table is None else (table.weight,)
+    return adamw_decay_matrices(model, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98), exempt=exempt)
 
 
 def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int,
@@ -469,7 +506,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
     split = split_pairs(cfg.split_seed)
     train_pairs = split.train[: cfg.train_pairs] if cfg.train_pairs else split.train
     model = build_model(cfg)
-    opt = _optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = _optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), disable=not progress, desc=desc or cfg.name, unit="step",
                dynamic_ncols=True, leave=False)
