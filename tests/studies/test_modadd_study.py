@@ -520,3 +520,47 @@ def test_position_decay_false_exempts_only_the_position_table():
     assert all(p.dim() < 2 for p in opt.param_groups[1]["params"])
     with pytest.raises(ValueError, match="position_decay"):
         tm.RunConfig(position_decay="no")
+
+
+def test_mask_characters_masks_only_non_digit_text_at_the_rate():
+    ids, lengths = tm.pack([modadd.render(53, 7, "What is {a}+{b} mod 97? Answer:", 3), modadd.render(1, 2)])
+    masked, which = tm.mask_characters(ids, lengths, 1.0, torch.Generator().manual_seed(0))
+    digits = torch.isin(ids, tm.DIGIT_IDS)
+    text = (torch.arange(ids.shape[1])[None] < lengths[:, None]) & (torch.arange(ids.shape[1])[None] > 0)
+    # rate 1: every non-digit text character, nothing else ([CLS], padding and digits kept)
+    assert torch.equal(which, text & ~digits)
+    assert torch.equal(masked[which], torch.full((int(which.sum()),), tm.MASK_ID))
+    assert torch.equal(masked[~which], ids[~which])
+    assert tm.MASK_ID not in ids.tolist()[0] + ids.tolist()[1]
+    # a rate in between: a share near it, and a function of the generator's seed alone
+    big, blen = tm.pack([modadd.render(a, b, "The sum of {a} and {b} mod 97 equals", 5) for a, b in [(12, 34)] * 200])
+    _, w1 = tm.mask_characters(big, blen, 0.15, torch.Generator().manual_seed(1))
+    _, w2 = tm.mask_characters(big, blen, 0.15, torch.Generator().manual_seed(1))
+    cand = int(((torch.arange(big.shape[1])[None] < blen[:, None]) & ~torch.isin(big, tm.DIGIT_IDS)).sum()) - 200
+    assert torch.equal(w1, w2) and 0.12 < int(w1.sum()) / cand < 0.18
+
+
+def test_mlm_weight_adds_the_token_head_and_its_loss():
+    cfg = tm.RunConfig.from_dict({**TINY_RUN, "recipe": "robust_nl", "mlm_weight": 0.5})
+    assert cfg.model.token_head and not tm.RunConfig.from_dict({**TINY_RUN}).model.token_head
+    model = tm.build_model(cfg)
+    batch = tm.batch_at(cfg, tm.split_pairs(0).train, 2)
+    loss, parts = tm.loss_fn(model, cfg, *batch, step=2)
+    assert set(parts) == {"ce", "kl", "mlm"}
+    assert loss.item() == pytest.approx(parts["ce"] + parts["kl"] + 0.5 * parts["mlm"], rel=1e-5)
+    assert parts["mlm"] > 4  # untrained: near ln(vocab)
+    loss.backward()
+    assert model.token_head.weight.grad.abs().sum() > 0
+    # the classifier alone is unchanged by the head: same logits as a model without it
+    plain = ModAddEncoder(dataclasses.replace(cfg.model, token_head=False))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("token_head")})
+    ids, lengths = batch[0], batch[1]
+    torch.testing.assert_close(model(ids, lengths), plain(ids, lengths))
+    logits, tok = model(ids, lengths, tokens=True)
+    torch.testing.assert_close(logits, plain(ids, lengths), rtol=1e-5, atol=1e-6)
+    assert tok.shape == (*ids.shape, cfg.model.vocab_size)
+    with pytest.raises(ValueError, match="token_head"):
+        plain(ids, lengths, tokens=True)
+    for bad in ({"mlm_weight": -1.0}, {"mlm_rate": 0.0}, {"mlm_rate": 1.5}, {"mlm_weight": float("nan")}):
+        with pytest.raises(ValueError, match="mlm_"):
+            tm.RunConfig.from_dict(bad)

@@ -60,6 +60,10 @@ class EncoderConfig:
     # table, scaled to the same 0.02 root-mean-square per entry: p[i + k] is a fixed rotation of p[i], so
     # attention by relative offset is available from step 0). Still learned either way.
     position_init: str = "normal"
+    # A second head on every position's final hidden state that predicts the character there
+    # (`ModAddEncoder.forward(..., tokens=True)`), for the auxiliary masked-character loss of
+    # `RunConfig.mlm_weight`; off by default, and then the model is exactly the paper's.
+    token_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_positions", "n_classes"):
@@ -76,6 +80,8 @@ class EncoderConfig:
             raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.token_head, bool):
+            raise ValueError(f"token_head must be true or false, got {self.token_head!r}")
         if self.position_init not in POSITION_INITS:
             raise ValueError(f"position_init must be one of {POSITION_INITS}, got {self.position_init!r}")
 
@@ -236,8 +242,14 @@ class ModAddEncoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.n_classes)
+        self.token_head = nn.Linear(cfg.d_model, cfg.vocab_size) if cfg.token_head else None
 
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor,
+                tokens: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, n_classes]; with `tokens=True` also the token head's logits [B, T, vocab]
+        (the last block then computes every position, not [CLS] alone)."""
+        if tokens and self.token_head is None:
+            raise ValueError("tokens=True needs a model built with EncoderConfig(token_head=True)")
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
         keep = pos[None, :] < lengths[:, None]  # [B, T] real keys
@@ -249,8 +261,10 @@ class ModAddEncoder(nn.Module):
             mask = mask + bias[None].to(h.dtype)  # [B, H, T, T]
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
-            h = blk(h, pos, self.pe, mask, n_queries=1 if i == last else None)
-        return self.head(self.ln_f(h[:, 0]))  # [B, n_classes]
+            h = blk(h, pos, self.pe, mask, n_queries=1 if i == last and not tokens else None)
+        h = self.ln_f(h)
+        logits = self.head(h[:, 0])  # [B, n_classes]
+        return (logits, self.token_head(h)) if tokens else logits
 
 
 __all__ = ["POSITION_ENCODINGS", "EncoderConfig", "ModAddEncoder", "PositionEncoding"]
