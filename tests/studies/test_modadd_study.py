@@ -151,6 +151,26 @@ def test_recipe_modifiers_and_schedules():
     assert loss_full.item() == pytest.approx(ce + parts["kl"], rel=1e-5)
 
 
+def test_consistency_loss_can_start_late():
+    r = tm.recipe_by_name("robust~consistency_delay_frac=0.4~consistency_ramp_frac=0.1")
+    assert [r.consistency_at(s, 100) for s in (0, 39, 40, 99)] == [False, False, True, True]
+    # the ramp counts from the start of the loss
+    assert [r.consistency_weight_at(s, 100) for s in (0, 39, 40, 44, 49, 99)] == [0.0, 0.0, 0.1, 0.5, 1.0, 1.0]
+    staged = tm.recipe_by_name("robust_staged")
+    assert (staged.template_delay_frac, staged.consistency_delay_frac, staged.template_pool) == (0.5, 0.5, "mixed")
+    cfg = tm.RunConfig(recipe="robust_staged", steps=100, batch_size=8, model=TINY_MODEL)
+    pairs = modadd.split_pairs(0).train
+    model = tm.build_model(cfg)
+    # before the delay: 8 distinct pairs, plain cross-entropy; after it: 4 pairs rendered twice + KL
+    ids, lengths, labels, n = tm.batch_at(cfg, pairs, 10)
+    assert n == 8 and len(ids) == 8
+    loss, parts = tm.loss_fn(model, cfg, ids, lengths, labels, n, step=10)
+    assert set(parts) == {"ce"} and loss.item() == pytest.approx(parts["ce"])
+    ids, lengths, labels, n = tm.batch_at(cfg, pairs, 60)
+    assert n == 4 and len(ids) == 8 and torch.equal(labels[:4], labels[4:])
+    assert set(tm.loss_fn(model, cfg, ids, lengths, labels, n, step=60)[1]) == {"ce", "kl"}
+
+
 def test_offset_sampling_per_batch_or_per_example():
     pairs = modadd.split_pairs(0).train[:64]
 
