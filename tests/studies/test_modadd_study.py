@@ -157,7 +157,8 @@ def test_consistency_loss_can_start_late():
     # the ramp counts from the start of the loss
     assert [r.consistency_weight_at(s, 100) for s in (0, 39, 40, 44, 49, 99)] == [0.0, 0.0, 0.1, 0.5, 1.0, 1.0]
     staged = tm.recipe_by_name("robust_staged")
-    assert (staged.template_delay_frac, staged.consistency_delay_frac, staged.template_pool) == (0.5, 0.5, "mixed")
+    assert (staged.curriculum_delay_frac, staged.template_delay_frac, staged.consistency_delay_frac,
+            staged.template_pool) == (0.1, 0.5, 0.5, "mixed")
     cfg = tm.RunConfig(recipe="robust_staged", steps=100, batch_size=8, model=TINY_MODEL)
     pairs = modadd.split_pairs(0).train
     model = tm.build_model(cfg)
