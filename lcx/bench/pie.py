@@ -9,6 +9,8 @@
     lcx bench pie --rescore results/pie_code_edit.json   # summary from stored samples
     lcx bench pie --merge /tmp/pie512.json /tmp/pie1024.json --out results/x.json
         # one record from runs of the same settings at different --ctx-tokens (one process per core)
+    lcx bench pie --compare results/base.json results/tuned.json --out results/compare.json
+        # two models on the same samples: each strategy's exact match, paired (model 2 - model 1)
 
 `--split` samples from one part of lcx.data.code's by-package split of the stdlib; a model whose
 train_config.json records that split (one fine-tuned with `lcx train lm --corpus stdlib-code`)
@@ -152,6 +154,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "--samples extends it)")
     ap.add_argument("--rescore", type=Path, default=None, metavar="JSON",
                     help="recompute the summary (and plot) of a finished run from its stored samples, then exit")
+    ap.add_argument("--compare", type=Path, nargs=2, default=None, metavar="JSON",
+                    help="write to --out the paired comparison of two finished runs of different models on the "
+                         "same samples (same settings but --model, --threads and --out), then exit")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                     help="write to --out one record holding the samples of these finished runs (same settings "
                          "but --ctx-tokens, --threads and --out), then exit")
@@ -168,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         return rescore(args.rescore, plot_it=not args.no_plot)
     if args.merge is not None:
         return merge(args.merge, args.out, plot_it=not args.no_plot)
+    if args.compare is not None:
+        return compare(*args.compare, out=args.out)
     strategies = ["recompute", *[s for s in args.strategies if s != "recompute"]]
 
     import torch
@@ -181,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load(args.model, args.device)
     files = stdlib_files(split=None if args.split == "all" else args.split)
     guard = code_split_guard(args.model, args.split, files)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore", "merge", "_run", "command", "subcommand")}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore", "merge", "compare", "_run", "command", "subcommand")}
     config.update(strategies=strategies, n_stdlib_files=len(files), model_code_split=guard,
                   model_config={k: getattr(model.config, k, None) for k in (
                       "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -295,6 +302,62 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
     if plot_it:
         plot(record["summary"]["all_contexts"], out.with_suffix(".png"),
              f"PIE code editing, {base['model']}, {len(results)} samples, ctx {ctx}")
+    return 0
+
+
+SAMPLE_KEYS = ("ctx_tokens", "index", "source", "kind", "target", "n_old", "n_new", "n_edits", "first_edit")
+COMPARE_FREE = ("model", "model_config", "model_code_split", "threads", "out")  # may differ between models
+
+
+def compare(first: Path, second: Path, out: Path) -> int:
+    """Two models on the same samples: per context (and over all) and per strategy, each model's
+    true-line exact match with its Wilson interval and the paired difference (second - first:
+    Newcombe interval, McNemar p). The runs must be finished, differ only in `COMPARE_FREE`
+    settings and hold the same samples (`SAMPLE_KEYS`: both models use one tokenizer)."""
+    from lcx.studies.code_edit import exact_match, paired_difference, wilson_interval
+
+    recs = [json.loads(Path(p).read_text()) for p in (first, second)]
+    for p, r in zip((first, second), recs):
+        if not r.get("complete"):
+            raise SystemExit(f"--compare: {p} is not a finished run")
+    cfg = [{k: v for k, v in r["config"].items() if k not in COMPARE_FREE} for r in recs]
+    if cfg[0] != cfg[1]:
+        diff = sorted(k for k in cfg[0].keys() | cfg[1].keys() if cfg[0].get(k) != cfg[1].get(k))
+        raise SystemExit(f"--compare: {second} differs from {first} in {diff}")
+    keyed = [{(x["sample"]["ctx_tokens"], x["sample"]["index"]): x for x in r["samples"]} for r in recs]
+    if keyed[0].keys() != keyed[1].keys():
+        raise SystemExit("--compare: the runs hold different samples (context lengths or counts)")
+    keys = sorted(keyed[0])
+    for k in keys:
+        a, b = ({f: keyed[i][k]["sample"].get(f) for f in SAMPLE_KEYS} for i in (0, 1))
+        if a != b:
+            raise SystemExit(f"--compare: sample {k} differs between the runs (another tokenizer?): {a} vs {b}")
+    models = [r["config"]["model"] for r in recs]
+    strategies = [s for s in recs[0]["config"]["strategies"] if s in recs[1]["config"]["strategies"]]
+    groups = {"all_contexts": keys, **{f"ctx_{c}": [k for k in keys if k[0] == c] for c in recs[0]["config"]["ctx_tokens"]}}
+    summary: dict = {}
+    for g, ks in groups.items():
+        summary[g] = {"n": len(ks)}
+        for s in strategies:
+            em = [[exact_match(keyed[i][k]["completions"][s], keyed[i][k]["sample"]["target"]) for k in ks] for i in (0, 1)]
+            summary[g][s] = {
+                **{f"em_vs_truth_{j + 1}": sum(em[j]) / len(ks) if ks else None for j in (0, 1)},
+                **{f"em_vs_truth_{j + 1}_ci95": wilson_interval(sum(em[j]), len(ks)) for j in (0, 1)},
+                "second_minus_first": paired_difference(em[1], em[0])}
+    record = {"benchmark": "pie_code_edit_compare", "models": models, "runs": [str(first), str(second)],
+              "config": cfg[0], "git": [r["git"] for r in recs], "compared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "compare_git": io.git_info(), "summary": summary}
+    io.atomic_write_json(out, record)
+    print(f"\nexact match of the true line: 1 = {models[0]}, 2 = {models[1]} (same samples)")
+    print(f"{'group':13s} {'strategy':10s} {'n':>4s} {'model 1':>19s} {'model 2':>19s} {'2 - 1 [95% CI]':>24s} {'McNemar p':>9s}")
+    for g, row in summary.items():
+        for s in strategies:
+            x, d = row[s], row[s]["second_minus_first"]
+            c1, c2 = x["em_vs_truth_1_ci95"], x["em_vs_truth_2_ci95"]
+            print(f"{g:13s} {s:10s} {row['n']:4d} {x['em_vs_truth_1']:.3f} [{c1[0]:.2f},{c1[1]:.2f}] "
+                  f"{x['em_vs_truth_2']:.3f} [{c2[0]:.2f},{c2[1]:.2f}] "
+                  f"{d['diff']:+.3f} [{d['ci95'][0]:+.2f},{d['ci95'][1]:+.2f}] {d['mcnemar_p']:9.2g}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -230,3 +230,46 @@ def test_bench_merge_of_per_context_runs(tmp_path):
     assert bench.main([*common, "--ctx-tokens", "200", "--seed", "3", "--out", str(c)]) == 0
     with pytest.raises(SystemExit, match="seed"):
         bench.main(["--merge", str(a), str(c), "--out", str(merged)])
+
+
+def test_bench_compare_of_two_models_on_the_same_samples(tmp_path, capsys):
+    """`--compare`: per strategy, both models' exact match and the paired difference; refuses runs
+    of other settings or other samples."""
+    bench = _bench()
+    common = ["--model", "tiny-random", "--samples", "3", "--ctx-tokens", "120", "--split", "eval",
+              "--max-new-tokens", "3", "--no-plot", "--threads", "1", "--strategies", "recompute", "pie"]
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.json"
+    assert bench.main([*common, "--out", str(a)]) == 0
+    rec = json.loads(a.read_text())
+    # a "second model" that gets samples 0 and 2 right with recompute (the true line as its completion)
+    second = json.loads(json.dumps(rec))
+    second["config"]["model"] = "other-model"
+    for i in (0, 2):
+        x = second["samples"][i]
+        x["completions"]["recompute"] = "  " + x["sample"]["target"].strip()  # exact match strips
+    b.write_text(json.dumps(second))
+    assert bench.main(["--compare", str(a), str(b), "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["models"] == ["tiny-random", "other-model"]
+    row = got["summary"]["all_contexts"]["recompute"]
+    first_em = [x["completions"]["recompute"].strip() == x["sample"]["target"].strip() for x in rec["samples"]]
+    assert row["em_vs_truth_1"] == pytest.approx(sum(first_em) / 3)
+    assert row["em_vs_truth_2"] == pytest.approx((2 + (first_em[1])) / 3)
+    d = row["second_minus_first"]
+    assert d["x_only"] == sum(1 for i in (0, 2) if not first_em[i]) and d["y_only"] == 0
+    assert got["summary"]["ctx_120"]["pie"]["second_minus_first"]["diff"] == 0.0  # pie untouched
+    assert "exact match of the true line" in capsys.readouterr().out
+    # guards: other settings, other samples
+    c = tmp_path / "c.json"
+    assert bench.main([*common, "--seed", "5", "--out", str(c)]) == 0
+    with pytest.raises(SystemExit, match="seed"):
+        bench.main(["--compare", str(a), str(c), "--out", str(out)])
+    moved = json.loads(json.dumps(rec))
+    moved["samples"][1]["sample"]["target"] += " x"
+    c.write_text(json.dumps(moved))
+    with pytest.raises(SystemExit, match="differs between the runs"):
+        bench.main(["--compare", str(a), str(c), "--out", str(out)])
+    moved["samples"] = moved["samples"][:2]
+    c.write_text(json.dumps(moved))
+    with pytest.raises(SystemExit, match="different samples"):
+        bench.main(["--compare", str(a), str(c), "--out", str(out)])
