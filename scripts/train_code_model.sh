@@ -7,7 +7,7 @@
 # tokens); held-out loss on its val packages. The benchmark samples only the eval packages
 # (`lcx bench pie --split eval`), which this run never reads; the split (rule, units, file
 # lists) is recorded in the log and in the model's train_config.json.
-# Optimisation: full fine-tune, AdamW lr 3e-4 (warmup 10, cosine to 3e-5), 4 x 512-token windows
+# Optimisation: full fine-tune, AdamW lr 3e-4 (warmup 10, cosine to 3e-5 over 250 steps), 4 x 512-token windows
 # per step, bf16 autocast (float32 weights): ~17 s a step on one CPU thread.
 # Output: the model in runs/code-smollm2-135m (float32, ~540 MB: not committed), the log and curve
 # in results/pie_code_model/train_log.{json,png}.
@@ -23,8 +23,8 @@ if [ -f "$OUT/state.pt" ]; then
   lcx train lm --out "$OUT" --log "$LOG" --resume --threads "$THREADS" "${STOP[@]}"
 elif [ ! -f "$OUT/train_config.json" ]; then
   lcx train lm --init smollm2-135m --corpus stdlib-code --autocast bfloat16 --out "$OUT" --log "$LOG" \
-    --steps 200 --batch-size 4 --seq-len 512 --lr 3e-4 --warmup-steps 10 --eval-every 25 --val-windows 16 \
-    --ckpt-every 25 --threads "$THREADS" "${STOP[@]}"
+    --steps 250 --batch-size 4 --seq-len 512 --lr 3e-4 --warmup-steps 10 --eval-every 50 --val-windows 16 \
+    --ckpt-every 10 --threads "$THREADS" "${STOP[@]}"
 else
   echo "$OUT is finished (no state.pt); remove it to train again"
 fi

@@ -675,10 +675,11 @@ def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
     if len(losses) >= k > 1:
         sm = torch.tensor(losses).unfold(0, k, 1).mean(1).tolist()
         ax.plot(steps[k - 1 :], sm, color="tab:blue", label=f"train ({k}-step mean)")
-    if log["val"]:
-        ax.plot([v["step"] for v in log["val"]], [v["loss"] for v in log["val"]], "o-", color="tab:red",
-                label="validation (held-out works)")
     cfg = log["config"]
+    held_out = "held-out packages" if cfg.get("corpus") == "stdlib-code" else "held-out works"
+    val = ([(0, log["val_at_init"])] if "val_at_init" in log else []) + [(v["step"], v["loss"]) for v in log["val"]]
+    if val:
+        ax.plot(*zip(*val), "o-", color="tab:red", label=f"validation ({held_out})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     att = cfg["model"].get("attention", "sdpa")
@@ -778,6 +779,8 @@ def train(
         opt.load_state_dict(state["optimizer"])
         log, start = state["log"], state["step"]
         log.setdefault("resumed_at_step", []).append(start)
+    elif cfg.init is not None:  # a fine-tune's curve starts from its init's held-out loss
+        log["val_at_init"] = evaluate(model, val, autocast=lambda: autocast_ctx(cfg))
 
     def checkpoint(step: int, final: bool) -> None:
         meta = {"train_config": cfg.to_dict(), "n_params": n_params, "steps_done": step,

@@ -221,6 +221,11 @@ def test_init_finetune_changes_weights_keeps_config_and_tokenizer_and_resumes(tm
     saved = json.loads((tmp_path / "a" / "train_config.json").read_text())["train_config"]
     assert saved == cfg.to_dict() and saved["init"] == str(path) and saved["passkey_mix"] == 0.5
     assert all("passkey" in v for v in res.log["val"]) and "final_val_passkey" in res.log
+    # the curve starts at the init's held-out loss: the same windows scored by the untrained model
+    from lcx.train.lm import evaluate, val_windows
+
+    windows = val_windows(torch.as_tensor(val_ids, dtype=torch.int32), cfg.seq_len, cfg.val_windows)
+    assert res.log["val_at_init"] == pytest.approx(evaluate(before.float(), windows), rel=1e-5)
     # Resume: stop after 2 steps, continue; identical to the uninterrupted run.
     _finetune(path, tk, train_ids, val_ids, tmp_path / "b", stop_after=2)
     _, res_b = _finetune(path, tk, train_ids, val_ids, tmp_path / "b", resume=True)
