@@ -540,6 +540,11 @@ def passkey_val_examples(passkey: PasskeyExamples, seq_len: int, count: int = PA
 
 
 @torch.no_grad()
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model`'s parameters live (the CPU for a module without any)."""
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
 def _greedy_rows(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]], pad_id: int,
                  batch_size: int):
     """Yield (ids `[T]`, greedy next-token predictions `[T]`, info) per example, run in batches of
@@ -553,7 +558,8 @@ def _greedy_rows(model: torch.nn.Module, examples: Sequence[tuple[list[int], Map
             x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
             for r, (ids, _) in enumerate(chunk):
                 x[r, : len(ids)] = torch.tensor(ids)
-            pred = model(input_ids=x, use_cache=False).logits.argmax(-1)  # [b, T]
+            dev = _model_device(model)
+            pred = model(input_ids=x.to(dev), use_cache=False).logits.argmax(-1).cpu()  # [b, T]
             for r, (_, info) in enumerate(chunk):
                 yield x[r], pred[r], info
     finally:
@@ -625,8 +631,9 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 32
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    dev = _model_device(model)
     for i in range(0, windows.shape[0], batch_size):
-        w = windows[i : i + batch_size]
+        w = windows[i : i + batch_size].to(dev)
         with (autocast or contextlib.nullcontext)():
             loss = lm_loss(model, w[:, :-1], w[:, 1:])
         total += loss.item() * w[:, 1:].numel()
@@ -716,12 +723,15 @@ def train(
     progress: bool = True,
     extra_log: Mapping[str, Any] | None = None,
     stop_after: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> TrainResult:
     """Train `cfg` on token streams; write the HF model, tokenizer, log and curve under `out`.
 
     `resume=True` continues from `<out>/state.pt` (which must have been written with the same
     config); the result is identical to an uninterrupted run. `stop_after=k` stops once k steps
     are done (counted from step 0), leaving a checkpoint to resume from: a time-boxed run.
+    `device` is where the model trains ("cpu", "cuda"): a runtime knob like the thread count
+    (batches are drawn on the CPU either way; numerics, hence weights, differ between devices).
     """
     from tqdm.auto import tqdm
 
@@ -741,6 +751,9 @@ def train(
     else:
         model = build_model(cfg.model, seed=cfg.seed, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    device = torch.device(device)
+    model.to(device)
+    amp = lambda: autocast_ctx(cfg, device.type)  # noqa: E731  (training's precision on this device)
     passkey = PasskeyExamples(tokenizer) if cfg.passkey_mix > 0 else None
     retrieval = None
     if cfg.retrieval_mix > 0:
@@ -780,11 +793,11 @@ def train(
         log, start = state["log"], state["step"]
         log.setdefault("resumed_at_step", []).append(start)
     elif cfg.init is not None:  # a fine-tune's curve starts from its init's held-out loss
-        log["val_at_init"] = evaluate(model, val, autocast=lambda: autocast_ctx(cfg))
+        log["val_at_init"] = evaluate(model, val, autocast=amp)
 
     def checkpoint(step: int, final: bool) -> None:
         meta = {"train_config": cfg.to_dict(), "n_params": n_params, "steps_done": step,
-                "runtime": {"threads": torch.get_num_threads()}}
+                "runtime": {"threads": torch.get_num_threads(), "device": str(device)}}
         for k in ("git", "tokenizer", "init", "code_split"):
             if k in log:
                 meta[k] = log[k]
@@ -809,7 +822,9 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         x, y, w = weighted_batch_at(train_stream, cfg, step, passkey, retrieval)
-        with autocast_ctx(cfg):
+        x, y = x.to(device), y.to(device)
+        w = None if w is None else w.to(device)
+        with amp():
             loss = lm_loss(model, x, y, w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -824,7 +839,7 @@ def train(
         log["tokens_seen"] += tokens_per_step
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            entry = {"step": done, "loss": evaluate(model, val, autocast=lambda: autocast_ctx(cfg))}
+            entry = {"step": done, "loss": evaluate(model, val, autocast=amp)}
             if pk_val is not None:
                 entry["passkey"] = passkey_accuracy(model, pk_val, pad_id)
             if copy_val is not None:
@@ -1002,6 +1017,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-every", type=int, default=None,
                         help=f"checkpoint interval in steps (default {d.ckpt_every})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--device", default="cpu",
+                        help="where to train: cpu (default) or cuda[:N] (a runtime choice like --threads, not "
+                             "part of the config: a resumed run may change it; weights differ between devices)")
 
 
 def _config_from_args(args: argparse.Namespace, saved: Mapping[str, Any] | None) -> TrainConfig:
@@ -1055,6 +1073,12 @@ def run(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
     resolve_threads(args.threads)
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch.cuda.is_available() is False here; use --device cpu")
+    try:
+        torch.device(args.device)
+    except RuntimeError as e:
+        raise SystemExit(f"--device {args.device!r}: {e}") from None
     out = Path(args.out)
     saved = None
     if args.resume:
@@ -1099,7 +1123,7 @@ def run(args: argparse.Namespace) -> int:
                 keep_state=args.keep_state, log_path=args.log, progress=not args.no_progress,
                 extra_log={"git": env.pop("git"), "environment": env, "tokenizer": tok_info,
                            "held_out": [d.name for d in val_docs], **init_info},
-                stop_after=args.stop_after)
+                stop_after=args.stop_after, device=args.device)
     log = res.log
     if "final_val_loss" not in log:
         print(f"stopped after {log['step'][-1]} of {cfg.steps} steps; continue with --resume")

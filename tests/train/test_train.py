@@ -174,3 +174,31 @@ def test_cli_help():
     with pytest.raises(SystemExit) as e:
         main(["train", "lm", "--help"])
     assert e.value.code == 0
+
+
+@pytest.mark.parametrize("device, match", [("cuda", "cuda.is_available"), ("tpu9", "tpu9")])
+def test_cli_device_is_checked_before_any_work(tmp_path, device, match):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from lcx.cli import main
+
+    with pytest.raises(SystemExit, match=match):
+        main(["train", "lm", "--out", str(tmp_path / "x"), "--steps", "2", "--device", device])
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.gpu
+def test_training_on_cuda_matches_cpu(tmp_path, data):
+    """The same config on the GPU: the same batches, so the first steps' losses agree with the
+    CPU run's up to float32 reduction order, and the run checkpoints and resumes there."""
+    cfg = MICRO.replace(steps=12, ckpt_every=6)
+    cpu = _run(cfg, tmp_path / "cpu", data)
+    gpu = _run(cfg, tmp_path / "gpu", data, device="cuda")
+    assert next(gpu.model.parameters()).is_cuda
+    assert gpu.log["loss"][0] == pytest.approx(cpu.log["loss"][0], rel=1e-4)
+    assert gpu.log["val"][-1]["loss"] == pytest.approx(cpu.log["val"][-1]["loss"], rel=2e-2)
+    part = _run(cfg, tmp_path / "resumed", data, device="cuda", stop_after=6)
+    assert len(part.log["loss"]) == 6
+    resumed = _run(cfg, tmp_path / "resumed", data, device="cuda", resume=True)
+    assert resumed.log["loss"][:6] == part.log["loss"] and len(resumed.log["loss"]) == 12
+    assert json.loads((tmp_path / "gpu" / "train_config.json").read_text())["runtime"]["device"] == "cuda"
