@@ -539,12 +539,12 @@ def passkey_val_examples(passkey: PasskeyExamples, seq_len: int, count: int = PA
     return [passkey.example(seq_len, rng, full=True) for _ in range(count)]
 
 
-@torch.no_grad()
 def _model_device(model: torch.nn.Module) -> torch.device:
     """Where `model`'s parameters live (the CPU for a module without any)."""
     return next(iter(model.parameters()), torch.empty(0)).device
 
 
+@torch.no_grad()
 def _greedy_rows(model: torch.nn.Module, examples: Sequence[tuple[list[int], Mapping[str, Any]]], pad_id: int,
                  batch_size: int):
     """Yield (ids `[T]`, greedy next-token predictions `[T]`, info) per example, run in batches of
