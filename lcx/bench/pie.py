@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 STRATEGIES = ("recompute", "pie", "conflict")
+DEFAULT_OUT = Path("results") / "pie_code_edit.json"
 DESCRIPTION = "PIE code-editing benchmark: recompute vs pie vs conflict on Python standard-library code"
 
 
@@ -146,7 +147,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="run each update this many times, report the median wall time")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--out", type=Path, default=Path("results") / "pie_code_edit.json",
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="the record (default results/pie_code_edit.json, relative to the working directory)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--resume", action="store_true",
@@ -174,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     if args.merge is not None:
         return merge(args.merge, args.out, plot_it=not args.no_plot)
     if args.compare is not None:
+        if args.out == DEFAULT_OUT:
+            raise SystemExit(f"--compare writes a comparison, not a run: give --out (not the default {DEFAULT_OUT})")
         return compare(*args.compare, out=args.out)
     strategies = ["recompute", *[s for s in args.strategies if s != "recompute"]]
 

@@ -259,7 +259,9 @@ def test_bench_compare_of_two_models_on_the_same_samples(tmp_path, capsys):
     assert d["x_only"] == sum(1 for i in (0, 2) if not first_em[i]) and d["y_only"] == 0
     assert got["summary"]["ctx_120"]["pie"]["second_minus_first"]["diff"] == 0.0  # pie untouched
     assert "exact match of the true line" in capsys.readouterr().out
-    # guards: other settings, other samples
+    # guards: no --out (the default is the benchmark's own record), other settings, other samples
+    with pytest.raises(SystemExit, match="give --out"):
+        bench.main(["--compare", str(a), str(b)])
     c = tmp_path / "c.json"
     assert bench.main([*common, "--seed", "5", "--out", str(c)]) == 0
     with pytest.raises(SystemExit, match="seed"):
