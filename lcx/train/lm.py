@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -551,6 +552,7 @@ def _greedy_rows(model: torch.nn.Module, examples: Sequence[tuple[list[int], Map
     right-padded rows (padding a causal model cannot see), in eval mode."""
     was_training = model.training
     model.eval()
+    dev = _model_device(model)
     try:
         for i in range(0, len(examples), batch_size):
             chunk = examples[i : i + batch_size]
@@ -558,7 +560,6 @@ def _greedy_rows(model: torch.nn.Module, examples: Sequence[tuple[list[int], Map
             x = torch.full((len(chunk), T), pad_id, dtype=torch.long)
             for r, (ids, _) in enumerate(chunk):
                 x[r, : len(ids)] = torch.tensor(ids)
-            dev = _model_device(model)
             pred = model(input_ids=x.to(dev), use_cache=False).logits.argmax(-1).cpu()  # [b, T]
             for r, (_, info) in enumerate(chunk):
                 yield x[r], pred[r], info
@@ -753,7 +754,7 @@ def train(
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     device = torch.device(device)
     model.to(device)
-    amp = lambda: autocast_ctx(cfg, device.type)  # noqa: E731  (training's precision on this device)
+    amp = functools.partial(autocast_ctx, cfg, device.type)  # training's precision on this device
     passkey = PasskeyExamples(tokenizer) if cfg.passkey_mix > 0 else None
     retrieval = None
     if cfg.retrieval_mix > 0:
