@@ -65,3 +65,23 @@ def test_wheel_contains_mapped_packages_and_no_generic_top_level(tmp_path):
     top_level = [n for n in names if n.endswith("top_level.txt")]
     if top_level:
         assert zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["lcx"]
+
+
+# The GPU machines receive the whole working tree with each call, 64 MiB at most together with
+# what a call carries (scripts/gpu_session.sh; /work/.library/device). A checkout over this
+# budget cannot start any GPU session; the margin is left for untracked files and carried paths.
+DEVICE_PAYLOAD_BUDGET = 63 * 2**20
+
+
+def test_tracked_tree_fits_the_gpu_machines_payload():
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / os.fsdecode(p) for p in listed.split(b"\0") if p]
+    sizes = {f: f.stat().st_size for f in files if f.is_file()}
+    total = sum(sizes.values())
+    largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
+    assert total <= DEVICE_PAYLOAD_BUDGET, (
+        f"tracked files take {total / 2**20:.2f} MiB, over the {DEVICE_PAYLOAD_BUDGET / 2**20:.0f} MiB a GPU call "
+        f"can carry; largest: {[f'{f.relative_to(ROOT)} {sizes[f] / 2**20:.1f} MiB' for f in largest]}")

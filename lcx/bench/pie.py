@@ -57,26 +57,36 @@ def environment(device) -> dict:
 
 def code_split_guard(model_path: str, split: str, eval_files: list[Path]) -> dict | None:
     """The model's recorded stdlib-code split (None if it has none); raises unless this run
-    samples the eval split and no eval file was in the model's train or val split."""
+    samples the eval split and no eval file was in the training data of the model or of any
+    fine-tuning stage before it (its `init` chain, followed while the directories exist)."""
     from lcx.data.code import SPLIT_ID, stdlib_root
 
-    cfg = Path(model_path) / "train_config.json"
-    if not cfg.is_file():
+    records, chain, path = [], [], Path(model_path)
+    while (path / "train_config.json").is_file() and str(path.resolve()) not in chain:
+        chain.append(str(path.resolve()))
+        cfg = json.loads((path / "train_config.json").read_text())
+        if cfg.get("code_split") is not None:
+            records.append(cfg["code_split"])
+        init = (cfg.get("init") or {}).get("path")
+        if not init:
+            break
+        path = Path(init)
+    if not records:
         return None
-    rec = json.loads(cfg.read_text()).get("code_split")
-    if rec is None:
-        return None
+    rec = records[0]
     if split != "eval":
         raise SystemExit(f"{model_path} was trained on stdlib code ({rec['split_id']}); evaluate it with "
                          f"--split eval, not --split {split}")
-    if rec["split_id"] != SPLIT_ID:
-        raise SystemExit(f"{model_path} was trained with split {rec['split_id']}, this code has {SPLIT_ID}")
-    seen = set(rec["train"]["files"]) | set(rec["val"]["files"])
-    overlap = sorted(seen & {str(p.relative_to(stdlib_root())) for p in eval_files})
-    if overlap:
-        raise SystemExit(f"{len(overlap)} eval file(s) were in the model's training data, e.g. {overlap[:3]}")
+    eval_rel = {str(p.relative_to(stdlib_root())) for p in eval_files}
+    for r in records:
+        if r["split_id"] != SPLIT_ID:
+            raise SystemExit(f"{model_path} (or a stage before it) was trained with split {r['split_id']}, "
+                             f"this code has {SPLIT_ID}")
+        overlap = sorted((set(r["train"]["files"]) | set(r["val"]["files"])) & eval_rel)
+        if overlap:
+            raise SystemExit(f"{len(overlap)} eval file(s) were in the model's training data, e.g. {overlap[:3]}")
     return {"split_id": rec["split_id"], "train_files_sha256": rec["train"]["files_sha256"],
-            "checked_no_overlap_with_eval_files": len(eval_files)}
+            "stages_checked": len(records), "checked_no_overlap_with_eval_files": len(eval_files)}
 
 
 def load(name: str, device: str):

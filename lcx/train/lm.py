@@ -31,9 +31,13 @@ then only picks batches). `--resume` reloads the init model for its architecture
 saved state.
 
 Corpora (`--corpus`, `TrainConfig.corpus`, registry `CORPORA`): `text` (Shakespeare + KJV, the
-default) or `stdlib-code`, the Python standard library's train packages (`lcx.data.code`: split
+default), `stdlib-code`, the Python standard library's train packages (`lcx.data.code`: split
 by package, held-out loss on its val packages; the code-edit benchmark's eval packages are never
-read, and the split is recorded in the log and the model's train_config.json as `code_split`).
+read, and the split is recorded in the log and the model's train_config.json as `code_split`),
+or `python-code`: those packages plus third-party code from site-packages
+(`lcx.data.code.site_code`: filtered, at most 200 kB per package, and decontaminated against the
+stdlib's val and eval packages; the rule and counts are logged as `site_code`, the file list is
+written to OUT/site_code_files.json, and `--resume` refuses a changed selection).
 `--init` also takes a GGUF preset such as `smollm2-135m` (its dequantized float32 directory).
 `--autocast bfloat16` runs forward and backward under `torch.autocast` (float32 weights and
 optimizer; ~1.6x faster per token for SmolLM2-135M on a CPU with AVX512-BF16); validation
@@ -104,13 +108,25 @@ def _stdlib_code_corpus(split: str):
     return load_code_corpus("train" if split == "train" else "val")
 
 
+def _python_code_corpus(split: str):
+    from lcx.data.code import load_code_corpus, site_code
+
+    if split != "train":
+        return load_code_corpus("val")  # the same held-out packages as stdlib-code: comparable losses
+    return load_code_corpus("train") + site_code().documents
+
+
 # Training corpora: name -> loader(split) -> list[lcx.data.Document], split "train" or "held_out".
 # `stdlib-code` is Python standard-library code split by package (lcx.data.code): its train and
 # val packages are disjoint from the "eval" packages the code-edit benchmark samples from.
 CORPORA: dict[str, Callable[[str], list]] = {
     "text": _text_corpus,  # Shakespeare + KJV, held-out works (lcx.data.corpus)
     "stdlib-code": _stdlib_code_corpus,
+    # stdlib-code's train packages + third-party code from site-packages, decontaminated against
+    # the stdlib's val and eval packages (lcx.data.code.site_code); held out: the val packages
+    "python-code": _python_code_corpus,
 }
+CODE_CORPORA = ("stdlib-code", "python-code")  # corpora whose runs record the stdlib split
 # Mixed precision: TrainConfig.autocast -> torch dtype (None: plain float32).
 AUTOCAST_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bfloat16": torch.bfloat16}
 
@@ -684,7 +700,7 @@ def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
         sm = torch.tensor(losses).unfold(0, k, 1).mean(1).tolist()
         ax.plot(steps[k - 1 :], sm, color="tab:blue", label=f"train ({k}-step mean)")
     cfg = log["config"]
-    held_out = "held-out packages" if cfg.get("corpus") == "stdlib-code" else "held-out works"
+    held_out = "held-out packages" if cfg.get("corpus") in CODE_CORPORA else "held-out works"
     val = ([(0, log["val_at_init"])] if "val_at_init" in log else []) + [(v["step"], v["loss"]) for v in log["val"]]
     if val:
         ax.plot(*zip(*val), "o-", color="tab:red", label=f"validation ({held_out})")
@@ -799,7 +815,7 @@ def train(
     def checkpoint(step: int, final: bool) -> None:
         meta = {"train_config": cfg.to_dict(), "n_params": n_params, "steps_done": step,
                 "runtime": {"threads": torch.get_num_threads(), "device": str(device)}}
-        for k in ("git", "tokenizer", "init", "code_split"):
+        for k in ("git", "tokenizer", "init", "code_split", "site_code"):
             if k in log:
                 meta[k] = log[k]
         _save_hf(model, tokenizer, out, meta)
@@ -1111,10 +1127,23 @@ def run(args: argparse.Namespace) -> int:
           f"{torch.get_num_threads()} threads", flush=True)
     env = environment()
     init_info = {}
-    if cfg.corpus == "stdlib-code":  # the by-package split, recorded so an eval can check it never trains on
+    if cfg.corpus in CODE_CORPORA:  # the by-package split, recorded so an eval can check it never trains on
         from lcx.data.code import split_record
 
         init_info["code_split"] = split_record()
+    if cfg.corpus == "python-code":  # the third-party selection: rule and counts in the log, files in OUT
+        from lcx.data.code import site_code
+
+        site = site_code().record
+        listed = out / "site_code_files.json"
+        if args.resume and listed.is_file():
+            before = json.loads(listed.read_text())["files_sha256"]
+            if before != site["files_sha256"]:
+                raise SystemExit(f"--resume: the site-packages code selection changed since the run started "
+                                 f"({before[:12]} -> {site['files_sha256'][:12]}): the installed packages differ")
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "site_code_files.json", site)
+        init_info["site_code"] = {k: v for k, v in site.items() if k != "files"}
     if cfg.init is not None and not args.resume:
         ipath = resolve_init(cfg.init)
         init_info["init"] = {"source": cfg.init, "path": str(ipath),
