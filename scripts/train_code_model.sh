@@ -19,8 +19,8 @@
 #      log results/pie_code_model/train_log_stage2.{json,png}
 #   3. from stage 2: more kinds of code (`--corpus python-code`: the train packages plus ~26 MB of
 #      third-party code from site-packages, filtered and decontaminated against the stdlib's val
-#      and eval packages, lcx.data.code.site_code), lr 1e-4 (warmup 10, cosine over 300 steps),
-#      2 x 1024-token windows, batch seed 2 (~16 s a step, ~80 min) -> runs/code-smollm2-135m-s3,
+#      and eval packages, lcx.data.code.site_code), lr 1e-4 (warmup 10, cosine over 360 steps),
+#      2 x 1024-token windows, batch seed 2 (~16 s a step, ~95 min) -> runs/code-smollm2-135m-s3,
 #      log results/pie_code_model/train_log_stage3.{json,png}; its selection depends on the
 #      installed packages and is listed in runs/code-smollm2-135m-s3/site_code_files.json
 # Output models are float32, ~540 MB each: not committed.
@@ -56,4 +56,4 @@ stage "$S2" results/pie_code_model/train_log_stage2.json --init "$S1" --corpus s
   --steps 240 --batch-size 2 --seq-len 1024 --lr 1.5e-4 --warmup-steps 10 --eval-every 60 --seed 1
 [ "$STAGES" -ge 3 ] || exit 0
 stage "$S3" results/pie_code_model/train_log_stage3.json --init "$S2" --corpus python-code \
-  --steps 300 --batch-size 2 --seq-len 1024 --lr 1e-4 --warmup-steps 10 --eval-every 50 --seed 2
+  --steps 360 --batch-size 2 --seq-len 1024 --lr 1e-4 --warmup-steps 10 --eval-every 60 --seed 2
