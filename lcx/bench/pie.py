@@ -233,12 +233,12 @@ def run(args: argparse.Namespace) -> int:
             results.append(r)
             record["samples"] = [asdict(x) for x in results]
             record["summary"] = {"all_contexts": summarize(results, strategies)}
-            io.atomic_write_json(args.out, record)
+            io.atomic_write_json(args.out, record, rows=("samples",))
     record["samples"] = [asdict(x) for x in results]
     record["summary"] = summaries(results, args.ctx_tokens, strategies)
     record["complete"] = True
     record["elapsed_s"] = time.time() - t_start
-    io.atomic_write_json(args.out, record)
+    io.atomic_write_json(args.out, record, rows=("samples",))
 
     print_table(record, f"{args.model}: {len(results)} samples, contexts {args.ctx_tokens}")
     if not args.no_plot:
@@ -310,7 +310,7 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
               "merged_from": [{"path": str(p), "ctx_tokens": r["config"]["ctx_tokens"], "git": r["git"],
                                "environment": r["environment"], "elapsed_s": r.get("elapsed_s")}
                               for p, r in zip(paths, records)]}
-    io.atomic_write_json(out, record)
+    io.atomic_write_json(out, record, rows=("samples",))
     print_table(record, f"{base['model']}: {len(results)} samples (merged), contexts {ctx}")
     if plot_it:
         plot(record["summary"]["all_contexts"], out.with_suffix(".png"),
@@ -386,7 +386,7 @@ def rescore(path: Path, plot_it: bool = True) -> int:
     record["summary"] = summaries(results, cfg["ctx_tokens"], strategies)
     record["rescored"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": io.git_info(),
                           "note": "summary recomputed from the stored samples by lcx bench pie --rescore"}
-    io.atomic_write_json(path, record)
+    io.atomic_write_json(path, record, rows=("samples",))
     print_table(record, f"{cfg['model']}: {len(results)} samples (rescored), contexts {cfg['ctx_tokens']}")
     if plot_it:
         plot(record["summary"]["all_contexts"], path.with_suffix(".png"),

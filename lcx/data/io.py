@@ -62,8 +62,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, write)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, rows: tuple[str, ...] = ()) -> Path:
+    """`obj` as indented JSON, atomically. `rows`: top-level keys holding lists (per-sample
+    records) written last, one compact item per line: the file stays readable and ~1/3 smaller."""
+    if not rows or not isinstance(obj, dict):
+        return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    head = {k: v for k, v in obj.items() if k not in rows}
+    parts = [json.dumps(head, indent=2)[:-2]] if head else ["{"]
+    for i, k in enumerate(r for r in rows if r in obj):
+        items = ",\n".join("    " + json.dumps(x, separators=(",", ":")) for x in obj[k])
+        sep = "," if head or i else ""
+        parts.append(f'{sep}\n  {json.dumps(k)}: [' + (f"\n{items}\n  ]" if items else "]"))
+    return atomic_write_text(path, "".join(parts) + "\n}\n")
 
 
 def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> Path:

@@ -148,3 +148,22 @@ def test_bundled_tokenizer():
         assert tok.decode(tok(d.text, add_special_tokens=False)["input_ids"]) == d.text, d.name
     for text in ROUND_TRIP_STRINGS:
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@pytest.mark.parametrize("obj", [
+    {"config": {"a": [1, 2]}, "samples": [{"x": 1.5, "s": "line\n\"q\""}, {"y": [None, True]}]},
+    {"samples": []}, {"samples": [{"only": "é"}]}, {"head": 1, "samples": [1], "more": [[2], {"z": 3}]},
+    {"no_rows": {"b": 2}}, [1, 2]])
+def test_atomic_write_json_rows_round_trip(tmp_path, obj):
+    import json
+
+    from lcx.data.io import atomic_write_json
+
+    path = atomic_write_json(tmp_path / "r.json", obj, rows=("samples", "more"))
+    text = path.read_text()
+    assert json.loads(text) == obj and text.endswith("\n")
+    if isinstance(obj, dict) and obj.get("samples"):  # one item per line, after the indented head
+        lines = text.splitlines()
+        start = lines.index('  "samples": [')
+        assert [json.loads(ln.strip().rstrip(",")) for ln in lines[start + 1:start + 1 + len(obj["samples"])]] \
+            == obj["samples"]
