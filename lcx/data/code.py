@@ -22,6 +22,7 @@ tests, site-packages, caches, IDLE's tests, lib2to3 and the generated `_sysconfi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sysconfig
@@ -231,6 +232,13 @@ def site_code(root: Path | None = None, reference: list[Path] | None = None) -> 
     return SiteCode(docs, record)
 
 
+@functools.lru_cache(maxsize=1)
+def default_site_code() -> SiteCode:
+    """`site_code()` of this environment, computed once per process (a trainer needs both its
+    documents and its record; the scan reads ~400 MB of files)."""
+    return site_code()
+
+
 __all__ = ["CODE_SPLITS", "CODE_SKIP_DIRS", "SITE_CODE_ID", "SPLIT_ID", "STDLIB_BACKPORTS", "SiteCode",
-           "code_split", "code_unit", "load_code_corpus", "site_code", "site_packages_root", "split_of",
+           "code_split", "code_unit", "default_site_code", "load_code_corpus", "site_code", "site_packages_root", "split_of",
            "split_record", "stdlib_py_files", "stdlib_root"]

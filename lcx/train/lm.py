@@ -109,11 +109,11 @@ def _stdlib_code_corpus(split: str):
 
 
 def _python_code_corpus(split: str):
-    from lcx.data.code import load_code_corpus, site_code
+    from lcx.data.code import default_site_code, load_code_corpus
 
     if split != "train":
         return load_code_corpus("val")  # the same held-out packages as stdlib-code: comparable losses
-    return load_code_corpus("train") + site_code().documents
+    return load_code_corpus("train") + default_site_code().documents
 
 
 # Training corpora: name -> loader(split) -> list[lcx.data.Document], split "train" or "held_out".
@@ -1132,9 +1132,9 @@ def run(args: argparse.Namespace) -> int:
 
         init_info["code_split"] = split_record()
     if cfg.corpus == "python-code":  # the third-party selection: rule and counts in the log, files in OUT
-        from lcx.data.code import site_code
+        from lcx.data.code import default_site_code
 
-        site = site_code().record
+        site = default_site_code().record
         listed = out / "site_code_files.json"
         if args.resume and listed.is_file():
             before = json.loads(listed.read_text())["files_sha256"]

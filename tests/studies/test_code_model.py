@@ -189,7 +189,7 @@ def test_site_code_package_budget(tmp_path, monkeypatch):
 def test_site_code_never_shares_heldout_lines():
     """On this machine's site-packages: no kept file shares more than 2 long lines with the
     stdlib's val and eval packages (the rule, checked on the real data)."""
-    from lcx.data.code import SITE_MIN_LINE, site_code
+    from lcx.data.code import SITE_MIN_LINE, default_site_code
 
     split = code_split()
     ref = set()
@@ -199,8 +199,9 @@ def test_site_code_never_shares_heldout_lines():
                        if len(s) >= SITE_MIN_LINE)
         except (UnicodeDecodeError, OSError):
             pass
-    sc = site_code()
+    sc = default_site_code()
     assert sc.documents, "no third-party code found"
+    assert default_site_code() is sc  # computed once per process (corpus loader and run record)
     worst = max(sum(s.strip() in ref for s in d.text.splitlines() if len(s.strip()) >= SITE_MIN_LINE)
                 for d in sc.documents)
     assert worst <= 2
