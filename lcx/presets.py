@@ -17,6 +17,13 @@ Settings (papers' defaults where they give one; see ../shared/METHODS.md):
     llama3            the original length is the model's
     truncate          Giraffe truncation at the model's length
     lm_infinite       LM-Infinite: 10 global keys + a window of L0 keys, global distance capped at L0
+    lm_infinite_topk  LM-Infinite as its authors ran it for passkey and Qasper (README:
+                      `--top_k_attention 5 --top_k_from_layer 4`): the above + the last query of
+                      each call also sees its top 5 middle keys, scored at distance L0 / 2, in
+                      layers from n_layers / 8 on (rounded, >= 1). Scaling: Llama-2 (L0 = 4096,
+                      32 layers) gives the official insert_at 2048 and from_layer 4; SmolLM2
+                      (8192, 30 layers) 4096 and 4; a 4-layer tiny model 1 (so top-k runs in 3
+                      of its 4 layers, not in none). Without a layer count, from_layer is 4.
     sliding_window    a window of L0 keys
     sinks             StreamingLLM: 4 sink keys + a window of L0 - 4 keys (L0 keys in all)
     lm_infinite+yarn  the two above together (the combination LM-Infinite suggests for RoPE
@@ -28,7 +35,8 @@ Settings (papers' defaults where they give one; see ../shared/METHODS.md):
                       its `siblings` names, as loaded (that model's config records the method;
                       `--attention swat --window W` applies it to any model instead)
 
-A preset that cannot run for a model says why (`resolve` returns the reason as a string).
+A preset that cannot run for a model says why (`resolve` returns the reason as a string). A
+preset that scales with the model's depth (`depth_scaled`) reads `n_layers` when given.
 """
 
 from __future__ import annotations
@@ -40,26 +48,32 @@ from typing import Any, Callable, Mapping
 from .method_config import MethodConfig
 
 LM_INFINITE_GLOBAL = 10  # LM-Infinite's n_global (the paper: 10-100 behave alike)
+LM_INFINITE_TOP_K = 5  # the paper's passkey / Qasper runs: --top_k_attention 5
+LM_INFINITE_TOP_K_FROM = 4  # --top_k_from_layer 4 of Llama-2-7B's 32 layers
 SINKS = 4  # StreamingLLM's sink count
 
 
 @dataclass(frozen=True)
 class Preset:
-    """name: build(L0, factor) -> MethodConfig. `siblings`: for methods that need a model trained
+    """name: build(L0, factor) -> MethodConfig (build(L0, factor, n_layers) when `depth_scaled`;
+    n_layers None: the model's depth is not known). `siblings`: for methods that need a model trained
     with them, model name -> that model (the preset then runs on the sibling, as loaded: the
     sibling's config records the method, `lcx.hf.recorded`)."""
 
     name: str
-    build: Callable[[int, float], dict[str, Any]]
+    build: Callable[..., dict[str, Any]]
     description: str
     siblings: Mapping[str, str] | None = None
+    depth_scaled: bool = False
 
-    def config(self, L0: int, factor: float) -> MethodConfig:
+    def config(self, L0: int, factor: float, n_layers: int | None = None) -> MethodConfig:
         if not isinstance(L0, int) or L0 < 1:
             raise ValueError(f"L0 must be a positive integer, got {L0!r}")
         if not factor >= 1:
             raise ValueError(f"factor must be >= 1, got {factor!r}")
-        return MethodConfig.from_dict(self.build(L0, factor))
+        if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
+            raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
+        return MethodConfig.from_dict(self.build(L0, factor, n_layers) if self.depth_scaled else self.build(L0, factor))
 
 
 def _rope(rope_type: str) -> Callable[[int, float], dict[str, Any]]:
@@ -68,6 +82,13 @@ def _rope(rope_type: str) -> Callable[[int, float], dict[str, Any]]:
 
 def _lm_infinite(L0: int) -> dict[str, Any]:
     return {"type": "lm_infinite", "n_global": LM_INFINITE_GLOBAL, "n_local": L0}
+
+
+def _lm_infinite_topk(L0: int, s: float, n_layers: int | None) -> dict[str, Any]:
+    """LM-Infinite + top-k middle keys, the paper's settings scaled to the model (module doc)."""
+    first = LM_INFINITE_TOP_K_FROM if n_layers is None else max(1, round(n_layers * LM_INFINITE_TOP_K_FROM / 32))
+    return {"attention": {**_lm_infinite(L0), "top_k": LM_INFINITE_TOP_K, "top_k_from_layer": first,
+                          "top_k_insert_at": L0 // 2}}
 
 
 def _self_extend(L0: int, s: float) -> dict[str, Any]:
@@ -89,6 +110,9 @@ _ALL = (
            "Giraffe truncation at the model's length"),
     Preset("lm_infinite", lambda L0, s: {"attention": _lm_infinite(L0)},
            f"LM-Infinite: {LM_INFINITE_GLOBAL} global keys + a window of L0, distance capped at L0"),
+    Preset("lm_infinite_topk", _lm_infinite_topk,
+           f"LM-Infinite + the top {LM_INFINITE_TOP_K} middle keys for the last query (scored at distance "
+           f"L0 / 2, layers from n_layers / 8 on): the paper's passkey configuration", depth_scaled=True),
     Preset("sliding_window", lambda L0, s: {"attention": {"type": "sliding_window", "window": L0}},
            "a window of L0 keys"),
     Preset("sinks", lambda L0, s: {"attention": {"type": "sinks", "n_sink": SINKS, "window": L0 - SINKS}},
@@ -110,9 +134,10 @@ def get(name: str) -> Preset:
     return PRESETS[name]
 
 
-def config(name: str, *, L0: int, factor: float) -> MethodConfig:
-    """The MethodConfig of preset `name` for training context L0 and length factor s."""
-    return get(name).config(L0, factor)
+def config(name: str, *, L0: int, factor: float, n_layers: int | None = None) -> MethodConfig:
+    """The MethodConfig of preset `name` for training context L0, length factor s and (for a
+    depth-scaled preset) the model's number of layers."""
+    return get(name).config(L0, factor, n_layers)
 
 
 @dataclass(frozen=True)
@@ -125,14 +150,15 @@ class PresetRun:
     config: MethodConfig
 
 
-def resolve(name: str, model: str, *, L0: int, factor: float) -> PresetRun | str:
-    """The run of preset `name` on `model`, or a string saying why it cannot run there."""
+def resolve(name: str, model: str, *, L0: int, factor: float, n_layers: int | None = None) -> PresetRun | str:
+    """The run of preset `name` on `model` (`n_layers`: its depth, for depth-scaled presets), or a
+    string saying why it cannot run there."""
     p = get(name)
     if p.siblings is not None:
         if model not in p.siblings:
             return f"no {name} model trained for {model!r} (known: {dict(p.siblings)})"
         model = p.siblings[model]
-    return PresetRun(name, model, p.config(L0, factor))
+    return PresetRun(name, model, p.config(L0, factor, n_layers))
 
 
 __all__ = ["PRESETS", "Preset", "PresetRun", "config", "get", "resolve"]

@@ -5,7 +5,7 @@
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
 For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe
-truncation, LM-Infinite, sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT;
+truncation, LM-Infinite (also with the paper's top-k middle keys), sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT;
 a preset with sibling models, like SWAT's, runs on the model's sibling trained with the method,
 e.g. tiny-5m -> tiny-swat-5m, and is skipped for a model without one) it measures, beyond the
 model's training context L0:
@@ -57,7 +57,7 @@ from typing import Any, Callable
 from .method_config import INFERENCE_BACKEND
 from .presets import PRESETS
 
-DEFAULT_METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "truncate", "lm_infinite",
+DEFAULT_METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "truncate", "lm_infinite", "lm_infinite_topk",
                    "sliding_window", "sinks", "lm_infinite+yarn", "self_extend", "swat")
 PPL_METRIC = "word_perplexity"
 CELL_KINDS = ("lmeval", "decode")
@@ -148,18 +148,19 @@ class MethodRun:
         return {"rope": d.get("rope"), "attention": d.get("attention"), "model": self.model}
 
 
-def method_run(name: str, model: str, L0: int, factor: float) -> "MethodRun | str":
-    """Preset `name` (`lcx.presets`) for `model`, or why it cannot run there."""
+def method_run(name: str, model: str, L0: int, factor: float, n_layers: int | None = None) -> "MethodRun | str":
+    """Preset `name` (`lcx.presets`) for `model` (`n_layers`: its depth, for depth-scaled presets),
+    or why it cannot run there."""
     from .presets import resolve
 
-    r = resolve(name, model, L0=L0, factor=factor)
+    r = resolve(name, model, L0=L0, factor=factor, n_layers=n_layers)
     if isinstance(r, str):
         return r
     return MethodRun(r.config, r.model if r.model != model else None)
 
 
-def model_context(model: str) -> int:
-    """The model's `max_position_embeddings`, from its config (no weights loaded when possible)."""
+def model_hf_config(model: str) -> dict[str, Any]:
+    """The model's config.json (no weights loaded when possible)."""
     from .models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
 
     kind, path = resolve_source(model)
@@ -167,7 +168,12 @@ def model_context(model: str) -> int:
         if not is_gguf_cached(path):
             load_model(path)  # builds lcx's dequantization cache once
         path = gguf_cache_dir(path)
-    return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def model_context(model: str) -> int:
+    """The model's `max_position_embeddings`, from its config."""
+    return int(model_hf_config(model)["max_position_embeddings"])
 
 
 # ============================================================================================
@@ -438,13 +444,14 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     from .data.io import atomic_write_json, environment, git_info
 
     t_start = time.perf_counter()
-    context = model_context(cfg.model)
+    hf_config = model_hf_config(cfg.model)
+    context, n_layers = int(hf_config["max_position_embeddings"]), hf_config.get("num_hidden_layers")
     cfg = cfg.resolved(context)
     factor = max(cfg.lengths) / context
     runs: dict[str, MethodRun] = {}
     skipped: dict[str, str] = {}
     for name in cfg.methods:
-        r = method_run(name, cfg.model, context, max(1.0, factor))
+        r = method_run(name, cfg.model, context, max(1.0, factor), n_layers)
         if isinstance(r, str):
             skipped[name] = r
             log(f"skipping {name}: {r}")

@@ -25,7 +25,13 @@ from .cuda_backend import attention_cuda  # registers the "cuda" backend (compil
 from .merge import lambda_two_pass, merge_attention
 from .flash_backend import attention_flash  # registers the "flash" backend
 from .triton_backend import attention_triton  # registers the "triton" backend
-from .reference import attention_ref, attention_ref_spec, lambda_attention_ref, normalize_scores
+from .reference import (
+    attention_ref,
+    attention_ref_spec,
+    lambda_attention_ref,
+    lambda_topk_attention_ref,
+    normalize_scores,
+)
 from .rotary import LambdaInputs, lambda_concat_inputs, lambda_global_mask, lambda_inputs, rotate_qk
 from .spec import ACTIVATIONS, AttentionSpec, CallInfo, LambdaParams, Rotary
 
@@ -56,6 +62,7 @@ __all__ = [
     "lambda_concat_inputs",
     "lambda_global_mask",
     "lambda_inputs",
+    "lambda_topk_attention_ref",
     "lambda_two_pass",
     "merge_attention",
     "normalize_scores",

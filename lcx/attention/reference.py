@@ -5,7 +5,9 @@ Two entry points, both `[B, T, H, D]` in, `[B, Tq, H, Dv]` out (plus lse `[B, H,
 - `attention_ref(q, k, v, *, mask, alibi_slopes, activation, scale, q_offset)` takes q/k
   ALREADY rotated (or position-free): logits `s_ij = scale * q_i.k_j - m_h |i - j|`.
 - `lambda_attention_ref(q, k, v, *, rotary, n_global, n_local, limit_distance, ...)` takes q/k
-  UNROTATED: LM-Infinite's Λ-mask with its distance cap (see `lcx.attention.rotary`).
+  UNROTATED: LM-Infinite's Λ-mask with its distance cap (see `lcx.attention.rotary`);
+  `lambda_topk_attention_ref(..., top_k, top_k_insert_at)` adds the paper's top-k middle keys
+  to the last query.
 
 Activation over the visible keys V(i) (mask, `lcx.masks` convention):
   softmax: o_i = sum_j exp(s_ij) v_j / Z_i,   Z_i = sum_{j in V(i)} exp(s_ij)
@@ -21,12 +23,15 @@ float64 to check a backend, and in the backend's dtype to measure the error budg
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lcx.masks import MaskMod, causal_mask, lambda_mask, mask_matrix
+from lcx.masks.base import check_count
 
 from .alibi import alibi_bias
-from .rotary import lambda_inputs, rotate_qk
+from .rotary import _rotate_to, lambda_inputs, rotate_qk
 from .spec import AttentionSpec, LambdaParams, Rotary, check_call, scale_of
 
 NEG_INF = float("-inf")
@@ -125,12 +130,19 @@ def lambda_attention_ref(
     runs over both kinds, as in the official implementation. limit_distance defaults to
     n_local. Rotation: `rotary` (positions of the keys; the query at index i has p_i).
     """
+    s, visible, _ = _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activation, scale, q_offset)
+    weights, lse = normalize_scores(s, visible, activation)
+    return gqa_weighted_values(weights, lse, v, q.shape[2], return_lse)
+
+
+def _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activation, scale, q_offset):
+    """Λ logits `[B, H, Tq, Tk]` (>= float32), visible `[Tq, Tk]`, resolved q_offset."""
     lp = LambdaParams(n_global, n_local, limit_distance)
     spec = AttentionSpec(
         mask=lambda_mask(n_global, n_local), activation=activation, scale=scale, lambda_params=lp
     )
     off = check_call(q, k, v, spec, q_offset, rotary)
-    Tq, Tk, H = q.shape[1], k.shape[1], q.shape[2]
+    Tq, Tk = q.shape[1], k.shape[1]
     li = lambda_inputs(q, k, rotary, lp, off)
     n_glob = li.k_glob.shape[1]
     wide, sc = _wide(q.dtype), scale_of(spec, q.shape[-1])
@@ -141,7 +153,62 @@ def lambda_attention_ref(
     is_global = i - j >= n_local  # [Tq, G']: outside the window (hence j < i)
     s = torch.cat((torch.where(is_global, s_glob, s_loc[..., :n_glob]), s_loc[..., n_glob:]), -1)
     visible = mask_matrix(spec.mask, Tq, Tk, q_offset=off, device=q.device)
-    weights, lse = normalize_scores(s, visible, activation)
+    return s, visible, off
+
+
+def lambda_topk_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rotary: Rotary,
+    n_global: int,
+    n_local: int,
+    limit_distance: int | None = None,
+    top_k: int,
+    top_k_insert_at: int,
+    scale: float | None = None,
+    q_offset: int | None = None,
+    return_lse: bool = False,
+):
+    """LM-Infinite with top-k middle tokens (the paper's passkey/Qasper configuration).
+
+    UNROTATED q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> out `[B, Tq, H, Dv]` (softmax only).
+    Every row but the last is `lambda_attention_ref`. The LAST query (mask index
+    i = q_offset + Tq - 1) also sees, per query head, the `top_k` middle keys
+    j in [n_global, i - n_local + 1) (the keys the Λ-mask hides from it) with the largest
+
+        m_j = scale * R(top_k_insert_at) q_i . R(0) k_j
+
+    (every middle key at relative distance `top_k_insert_at`, whatever its real distance), and
+    their logits ARE those scores: one softmax over [global (capped) | top-k middle | local].
+    When the middle span holds fewer than `top_k` keys the last row is plain Λ. Ties: torch.topk.
+
+        keys:   0 .. G-1  | G ............. i-L | i-L+1 ... i
+        row i:  global    | k best by m_j       | local (true distance)
+
+    As the official `models/llama.py::detailed_lambda_attention` (Glaciohound/LM-Infinite), whose
+    middle span is [global_branch, kv_len - local_branch) for its last row; with GQA each query
+    head picks its own k keys. Rotation follows `lcx.attention.rotary` (the key at 0 carries the
+    attention factor too; the official code leaves it unrotated: equal when the factor is 1).
+    Which layers run it is the method's business (`lcx.methods.LMInfinite`), not this function's.
+    """
+    check_count("top_k", top_k, 1)
+    check_count("top_k_insert_at", top_k_insert_at, 0)
+    s, visible, off = _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, "softmax", scale, q_offset)
+    B, Tq, H = q.shape[:3]
+    lo, hi = n_global, off + Tq - 1 - n_local + 1  # the last row's middle span [lo, hi)
+    visible = visible.expand(B, H, Tq, k.shape[1])
+    if hi - lo >= top_k:
+        sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        q_near = _rotate_to(q[:, -1:], rotary, top_k_insert_at)  # [B, 1, H, D]
+        k_mid = _rotate_to(k[:, lo:hi], rotary, 0)  # [B, M, Hkv, D]
+        m = gqa_scores(q_near, k_mid).to(s.dtype) * sc  # [B, H, 1, M]
+        best = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, m.topk(top_k, dim=-1).indices, True)
+        s, visible = s.clone(), visible.clone()
+        s[..., -1:, lo:hi] = m
+        visible[..., -1:, lo:hi] = best
+    weights, lse = normalize_scores(s, visible, "softmax")
     return gqa_weighted_values(weights, lse, v, H, return_lse)
 
 

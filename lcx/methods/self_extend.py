@@ -102,7 +102,7 @@ class SelfExtend(AttentionMethod):
         check_count("group_size", self.group_size, 1)
         check_count("window", self.window, 1)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None):
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
         Tq, Tk = q.shape[1], k.shape[1]
         W = self.window
         near, lse_near = attention(q, k, v, AttentionSpec(mask=sliding_window_mask(left=W - 1), scale=scale),

@@ -15,7 +15,8 @@ Methods
 - `causal()`                  full causal attention (the unpatched model; a control).
 - `lm_infinite(G, L, limit)`  LM-Infinite (arXiv 2308.16137): Λ-mask, G global + L local keys,
                               global keys scored at distance min(limit, Tk - 1) (default L);
-                              `lcx.attention.lambda_attention_ref` defines it.
+                              `lcx.attention.lambda_attention_ref` defines it;
+                              `top_k=5` adds the paper's top-k middle keys for the last query.
 - `sliding_window(window=w)`  a window of w keys, itself included (the `sliding_window(left=w - 1)` mask).
 - `self_extend(G, W)`         Self-Extend (arXiv 2401.01325): true positions within a window of
                               W keys, positions floor-divided by G beyond (`lcx.methods.self_extend`).
@@ -70,8 +71,11 @@ class AttentionMethod:
         rotary: Rotary,
         backend: str = "blockwise",
         scale: float | None = None,
+        layer_idx: int | None = None,
     ) -> torch.Tensor:
-        """Unrotated q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> out `[B, Tq, H, Dv]`."""
+        """Unrotated q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> out `[B, Tq, H, Dv]`.
+        `layer_idx`: the model layer of the call, for methods that differ per layer (LM-Infinite's
+        top-k middle keys); the others ignore it."""
         return attention(q, k, v, _spec_for(self, scale), backend=backend, rotary=rotary)
 
     def attention_spec(self, scale: float | None = None) -> AttentionSpec:
@@ -195,6 +199,26 @@ class LMInfinite(AttentionMethod):
     n_local:  window of keys, the query itself included (paper: the pretraining length).
     limit_distance: distance at which global keys outside the window are scored (default
         n_local); the query is rotated to min(limit_distance, Tk - 1), global keys to 0.
+
+    Top-k middle keys (the paper's passkey/Qasper runs, `--top_k_attention 5 --top_k_from_layer 4`
+    of Glaciohound/LM-Infinite `models/llama.py`); off when top_k = 0 (the default):
+    top_k:            k. In layers top_k_from_layer <= layer < top_k_to_layer, the LAST query of
+                      each call (the last prompt token of a prefill, every decode step; no other
+                      row) also sees, per query head, the k middle keys j in [n_global, i - n_local
+                      + 1) (those the Λ-mask hides from query i) scoring highest with the query
+                      rotated to top_k_insert_at and the key to 0; their logits are those scores,
+                      in one softmax with the Λ keys (`lcx.attention.lambda_topk_attention_ref`).
+                      Fewer than k middle keys: the plain Λ row.
+    top_k_from_layer: first layer (0-based) that does it (official default 4).
+    top_k_to_layer:   first layer that no longer does (default None: every layer after; the
+                      official default is 1000).
+    top_k_insert_at:  the distance every middle key is scored at (default n_local // 2: the
+                      official default is 2048 with a 4096-key window).
+    With top_k > 0 the cache keeps every key (`cache_window` None: any middle key can be
+    chosen, so memory grows with the sequence as full attention's), `attend` needs `layer_idx`,
+    and the last query is not a fixed-subset softmax (`last_query_keys`/`query_keys` None).
+    Calls cut differently (chunked prefill) give the top-k to different rows, as in the
+    official code.
     """
 
     name: ClassVar[str] = "lm_infinite"
@@ -202,27 +226,70 @@ class LMInfinite(AttentionMethod):
     n_global: int
     n_local: int
     limit_distance: int | None = None
+    top_k: int = 0
+    top_k_from_layer: int = 4
+    top_k_to_layer: int | None = None
+    top_k_insert_at: int | None = None
 
     def __post_init__(self) -> None:
         # One validation for LM-Infinite's parameters: lcx.attention.LambdaParams.
         lp = LambdaParams(self.n_global, self.n_local, self.limit_distance)
         object.__setattr__(self, "limit_distance", lp.limit_distance)
+        check_count("top_k", self.top_k, 0)
+        check_count("top_k_from_layer", self.top_k_from_layer, 0)
+        if self.top_k_to_layer is not None:
+            check_count("top_k_to_layer", self.top_k_to_layer, self.top_k_from_layer + 1)
+        if self.top_k_insert_at is None:
+            object.__setattr__(self, "top_k_insert_at", self.n_local // 2)
+        check_count("top_k_insert_at", self.top_k_insert_at, 0)
+        if not self.top_k:
+            unused = [f.name for f in dataclasses.fields(self)
+                      if f.name.startswith("top_k_") and getattr(self, f.name) != self._default(f)]
+            if unused:
+                raise ValueError(f"lm_infinite: {unused} set but top_k = 0 (top-k middle keys off)")
 
     def _default(self, f):
-        return self.n_local if f.name == "limit_distance" else f.default  # None means n_local
+        # None means n_local (the cap) and n_local // 2 (the top-k insert position)
+        if f.name == "limit_distance":
+            return self.n_local
+        return self.n_local // 2 if f.name == "top_k_insert_at" else f.default
+
+    def top_k_in_layer(self, layer_idx: int | None) -> bool:
+        """Whether the last query of a call in layer `layer_idx` gets the top-k middle keys."""
+        if not self.top_k:
+            return False
+        if layer_idx is None:
+            raise ValueError("lm_infinite with top_k > 0 differs per layer: attend() needs layer_idx "
+                             f"(top-k in layers [{self.top_k_from_layer}, {self.top_k_to_layer}))")
+        return self.top_k_from_layer <= layer_idx and (self.top_k_to_layer is None or layer_idx < self.top_k_to_layer)
+
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
+        out = super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale)  # Λ, every row
+        if not self.top_k_in_layer(layer_idx):
+            return out
+        # the last row again, with its top-k middle keys: one row, dense (O(Tk) work)
+        from lcx.attention import lambda_topk_attention_ref
+
+        last = lambda_topk_attention_ref(
+            q[:, -1:], k, v, rotary=rotary, n_global=self.n_global, n_local=self.n_local,
+            limit_distance=self.limit_distance, top_k=self.top_k, top_k_insert_at=self.top_k_insert_at,
+            scale=scale)  # [B, 1, H, Dv]
+        return torch.cat((out[:, :-1], last.to(out.dtype)), dim=1)
 
     def _spec(self, scale):
         return AttentionSpec.lm_infinite(self.n_global, self.n_local, self.limit_distance, scale=scale)
 
     @property
     def cache_window(self):
-        return (self.n_global, self.n_local)
+        return None if self.top_k else (self.n_global, self.n_local)
 
     def last_query_keys(self, positions):
         keys = self.query_keys(positions, 1)
-        return LastQueryKeys(keys.visible[..., 0, :], keys.key_positions[..., 0, :])
+        return None if keys is None else LastQueryKeys(keys.visible[..., 0, :], keys.key_positions[..., 0, :])
 
     def query_keys(self, positions, n_queries):
+        if self.top_k:
+            return None  # which middle keys the last query sees depends on the scores
         # local keys (the last n_local up to the query) at their positions; global keys outside
         # the window are scored with the query at d = min(limit, Tk - 1) of the whole call (not
         # of its own prefix) and the key at 0: relative rotation -d
@@ -238,6 +305,8 @@ class LMInfinite(AttentionMethod):
         return LastQueryKeys((local | glob).expand_as(eff), eff)
 
     def check_bounded(self) -> None:
+        if self.top_k:
+            raise ValueError("lm_infinite with top_k > 0 may pick any middle key: it has no bounded cache")
         # The global branch rotates the query to min(limit_distance, Tk - 1). A compressed
         # cache has Tk <= n_global + n_local, so it reproduces the full cache only if the cap
         # never exceeds n_global + n_local - 1 (no global keys: nothing is capped).
@@ -301,7 +370,7 @@ class Sinks(AttentionMethod):
     def _spec(self, scale):
         return AttentionSpec(mask=attention_sinks(self.n_sink, self.window - 1), scale=scale)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None):
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
         if not self.renumber:
             return super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale)
         from .streaming import streaming_attention
@@ -344,8 +413,11 @@ def causal() -> Causal:
     return Causal()
 
 
-def lm_infinite(n_global: int, n_local: int, limit_distance: int | None = None) -> LMInfinite:
-    return LMInfinite(n_global, n_local, limit_distance)
+def lm_infinite(n_global: int, n_local: int, limit_distance: int | None = None, *, top_k: int = 0,
+                top_k_from_layer: int = 4, top_k_to_layer: int | None = None,
+                top_k_insert_at: int | None = None) -> LMInfinite:
+    """LM-Infinite; `top_k > 0` adds the paper's top-k middle keys (see `LMInfinite`)."""
+    return LMInfinite(n_global, n_local, limit_distance, top_k, top_k_from_layer, top_k_to_layer, top_k_insert_at)
 
 
 def sliding_window(*, window: int) -> SlidingWindow:

@@ -78,7 +78,7 @@ class SWAT(AttentionMethod):
         when none were given); `ValueError` when given slopes do not match the head count."""
         return _for_heads(self, n_heads)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None):
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
         return AttentionMethod.attend(self.for_heads(q.shape[2]), q, k, v, rotary=rotary, backend=backend,
                                       scale=scale)
 
