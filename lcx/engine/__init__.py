@@ -71,13 +71,15 @@ engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Im
 """
 
 from .core import Engine
-from .methods import (ENGINE_METHODS, EngineMethod, KVPolicy, ResolvedAttention, check_method, model_attention,
-                      window_policy)
+from .kv import CacheLayout, DecodeStep, KVStore
+from .methods import ENGINE_METHODS, EngineMethod, ResolvedAttention, check_method, model_attention
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
 from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
 from .reference import greedy_decode_ref
 
 __all__ = [
+    "CacheLayout",
+    "DecodeStep",
     "ENGINE_METHODS",
     "FINISH_REASONS",
     "INT64_MAX",
@@ -88,7 +90,7 @@ __all__ = [
     "EngineConfig",
     "EngineMethod",
     "EngineStats",
-    "KVPolicy",
+    "KVStore",
     "RequestOutput",
     "ResolvedAttention",
     "SamplingParams",
@@ -97,5 +99,4 @@ __all__ = [
     "check_method",
     "greedy_decode_ref",
     "model_attention",
-    "window_policy",
 ]

@@ -12,8 +12,9 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from .batch import _hf_cache, _left_pad
-from .methods import ENGINE_METHODS, KVPolicy, check_method, model_attention
+from .batch import _hf_cache
+from .kv import CacheLayout, DecodeStep, KVStore
+from .methods import check_method, model_attention
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
 from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
 
@@ -72,25 +73,27 @@ class Engine:
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
         self.resolved_methods: dict[str, Any] = {}
-        self._kv_policies: list[KVPolicy] = []
         context = None
         for name, params in config.methods.items():
             method = check_method(name)
             resolved = method.apply(model, params)
             self.resolved_methods[name] = resolved
             context = method.context_len(model, resolved) or context
-            policy = method.kv_policy(resolved)
-            if policy is not None:
-                self._kv_policies.append(policy)
+        recorded = False
         if "attention" not in self.resolved_methods:
             # none asked for: the model's own attention method, when its config records one (a
             # model trained with it, e.g. SWAT), resolved and bounded like one asked for
             own = model_attention(model)
             if own is not None:
                 self.resolved_methods["attention"] = own
-                policy = ENGINE_METHODS["attention"].kv_policy(own)
-                if policy is not None:
-                    self._kv_policies.append(policy)
+                recorded = True
+        self._recorded = recorded
+        self.cache_layout = _cache_layout(model, self.resolved_methods.get("attention"), recorded)
+        self._hook = self.cache_layout.rotated and "attention" not in self.resolved_methods
+        if self._hook:
+            from ..hf.attention_patch import install_decode_hook
+
+            install_decode_hook(model)
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = "attention" in self.resolved_methods
@@ -109,12 +112,9 @@ class Engine:
         self._waiting: list[_Seq] = []
         self._next_id = 0
         self._ids: set[str] = set()
-        # Running batch (None when empty): per-layer keys/values [B, H_kv, T, D], mask/pos [B, T].
+        # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)
         self._seqs: list[_Seq] = []
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
-        self._mask: torch.Tensor | None = None
-        self._pos: torch.Tensor | None = None
+        self._store: KVStore | None = None
         self._token_cache: dict[int, str] = {}
         self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or [])
         self._byte_decoder = _byte_decoder(tokenizer)
@@ -215,7 +215,7 @@ class Engine:
         """Drop every waiting and running request (after an unexpected failure); returns their ids."""
         ids = [s.rid for s in self._waiting + self._seqs]
         self._waiting = []
-        self._seqs, self._keys, self._values, self._mask, self._pos = [], [], [], None, None
+        self._seqs, self._store = [], None
         self._ids.clear()
         return ids
 
@@ -316,7 +316,7 @@ class Engine:
                 events.append(self._event(s))
         if keep:
             self._merge([seqs[i] for i in keep], [k[keep] for k in keys], [v[keep] for v in values],
-                        mask[keep], pos[keep])
+                        pos[keep].masked_fill(~mask[keep], -1))
         return events
 
     def _prefill_forward(self, seqs: list[_Seq]):
@@ -354,20 +354,14 @@ class Engine:
         self.stats.batch_size_hist[B] = self.stats.batch_size_hist.get(B, 0) + 1
         self.stats.max_batch_size = max(self.stats.max_batch_size, B)
         try:
-            logits, keys, values = self._decode_forward(list(range(B)))
+            logits = self._decode_forward(self._store, self._seqs)
             failed: dict[int, BaseException] = {}
         except Exception as e:  # noqa: BLE001 - isolate: run rows one by one, fail only the culprits
             if B == 1:
-                logits, keys, values, failed = None, None, None, {0: e}
+                logits, failed = None, {0: e}
             else:
                 log.warning("batched decode of %d rows failed (%s); retrying row by row", B, e)
-                logits, keys, values, failed = self._decode_rows_separately()
-        if keys is not None:
-            # Commit the new column of every row (failed rows are dropped just below).
-            newpos = torch.tensor([s.next_position for s in self._seqs], device=self.device)
-            self._keys, self._values = keys, values
-            self._mask = torch.cat([self._mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
-            self._pos = torch.cat([self._pos, newpos[:, None]], 1)
+                logits, failed = self._decode_rows_separately()
         events: list[StepEvent] = []
         done: list[int] = []
         greedy, lps = self._batch_greedy_and_logprobs(logits, self._seqs) if logits is not None else (None, None)
@@ -391,118 +385,90 @@ class Engine:
                 done.append(i)
         if done:
             self._drop_rows(done)
-        self._apply_kv_policies()
         return events
 
-    def _decode_forward(self, rows: list[int]):
-        """One decode forward for batch rows `rows`: feeds each row's last sampled token.
-
-        Returns logits [b, V] and the grown per-layer keys/values [b, H_kv, T+1, D]; the engine's
-        state is untouched (the caller commits), so a failed forward leaves it intact.
-        """
-        full = len(rows) == len(self._seqs)
-        sel = torch.tensor(rows, device=self.device)
-        keys = self._keys if full else [k[sel] for k in self._keys]
-        values = self._values if full else [v[sel] for v in self._values]
-        mask = self._mask if full else self._mask[sel]
-        cache = _hf_cache(keys, values)
-        seqs = [self._seqs[i] for i in rows]
+    def _decode_forward(self, store: KVStore, seqs: list[_Seq]) -> torch.Tensor:
+        """One decode forward of `seqs` (the rows of `store`, in order): feeds each row's last
+        sampled token at its position, writes its key/value into `store` and returns logits
+        `[b, V]`. Fast path (`store.layout.rotated`): one `DecodeStep` handed to every layer.
+        General path: each row's visible keys gathered in position order into an HF cache for
+        the method's own attention (`lcx_key_positions`), the new column written back after."""
         ids = torch.tensor([[s.out_ids[-1]] for s in seqs], device=self.device)  # [b, 1]
-        pos = torch.tensor([[s.next_position] for s in seqs], device=self.device)  # [b, 1]
-        attn = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool, device=self.device)], 1)
-        kpos = None
-        if self._row_attention:
-            kpos = torch.cat([self._pos if full else self._pos[sel], pos], 1)  # [b, T+1]
-        out = self._decoder(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
-                               **self._mask_kwargs(attn, kpos))
-        logits = self._lm_head(out.last_hidden_state[:, -1])  # [b, V]
-        return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+        p_q = torch.tensor([s.next_position for s in seqs], device=self.device)  # [b]
+        if store.layout.rotated:
+            self._check_hook()
+            step = DecodeStep.build(store, p_q, self.dtype)
+            out = self._decoder(input_ids=ids, position_ids=p_q[:, None], use_cache=False, lcx_decode=step)
+            return self._lm_head(out.last_hidden_state[:, -1])  # [b, V]
+        keys, values, kpos = store.gathered(p_q)  # [b, Hkv, T, D], [b, T]
+        cache = _hf_cache(keys, values)
+        kpos = torch.cat([kpos, p_q[:, None]], 1)  # [b, T+1]
+        out = self._decoder(input_ids=ids, position_ids=p_q[:, None], past_key_values=cache, use_cache=True,
+                            **self._mask_kwargs(kpos >= 0, kpos))
+        logits = self._lm_head(out.last_hidden_state[:, -1])
+        store.write_unrotated(store.step(p_q), [layer.keys[:, :, -1] for layer in cache.layers],
+                              [layer.values[:, :, -1] for layer in cache.layers])
+        return logits
+
+    def _check_hook(self) -> None:
+        """The fast path needs every attention layer to take `lcx_decode`: the patch's forward, or
+        the hook installed at start-up (re-installed if an unpatch removed it)."""
+        from ..hf.attention_patch import current_patch, has_decode_hook, install_decode_hook
+
+        patched = current_patch(self.model) is not None
+        if patched != ("attention" in self.resolved_methods and not self._recorded):
+            raise RuntimeError("the model's attention patch changed after the engine was built; build a new Engine")
+        if not patched and not has_decode_hook(self.model):
+            install_decode_hook(self.model)
 
     def _decode_rows_separately(self):
-        """Fallback after a failed batched decode: one forward per row. Failed rows get zeros
-        (never read: they are dropped before the next step)."""
+        """Fallback after a failed batched decode: one forward per row on its own copy of the
+        cache, the copies then stacked back. Failed rows get zero logits (never read: they are
+        dropped right after)."""
         B = len(self._seqs)
         failed: dict[int, BaseException] = {}
-        parts: dict[int, Any] = {}
+        parts: list[KVStore] = []
+        logits: list[torch.Tensor | None] = []
         for i in range(B):
+            sub = self._store.rows([i])
             try:
-                parts[i] = self._decode_forward([i])
+                logits.append(self._decode_forward(sub, [self._seqs[i]]))
             except Exception as e:  # noqa: BLE001
                 failed[i] = e
-        if not parts:
-            return None, None, None, failed
-        ref = next(iter(parts.values()))
-
-        def rows(j: int, layer: int | None):
-            if layer is None:
-                return [parts[i][0] if i in parts else torch.zeros_like(ref[0]) for i in range(B)]
-            return [parts[i][j][layer] if i in parts else torch.zeros_like(ref[j][layer]) for i in range(B)]
-
-        logits = torch.cat(rows(0, None))
-        keys = [torch.cat(rows(1, layer)) for layer in range(len(ref[1]))]
-        values = [torch.cat(rows(2, layer)) for layer in range(len(ref[2]))]
-        return logits, keys, values, failed
+                logits.append(None)
+            parts.append(sub)
+        self._store = KVStore.cat(parts)
+        ok = [x for x in logits if x is not None]
+        if not ok:
+            return None, failed
+        return torch.cat([x if x is not None else torch.zeros_like(ok[0]) for x in logits]), failed
 
     # ------------------------------------------------------------------ batch surgery
-    def _merge(self, seqs: list[_Seq], keys, values, mask, pos) -> None:
-        """Append prefilled rows to the running batch, left-padding the shorter side."""
-        if not self._seqs:
-            self._seqs, self._keys, self._values, self._mask, self._pos = list(seqs), keys, values, mask, pos
-        else:
-            T = max(self._mask.shape[1], mask.shape[1])
-            a = _left_pad(self._keys, self._values, self._mask, self._pos, T)
-            b = _left_pad(keys, values, mask, pos, T)
-            self._keys = [torch.cat([x, y]) for x, y in zip(a[0], b[0])]
-            self._values = [torch.cat([x, y]) for x, y in zip(a[1], b[1])]
-            self._mask = torch.cat([a[2], b[2]])
-            self._pos = torch.cat([a[3], b[3]])
-            self._seqs += seqs
-        self._apply_kv_policies()
+    def _merge(self, seqs: list[_Seq], keys, values, pos) -> None:
+        """Append prefilled rows (left-padded cache, pos -1 on padding) to the running batch."""
+        budget = torch.tensor([len(s.prompt_ids) + s.params.max_tokens for s in seqs])
+        new = KVStore.from_prefill(self.cache_layout, keys, values, pos, budget)
+        self._store = new if self._store is None else KVStore.cat([self._store, new])
+        self._seqs += seqs
 
     def _drop_rows(self, rows: list[int]) -> None:
         keep = [i for i in range(len(self._seqs)) if i not in set(rows)]
         if not keep:
-            self._seqs, self._keys, self._values, self._mask, self._pos = [], [], [], None, None
+            self._seqs, self._store = [], None
             return
-        sel = torch.tensor(keep, device=self.device)
         self._seqs = [self._seqs[i] for i in keep]
-        self._keys = [k[sel] for k in self._keys]
-        self._values = [v[sel] for v in self._values]
-        self._mask, self._pos = self._mask[sel], self._pos[sel]
-        self._compact()
-
-    def _apply_kv_policies(self) -> None:
-        if not self._seqs or not self._kv_policies:
-            return
-        for policy in self._kv_policies:
-            new = policy(self._mask, self._pos)
-            if new.shape != self._mask.shape or new.dtype != torch.bool:
-                raise RuntimeError(f"kv_policy returned {tuple(new.shape)} {new.dtype}; expected "
-                                   f"{tuple(self._mask.shape)} bool")
-            if bool((new & ~self._mask).any()):
-                raise RuntimeError("kv_policy turned on a slot that was off (padding or evicted)")
-            self._mask = new
-        self._compact()
-
-    def _compact(self) -> None:
-        """Drop cache columns no row can see (leading padding after rows left, evicted slots)."""
-        live = self._mask.any(0)  # [T]
-        if bool(live.all()):
-            return
-        idx = live.nonzero().squeeze(1)
-        self._keys = [k[:, :, idx] for k in self._keys]
-        self._values = [v[:, :, idx] for v in self._values]
-        self._mask, self._pos = self._mask[:, idx], self._pos[:, idx]
+        self._store = self._store.rows(keep)
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the running batch's cached keys and values (0 when idle)."""
-        return sum(t.nbytes for t in (*self._keys, *self._values))
+        """Bytes of the running batch's cached keys and values (0 when idle): the allocated
+        slots of every row (`lcx.engine.kv`)."""
+        return 0 if self._store is None else self._store.nbytes()
 
     @property
     def cache_len(self) -> int:
-        """Columns of the running batch's KV cache (0 when idle)."""
-        return 0 if self._mask is None else int(self._mask.shape[1])
+        """Slots per row of the running batch's KV cache (0 when idle)."""
+        return 0 if self._store is None else self._store.slots
 
     # ------------------------------------------------------------------ sampling and text
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
@@ -656,6 +622,40 @@ class Engine:
         self._finish(s, reason)
         self._ids.discard(s.rid)
         return self._event(s)
+
+
+def _cache_layout(model: nn.Module, attention: Any, recorded: bool) -> CacheLayout:
+    """The engine's `CacheLayout` for a model and its resolved attention method (None: none).
+
+    Keys are cached rotated once (the fast path) unless the method has no `DecodeRule` (SWAT),
+    the RoPE basis changes with the length (dynamic NTK, longrope: a key rotated once would
+    keep an old basis, which an attention method's reference does not do), an explicit
+    `decode_backend` asks for the method's own attention, the method is one a model records
+    (it runs its own attention forward), or the unpatched model has its own sliding window."""
+    if attention is None:
+        cfg = model.config
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            return CacheLayout(rotated=False)  # HF masks its window; the general path hands it the mask
+        return CacheLayout.unpatched()
+    basis = _static_basis(model)
+    return CacheLayout.for_method(attention.method, basis=basis,
+                                  general=recorded or attention.decode_backend is not None)
+
+
+def _static_basis(model: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """The model's RoPE basis if it does not depend on the sequence length, else None."""
+    from ..cache.kv import rope_basis
+    from ..hf import decoder
+    from ..hf.rope_patch import LcxRotaryEmbedding
+
+    rot = decoder(model).rotary_emb
+    if isinstance(rot, LcxRotaryEmbedding) and rot.spec.is_length_dependent:
+        return None
+    try:
+        return rope_basis(model)
+    except ValueError:  # an unpatched length-dependent HF rope type
+        return None
 
 
 def _byte_decoder(tokenizer: Any) -> dict[str, int] | None:

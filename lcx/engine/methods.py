@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import torch
 from torch import nn
 
 
@@ -40,9 +39,6 @@ def _engine_methods(methods: Any) -> dict[str, Any]:
     return out
 
 
-KVPolicy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 @dataclass(frozen=True)
 class EngineMethod:
     """A long-context method the engine runs, chosen at start-up by `EngineConfig.methods`.
@@ -51,19 +47,13 @@ class EngineMethod:
         returns the resolved parameters (recorded in `Engine.resolved_methods`).
     context_len(model, resolved) -> int | None: the default `max_model_len` this method implies
         (e.g. L * factor for RoPE scaling); None leaves it to the model or other methods.
-    kv_policy(resolved) -> policy | None: for bounded-cache methods (LM-Infinite's Λ-shaped
-        cache, sliding window, StreamingLLM). `policy(mask [B, T] bool, pos [B, T] long) ->
-        mask [B, T]` is called after every prefill/decode step on the running batch and returns
-        which cached slots stay visible to the rows' next queries (it may only turn slots off; pos
-        is -1 on padding). Slots no row sees any more are dropped from the cache. Positions of
-        new tokens stay their index in the request (what a method wants to feed RoPE instead,
-        e.g. LM-Infinite's distance cap, belongs in its attention patch, applied by `apply`).
+    What the engine caches for an attention method (which keys, rotated how, bounded or not)
+    follows from the method itself (`lcx.engine.kv.CacheLayout`), not from the engine method.
     """
 
     name: str
     apply: Callable[[nn.Module, Mapping[str, Any]], Any]
     context_len: Callable[[nn.Module, Any], int | None] = lambda model, resolved: None
-    kv_policy: Callable[[Any], KVPolicy | None] = lambda resolved: None
     description: str = ""
 
 
@@ -123,29 +113,13 @@ def model_attention(model: nn.Module) -> ResolvedAttention | None:
                              cfg.decode_backend)
 
 
-def _attention_kv_policy(resolved: ResolvedAttention) -> KVPolicy | None:
-    return window_policy(*resolved.method.cache_window) if resolved.bounded else None
-
-
-def window_policy(n_first: int, n_recent: int) -> KVPolicy:
-    """Keep the slots a query can still see: positions < n_first and the last n_recent - 1."""
-
-    from ..methods.bounded_cache import kept_slots
-
-    def keep_window(mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # the next query of row b sits at newest[b] + 1 (padding has pos -1); BoundedKVCache's rule
-        return mask & kept_slots(pos, pos.max(1, keepdim=True).values + 1, n_first, n_recent)
-
-    return keep_window
-
-
 # name -> method. The only list of engine methods; tests iterate over it.
 ENGINE_METHODS: dict[str, EngineMethod] = {
     "rope": EngineMethod(
         name="rope", apply=_apply_rope, context_len=_rope_context_len,
         description="a RoPE spec from lcx.rope (HF key names; unset keys come from the model)"),
     "attention": EngineMethod(
-        name="attention", apply=_apply_attention, kv_policy=_attention_kv_policy,
+        name="attention", apply=_apply_attention,
         description="an lcx.methods attention method ({'type': 'lm_infinite'|'sliding_window'|'sinks'|'swat'|..., "
                     "...}, optional 'backend', 'decode_backend') with a bounded per-row KV cache; without it, "
                     "the method a model's config records (e.g. a SWAT model's)"),

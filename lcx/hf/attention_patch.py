@@ -156,6 +156,9 @@ def lcx_attention_forward(
     from lcx.cache.kv import rope_basis
     from lcx.methods.bounded_cache import BoundedKVCache
 
+    step = kwargs.get("lcx_decode")
+    if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
+        return step(self, hidden_states, position_embeddings), None
     st: _ModuleState = getattr(self, _STATE)
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
@@ -179,7 +182,7 @@ def lcx_attention_forward(
         raise RuntimeError("the model this attention module was patched for no longer exists")
     row_pos = kwargs.get("lcx_key_positions")
     if row_pos is not None:
-        out = _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, self.scaling)
+        out = _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, self.scaling, self.layer_idx)
         return self.o_proj(out.reshape(B, Tq, -1)), None
     if bounded:
         true_pos = past_key_values.key_positions(self.layer_idx)  # [Tk]
@@ -193,7 +196,8 @@ def lcx_attention_forward(
         seq_len = int(rot_pos.max()) + 1
     inv_freq, af = rope_basis(decoder, seq_len)
     rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
-    out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=self.scaling)  # [B, Tq, H, D]
+    out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=self.scaling,
+                           layer_idx=self.layer_idx)  # [B, Tq, H, D]
     return self.o_proj(out.reshape(B, Tq, -1)), None
 
 
@@ -212,7 +216,8 @@ def iter_rows(row_pos: torch.Tensor, n_queries: int):
         yield b, valid.nonzero().squeeze(1), nq
 
 
-def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float):
+def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
+                 layer_idx: int | None = None):
     """Attention of a padded batch (see "Padded / ragged batches" in the module doc): rows with
     the same number of real queries and of keys are one batched call (per-row rotary positions),
     so a decode step of many requests costs a few calls, not one per row.
@@ -238,9 +243,44 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
         rot = torch.arange(n, device=q.device).expand(len(rows), n) if st.method.renumber_in_cache else pos
         out[bs, Tq - nq:] = st.method.attend(
             q[bs, Tq - nq:], k[bs[:, None], idx], v[bs[:, None], idx],
-            rotary=Rotary(inv_freq, rot, af), backend=st.backend_for(nq), scale=scale,
+            rotary=Rotary(inv_freq, rot, af), backend=st.backend_for(nq), scale=scale, layer_idx=layer_idx,
         ).to(out.dtype)  # fmt: skip
     return out
+
+
+# ------------------------------------------------------------------------ the engine's decode hook
+
+
+def _decode_hook_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
+                         attention_mask=None, past_key_values=None, **kwargs: Any):
+    """The stock attention forward, except that a call carrying `lcx_decode` (lcx.engine's
+    decode step) runs that step instead (instance-bound on unpatched models)."""
+    step = kwargs.pop("lcx_decode", None)
+    if step is not None:
+        return step(self, hidden_states, position_embeddings), None
+    return type(self).forward(self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+
+
+def install_decode_hook(model: nn.Module) -> None:
+    """Let every attention layer of `model` run `lcx.engine`'s decode step (the `lcx_decode`
+    keyword of the model's forward; `lcx.engine.kv.DecodeStep`). A model patched with an
+    attention method has it already (`lcx_attention_forward`); an unpatched one gets an
+    instance forward that defers to the stock one for every other call. Idempotent."""
+    if current_patch(model) is not None:
+        return
+    for attn in attention_layers(model):
+        fwd = attn.__dict__.get("forward")
+        if getattr(fwd, "__func__", None) is not _decode_hook_forward:
+            attn.forward = types.MethodType(_decode_hook_forward, attn)
+
+
+def has_decode_hook(model: nn.Module) -> bool:
+    """Whether every attention layer runs `lcx_decode` steps (patched or hooked)."""
+    if current_patch(model) is not None:
+        return True
+    return all(getattr(a.__dict__.get("forward"), "__func__", None) is _decode_hook_forward
+               for a in attention_layers(model))
 
 
 # ------------------------------------------------------------------------ patch / unpatch
@@ -324,4 +364,5 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "attention_patched", "current_attention", "current_patch",
-           "lcx_attention_forward", "patch_attention", "register", "unpatch_attention"]
+           "has_decode_hook", "install_decode_hook", "lcx_attention_forward", "patch_attention", "register",
+           "unpatch_attention"]

@@ -136,6 +136,15 @@ class SelfExtend(AttentionMethod):
         far = p[..., -1:] - (gq - grouped_positions(positions, self.group_size, self.window, query=False))
         return LastQueryKeys(None, torch.where(near, p, far))
 
+    def decode_rule(self):
+        from .spec import DecodeRule
+
+        # grouped keys stored rotated at floor(p / G), once; the query at gq(p_q) for them
+        G, W = self.group_size, self.window
+        return DecodeRule(window=W, side=None,
+                          side_key=lambda p: grouped_positions(p, G, W, query=False),
+                          side_query=lambda p: grouped_positions(p, G, W, query=True))
+
     def _spec(self, scale):
         raise NotImplementedError("self_extend is two attention calls (see SelfExtend.attend), not one spec")
 

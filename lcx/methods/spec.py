@@ -28,6 +28,31 @@ Methods
                               with per-head ALiBi (balanced by default) + RoPE (`lcx.methods.swat`);
                               meaningful on a model trained with it, which records it in its config.
 
+Decode rule (`AttentionMethod.decode_rule`, run by `lcx.engine`): how the last query of a step
+sees a cache whose keys were rotated ONCE, when they entered it. Every method but SWAT is one
+softmax over two branches:
+
+    window branch  the last `window` keys (the query's own included; None: every key), at their
+                   true positions: stored rotated at p_k, the query rotated at p_q.
+    side branch    the older keys p_k <= p_q - window among the first `side` positions (None:
+                   all of them), at moved positions: stored rotated at `side_key(p_k)`, scored
+                   with the query rotated at `side_query(p_q)`.
+
+The relative position of a side key is side_key(p_k) - side_query(p_q), so only the query is
+rotated per step (once more, for the side branch); cached keys never are. Per method:
+
+    causal            window None
+    sliding_window    window w
+    lm_infinite       window L; side G, side_key 0, side_query min(limit, p_q) (the distance cap)
+    sinks (renumber)  window w; side S, side_key p_k, side_query min(p_q, S + w - 1)
+    sinks (bare)      window w; side S, side_key p_k, side_query p_q
+    self_extend       window W; side every key, side_key floor(p_k / G),
+                      side_query floor(p_q / G) + W - W / G
+    swat              None (sigmoid with a distance bias: not a softmax over rotated keys)
+
+Positions are a token's index in its sequence (0, 1, ...); the rule equals `last_query_keys` on
+a contiguous history (tests/methods/test_decode_rule.py) and so `attend`.
+
 Bounded cache (`lcx.methods.bounded_cache`): a method that only ever looks at the first
 `n_first` keys and the last `n_recent` keys (the query included) can decode with a cache of
 `n_first + n_recent - 1` keys per layer. What each method computes on that compressed cache
@@ -41,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -127,6 +152,12 @@ class AttentionMethod:
             pos.append(torch.nn.functional.pad(lq.key_positions, (0, pad), value=0))
         return LastQueryKeys(torch.stack(vis, dim=-2), torch.stack(pos, dim=-2))
 
+    def decode_rule(self) -> "DecodeRule | None":
+        """How a decode step's query sees a cache of keys rotated once (see the module docstring),
+        or None where the method is not softmax over rotated keys (SWAT): `lcx.engine` then
+        decodes through `attend` over unrotated keys."""
+        return None
+
     # --------------------------------------------------------------- what a bounded cache keeps
     @property
     def cache_window(self) -> tuple[int, int] | None:
@@ -173,6 +204,46 @@ class LastQueryKeys:
     key_positions: torch.Tensor
 
 
+@dataclass(frozen=True)
+class DecodeRule:
+    """How the last query of a step sees a cache of keys rotated once (module docstring).
+
+    window:     keys at true positions: p_q - window < p_k <= p_q (None: every key).
+    side:       the side branch's keys, among those p_k <= p_q - window: the first `side`
+                positions (0: no side branch; None: every key).
+    side_key:   p_k -> the position a side key is stored rotated at (float64 tensor op).
+    side_query: p_q -> the position the query is rotated at for the side branch.
+    """
+
+    window: int | None
+    side: int | None = 0
+    side_key: Callable[[torch.Tensor], torch.Tensor] | None = None
+    side_query: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.side != 0 and (self.window is None or self.side_key is None or self.side_query is None):
+            raise ValueError("a side branch needs a window and both side_key and side_query")
+
+    @property
+    def has_side(self) -> bool:
+        return self.side != 0
+
+    def relative_positions(self, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a query at p_q = n_keys - 1 over keys 0..n_keys-1: (visible `[n_keys]` bool,
+        relative position key - query `[n_keys]` float64), what `last_query_keys` gives on a
+        contiguous history (the test of this rule)."""
+        p = torch.arange(n_keys, dtype=torch.float64)
+        pq = p[-1:]
+        in_window = torch.ones(n_keys, dtype=torch.bool) if self.window is None else p > pq - self.window
+        rel = p - pq
+        visible = in_window.clone()
+        if self.has_side:
+            side = ~in_window & (p < self.side if self.side is not None else torch.ones_like(in_window))
+            rel = torch.where(side, self.side_key(p) - self.side_query(pq), rel)
+            visible |= side
+        return visible, rel
+
+
 @functools.lru_cache(maxsize=256)
 def _spec_for(method: AttentionMethod, scale: float | None) -> AttentionSpec:
     return method._spec(scale)
@@ -189,6 +260,9 @@ class Causal(AttentionMethod):
 
     def last_query_keys(self, positions):
         return LastQueryKeys(None, positions)
+
+    def decode_rule(self):
+        return DecodeRule(window=None)
 
 
 @dataclass(frozen=True)
@@ -283,6 +357,15 @@ class LMInfinite(AttentionMethod):
     def cache_window(self):
         return None if self.top_k else (self.n_global, self.n_local)
 
+    def decode_rule(self):
+        if self.top_k:
+            return None  # the top-k middle keys are not a fixed window + side branch
+        # global keys stored unrotated (position 0), scored with the query at the cap
+        # d = min(limit, p_q) (on a contiguous history Tk - 1 = p_q)
+        limit = self.limit_distance
+        return DecodeRule(window=self.n_local, side=self.n_global, side_key=torch.zeros_like,
+                          side_query=lambda p: torch.clamp(p, max=limit))
+
     def last_query_keys(self, positions):
         keys = self.query_keys(positions, 1)
         return None if keys is None else LastQueryKeys(keys.visible[..., 0, :], keys.key_positions[..., 0, :])
@@ -335,6 +418,9 @@ class SlidingWindow(AttentionMethod):
         Tk = positions.shape[-1]
         visible = torch.arange(Tk, device=positions.device) >= Tk - self.window
         return LastQueryKeys(visible.expand_as(positions), positions)
+
+    def decode_rule(self):
+        return DecodeRule(window=self.window)
 
     @property
     def cache_window(self):
@@ -391,6 +477,13 @@ class Sinks(AttentionMethod):
             shift = positions[..., i:] - positions[..., min(i, self.n_sink + self.window - 1)][..., None]
             eff = torch.where(sink, positions + shift, positions)
         return LastQueryKeys((window | sink).expand_as(positions), eff)
+
+    def decode_rule(self):
+        # renumbered: a sink keeps its slot index (= its position, p < S) and the query sits at
+        # slot min(p_q, S + w - 1), the last slot of the full compressed cache
+        last = self.n_sink + self.window - 1
+        query = (lambda p: torch.clamp(p, max=last)) if self.renumber else (lambda p: p)
+        return DecodeRule(window=self.window, side=self.n_sink, side_key=lambda p: p, side_query=query)
 
     @property
     def cache_window(self):

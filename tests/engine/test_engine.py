@@ -300,36 +300,6 @@ def test_unknown_methods_are_rejected():
         Engine(*tiny_llama(seed=0), EngineConfig(methods={"rope": {"rope_type": "yarn", "factr": 4}}))
 
 
-def test_kv_policy_extension_point(model64, monkeypatch):
-    """A bounded-cache method plugs in through EngineMethod.kv_policy: a keep-everything policy
-    changes nothing; a keep-the-last-W policy bounds the cache."""
-    model, tok = model64
-    W = 8
-
-    def last_w(mask, pos):  # [B, T] -> [B, T]: each row keeps its W most recent slots
-        rank = mask.flip(1).long().cumsum(1).flip(1)  # 1 = newest visible slot
-        return mask & (rank <= W)
-
-    monkeypatch.setitem(ENGINE_METHODS, "keep_all", EngineMethod(
-        "keep_all", apply=lambda m, p: None, kv_policy=lambda r: (lambda mask, pos: mask.clone())))
-    monkeypatch.setitem(ENGINE_METHODS, "last_w", EngineMethod(
-        "last_w", apply=lambda m, p: None, kv_policy=lambda r: last_w))
-    prompts = _prompts(tok)
-    sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
-    plain = Engine(model, tok).generate(prompts, sp)
-    kept = Engine(model, tok, EngineConfig(methods={"keep_all": {}})).generate(prompts, sp)
-    assert [o.token_ids for o in kept] == [o.token_ids for o in plain]
-    eng = Engine(model, tok, EngineConfig(methods={"last_w": {}}))
-    for p in prompts:
-        eng.add_request(p, sp)
-    while eng.has_work():
-        eng.step()
-        assert eng.cache_len <= W + 1 or eng.num_running == 0
-    # the window changes what long prompts see, but a prompt shorter than W is untouched at first
-    short = Engine(model, tok, EngineConfig(methods={"last_w": {}})).generate([prompts[0]], SamplingParams(max_tokens=3))
-    assert short[0].token_ids == Engine(model, tok).generate([prompts[0]], SamplingParams(max_tokens=3))[0].token_ids
-
-
 # -------------------------------------------------------------------------------- failures, abort
 def test_failure_of_one_request_spares_the_others(model64, monkeypatch):
     model, tok = model64
@@ -355,10 +325,10 @@ def test_failure_of_one_request_spares_the_others(model64, monkeypatch):
     eng = Engine(model, tok)
     orig_fwd = eng._decode_forward
 
-    def bad_fwd(rows):
-        if any(eng._seqs[r].prompt_ids == prompts[1] and len(eng._seqs[r].out_ids) >= 2 for r in rows):
+    def bad_fwd(store, seqs):
+        if any(s.prompt_ids == prompts[1] and len(s.out_ids) >= 2 for s in seqs):
             raise RuntimeError("injected forward failure")
-        return orig_fwd(rows)
+        return orig_fwd(store, seqs)
 
     monkeypatch.setattr(eng, "_decode_forward", bad_fwd)
     outs = eng.generate(prompts, sp)

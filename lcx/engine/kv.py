@@ -1,0 +1,449 @@
+"""The running batch's KV cache: per-row slots, keys rotated once, bounded where the method is.
+
+Layout (stated once; `lcx.engine`'s docstring points here). Per layer, up to two stores of keys
+and values `[B, H_kv, C, D]` (HF's head-major layout), with the position each slot holds,
+`[B, C]` long, shared by every layer (-1: empty):
+
+    main  the window branch of the method's `DecodeRule`: a ring of `window` slots (a key at
+          position p sits in slot p % window, so the key a step writes overwrites the one that
+          just left the window) for bounded methods, or every key (slot p) for unbounded ones;
+    side  the side branch: the first `side` positions (slot p; LM-Infinite's global keys,
+          StreamingLLM's sinks) or every key (slot p; Self-Extend's grouped keys).
+
+    LM-Infinite G=2, L=4, after position 9:   main  [8 9 6 7]  (slot p % 4)   side  [0 1]
+
+A position is a token's index in its request. Slot order carries no meaning: attention is a sum
+over slots, and each key carries its position in its rotation. So rows of different lengths
+share the tensors without padding at the front (their unused slots are empty), a decode step
+writes each row's new key into its own slot (`index_put`, no copy of the cache), and a bounded
+method's cache never grows past window + side slots per row.
+
+Two ways to decode (`CacheLayout`):
+
+- **rotated** (the fast path; every method with a `DecodeRule` and a RoPE basis that does not
+  change with the length). Main keys are stored rotated at their true positions, side keys at
+  `side_key(p)`, once, when they enter. A step rotates only the new query (at p_q, and at
+  `side_query(p_q)` for the side branch) and the new key, then runs one softmax over
+  [main | side] per layer for the whole batch (`DecodeStep`). Unpatched models (vanilla, RoPE
+  scaling) are the case window=None, no side, rotated by the model's own rotary embedding
+  exactly as transformers rotates them.
+- **unrotated** (the general path: SWAT, methods without a rule, a length-dependent RoPE basis
+  with an attention method, or an explicit `decode_backend`). Keys are stored unrotated; a step
+  gathers each row's visible keys in position order and runs the method's own `attend` on them
+  (`lcx.hf.attention_patch`, `lcx_key_positions`): exact for every method, at the cost of a copy
+  and a rotation of the visible keys per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..rope import apply_rotary_ref, rope_cos_sin
+
+NEG_INF = float("-inf")
+
+
+# ============================================================================================
+# Layout
+# ============================================================================================
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How the engine caches one model's keys (module docstring).
+
+    window:  main store: a ring of `window` slots, or None: every key.
+    side:    side store: 0 none, n: the first n positions, None: every key.
+    rotated: keys stored rotated (fast path) or unrotated (general path).
+    rule:    the method's `DecodeRule` (rotated layouts with an attention method), else None.
+    basis:   (inv_freq [r/2] float64, attention_factor) lcx rotates with (rotated + a method);
+             None: the model's own rotary embedding rotates (unpatched models).
+    """
+
+    window: int | None = None
+    side: int | None = 0
+    rotated: bool = True
+    rule: Any = None
+    basis: tuple[torch.Tensor, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {self.window}")
+        if self.side not in (0, None) and self.side < 0:
+            raise ValueError(f"side must be >= 0 or None, got {self.side}")
+
+    @property
+    def has_side(self) -> bool:
+        return self.side != 0
+
+    @classmethod
+    def unpatched(cls) -> "CacheLayout":
+        """A model without an attention method: every key, rotated by the model (as HF caches)."""
+        return cls()
+
+    @classmethod
+    def for_method(cls, method: Any, *, basis: tuple[torch.Tensor, float] | None,
+                   general: bool = False) -> "CacheLayout":
+        """The layout of an `lcx.methods` attention method. `basis`: the model's RoPE basis when
+        it does not depend on the length (None: it does, so keys cannot be rotated once);
+        `general=True` forces the general path (e.g. an explicit decode backend)."""
+        rule = None if general or basis is None else method.decode_rule()
+        if rule is not None:
+            return cls(rule.window, rule.side, True, rule, basis)
+        window = method.cache_window
+        if window is None:
+            return cls(None, 0, False)
+        n_first, n_recent = window
+        return cls(n_recent, n_first, False)
+
+
+# ============================================================================================
+# The store
+# ============================================================================================
+
+def _grow(x: torch.Tensor, C: int, fill: float | int = 0) -> torch.Tensor:
+    """x `[B, ..., C0]`-shaped along dim 2 (k/v) or 1 (pos) padded to C slots at the end."""
+    dim = 2 if x.dim() == 4 else 1
+    pad = C - x.shape[dim]
+    if pad <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_full(shape, fill)], dim)
+
+
+@dataclass
+class _Store:
+    """One store: per-layer keys/values `[B, Hkv, C, D]` and slot positions `[B, C]` (-1: empty)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    pos: torch.Tensor
+    ring: int | None  # ring size (bounded main store), else None: slot = position
+    limit: int | None  # keep only positions < limit (bounded side store), else None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.pos.shape[1])
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
+    def slot(self, p: torch.Tensor) -> torch.Tensor:
+        return p % self.ring if self.ring is not None else p
+
+    def grow(self, C: int) -> None:
+        if C > self.capacity:
+            self.k = [_grow(t, C) for t in self.k]
+            self.v = [_grow(t, C) for t in self.v]
+            self.pos = _grow(self.pos, C, -1)
+
+    def rows(self, sel: torch.Tensor) -> "_Store":
+        return _Store([t[sel] for t in self.k], [t[sel] for t in self.v], self.pos[sel], self.ring, self.limit)
+
+    @staticmethod
+    def cat(parts: list["_Store"]) -> "_Store":
+        C = max(p.capacity for p in parts)
+        for p in parts:
+            p.grow(C)
+        n_layers = len(parts[0].k)
+        return _Store([torch.cat([p.k[i] for p in parts]) for i in range(n_layers)],
+                      [torch.cat([p.v[i] for p in parts]) for i in range(n_layers)],
+                      torch.cat([p.pos for p in parts]), parts[0].ring, parts[0].limit)
+
+
+class KVStore:
+    """The running batch's cache in a `CacheLayout` (module docstring).
+
+    Built from a prefill's left-padded cache (`from_prefill`), merged with newly prefilled rows
+    (`cat`), narrowed to the rows still running (`rows`); `step(p_q)` makes the decode step's
+    shared state. `budget [B]`: the most positions a row will ever hold (prompt + max_tokens),
+    which caps how far an unbounded store grows.
+    """
+
+    def __init__(self, layout: CacheLayout, main: _Store, side: _Store | None, budget: torch.Tensor):
+        self.layout, self.main, self.side, self.budget = layout, main, side, budget
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_prefill(cls, layout: CacheLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     pos: torch.Tensor, budget: torch.Tensor) -> "KVStore":
+        """Rows prefilled together: keys/values per layer `[b, Hkv, T, D]` (left-padded; unrotated
+        for a patched model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding)."""
+        n = (pos >= 0).sum(1)  # [b] tokens per row; the next query of row b is at position n[b]
+        valid = pos >= 0
+        if layout.window is not None:
+            keep_main = valid & (pos > n[:, None] - layout.window)
+            C = layout.window
+        else:
+            keep_main = valid
+            C = _capacity(int(n.max()) + 1, 2 * int(n.max()), int(budget.max()))
+        main = _scatter(keys, values, pos, keep_main, C, layout.window, None, _rotation(layout, lambda p: p))
+        side = None
+        if layout.has_side:
+            if layout.side is None:  # every key (Self-Extend's grouped keys)
+                keep_side, Cs = valid, _capacity(int(n.max()) + 1, 2 * int(n.max()), int(budget.max()))
+            else:
+                keep_side, Cs = valid & (pos < layout.side), layout.side
+            side_key = layout.rule.side_key if layout.rule is not None else (lambda p: p)
+            side = _scatter(keys, values, pos, keep_side, Cs, None, layout.side, _rotation(layout, side_key))
+        return cls(layout, main, side, budget.to(pos.device))
+
+    @staticmethod
+    def cat(parts: list["KVStore"]) -> "KVStore":
+        side = _Store.cat([p.side for p in parts]) if parts[0].side is not None else None
+        return KVStore(parts[0].layout, _Store.cat([p.main for p in parts]), side,
+                       torch.cat([p.budget for p in parts]))
+
+    def rows(self, rows: list[int]) -> "KVStore":
+        sel = torch.tensor(rows, device=self.main.pos.device)
+        return KVStore(self.layout, self.main.rows(sel), None if self.side is None else self.side.rows(sel),
+                       self.budget[sel])
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def batch(self) -> int:
+        return int(self.main.pos.shape[0])
+
+    def nbytes(self) -> int:
+        return self.main.nbytes() + (self.side.nbytes() if self.side is not None else 0)
+
+    @property
+    def slots(self) -> int:
+        """Slots per row (main + side capacity)."""
+        return self.main.capacity + (self.side.capacity if self.side is not None else 0)
+
+    def held(self) -> torch.Tensor:
+        """Keys each row holds `[B]` (a key in both stores counts twice)."""
+        n = (self.main.pos >= 0).sum(1)
+        return n + (self.side.pos >= 0).sum(1) if self.side is not None else n
+
+    # ------------------------------------------------------------------ a decode step
+    def step(self, p_q: torch.Tensor) -> "StepSlots":
+        """Reserve the slots of each row's new key at position p_q `[B]` (growing unbounded
+        stores, within `budget`), record the positions, and return what every layer needs."""
+        lay = self.layout
+        B = self.batch
+        ar = torch.arange(B, device=p_q.device)
+        need = int(p_q.max()) + 1
+        for st in (self.main, self.side):
+            if st is not None and st.ring is None and st.limit is None and need > st.capacity:
+                st.grow(_capacity(need, 2 * st.capacity, int(self.budget.max())))
+        slot = self.main.slot(p_q)
+        self.main.pos[ar, slot] = p_q
+        side_rows = side_slot = None
+        if self.side is not None:
+            writes = p_q < self.side.limit if self.side.limit is not None else torch.ones_like(p_q, dtype=torch.bool)
+            side_rows = writes.nonzero().squeeze(1)
+            side_slot = p_q[side_rows]
+            if side_rows.numel():
+                self.side.pos[side_rows, side_slot] = side_slot
+        return StepSlots(self, p_q, ar, slot, side_rows, side_slot)
+
+    # ------------------------------------------------------------------ the general path
+    def gathered(self, p_q: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Each row's keys visible to its query at p_q (before the new key), in position order,
+        left-padded: (keys, values per layer `[B, Hkv, T, D]`, positions `[B, T]`, -1 padding)."""
+        lay = self.layout
+        pos = self.main.pos
+        if lay.window is not None:
+            pos = pos.masked_fill(pos <= p_q[:, None] - lay.window, -1)  # the slot the new key overwrites
+        ks, vs = self.main.k, self.main.v
+        if self.side is not None:
+            side_pos = self.side.pos
+            if lay.window is not None:  # inside the window the main store has them
+                side_pos = side_pos.masked_fill(side_pos > p_q[:, None] - lay.window, -1)
+            pos = torch.cat([side_pos, pos], 1)
+            ks = [torch.cat([a, b], 2) for a, b in zip(self.side.k, ks)]
+            vs = [torch.cat([a, b], 2) for a, b in zip(self.side.v, vs)]
+        order = pos.argsort(dim=1, stable=True)  # -1 first: left padding
+        T = int((pos >= 0).sum(1).max())
+        order = order[:, pos.shape[1] - T:]
+        pos = pos.gather(1, order)
+        idx = order[:, None, :, None]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(2, idx.expand(t.shape[0], t.shape[1], T, t.shape[3]))
+
+        return [take(t) for t in ks], [take(t) for t in vs], pos
+
+    def write_unrotated(self, slots: "StepSlots", keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store the step's new keys/values `[B, Hkv, D]` per layer (general path: unrotated)."""
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            slots.write(layer, k, v, k)
+
+
+def _capacity(need: int, grown: int, budget: int) -> int:
+    """Slots for an unbounded store: at least `need`, doubling when it grows, never past the
+    rows' budget (unless `need` is)."""
+    return max(need, min(grown, budget))
+
+
+def _rotation(layout: CacheLayout, positions: Callable[[torch.Tensor], torch.Tensor]) -> Callable | None:
+    """(x `[N, Hkv, D]`, p `[N]`) -> x rotated to positions(p); None where keys are kept as
+    they are (unrotated layouts, and unpatched models, whose keys HF already rotated)."""
+    if not layout.rotated or layout.basis is None:
+        return None
+    return lambda x, p: rotate_rows(x, positions(p.to(torch.float64)), layout.basis)
+
+
+def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """x `[N, Hkv, D]` (one token per row) rotated to float64 positions `[N]` with lcx's tables
+    (angles in float64, applied in max(float32, x.dtype), as every lcx.attention call rotates)."""
+    inv_freq, af = basis
+    cos, sin = rope_cos_sin(positions, inv_freq.to(x.device), af, torch.promote_types(x.dtype, torch.float32))
+    return apply_rotary_ref(x, cos, sin)  # [N, Hkv, D] read as [T=N, H, D]
+
+
+def _scatter(keys, values, pos, keep, C: int, ring: int | None, limit: int | None,
+             rotation: Callable | None) -> _Store:
+    """The kept slots (`keep [b, T]`) of a left-padded prefill cache, moved into a store of C
+    slots (slot p % ring, or p), keys rotated by `rotation` on the way."""
+    b_idx, t_idx = keep.nonzero(as_tuple=True)
+    p = pos[b_idx, t_idx]
+    s_idx = p % ring if ring is not None else p
+    B = pos.shape[0]
+    out_pos = torch.full((B, C), -1, dtype=torch.long, device=pos.device)
+    out_pos[b_idx, s_idx] = p
+    ks, vs = [], []
+    for k, v in zip(keys, values):
+        kk = k.new_zeros(B, k.shape[1], C, k.shape[3])
+        vv = v.new_zeros(B, v.shape[1], C, v.shape[3])
+        src = k[b_idx, :, t_idx]  # [N, Hkv, D]
+        kk[b_idx, :, s_idx] = src if rotation is None else rotation(src, p)
+        vv[b_idx, :, s_idx] = v[b_idx, :, t_idx]
+        ks.append(kk)
+        vs.append(vv)
+    return _Store(ks, vs, out_pos, ring, limit)
+
+
+# ============================================================================================
+# A decode step
+# ============================================================================================
+
+@dataclass
+class StepSlots:
+    """The slots one decode step writes (`KVStore.step`): every row's main slot, and the rows
+    (and slots) that also write a side key."""
+
+    store: KVStore
+    p_q: torch.Tensor  # [B] positions of the new tokens
+    ar: torch.Tensor  # [B] arange
+    slot: torch.Tensor  # [B] main slot of each row
+    side_rows: torch.Tensor | None  # [n] rows writing a side key
+    side_slot: torch.Tensor | None  # [n]
+
+    def write(self, layer: int, k_main: torch.Tensor, v: torch.Tensor, k_side: torch.Tensor | None) -> None:
+        """New keys/values `[B, Hkv, D]` (k_side: `[n, Hkv, D]` for the side rows, or the full
+        `[B, ...]` tensor to take them from)."""
+        st = self.store
+        st.main.k[layer][self.ar, :, self.slot] = k_main
+        st.main.v[layer][self.ar, :, self.slot] = v
+        if st.side is not None and self.side_rows.numel():
+            ks = k_side if k_side.shape[0] == self.side_rows.numel() else k_side[self.side_rows]
+            st.side.k[layer][self.side_rows, :, self.side_slot] = ks
+            st.side.v[layer][self.side_rows, :, self.side_slot] = v[self.side_rows]
+
+
+@dataclass
+class DecodeStep:
+    """The fast path's decode step, handed to every attention layer as the `lcx_decode` keyword
+    of the model's forward (`lcx.hf.attention_patch` calls it): rotation tables of the step,
+    visibility of every slot, and the slots to write. Layers rotate their new query and key,
+    write the key, and attend over [main | side] in one softmax (`decode_attention`)."""
+
+    slots: StepSlots
+    main_visible: torch.Tensor  # [B, C] bool
+    side_visible: torch.Tensor | None  # [B, Cs] bool
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> cos, sin [B, 1, r]
+
+    @classmethod
+    def build(cls, store: KVStore, p_q: torch.Tensor, dtype: torch.dtype) -> "DecodeStep":
+        lay = store.layout
+        slots = store.step(p_q)
+        main_visible = store.main.pos >= 0  # a ring holds only its window; unbounded: every key
+        side_visible = None
+        if store.side is not None:
+            side_visible = (store.side.pos >= 0) & (store.side.pos <= p_q[:, None] - lay.window)
+        step = cls(slots, main_visible, side_visible)
+        if lay.basis is not None:  # lcx rotates (patched model); else the model's position_embeddings
+            inv_freq, af = lay.basis
+            inv_freq = inv_freq.to(p_q.device)
+            tdt = torch.promote_types(dtype, torch.float32)
+            p = p_q.to(torch.float64)[:, None]  # [B, 1]
+            step.tables["main"] = rope_cos_sin(p, inv_freq, af, tdt)
+            if store.side is not None:
+                step.tables["side_query"] = rope_cos_sin(lay.rule.side_query(p), inv_freq, af, tdt)
+                rows = slots.side_rows
+                step.tables["side_key"] = rope_cos_sin(lay.rule.side_key(p[rows]), inv_freq, af, tdt)
+        return step
+
+    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """One attention layer (`attn`: an HF Llama-family attention module) on the step's
+        hidden states `[B, 1, hidden]` -> its output `[B, 1, hidden]` (after o_proj)."""
+        B = hidden_states.shape[0]
+        D = attn.head_dim
+        q = attn.q_proj(hidden_states).view(B, 1, -1, D)  # [B, 1, H, D]
+        k = attn.k_proj(hidden_states).view(B, 1, -1, D)  # [B, 1, Hkv, D]
+        v = attn.v_proj(hidden_states).view(B, 1, -1, D)
+        cos, sin = self.tables["main"] if "main" in self.tables else position_embeddings
+        qm = apply_rotary_ref(q, cos, sin)
+        km = apply_rotary_ref(k, cos, sin)
+        qs = ks = None
+        store = self.slots.store
+        if store.side is not None:
+            qs = apply_rotary_ref(q, *self.tables["side_query"])
+            rows = self.slots.side_rows
+            if rows.numel():
+                ks = apply_rotary_ref(k[rows], *self.tables["side_key"])[:, 0]
+        layer = attn.layer_idx
+        self.slots.write(layer, km[:, 0], v[:, 0], ks)
+        side = None
+        if store.side is not None:
+            side = (qs, store.side.k[layer], store.side.v[layer], self.side_visible)
+        out = decode_attention(qm, store.main.k[layer], store.main.v[layer], self.main_visible, side=side,
+                               scale=attn.scaling)
+        return attn.o_proj(out.reshape(B, 1, -1))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
+                     side: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """One query per row over a slot store: rotated q `[B, 1, H, D]`, k/v `[B, Hkv, C, D]`,
+    visible `[B, C]`; `side` = (q rotated for the side branch, its k, v, visible) joins the
+    same softmax. -> `[B, 1, H, Dv]`.
+
+    GQA without copies: the H // Hkv query heads of a kv head are one [g, D] block against its
+    keys. Scores and softmax in max(float32, dtype); the cache is read in its own dtype (a
+    low-precision cache is upcast per call, which is exact but costs a copy: GPU decode in
+    bf16 should use a fused kernel here — not yet measured on a GPU).
+    """
+    B, _, H, D = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    wide = torch.promote_types(q.dtype, torch.float32)
+
+    def scores(qx, kx):  # [B, Hkv, g, C]
+        return torch.matmul(qx.reshape(B, Hkv, g, D).to(wide), kx.to(wide).transpose(-1, -2))
+
+    s = scores(q, k)
+    vis = visible
+    if side is not None:
+        qs, ks, vs, vis_s = side
+        s = torch.cat([s, scores(qs, ks)], -1)
+        vis = torch.cat([visible, vis_s], -1)
+    s = (s * scale).masked_fill_(~vis[:, None, None, :], NEG_INF)
+    p = torch.softmax(s, dim=-1)
+    C = k.shape[2]
+    out = torch.matmul(p[..., :C], v.to(wide))  # [B, Hkv, g, Dv]
+    if side is not None:
+        out = out + torch.matmul(p[..., C:], side[2].to(wide))
+    return out.reshape(B, 1, H, v.shape[-1]).to(v.dtype)
+
+
+__all__ = ["CacheLayout", "DecodeStep", "KVStore", "StepSlots", "decode_attention", "rotate_rows"]
