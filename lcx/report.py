@@ -22,8 +22,10 @@ those two components (`lcx.presets`); a sibling model runs the method its config
 max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local = L0, windows L0.
 
 Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
-number), `passkey_heatmap.png`, `ppl_by_length.png`, `decode_by_length.png`, `README.md` (the
-summary tables + images), and `cells/` — one JSON per (method, measurement, length), written
+number; `passkey_intervals`: each passkey cell's correct count k, prompts n and Wilson 95%
+interval, recomputed from the stored per-prompt results at every render), `passkey_heatmap.png`
+(k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars),
+`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one JSON per (method, measurement, length), written
 atomically as it finishes, plus `cells/run.json`, the run they belong to.
 
 Measure, not replay. A cell records its settings and a fingerprint of what produced its numbers:
@@ -529,6 +531,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "cells_kept_with_other_code": other_code,
         "results": cells,
     }
+    record["passkey_intervals"] = passkey_intervals(record)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", record)
     plot_report(record, out)
@@ -556,6 +559,46 @@ def _get(record: dict[str, Any], name: str, kind: str, L: Any, *keys: str) -> fl
     return float("nan") if v is None else float(v)
 
 
+def passkey_counts(cell: dict[str, Any] | None, depth: str | None = None) -> tuple[int, int] | None:
+    """(correct, prompts) of a passkey cell (of its prompts at `depth`, a "%.3f" key of
+    passkey_by_depth, if given), from its per-prompt results; a cell stored without them falls
+    back to accuracy x prompts. None: not measured."""
+    if not cell:
+        return None
+    smp = cell.get("passkey_samples")
+    if smp:
+        if depth is not None:
+            smp = [x for x in smp if f"{x['depth']:.3f}" == depth]
+        return (round(sum(float(x["correct"]) for x in smp)), len(smp)) if smp else None
+    if depth is not None:
+        return None
+    n, acc = cell.get("passkey_docs"), cell.get("passkey")
+    return (round(acc * n), n) if n and acc is not None else None
+
+
+def passkey_interval(cell: dict[str, Any] | None) -> dict[str, Any] | None:
+    """{"k", "n", "acc", "lo", "hi"}: a passkey cell's accuracy k/n with its Wilson 95% interval."""
+    from .stats import wilson_interval
+
+    c = passkey_counts(cell)
+    if c is None or c[1] == 0:
+        return None
+    (k, n), (lo, hi) = c, wilson_interval(*c)
+    return {"k": k, "n": n, "acc": k / n, "lo": lo, "hi": hi}
+
+
+def passkey_intervals(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """method -> length -> `passkey_interval` of every measured passkey cell."""
+    return {name: {str(L): iv for L in record["config"]["lengths"]
+                   if (iv := passkey_interval(_cell(record, name, "lmeval", L))) is not None}
+            for name in record["results"]}
+
+
+def format_interval(iv: dict[str, Any] | None) -> str:
+    """`0.75 [0.30, 0.95] n=4` (accuracy, Wilson 95% interval, prompts); — when not measured."""
+    return "—" if iv is None else f"{iv['acc']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}] n={iv['n']}"
+
+
 def plot_report(record: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -577,6 +620,10 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
         grid = [[_get(record, name, "lmeval", L, "passkey_by_depth", d) for L in lengths] for d in depths]
         if depths:
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for (r, d), (c, L) in ((rd, cl) for rd in enumerate(depths) for cl in enumerate(lengths)):
+                kn = passkey_counts(_cell(record, name, "lmeval", L), d)
+                if kn is not None:  # k/n: the prompts behind each colour
+                    ax.text(c, r, f"{kn[0]}/{kn[1]}", ha="center", va="center", fontsize=6)
         ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
         ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
         if ctx in lengths:
@@ -587,8 +634,32 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.6, label="passkey accuracy")
     fig.suptitle(f"passkey accuracy: needle depth x context length ({record['config']['model']}, "
-                 f"trained context {ctx}, dashed)", fontsize=10)
+                 f"trained context {ctx}, dashed; k/n correct per cell)", fontsize=10)
     atomic_savefig(fig, out / "passkey_heatmap.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), constrained_layout=True)
+    ivs = passkey_intervals(record)
+    for i, name in enumerate(names):
+        pts = [(L, ivs[name][str(L)]) for L in lengths if str(L) in ivs.get(name, {})]
+        if not pts:
+            continue
+        xs = [L * 2 ** (0.2 * (i - (len(names) - 1) / 2) / max(1, len(names) - 1)) for L, _ in pts]  # dodge
+        acc = [iv["acc"] for _, iv in pts]
+        err = [[a - iv["lo"] for a, (_, iv) in zip(acc, pts)], [iv["hi"] - a for a, (_, iv) in zip(acc, pts)]]
+        ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name,
+                    ls="-" if i < 10 else "--", color=f"C{i % 10}")
+    ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(L) for L in lengths])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("passkey accuracy (Wilson 95% interval)")
+    ns = sorted({iv["n"] for m in ivs.values() for iv in m.values()})
+    ax.set_title(f"passkey accuracy by context length · {record['config']['model']} · n = "
+                 f"{', '.join(map(str, ns)) or '—'} prompts per point", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    atomic_savefig(fig, out / "passkey_by_length.png", dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
@@ -616,7 +687,8 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
         a.set_xlabel("prompt length (tokens)")
         a.set_ylabel(label)
         a.axvline(ctx, color="k", lw=1, ls=":")
-    a2.set_yscale("log")
+    if any(math.isfinite(x) and x > 0 for n in names for L in dl for x in [_get(record, n, "decode", L, "kv_cache_mb")]):
+        a2.set_yscale("log")  # (a report rendered before any decode cell has nothing to log-scale)
     a1.legend(fontsize=7, ncol=2)
     fig.suptitle(f"decoding with lcx.engine after a prompt of L tokens · {record['config']['model']}", fontsize=10)
     atomic_savefig(fig, out / "decode_by_length.png", dpi=110)
@@ -646,18 +718,25 @@ def markdown(record: dict[str, Any]) -> str:
               f" **Partial: {done} of {record['cells_total']} cells measured so far** (— = not yet).")
     lines = [f"# lcx report · {c['model']}", "",
              f"Trained context L0 = {c['context']}; lengths {lengths}; RoPE factor s = {c['rope_factor']:g} "
-             f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
-             f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
-             f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).{status}"
+             + (f"(max length / L0). Rendered by `lcx report --render` from {record['cells_reused']} of "
+                f"{record.get('cells_total', '?')} stored cells (each cell's run id and wall time are in cells/)."
+                if record.get("run_id") == "render" else
+                f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
+                f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
+                f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).") + status
              + _other_code_note(record), "",
              f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
              f"{c['samples_per_depth']} keys)", "",
+             "Each cell: accuracy [Wilson 95% interval] n=prompts. Two methods differ only where their "
+             "intervals say so (the same prompts run for every method; non-overlapping intervals are a "
+             "conservative test).", "",
              "| method | " + " | ".join(str(L) for L in lengths) + " |",
              "|---|" + "---:|" * len(lengths)]
     for name in res:
-        lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "passkey"), ".2f")
+        lines.append(f"| {name} | " + " | ".join(format_interval(passkey_interval(_cell(record, name, "lmeval", L)))
                                                  for L in lengths) + " |")
-    lines += ["", "![passkey heatmap](passkey_heatmap.png)", "",
+    lines += ["", "![passkey accuracy by length](passkey_by_length.png)", "",
+              "![passkey heatmap](passkey_heatmap.png)", "",
               f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: {c['ppl_docs']} windows of held-out text per length)", "",
               "| method | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for name in res:
@@ -775,5 +854,5 @@ def run(args: argparse.Namespace) -> int:
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
                         keep_other_code=args.keep_other_code)
     print(markdown(record).split("## Methods")[0])
-    print(f"wrote {args.out / 'README.md'}, report.json and 3 PNGs")
+    print(f"wrote {args.out / 'README.md'}, report.json and 4 PNGs")
     return 0

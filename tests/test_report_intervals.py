@@ -1,0 +1,67 @@
+"""`lcx report`: every passkey cell carries n and a Wilson 95% interval (tables, plots, report.json)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lcx.report import format_interval, markdown, passkey_counts, passkey_interval, passkey_intervals, plot_report
+from lcx.stats import wilson_interval
+
+# (k, n) -> (lo, hi), from the closed form: centre (p + z²/2n)/(1 + z²/n), half-width
+# z/(1 + z²/n) sqrt(p(1-p)/n + z²/4n²), z = 1.96
+WILSON = {(3, 4): (0.3006, 0.9544), (0, 4): (0.0, 0.4899), (4, 4): (0.5101, 1.0), (8, 16): (0.2800, 0.7200),
+          (0, 30): (0.0, 0.1135), (1, 1): (0.2065, 1.0)}
+
+
+@pytest.mark.parametrize("kn", list(WILSON), ids=str)
+def test_wilson_known_values_contain_the_estimate(kn):
+    lo, hi = wilson_interval(*kn)
+    assert (lo, hi) == pytest.approx(WILSON[kn], abs=1e-4)
+    assert lo <= kn[0] / kn[1] <= hi  # also at 0/n and n/n, where rounding could push it out
+
+
+def _samples(correct, depths):
+    return [{"depth": d, "key": str(i), "correct": float(c), "output": None}
+            for i, (c, d) in enumerate(zip(correct, depths))]
+
+
+def test_counts_come_from_the_per_prompt_results():
+    cell = {"passkey": 0.75, "passkey_docs": 4, "passkey_samples": _samples([1, 1, 0, 1], [0.1, 0.1, 0.9, 0.9])}
+    assert passkey_counts(cell) == (3, 4)
+    assert passkey_counts(cell, "0.900") == (1, 2) and passkey_counts(cell, "0.500") is None
+    assert passkey_counts({"passkey": 0.7, "passkey_docs": 10}) == (7, 10)  # an old cell without samples
+    assert passkey_counts(None) is None and passkey_interval(None) is None
+    iv = passkey_interval(cell)
+    assert (iv["k"], iv["n"], iv["acc"]) == (3, 4, 0.75)
+    assert format_interval(iv) == "0.75 [0.30, 0.95] n=4"
+    assert format_interval(None) == "—"
+
+
+def _record(results, lengths=(256, 512)):
+    cfg = {"model": "m", "context": 256, "lengths": list(lengths), "decode_lengths": list(lengths), "rope_factor": 2.0,
+           "depths": 2, "samples_per_depth": 2, "ppl_docs": 1, "decode_tokens": 4, "methods_resolved": {},
+           "methods_skipped": {}}
+    return {"config": cfg, "results": results, "environment": {}, "git": {"sha": "x" * 40}, "wall_s": 1.0,
+            "cells_reused": 0, "cells_total": 4 * len(results)}
+
+
+def test_tables_plots_and_record_carry_intervals(tmp_path):
+    a = {"passkey": 0.75, "passkey_docs": 4, "passkey_samples": _samples([1, 1, 0, 1], [0, 0, 1, 1]),
+         "passkey_by_depth": {"0.000": 1.0, "1.000": 0.5}, "ppl": {"word_perplexity": 10.0}}
+    b = {"passkey": 0.0, "passkey_docs": 4, "passkey_samples": _samples([0, 0, 0, 0], [0, 0, 1, 1]),
+         "passkey_by_depth": {"0.000": 0.0, "1.000": 0.0}, "ppl": {"word_perplexity": 20.0}}
+    rec = _record({"vanilla": {"lmeval": {"256": a, "512": b}, "decode": {}},
+                   "yarn": {"lmeval": {"256": a}, "decode": {}}})  # yarn @ 512 not measured yet
+    ivs = passkey_intervals(rec)
+    assert set(ivs["vanilla"]) == {"256", "512"} and set(ivs["yarn"]) == {"256"}
+    assert ivs["vanilla"]["512"]["n"] == 4 and ivs["vanilla"]["512"]["hi"] == pytest.approx(0.4899, abs=1e-4)
+    md = markdown(rec)
+    assert "| vanilla | 0.75 [0.30, 0.95] n=4 | 0.00 [0.00, 0.49] n=4 |" in md
+    assert "| yarn | 0.75 [0.30, 0.95] n=4 | — |" in md
+    assert "passkey_by_length.png" in md
+    plot_report(rec, tmp_path)
+    for f in ("passkey_heatmap.png", "passkey_by_length.png", "ppl_by_length.png", "decode_by_length.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    assert all(math.isfinite(v) for m in ivs.values() for iv in m.values() for v in (iv["lo"], iv["hi"]))
