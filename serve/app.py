@@ -7,9 +7,11 @@ Endpoints:
     POST /v1/completions        prompt: str | [str] | [int] | [[int]]; echo + logprobs give prompt
                                 logprobs (lm-eval `local-completions` loglikelihood); max_tokens=0
                                 only with echo (scores the prompt); stream=true for SSE
-    POST /v1/chat/completions   messages rendered with the tokenizer's chat template; stream=true
-    GET  /v1/models             the one served model (+ max_model_len)
-    GET  /health                200 while the engine worker is alive
+    POST /v1/chat/completions   messages rendered with the tokenizer's chat template (lcx's default,
+                                `lcx.serve.chat_template`, when it has none); stream=true
+    GET  /v1/models             the one served model (+ max_model_len); GET /v1/models/{id}: that one
+    GET  /health                200 while the engine worker is alive (HEAD too)
+    GET  /openapi.json          every route's request body, response and error objects
     GET  /stats                 scheduler and engine counters (batch-size histogram, ...) and the
                                 HTTP counters: requests, errors by status and by code, disconnects
     GET  /tokenizer_info        POST /tokenize  POST /detokenize   (vLLM's shapes; lm-eval's
@@ -22,11 +24,14 @@ lm-eval sends the key to the completions routes from $OPENAI_API_KEY and to the 
 give both.
 
 Never a 5xx for the client's input. A request is read with a size limit (`max_body_bytes`, 413)
-and must be JSON (415 for another Content-Type; none is taken as JSON); its fields are
-range-checked (400 naming the field, `param`) before anything is queued. Parsing, tokenization
-and response rendering run in a small thread pool, off the event loop, so one huge request does
-not stall /health or other clients; a string prompt longer than `max_model_len` tokens could
-possibly cover (`prompt_char_limit`) is refused before it is tokenized. A client that goes away
+and a time limit (`body_timeout_s`, 408) and must be JSON (415 for another Content-Type; none is
+taken as JSON). Its cost is bounded before it is parsed (`lcx.serve.body`: a scan counts its
+values, then structural limits: prompts, token ids against max_model_len, stop strings, messages;
+413 or 400), then its fields are range-checked (400 naming the field, `param`) before anything is
+queued. Parsing, tokenization and response rendering run in a small thread pool, off the event
+loop, so one huge request does not stall /health or other clients; a string prompt longer than
+`max_model_len` tokens could possibly cover (`prompt_char_limit`) is refused before it is
+tokenized. A client that goes away
 has its requests aborted at once (streaming or not): the engine frees their batch slots.
 
 Layout: `protocol` (request and response models, errors), `gate` (the ASGI middleware: request
@@ -50,9 +55,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lcx.engine import Engine
 
+from .body import DEFAULT_MAX_STOP
+from .chat_template import AUTO
 from .cli import DEFAULT_MAX_BODY_BYTES
-from .context import ServerContext
+from .context import DEFAULT_BODY_TIMEOUT_S, ServerContext
 from .gate import Gate, error_response
+from .openapi import install_openapi
 from .protocol import APIError
 from .routes import ROUTERS
 from .scheduler import Scheduler
@@ -60,12 +68,16 @@ from .scheduler import Scheduler
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                batch_window_s: float = 0.01, scheduler: Scheduler | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               max_stop: int = DEFAULT_MAX_STOP, chat_template: str | None = AUTO) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`. The scheduler's worker thread and the CPU
     thread pool start with the app (lifespan) and stop with it. `max_body_bytes`: the largest
-    request body accepted (413 above)."""
+    request body accepted (413 above); `body_timeout_s`: the time a body may take to arrive (408
+    after); `max_stop`: stop strings per request; `chat_template`: "auto" (the tokenizer's, else
+    lcx's default), "none" (the tokenizer's only) or a Jinja template (`lcx.serve.chat_template`)."""
     ctx = ServerContext(engine, scheduler or Scheduler(engine, batch_window_s=batch_window_s),
-                        model_name=model_name, max_body_bytes=max_body_bytes)
+                        model_name=model_name, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                        max_stop=max_stop, chat_template=chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,4 +104,5 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
 
     for router in ROUTERS:
         app.include_router(router)
+    install_openapi(app, description=__doc__.split("\n\nLayout:")[0])
     return app

@@ -49,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "completions from $OPENAI_API_KEY) (default: $LCX_API_KEY, else no key)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
                         help="largest request body accepted, in MiB; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--body-timeout-s", type=float, default=60.0,
+                        help="a request body must arrive within this many seconds; a slower one gets 408 and its "
+                             "connection is closed (default: %(default)s)")
+    parser.add_argument("--max-stop", type=int, default=4,
+                        help="most stop strings per request (OpenAI's and vLLM's limit is 4; default: %(default)s)")
+    parser.add_argument("--chat-template", default="auto", metavar="auto|none|FILE|TEMPLATE",
+                        help="the chat template: auto = the tokenizer's, else lcx's default (role-prefixed lines, "
+                             "lcx.serve.chat_template); none = the tokenizer's only; or a Jinja file or template, "
+                             "used instead of the tokenizer's (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="limit on prompt + max_tokens; longer requests are rejected, never truncated "
                              "(default: the model's context, times the RoPE factor if one is given)")
@@ -93,10 +102,18 @@ def run(args: argparse.Namespace) -> int:
     max_body = int(args.max_body_mb * (1 << 20))
     if max_body < 1:
         raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if not args.body_timeout_s > 0:
+        raise ValueError(f"--body-timeout-s must be > 0, got {args.body_timeout_s}")
+    if args.max_stop < 1:
+        raise ValueError(f"--max-stop must be >= 1, got {args.max_stop}")
+    from .chat_template import read_chat_template
+
+    chat_template = read_chat_template(args.chat_template)
     engine = Engine.from_pretrained(args.model, config, dtype=args.dtype, device=args.device)
     name = args.served_model_name or args.model
     app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
-                     max_body_bytes=max_body)
+                     max_body_bytes=max_body, body_timeout_s=args.body_timeout_s, max_stop=args.max_stop,
+                     chat_template=chat_template)
     print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
           f"max_batch {config.max_batch}, methods {dict(config.to_dict()['methods'])})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
@@ -125,8 +142,11 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
-    if args.max_body_mb != parser_default(args, "max_body_mb"):
-        raise ValueError("--max-body-mb is for the built-in engine")
+    for dest in ("max_body_mb", "body_timeout_s", "max_stop", "chat_template"):
+        if getattr(args, dest) != parser_default(args, dest):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "
+                                                                     "FILE')" if dest == "chat_template" else ""))
     python = vllm_python()  # a clear error naming the install script if vLLM is missing
     model_dir, kwargs, methods = vllm_arguments(args.model, methods_from_args(args),
                                                 max_model_len=args.max_model_len, dtype=args.dtype)

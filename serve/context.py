@@ -17,11 +17,13 @@ from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from lcx.engine import INT64_MAX, INT64_MIN, ContextLengthError, Engine, SamplingParams, StepEvent, TokenLogprob
 
+from .body import TRIM_BYTES, Limits, cap_mmap_threshold, parse_body, release_memory
+from .chat_template import DEFAULT_CHAT_TEMPLATE, resolve_chat_template
 from .gate import ClientGone, HttpStats, request_id
 from .protocol import (
     MAX_PROMPTS,
@@ -32,7 +34,6 @@ from .protocol import (
     CompletionLogprobs,
     Usage,
     bad_request,
-    validation_error,
 )
 from .scheduler import Scheduler
 
@@ -48,6 +49,7 @@ DRAIN_LIMIT_BYTES = 64 << 20
 # a prompt under it is tokenized and checked exactly.
 PROMPT_CHARS_MARGIN = 2
 CPU_WORKERS = 2  # parsing / tokenization / rendering threads
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive within this (`lcx serve --body-timeout-s`)
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no -inf; vLLM does the same)
 
@@ -113,17 +115,25 @@ def sse(obj: BaseModel | dict[str, Any]) -> str:
 class ServerContext:
     """The state the routes share (`app.state.ctx`) and the plumbing they build on."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler, *, model_name: str, max_body_bytes: int):
+    def __init__(self, engine: Engine, scheduler: Scheduler, *, model_name: str, max_body_bytes: int,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_stop: int | None = None,
+                 chat_template: str | None = DEFAULT_CHAT_TEMPLATE):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if not body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self.engine, self.sched, self.model_name = engine, scheduler, model_name
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.limits = Limits.for_engine(engine.max_model_len, **({} if max_stop is None else {"max_stop": max_stop}))
         self.stats = HttpStats()
         self.pool = concurrent.futures.ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="lcx-cpu")
         self.tok = engine.tokenizer
+        # the tokenizer's own template, else (unless chat_template is None) lcx's documented default
+        self.chat_template, self.chat_template_source = resolve_chat_template(self.tok, chat_template)
         self.prompt_char_limit = PROMPT_CHARS_MARGIN * max_token_chars(self.tok) * engine.max_model_len
 
     def start(self) -> None:
+        cap_mmap_threshold()
         if not self.sched.alive:
             self.sched.start()
         log.info("serving %s (max_model_len %d, max_batch %d, prompts of at most %d characters are tokenized, "
@@ -141,21 +151,20 @@ class ServerContext:
 
     async def read_body(self, request: Request) -> bytes:
         """The body, at most `max_body_bytes` (413 above, after reading the rest up to
-        DRAIN_LIMIT_BYTES so the client sees the answer); JSON only (415)."""
+        DRAIN_LIMIT_BYTES so the client sees the answer), within `body_timeout_s` of the first
+        read (408 after; the connection is then closed); JSON only (415)."""
         declared = request.headers.get("content-length", "")
         size, chunks = 0, []
         if declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
             size = int(declared)
         else:
+            got = [0]  # bytes received, for the 408's message
             try:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size <= self.max_body_bytes:
-                        chunks.append(chunk)
-                    elif size > DRAIN_LIMIT_BYTES:
-                        break
-            except ClientDisconnect:
-                raise ClientGone() from None
+                # one task for the whole body (a timeout per chunk would make a task per chunk)
+                size, chunks = await asyncio.wait_for(self._receive_body(request, got), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s "
+                               f"({got[0]} bytes came; lcx serve --body-timeout-s)", code="request_timeout") from None
         if size > self.max_body_bytes:
             raise APIError(413, f"the request body has {size}{'+' if size > DRAIN_LIMIT_BYTES else ''} bytes; this "
                            f"server accepts at most {self.max_body_bytes} (lcx serve --max-body-mb)",
@@ -166,20 +175,41 @@ class ServerContext:
             if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
                 raise APIError(415, f"Content-Type must be application/json, got {ctype!r}",
                                code="unsupported_media_type")
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        chunks.clear()
+        return body
 
-    @staticmethod
-    def _from_json(model: type[BaseModel], body: bytes) -> BaseModel:
+    async def _receive_body(self, request: Request, got: list[int]) -> tuple[int, list[bytes]]:
+        """(size, chunks) of the body: chunks up to `max_body_bytes`, the size read up to DRAIN_LIMIT_BYTES."""
+        size, chunks = 0, []
         try:
-            return model.model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
+            async for chunk in request.stream():
+                size += len(chunk)
+                got[0] = size
+                if size <= self.max_body_bytes:
+                    chunks.append(chunk)
+                elif size > DRAIN_LIMIT_BYTES:
+                    break
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return size, chunks
 
     async def parse(self, model: type[BaseModel], request: Request) -> Any:
+        """The request's body as `model`: read here (bounded by `max_body_bytes`), scanned, parsed
+        and validated on the CPU pool with bounded work (`lcx.serve.body`)."""
         body = await self.read_body(request)
-        if not body.strip():
-            raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-        return await self.cpu(self._from_json, model, body)
+        big = len(body) >= TRIM_BYTES
+        try:
+            return await self.cpu(parse_body, model, body, self.limits)
+        except APIError as e:
+            # Its traceback holds the parse frames, and so the body; the error ends up in the
+            # request's scope, which the handler frames also hold: a cycle that would keep the
+            # body until the next garbage collection. Cut it here.
+            raise e.with_traceback(None) from None
+        finally:
+            del body
+            if big:
+                await self.cpu(release_memory)
 
     async def json_response(self, obj: BaseModel) -> Response:
         """`obj` rendered on the CPU pool."""
@@ -239,11 +269,13 @@ class ServerContext:
                     kwargs: dict[str, Any] | None) -> list[int]:
         """The chat prompt's token ids (runs on the CPU pool)."""
         tok = self.tok
-        if not getattr(tok, "chat_template", None):
-            raise bad_request(f"the model {self.model_name!r} has no chat template in its tokenizer; use "
-                              "/v1/completions", "messages", "no_chat_template")
+        if self.chat_template is None:
+            raise bad_request(f"the model {self.model_name!r} has no chat template in its tokenizer (and the server "
+                              "was started with --chat-template none); use /v1/completions", "messages",
+                              "no_chat_template")
         try:
             text = tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
+                                           chat_template=self.chat_template,
                                            add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad kwargs) are the client's
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None

@@ -16,13 +16,25 @@ Responses are models too (`CompletionResponse`, `ChatCompletionResponse`, their 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from lcx.engine import MAX_LOGPROBS
+from lcx.engine import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
+# Structural limits of one request (checked before pydantic by `lcx.serve.body.check_shape`, and
+# stated here so /openapi.json states them; max_model_len and the stop-string count are the
+# server's: `lcx.serve.body.Limits`).
 MAX_PROMPTS = 1024  # prompts x n in one request
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_MESSAGES = 2048  # OpenAI's limit
+# repetition_penalty divides positive logits and multiplies negative ones (in float64): inside
+# this range no finite logit of a float32/bfloat16 model (|x| < 3.5e38) can overflow, so no
+# accepted value yields inf/NaN probabilities. vLLM only asks > 0; values this far from 1 already
+# mean "never repeat" / "always repeat".
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # vLLM's sampling extensions that lcx implements (lcx.engine.SamplingParams); others are unknown fields
 VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
 
@@ -51,28 +63,36 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class _Common(_Strict):
     """Fields shared by both completion endpoints."""
 
-    model: str | None = None
-    temperature: float = 1.0  # OpenAI's default: sample unless told otherwise
-    top_p: float = 1.0
-    n: int = 1
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
+    temperature: float = Field(1.0, ge=0, description="0: greedy; OpenAI's default 1 samples")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_PROMPTS, description=f"choices per prompt; prompts x n <= {MAX_PROMPTS}")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    stop: Union[StopString, list[StopString], None] = Field(
+        None, description="at most 4 stop strings (the server's `--max-stop`), each at most "
+                          f"{MAX_STOP_CHARS} characters")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="choice i uses seed + i")
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
+                                                description="accepted only empty (not supported)")
     # vLLM extensions (VLLM_SAMPLING)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                      description="1: off")
+    min_tokens: int = Field(0, ge=0)
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -96,12 +116,20 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    # left to right: a token-id list is recognised at once (smart mode would first report one
+    # error per element against list[str])
+    prompt: Union[str, Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                            Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
+        union_mode="left_to_right",
+        description=f"a string, strings, token ids or token-id lists (at most {MAX_PROMPTS} prompts; a token-id "
+                    "list at most max_model_len ids)")
+    max_tokens: int | None = Field(None, ge=0, description="default 16; 0 only with echo (scores the prompt)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, description="only n (or 1)")
+    suffix: str | None = Field(None, description="accepted only empty (not supported)")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: strings or token-id lists."""
@@ -148,11 +176,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
 
@@ -168,14 +196,14 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(description="at most max_model_len token ids")
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -197,9 +225,23 @@ def validation_error(e: ValidationError) -> APIError:
         return bad_request(f"unknown field {'.'.join(loc)!r} (the lcx server rejects fields it does not implement; "
                            f"of vLLM's extensions it implements {', '.join(VLLM_SAMPLING)})", param, "unknown_field")
     got = first.get("input")
-    got_s = repr(got)
-    got_s = got_s if len(got_s) <= 60 else got_s[:57] + "..."
-    return bad_request(f"invalid value for {'.'.join(loc)!r}: {first['msg']} (got {got_s})", param, "invalid_type")
+    got_s = _short_repr(got)
+    code = "invalid_value" if first["type"] in _RANGE_ERRORS else "invalid_type"
+    return bad_request(f"invalid value for {'.'.join(loc)!r}: {first['msg']} (got {got_s})", param, code)
+
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_long",
+                           "too_short", "string_too_long", "string_too_short"})
+
+
+def _short_repr(x: Any) -> str:
+    """repr(x) cut to 60 characters, without building the repr of a long list or string."""
+    if isinstance(x, (list, dict)) and len(x) > 8:
+        return f"<{type(x).__name__} of {len(x)} items>"
+    if isinstance(x, str) and len(x) > 60:
+        x = x[:60]
+    s = repr(x)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 # ------------------------------------------------------------------------------ responses
@@ -216,6 +258,19 @@ def _drop_null_usage(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("usage", 0) is None:
         del d["usage"]
     return d
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str = Field(description="invalid_request_error (4xx) or server_error (5xx)")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    """OpenAI's error object: every 4xx and 5xx answer of the server."""
+
+    error: ErrorInfo
 
 
 class Usage(_Out):
@@ -331,6 +386,10 @@ class ModelCard(_Out):
     owned_by: str = "lcx"
     max_model_len: int
     lcx_methods: dict[str, Any]  # the methods the engine applies, resolved for this model
+
+
+class Health(_Out):
+    status: str
 
 
 class ModelList(_Out):

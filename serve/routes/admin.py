@@ -1,4 +1,4 @@
-"""GET /v1/models, /health and /stats."""
+"""GET /v1/models, /v1/models/{id}, GET and HEAD /health, and /stats."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..context import ServerContext, ctx
-from ..protocol import ModelCard, ModelList
+from ..openapi import errors
+from ..protocol import APIError, Health, ModelCard, ModelList
 
 router = APIRouter()
 
@@ -25,20 +26,42 @@ def _jsonable(x: Any) -> Any:
         return repr(x)
 
 
-@router.get("/v1/models")
+def _card(c: ServerContext) -> ModelCard:
+    return ModelCard(id=c.model_name, created=int(time.time()), max_model_len=c.engine.max_model_len,
+                     lcx_methods={k: _jsonable(v) for k, v in c.engine.resolved_methods.items()})
+
+
+@router.get("/v1/models", responses=errors(401))
 async def models(c: ServerContext = Depends(ctx)) -> ModelList:
-    return ModelList(data=[ModelCard(
-        id=c.model_name, created=int(time.time()), max_model_len=c.engine.max_model_len,
-        lcx_methods={k: _jsonable(v) for k, v in c.engine.resolved_methods.items()})])
+    return ModelList(data=[_card(c)])
 
 
-@router.get("/health")
-async def health(c: ServerContext = Depends(ctx)):
+@router.get("/v1/models/{model_id:path}", responses=errors(401, 404))
+async def model(model_id: str, c: ServerContext = Depends(ctx)) -> ModelCard:
+    """The served model (the `openai` client's `models.retrieve`); 404 for any other name."""
+    if model_id != c.model_name:
+        raise APIError(404, f"the model {model_id!r} does not exist; this server serves {c.model_name!r}",
+                       param="model", code="model_not_found")
+    return _card(c)
+
+
+_HEALTH_DOC = {503: {"model": Health, "description": "the engine worker is not running"}}
+
+
+@router.get("/health", responses=_HEALTH_DOC)
+async def health(c: ServerContext = Depends(ctx)) -> Health:
     if not c.sched.alive:
         return JSONResponse({"status": "engine worker is not running"}, status_code=503)
-    return {"status": "ok"}
+    return Health(status="ok")
 
 
-@router.get("/stats")
-async def stats(c: ServerContext = Depends(ctx)):
-    return dict(c.sched.snapshot(), http=c.stats.to_dict())
+@router.head("/health", responses={200: {"description": "the engine worker is alive (no body)"},
+                                   503: {"description": "the engine worker is not running (no body)"}})
+async def health_head(c: ServerContext = Depends(ctx)) -> Response:
+    return Response(status_code=200 if c.sched.alive else 503)
+
+
+@router.get("/stats", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
+                                       "description": "scheduler, engine and HTTP counters"}, **errors(401)})
+async def stats(c: ServerContext = Depends(ctx)) -> JSONResponse:
+    return JSONResponse(dict(c.sched.snapshot(), http=c.stats.to_dict()))

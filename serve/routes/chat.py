@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from lcx.engine import StepEvent
 
 from ..context import Job, ServerContext, ctx, usage
+from ..openapi import post_doc
 from ..protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,7 +47,8 @@ def chat_jobs(c: ServerContext, req: ChatCompletionRequest) -> tuple[list[Job], 
     return jobs, k
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             **post_doc(ChatCompletionRequest, stream=True))
 async def chat(request: Request, c: ServerContext = Depends(ctx)):
     req: ChatCompletionRequest = await c.parse(ChatCompletionRequest, request)
     jobs, k = await c.cpu(chat_jobs, c, req)

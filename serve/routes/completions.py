@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from lcx.engine import StepEvent
 
 from ..context import Job, ServerContext, ctx, usage
+from ..openapi import post_doc
 from ..protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, bad_request
 
 router = APIRouter()
@@ -50,7 +51,7 @@ def completion_jobs(c: ServerContext, req: CompletionRequest) -> list[Job]:
     return jobs
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=CompletionResponse, **post_doc(CompletionRequest, stream=True))
 async def completions(request: Request, c: ServerContext = Depends(ctx)):
     req: CompletionRequest = await c.parse(CompletionRequest, request)
     jobs = await c.cpu(completion_jobs, c, req)

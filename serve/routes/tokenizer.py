@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from ..context import ServerContext, ctx
+from ..openapi import errors, post_doc
 from ..protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -18,11 +19,11 @@ from ..protocol import (
 router = APIRouter()
 
 
-@router.get("/tokenizer_info")
+@router.get("/tokenizer_info", responses=errors(401))
 async def tokenizer_info(c: ServerContext = Depends(ctx)) -> TokenizerInfo:
     tok = c.tok
     return TokenizerInfo(tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, bos_token=tok.bos_token,
-                         pad_token=tok.pad_token, chat_template=getattr(tok, "chat_template", None),
+                         pad_token=tok.pad_token, chat_template=c.chat_template,
                          model_max_length=c.engine.max_model_len, vocab_size=c.engine.vocab_size)
 
 
@@ -36,7 +37,7 @@ def tokenize_ids(c: ServerContext, req: TokenizeRequest) -> list[int]:
     return c.render_chat(req.messages, req.add_generation_prompt, None)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=TokenizeResponse, **post_doc(TokenizeRequest))
 async def tokenize(request: Request, c: ServerContext = Depends(ctx)):
     req: TokenizeRequest = await c.parse(TokenizeRequest, request)
     ids = await c.cpu(tokenize_ids, c, req)
@@ -51,7 +52,7 @@ def detokenize_text(c: ServerContext, req: DetokenizeRequest) -> str:
     return c.tok.decode(req.tokens, skip_special_tokens=False)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=DetokenizeResponse, **post_doc(DetokenizeRequest))
 async def detokenize(request: Request, c: ServerContext = Depends(ctx)):
     req: DetokenizeRequest = await c.parse(DetokenizeRequest, request)
     return await c.json_response(DetokenizeResponse(prompt=await c.cpu(detokenize_text, c, req)))
