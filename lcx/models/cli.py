@@ -3,9 +3,10 @@
     lcx models                       # presets, their files, presence and GGUF cache status
     lcx models --load smollm2-135m   # load (building the GGUF cache if needed) and summarise
     lcx models --load path/to/dir --dtype bfloat16
-    lcx models --export runs/my-model --out lcx/assets/my-model --dtype float16
-                                     # copy an HF directory with its weights stored in float16
-                                     # (half the bytes; `lcx.load_model` loads float32 by default)
+    lcx models --export runs/my-model --out lcx/assets/my-model --dtype bfloat16 --xz
+                                     # copy an HF directory with its weights stored in bfloat16,
+                                     # xz-compressed (a third of float32's bytes; how the bundled
+                                     # models are stored; `lcx.load_model` loads float32 by default)
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write this HF model directory to --out with its weights cast to --dtype (its "
                              "tokenizer and train_config.json copied unchanged)")
     parser.add_argument("--out", help="output directory of --export")
+    parser.add_argument("--xz", action="store_true",
+                        help="--export: store the weights as model.safetensors.xz (lcx.load_model unpacks "
+                             "them once into its cache)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.export:
         if not args.out:
             raise ValueError("--export needs --out")
-        export_model(args.export, args.out, args.dtype)
-        print(f"exported {args.export} -> {args.out} ({args.dtype})")
+        export_model(args.export, args.out, args.dtype, compress=args.xz)
+        print(f"exported {args.export} -> {args.out} ({args.dtype}{', xz' if args.xz else ''})")
         return 0
     if args.load:
         return _load(args.load, args.dtype, args.device)
@@ -82,23 +86,26 @@ def summarize(model: Any) -> dict[str, Any]:
     }
 
 
-def export_model(src: str, out: str, dtype: str = "float16") -> None:
+def export_model(src: str, out: str, dtype: str = "float16", *, compress: bool = False) -> None:
     """Copy the HF model directory `src` to `out` with weights cast to `dtype`: config, weights
-    (safetensors), its tokenizer and `train_config.json` (the training record) if present;
-    each file moved into `out` atomically (`lcx.data.io.atomic_write_files`)."""
+    (safetensors; `model.safetensors.xz` with `compress`), its tokenizer and `train_config.json`
+    (the training record) if present; each file moved into `out` atomically
+    (`lcx.data.io.atomic_write_files`). `src` may itself be compressed."""
     import shutil
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lcx.data.io import atomic_write_files
+    from lcx.hf.swat import from_pretrained_kwargs
 
-    from .loading import _as_dtype
+    from .loading import _as_dtype, compress_file, unpacked_dir
 
-    src_p = Path(src)
-    if not (src_p / "config.json").is_file():
-        raise FileNotFoundError(f"--export: {src_p} is not an HF model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(src_p, dtype=_as_dtype(dtype), local_files_only=True)
+    if not (Path(src) / "config.json").is_file():
+        raise FileNotFoundError(f"--export: {src} is not an HF model directory (no config.json)")
+    src_p = unpacked_dir(Path(src))
+    model = AutoModelForCausalLM.from_pretrained(src_p, dtype=_as_dtype(dtype), local_files_only=True,
+                                                 **from_pretrained_kwargs(src_p))
     tokenizer = AutoTokenizer.from_pretrained(src_p, local_files_only=True)
 
     def write(tmp: str) -> None:
@@ -106,6 +113,8 @@ def export_model(src: str, out: str, dtype: str = "float16") -> None:
         tokenizer.save_pretrained(tmp)
         if (src_p / "train_config.json").is_file():
             shutil.copy2(src_p / "train_config.json", Path(tmp) / "train_config.json")
+        if compress:
+            compress_file(Path(tmp) / "model.safetensors")
 
     atomic_write_files(out, write)
 

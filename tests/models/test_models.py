@@ -327,13 +327,19 @@ def test_export_casts_weights_and_keeps_the_tokenizer(tmp_path):
     from lcx.models.cli import export_model
     from lcx.models.loading import PRESETS
 
-    src = PRESETS["tiny-5m"].path()
+    src = PRESETS["tiny-5m"].path()  # stored compressed (bfloat16): export unpacks it
     export_model(str(src), str(tmp_path / "m16"), "float16")
     assert (tmp_path / "m16" / "train_config.json").read_text() == (src / "train_config.json").read_text()
     size16 = (tmp_path / "m16" / "model.safetensors").stat().st_size
-    assert size16 < 0.6 * (src / "model.safetensors").stat().st_size
     m32, tok = load_model("tiny-5m")
+    n_params = sum(p.numel() for p in m32.parameters())
+    assert 2 * n_params <= size16 < 2 * n_params + 2**16  # 2 bytes per weight + the header
+    export_model(str(src), str(tmp_path / "m16xz"), "float16", compress=True)
+    assert (tmp_path / "m16xz" / "model.safetensors.xz").stat().st_size < 0.95 * size16
+    assert not (tmp_path / "m16xz" / "model.safetensors").exists()
     m16, tok16 = load_model(tmp_path / "m16")
+    m16xz, _ = load_model(tmp_path / "m16xz")
+    assert all(torch.equal(x, y) for x, y in zip(m16.parameters(), m16xz.parameters()))
     assert next(m16.parameters()).dtype == torch.float32 and tok16("To be or not")["input_ids"] == tok("To be or not")["input_ids"]
     x = torch.tensor([tok("To be, or not to be, that is the question")["input_ids"]])
     with torch.no_grad():
@@ -341,3 +347,53 @@ def test_export_casts_weights_and_keeps_the_tokenizer(tmp_path):
     assert (a - b).abs().max() < 0.05 * a.abs().max()
     with pytest.raises(FileNotFoundError, match="not an HF model directory"):
         export_model(str(tmp_path), str(tmp_path / "x"))
+
+
+def test_compressed_weights_unpack_once_to_the_same_bytes(tmp_path, monkeypatch, tiny_model_dir):
+    """A directory whose weights are `model.safetensors.xz` loads like the plain one: unpacked
+    once into `$LCX_CACHE_DIR/unpacked/` with the original bytes, reused after, and a changed
+    file gets a new entry."""
+    import shutil
+
+    import torch
+
+    from lcx.models import load_model, resolve_source
+    from lcx.models.loading import compress_file, is_compressed
+
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path / "cache"))
+    packed = tmp_path / "packed"
+    shutil.copytree(tiny_model_dir, packed)
+    compress_file(packed / "model.safetensors")
+    assert is_compressed(packed) and not (packed / "model.safetensors").exists()
+    kind, entry = resolve_source(packed)
+    assert kind == "hf" and entry.parent == tmp_path / "cache" / "unpacked"
+    assert (entry / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert (entry / "config.json").read_text() == (tiny_model_dir / "config.json").read_text()
+    mtime = (entry / "model.safetensors").stat().st_mtime_ns
+    assert resolve_source(packed) == ("hf", entry)
+    assert (entry / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
+    ids = torch.tensor([[1, 2, 3, 4]])
+    a, _ = load_model(packed)
+    b, _ = load_model(tiny_model_dir)
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    cfg = (packed / "config.json").read_text()
+    (packed / "config.json").write_text(cfg + "\n")
+    assert resolve_source(packed)[1] != entry  # any edit: a new entry
+    assert resolve_source(tiny_model_dir) == ("hf", tiny_model_dir.resolve())  # plain dirs as they are
+
+
+def test_bundled_models_load_in_float32_from_compressed_weights():
+    """The bundled models are stored compressed (tiny-5m and tiny-swat-5m in bfloat16,
+    tiny-ret-5m in float16) and load as float32 by default."""
+    import torch
+
+    from lcx.models import load_model
+    from lcx.models.loading import PRESETS, is_compressed
+
+    for name in ("tiny-5m", "tiny-ret-5m", "tiny-swat-5m"):
+        assert is_compressed(PRESETS[name].path()), name
+    model, _ = load_model("tiny-5m")
+    p = next(model.parameters())
+    assert p.dtype == torch.float32
+    assert torch.equal(p, p.to(torch.bfloat16).float())  # bfloat16 values, exactly
