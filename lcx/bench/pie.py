@@ -12,6 +12,9 @@
     lcx bench pie --compare results/base.json results/tuned.json --out results/compare.json
         # two models on the same samples: each strategy's exact match, paired (model 2 - model 1)
 
+A record may be gzipped (`--out X.json.gz`); wherever a path `X.json` is named and only
+`X.json.gz` exists, that is the one read and rewritten (the committed records are stored so).
+
 `--split` samples from one part of lcx.data.code's by-package split of the stdlib; a model whose
 train_config.json records that split (one fine-tuned with `lcx train lm --corpus stdlib-code`)
 is only evaluated on `--split eval`, and only if none of its training or validation files is an
@@ -181,13 +184,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.rescore is not None:
-        return rescore(args.rescore, plot_it=not args.no_plot)
+        return rescore(io.json_path(args.rescore), plot_it=not args.no_plot)
     if args.merge is not None:
-        return merge(args.merge, args.out, plot_it=not args.no_plot)
+        return merge(args.merge, io.json_path(args.out), plot_it=not args.no_plot)
     if args.compare is not None:
         if args.out == DEFAULT_OUT:
             raise SystemExit(f"--compare writes a comparison, not a run: give --out (not the default {DEFAULT_OUT})")
         return compare(*args.compare, out=args.out)
+    # a record stored gzipped (X.json.gz, as the committed ones are) is resumed and rewritten as
+    # such; its config keeps the name given (so a gzipped record resumes under its .json name)
+    given_out, args.out = args.out, io.json_path(args.out)
     strategies = ["recompute", *[s for s in args.strategies if s != "recompute"]]
 
     import torch
@@ -202,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     files = stdlib_files(split=None if args.split == "all" else args.split)
     guard = code_split_guard(args.model, args.split, files)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore", "merge", "compare", "_run", "command", "subcommand")}
-    config.update(strategies=strategies, n_stdlib_files=len(files), model_code_split=guard,
+    config.update(out=str(given_out), strategies=strategies, n_stdlib_files=len(files), model_code_split=guard,
                   model_config={k: getattr(model.config, k, None) for k in (
                       "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters")})
@@ -212,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
 
     results, done = [], {}
     if args.resume and args.out.is_file():
-        old = json.loads(args.out.read_text())
+        old = io.read_json(args.out)
         # the samples of a context are drawn in order from its own seed, so only their number may change
         if {**old.get("config", {}), "samples": None} != {**json.loads(json.dumps(config)), "samples": None}:
             raise SystemExit(f"--resume: {args.out} was written with other settings; drop --resume to start over")
@@ -242,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
     print_table(record, f"{args.model}: {len(results)} samples, contexts {args.ctx_tokens}")
     if not args.no_plot:
-        png = args.out.with_suffix(".png")
+        png = io.with_suffix(args.out, ".png")
         plot(record["summary"]["all_contexts"], png,
              f"PIE code editing, {args.model}, {len(results)} samples, ctx {args.ctx_tokens}")
         print(f"wrote {args.out} and {png}")
@@ -286,7 +292,7 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
     disjoint context lengths: their samples, the summary over all of them, per-run provenance."""
     from lcx.studies.code_edit import SampleResult
 
-    records = [json.loads(Path(p).read_text()) for p in paths]
+    records = [io.read_json(p) for p in paths]
     for p, r in zip(paths, records):
         if not r.get("complete"):
             raise SystemExit(f"--merge: {p} is not a finished run")
@@ -313,7 +319,7 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
     io.atomic_write_json(out, record, rows=("samples",))
     print_table(record, f"{base['model']}: {len(results)} samples (merged), contexts {ctx}")
     if plot_it:
-        plot(record["summary"]["all_contexts"], out.with_suffix(".png"),
+        plot(record["summary"]["all_contexts"], io.with_suffix(out, ".png"),
              f"PIE code editing, {base['model']}, {len(results)} samples, ctx {ctx}")
     return 0
 
@@ -329,7 +335,7 @@ def compare(first: Path, second: Path, out: Path) -> int:
     settings and hold the same samples (`SAMPLE_KEYS`: both models use one tokenizer)."""
     from lcx.studies.code_edit import exact_match, paired_difference, wilson_interval
 
-    recs = [json.loads(Path(p).read_text()) for p in (first, second)]
+    recs = [io.read_json(p) for p in (first, second)]
     for p, r in zip((first, second), recs):
         if not r.get("complete"):
             raise SystemExit(f"--compare: {p} is not a finished run")
@@ -379,7 +385,7 @@ def rescore(path: Path, plot_it: bool = True) -> int:
     stored; nothing is re-run) with the current `summarize`, and rewrite it (and its plot)."""
     from lcx.studies.code_edit import SampleResult
 
-    record = json.loads(path.read_text())
+    record = io.read_json(path)
     cfg = record["config"]
     results = [SampleResult(**x) for x in record["samples"]]
     strategies = cfg.get("strategies", list(STRATEGIES))
@@ -389,7 +395,7 @@ def rescore(path: Path, plot_it: bool = True) -> int:
     io.atomic_write_json(path, record, rows=("samples",))
     print_table(record, f"{cfg['model']}: {len(results)} samples (rescored), contexts {cfg['ctx_tokens']}")
     if plot_it:
-        plot(record["summary"]["all_contexts"], path.with_suffix(".png"),
+        plot(record["summary"]["all_contexts"], io.with_suffix(path, ".png"),
              f"PIE code editing, {cfg['model']}, {len(results)} samples, ctx {cfg['ctx_tokens']}")
     return 0
 

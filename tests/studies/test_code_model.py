@@ -306,6 +306,16 @@ def test_bench_resume_and_rescore(tmp_path, capsys):
     out.write_text(json.dumps(broken))
     assert bench.main(["--rescore", str(out), "--no-plot"]) == 0
     assert json.loads(out.read_text())["summary"] == again["summary"]
+    # a record stored gzipped (as the committed ones are) is found under its .json name, resumed
+    # and rewritten gzipped, and compared like a plain one
+    from lcx.data import io
+
+    gz = out.with_name("pie.json.gz")
+    io.atomic_write_json(gz, again, rows=("samples",))
+    out.unlink()
+    assert bench.main([*more[:-1], "--resume"]) == 0
+    assert not out.exists() and io.read_json(gz)["samples"] == again["samples"]
+    assert bench.main(["--compare", str(out), str(gz), "--out", str(tmp_path / "cmp.json")]) == 0
 
 
 def test_bench_merge_of_per_context_runs(tmp_path):
