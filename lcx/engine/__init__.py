@@ -12,24 +12,18 @@ the same engine one `step()` at a time (continuous batching): `add_request` queu
 every `step` admits waiting requests (one batched prefill), runs one decode step for the requests
 already running, and returns what each request produced (`StepEvent`s).
 
-Batch layout (stated once). The running batch shares one KV cache per layer, HF layout
-`[B, H_kv, T, D]`, with the rows *left-padded* to a common length T:
-
-    column:   0    1    2    3    4    5        mask        pos
-    row 0:   a0   a1   a2   a3   a4   a5       1 1 1 1 1 1  0 1 2 3 4 5
-    row 1:    .    .    .   b0   b1   b2       0 0 0 1 1 1  . . . 0 1 2
-
-- `mask [B, T]` (bool) says which cached slots a row's next query may attend to (padding and, for
-  bounded-cache methods, evicted slots are False). It goes to HF as the 2D `attention_mask`, so
-  every attention implementation (eager, sdpa) masks them; HF adds causality itself.
-- A *position* is a token's index in its own request (prompt token 0 is at position 0), passed as
-  `position_ids`; it is what RoPE rotates with. Keys are cached after RoPE (HF), so a slot's
-  position never changes. `pos [B, T]` records it (-1 for padding).
-- New requests are prefilled together (left-padded among themselves), then merged into the
-  running batch by left-padding the shorter of the two caches; finished rows are removed, and
-  columns no row can see any more are dropped. Padding is exact: masked slots get zero weight, so
-  a request's tokens and logprobs do not depend on what it is batched with (up to float rounding
-  of differently shaped matmuls; in float64 batched == unbatched token for token).
+Batch layout. New requests are prefilled together, left-padded among themselves to one
+HF `DynamicCache` (`mask [b, T]` marks real tokens, HF's 2D attention mask; attention methods
+get per-row key positions instead, `lcx_key_positions`). A *position* is a token's index in its
+own request (prompt token 0 is at position 0), passed as `position_ids`; it is what RoPE
+rotates with. After the prefill the rows' keys and values move into the running batch's cache,
+`lcx.engine.kv.KVStore` (its docstring states the layout once): per row, slots holding keys
+rotated once at their positions (unpatched models: as HF rotated them), a ring of the method's
+window for bounded methods, so a decode step writes each row's new key into its own slot and
+runs one attention per layer for the whole batch, never copying or re-rotating the cache.
+Padding is exact: empty slots get zero weight, so a request's tokens and logprobs do not depend
+on what it is batched with (up to float rounding of differently shaped matmuls; in float64
+batched == unbatched token for token).
 
 Sampling, in vLLM's order. The logits are first adjusted (only for a request that asks):
 `repetition_penalty` (tokens of the prompt or the output: a positive logit divided by it, a
@@ -52,19 +46,22 @@ run with `max_batch=1` for per-request semantics. Static types have no such effe
 Limits: `max_model_len` bounds prompt + max_tokens; a request over it is rejected with
 `ValueError` (never truncated). Methods come from `EngineConfig.methods` and `ENGINE_METHODS`;
 unknown names raise. Attention methods (`"attention": {"type": "lm_infinite", "n_global": 16,
-"n_local": 1024}`, `sliding_window`, `sinks`; `lcx.methods`) patch the model's attention and
-evict, after every step, the cached slots no later query of the row can see
-(`EngineMethod.kv_policy`), so each row's cache holds at most n_first + n_recent - 1 keys — the
-`BoundedKVCache` rule, per row of the padded batch. Their attention runs per row on the row's
-own keys (`lcx_key_positions`, `lcx.hf.attention_patch`); tokens equal unbatched decoding
-with a `BoundedKVCache` (tests/engine/test_engine_attention.py). A model trained with an attention
-method (SWAT) records it in its config (`lcx.hf.recorded`); without an `attention` entry the
-engine takes that method (`model_attention`) and bounds the cache from its `cache_window` the
-same way, without patching (the model already runs it).
+"n_local": 1024}`, `sliding_window`, `sinks`, `self_extend`; `lcx.methods`) patch the model's
+attention for prefill; decoding follows the method's `decode_rule` over the cache of rotated
+keys (`lcx.engine.kv`), which holds window + first keys per row for a bounded method however
+long the request runs (LM-Infinite: G + L slots). Methods without a rule (SWAT), a RoPE basis
+that changes with the length (dynamic NTK, longrope) together with an attention method, or an
+explicit `decode_backend` decode on the general path: unrotated keys, each row's visible keys
+gathered per step for the method's own `attend` (`lcx_key_positions`, `lcx.hf.attention_patch`).
+Tokens equal unbatched decoding with a `BoundedKVCache` (or a full cache, for unbounded methods)
+in float64 (tests/engine/test_engine_attention.py). A model trained with an attention method
+(SWAT) records it in its config (`lcx.hf.recorded`); without an `attention` entry the engine
+takes that method (`model_attention`) and bounds the cache from its `cache_window` the same
+way, without patching (the model already runs it).
 
-Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS, the
-KV policies), `outputs` (TokenLogprob, StepEvent, RequestOutput, EngineStats), `batch` (the
-padded KV cache as tensors), `core` (the Engine: per-request state, prefill/decode, sampling,
+Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS),
+`kv` (the running batch's KV cache and the decode step), `outputs` (TokenLogprob, StepEvent,
+RequestOutput, EngineStats), `batch` (a prefill's cache as an HF cache), `core` (the Engine: per-request state, prefill/decode, sampling,
 detokenization, the scheduler loop), `reference` (`greedy_decode_ref`: the one-token-per-forward
 greedy loop over a caller's cache that the engine is checked against, and that decodes where the
 engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Import from `lcx.engine`.

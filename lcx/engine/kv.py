@@ -175,9 +175,10 @@ class KVStore:
         for a patched model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding)."""
         n = (pos >= 0).sum(1)  # [b] tokens per row; the next query of row b is at position n[b]
         valid = pos >= 0
+        most = int(budget.max())  # no row ever holds more positions than its budget
         if layout.window is not None:
             keep_main = valid & (pos > n[:, None] - layout.window)
-            C = layout.window
+            C = min(layout.window, max(most, int(n.max()) + 1))  # a ring never wider than it can fill
         else:
             keep_main = valid
             C = _capacity(int(n.max()) + 1, 2 * int(n.max()), int(budget.max()))
@@ -187,7 +188,7 @@ class KVStore:
             if layout.side is None:  # every key (Self-Extend's grouped keys)
                 keep_side, Cs = valid, _capacity(int(n.max()) + 1, 2 * int(n.max()), int(budget.max()))
             else:
-                keep_side, Cs = valid & (pos < layout.side), layout.side
+                keep_side, Cs = valid & (pos < layout.side), min(layout.side, max(most, int(n.max()) + 1))
             side_key = layout.rule.side_key if layout.rule is not None else (lambda p: p)
             side = _scatter(keys, values, pos, keep_side, Cs, None, layout.side, _rotation(layout, side_key))
         return cls(layout, main, side, budget.to(pos.device))
@@ -228,10 +229,14 @@ class KVStore:
         lay = self.layout
         B = self.batch
         ar = torch.arange(B, device=p_q.device)
-        need = int(p_q.max()) + 1
         for st in (self.main, self.side):
-            if st is not None and st.ring is None and st.limit is None and need > st.capacity:
-                st.grow(_capacity(need, 2 * st.capacity, int(self.budget.max())))
+            if st is None:
+                continue
+            writes = p_q if st.limit is None else p_q[p_q < st.limit]
+            need = int(st.slot(writes).max()) + 1 if writes.numel() else 0
+            if need > st.capacity:  # unbounded: double (within the budget); bounded: up to ring/limit
+                st.grow(_capacity(need, 2 * st.capacity, int(self.budget.max()))
+                        if st.ring is None and st.limit is None else need)
         slot = self.main.slot(p_q)
         self.main.pos[ar, slot] = p_q
         side_rows = side_slot = None
@@ -359,6 +364,7 @@ class DecodeStep:
     main_visible: torch.Tensor  # [B, C] bool
     side_visible: torch.Tensor | None  # [B, Cs] bool
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> cos, sin [B, 1, r]
+    hidden: torch.Tensor | None = None  # [B, 1, 1, C (+ Cs)] True where a slot is not attended
 
     @classmethod
     def build(cls, store: KVStore, p_q: torch.Tensor, dtype: torch.dtype) -> "DecodeStep":
@@ -405,39 +411,49 @@ class DecodeStep:
         side = None
         if store.side is not None:
             side = (qs, store.side.k[layer], store.side.v[layer], self.side_visible)
+        if self.hidden is None:  # the step's mask, built once for every layer
+            vis = self.main_visible if side is None else torch.cat([self.main_visible, self.side_visible], -1)
+            self.hidden = ~vis[:, None, None, :]
         out = decode_attention(qm, store.main.k[layer], store.main.v[layer], self.main_visible, side=side,
-                               scale=attn.scaling)
+                               scale=attn.scaling, hidden=self.hidden)
         return attn.o_proj(out.reshape(B, 1, -1))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
                      side: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over a slot store: rotated q `[B, 1, H, D]`, k/v `[B, Hkv, C, D]`,
     visible `[B, C]`; `side` = (q rotated for the side branch, its k, v, visible) joins the
-    same softmax. -> `[B, 1, H, Dv]`.
+    same softmax. -> `[B, 1, H, Dv]`. `hidden`: the inverse of [visible | side visible] as
+    `[B, 1, 1, C + Cs]`, when the caller has it (one per step, shared by the layers).
 
     GQA without copies: the H // Hkv query heads of a kv head are one [g, D] block against its
-    keys. Scores and softmax in max(float32, dtype); the cache is read in its own dtype (a
-    low-precision cache is upcast per call, which is exact but costs a copy: GPU decode in
-    bf16 should use a fused kernel here — not yet measured on a GPU).
+    keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
+    float16/bfloat16 without a side branch (vanilla, sliding window): torch's fused SDPA, which
+    accumulates in float32. float16/bfloat16 with a side branch: the cache is upcast per call
+    (exact, but a copy of the window's keys and values; a fused two-branch kernel would avoid it
+    — not yet measured on a GPU).
     """
     B, _, H, D = q.shape
     Hkv = k.shape[1]
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
     wide = torch.promote_types(q.dtype, torch.float32)
+    if side is None and q.dtype in (torch.float16, torch.bfloat16):
+        mask = visible[:, None, None, :] if hidden is None else ~hidden
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, g, D), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, 1, H, v.shape[-1])
 
     def scores(qx, kx):  # [B, Hkv, g, C]
         return torch.matmul(qx.reshape(B, Hkv, g, D).to(wide), kx.to(wide).transpose(-1, -2))
 
     s = scores(q, k)
-    vis = visible
     if side is not None:
-        qs, ks, vs, vis_s = side
-        s = torch.cat([s, scores(qs, ks)], -1)
-        vis = torch.cat([visible, vis_s], -1)
-    s = (s * scale).masked_fill_(~vis[:, None, None, :], NEG_INF)
+        s = torch.cat([s, scores(side[0], side[1])], -1)
+    if hidden is None:
+        vis = visible if side is None else torch.cat([visible, side[3]], -1)
+        hidden = ~vis[:, None, None, :]
+    s = (s * scale).masked_fill_(hidden, NEG_INF)
     p = torch.softmax(s, dim=-1)
     C = k.shape[2]
     out = torch.matmul(p[..., :C], v.to(wide))  # [B, Hkv, g, Dv]

@@ -52,9 +52,10 @@ from .spec import AttentionMethod, method_from_dict
 
 
 def kept_slots(pos: torch.Tensor, next_position: torch.Tensor | int, n_first: int, n_recent: int) -> torch.Tensor:
-    """The eviction rule of every bounded cache (here and `lcx.engine`'s per-row KV policy): the
-    next query sits at `next_position` and sees positions < n_first and the last n_recent (itself
-    included), so a cached slot at `pos` is kept iff pos < n_first or pos > next_position - n_recent.
+    """The eviction rule of a bounded cache (here and the vLLM plugin's decode plan; `lcx.engine`
+    keeps the same keys by construction, `lcx.engine.kv`): the next query sits at `next_position`
+    and sees positions < n_first and the last n_recent (itself included), so a cached slot at
+    `pos` is kept iff pos < n_first or pos > next_position - n_recent.
     `pos` [..., T]; `next_position` broadcasts against it ([B, 1] for a batch of rows)."""
     return (pos < n_first) | (pos > next_position - n_recent)
 
@@ -222,8 +223,10 @@ def greedy_generate(
     """Greedy decoding of `max_new_tokens` after `input_ids [B, T]`, one token per forward, over a
     transformers `Cache`: the reference decode loop (`lcx.engine.reference.greedy_decode_ref`).
 
-    Why it exists beside `lcx.engine.Engine` (lcx's decode loop): it decodes over the cache object
-    given, so it is what bounded decoding is defined and checked by. `BoundedKVCache` tokens equal
+    Why it exists beside `lcx.engine.Engine` (lcx's decode loop, fast: keys rotated once, per-method
+    decode rules): it decodes over the cache object given, running each method's own `attend` on
+    unrotated keys every step, so it is the reference bounded decoding is defined and checked by
+    (slow by design; `lcx bench decode` measures the engine). `BoundedKVCache` tokens equal
     full-cache tokens here (tests/methods/test_attention_methods.py), and the engine's per-row bounded
     caches equal this loop token for token (tests/engine/test_engine_attention.py). Rows share positions
     (no padding); for ragged prompts, sampling or stop rules use the engine.

@@ -256,3 +256,44 @@ def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
         assert engine.resolved_methods["attention"].to_dict()["decode_backend"] == "flash"
     finally:
         unpatch_attention(model)
+
+
+# ------------------------------------------------------------------ the decode step's attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_side", [False, True])
+def test_decode_attention_equals_dense_softmax(dtype, with_side):
+    """`lcx.engine.kv.decode_attention` (GQA by blocks, empty slots masked, an optional side
+    branch in the same softmax) against a dense float64 softmax over the visible keys; low
+    precision within twice the error of a dense reference run in that precision."""
+    from lcx.engine.kv import decode_attention
+    from lcx.testing import assert_within_budget
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, C, Cs = 3, 6, 2, 16, 13, 5
+    q, qs = torch.randn(B, 1, H, D, generator=g), torch.randn(B, 1, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    ks, vs = torch.randn(B, Hkv, Cs, D, generator=g), torch.randn(B, Hkv, Cs, D, generator=g)
+    vis = torch.rand(B, C, generator=g) > 0.3
+    vis[:, 0] = True  # the row's own new key is always visible
+    vis_s = torch.rand(B, Cs, generator=g) > 0.5
+
+    def dense(dt):
+        kk, vv, vv_mask = k, v, vis
+        qq = q.to(dt).reshape(B, Hkv, H // Hkv, D)
+        s = qq @ kk.to(dt).transpose(-1, -2)
+        if with_side:
+            s = torch.cat([s, qs.to(dt).reshape(B, Hkv, H // Hkv, D) @ ks.to(dt).transpose(-1, -2)], -1)
+            vv = torch.cat([v, vs], 2)
+            vv_mask = torch.cat([vis, vis_s], -1)
+        s = (s.float() if dt != torch.float64 else s) * D ** -0.5
+        p = torch.softmax(s.masked_fill(~vv_mask[:, None, None, :], float("-inf")), -1)
+        return (p.to(dt) @ vv.to(dt)).reshape(B, 1, H, D)
+
+    side = (qs.to(dtype), ks.to(dtype), vs.to(dtype), vis_s) if with_side else None
+    got = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), vis, side=side)
+    want = dense(torch.float64)
+    assert got.dtype == dtype and got.shape == (B, 1, H, D)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within_budget(got, dense(dtype), want)
