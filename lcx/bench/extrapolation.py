@@ -27,7 +27,6 @@ window, so the gain is the informative column.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -157,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from lcx.bench.record import write_record
+    from lcx.data import io
     from lcx.data.io import atomic_savefig
     from lcx.eval.perplexity import load_texts, perplexity_by_length
     from lcx.models import load_model
@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
     model.eval()
     names, texts = load_texts("validation")
     depths = [0.5] if args.depths == 1 else [i / (args.depths - 1) for i in range(args.depths)]
-    out = Path(args.out)
-    prev = json.loads(out.read_text()) if args.resume and out.exists() else {}
+    out = io.json_path(args.out)  # the committed record is stored gzipped (X.json.gz): found under X.json
+    prev = io.read_json(out) if args.resume and out.exists() else {}
     results = prev.get("results", {}) if args.resume else {}
     seconds = prev.get("seconds", {}) if args.resume else {}
     for r in results.values():
@@ -210,8 +210,8 @@ def run(args: argparse.Namespace) -> int:
     seconds["total_this_run"] = time.time() - t_all
     print_table(results, args.lengths)
     save(quiet=False)
-    plot(results, args.lengths, out.with_suffix(".png"), atomic_savefig)
-    print(f"wrote {out.with_suffix('.png')}")
+    plot(results, args.lengths, io.with_suffix(out, ".png"), atomic_savefig)
+    print(f"wrote {io.with_suffix(out, '.png')}")
     return 0
 
 
