@@ -153,12 +153,12 @@ def lcx_attention_forward(
     hidden_states `[B, Tq, hidden]` -> (attn_output `[B, Tq, hidden]`, None). `position_embeddings`
     (HF's cos/sin) are ignored: positions come from `position_ids` or the bounded cache.
     """
-    from lcx.cache.kv import rope_basis
-    from lcx.methods.bounded_cache import BoundedKVCache
-
     step = kwargs.get("lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
         return step(self, hidden_states, position_embeddings), None
+    from lcx.cache.kv import rope_basis
+    from lcx.methods.bounded_cache import BoundedKVCache
+
     st: _ModuleState = getattr(self, _STATE)
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")

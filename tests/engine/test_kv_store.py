@@ -1,0 +1,118 @@
+"""`lcx.engine.kv`: the decode step over a cache of keys rotated once equals the method's own
+`attend` over the unrotated history, row by row, for every method with a decode rule: ragged
+batches (rows of different lengths), many steps (rings wrapping), an attention factor != 1.
+Also the store's bookkeeping: bounded rings never grow, rows leave and join."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lcx.attention import Rotary
+from lcx.engine.kv import CacheLayout, DecodeStep, KVStore
+from lcx.methods import ATTENTION_METHODS, causal, lm_infinite, self_extend, sinks, sliding_window
+
+B_LENS = (1, 6, 13)  # prompt lengths of the rows (odd, one shorter than every window)
+STEPS = 11  # decode steps: rows run past every window below
+H, HKV, D = 4, 2, 8
+METHODS = [
+    causal(),
+    sliding_window(window=4),
+    lm_infinite(2, 5),
+    lm_infinite(3, 4, limit_distance=11),
+    sinks(2, 4),
+    sinks(1, 3, renumber=False),
+    self_extend(2, 4),
+    self_extend(3, 5),
+]
+
+
+def test_grid_has_every_method_with_a_rule():
+    ruled = {n for n, cls in ATTENTION_METHODS.items() if n != "swat"}
+    assert {m.name for m in METHODS} == ruled
+
+
+class _Attn(nn.Module):
+    """The parts of an HF attention module a decode step uses."""
+
+    def __init__(self, hidden: int, g: torch.Generator):
+        super().__init__()
+        self.head_dim, self.layer_idx, self.scaling = D, 0, D ** -0.5
+        self.q_proj, self.k_proj = nn.Linear(hidden, H * D, bias=False), nn.Linear(hidden, HKV * D, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(hidden, HKV * D, bias=False), nn.Linear(H * D, hidden, bias=False)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            lin.weight.data = torch.randn(lin.weight.shape, generator=g, dtype=torch.float64) * 0.3
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+def test_decode_steps_equal_attend(method):
+    g = torch.Generator().manual_seed(7)
+    hidden = 12
+    attn = _Attn(hidden, g)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    basis = (inv_freq, 1.3)
+    layout = CacheLayout.for_method(method, basis=basis)
+    assert layout.rotated
+    # the rows' histories: unrotated keys/values as a patched model's prefill leaves them
+    T = max(B_LENS)
+    hist_h = [torch.randn(n, hidden, generator=g, dtype=torch.float64) for n in B_LENS]
+    keys = torch.zeros(len(B_LENS), HKV, T, D, dtype=torch.float64)
+    values = torch.zeros_like(keys)
+    pos = torch.full((len(B_LENS), T), -1)
+    for b, h in enumerate(hist_h):
+        n = h.shape[0]
+        keys[b, :, T - n:] = attn.k_proj(h).view(n, HKV, D).transpose(0, 1)
+        values[b, :, T - n:] = attn.v_proj(h).view(n, HKV, D).transpose(0, 1)
+        pos[b, T - n:] = torch.arange(n)
+    budget = torch.tensor([n + STEPS for n in B_LENS])
+    store = KVStore.from_prefill(layout, [keys], [values], pos, budget)
+    slots0 = store.slots
+    for step in range(STEPS):
+        h_new = torch.randn(len(B_LENS), 1, hidden, generator=g, dtype=torch.float64)
+        p_q = torch.tensor([n + step for n in B_LENS])
+        with torch.no_grad():
+            got = DecodeStep.build(store, p_q, torch.float64)(attn, h_new, None)  # [B, 1, hidden]
+        for b in range(len(B_LENS)):
+            hist_h[b] = torch.cat([hist_h[b], h_new[b]])
+            hb = hist_h[b]
+            n = hb.shape[0]
+            q = attn.q_proj(hb[-1:]).view(1, 1, H, D)
+            k = attn.k_proj(hb).view(1, n, HKV, D)
+            v = attn.v_proj(hb).view(1, n, HKV, D)
+            with torch.no_grad():
+                ref = method.attend(q, k, v, rotary=Rotary(inv_freq, torch.arange(n), 1.3), scale=attn.scaling,
+                                    layer_idx=0)
+                want = attn.o_proj(ref.reshape(1, 1, -1))
+            torch.testing.assert_close(got[b], want[0], rtol=1e-10, atol=1e-10,
+                                       msg=lambda m: f"row {b} (length {n}) step {step}: {m}")
+        if layout.window is not None and layout.side is not None:
+            assert store.slots == slots0  # a bounded store never grows
+            assert int(store.held().max()) <= layout.window + layout.side
+
+
+def test_rows_leave_and_join():
+    method = lm_infinite(2, 4)
+    layout = CacheLayout.for_method(method, basis=(torch.ones(D // 2, dtype=torch.float64), 1.0))
+    k = torch.randn(2, HKV, 9, D)
+    pos = torch.tensor([[-1] * 4 + list(range(5)), list(range(9))])
+    a = KVStore.from_prefill(layout, [k], [k.clone()], pos, torch.tensor([20, 20]))
+    # a ring of 4, slot p % 4: the next query (at 5, resp. 9) sees the 3 keys before it, and
+    # its own key goes into the free slot
+    assert a.main.pos.tolist() == [[4, -1, 2, 3], [8, -1, 6, 7]]
+    assert a.side.pos.tolist() == [[0, 1], [0, 1]]
+    b = a.rows([1])
+    assert b.batch == 1 and b.main.pos.tolist() == [[8, -1, 6, 7]]
+    c = KVStore.cat([b, a])
+    assert c.batch == 3 and c.slots == a.slots
+    torch.testing.assert_close(c.main.k[0][0], a.main.k[0][1])
+
+
+def test_unbounded_store_grows_within_budget():
+    layout = CacheLayout.unpatched()
+    k = torch.randn(1, HKV, 5, D)
+    store = KVStore.from_prefill(layout, [k], [k.clone()], torch.arange(5)[None], torch.tensor([7]))
+    assert store.main.capacity == 7  # 2 x 5 capped at the budget
+    store.step(torch.tensor([5]))
+    store.step(torch.tensor([6]))
+    assert store.main.capacity == 7 and store.main.pos.tolist() == [list(range(7))]
