@@ -42,7 +42,8 @@ def post_doc(body: type[BaseModel], *, stream: bool = False) -> dict[str, Any]:
     if stream:
         ok = {"description": "the response; with stream=true a text/event-stream of chunks of the same shape, "
                              "ended by `data: [DONE]`",
-              "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+              "content": {"text/event-stream": {"schema": {
+                  "description": "server-sent events, each `data: <chunk as JSON>`, the last `data: [DONE]`"}}}}
     return {
         "openapi_extra": {"requestBody": {
             "required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=body.__name__)}}}}},

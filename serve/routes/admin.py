@@ -55,8 +55,9 @@ async def health(c: ServerContext = Depends(ctx)) -> Health:
     return Health(status="ok")
 
 
-@router.head("/health", responses={200: {"description": "the engine worker is alive (no body)"},
-                                   503: {"description": "the engine worker is not running (no body)"}})
+@router.head("/health", response_class=Response,
+             responses={200: {"description": "the engine worker is alive (no body)"},
+                        503: {"description": "the engine worker is not running (no body)"}})
 async def health_head(c: ServerContext = Depends(ctx)) -> Response:
     return Response(status_code=200 if c.sched.alive else 503)
 
