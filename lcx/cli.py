@@ -57,6 +57,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      " -> results/swat_vs_softmax.{json,png}"),
     (("bench", "lmeval"), "lcx.bench.lmeval",
      "passkey (depth x length) and perplexity per RoPE method through the lm_eval CLI -> results/lmeval/"),
+    (("bench", "scale"), "lcx.bench.scale",
+     "every method at GPU scale on random weights (llama-3-8b, 32k-128k): prefill, decode tok/s, KV, memory vs"
+     " vanilla -> results/scale/<device>.json"),
     (("bench", "serving"), "lcx.bench.serving",
      "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
      " -> results/serving_cpu.json"),

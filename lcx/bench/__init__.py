@@ -16,5 +16,7 @@ environment, git SHA, written atomically. results/README.md lists every file and
 - `lcx.bench.extrapolation`: perplexity and likelihood passkey per attention / RoPE method, tiny-5m.
 - `lcx.bench.swat`: the SWAT model vs the softmax model under every RoPE method, perplexity.
 - `lcx.bench.lmeval`: passkey and perplexity per RoPE method through the `lm_eval` CLI.
+- `lcx.bench.scale`: every method at GPU scale (model shapes to Llama-3-8B, 32k-128k tokens) on
+  random weights through lcx's engine: prefill, decode, KV bytes, memory, against vanilla and the ideal.
 - `lcx.bench.serving`: `lcx serve` (and vLLM, when installed) under a fixed concurrent load.
 """

@@ -1,0 +1,77 @@
+"""scripts/gpu_session.sh, dry-run here (no CUDA): each stage reports the right PASS/FAIL/SKIP
+line and reason, at most 8 files come back, and a second call resumes what the first did.
+
+The first GPU session has one call of a few minutes; this is how the script is tested before it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_session.sh"
+STAGES = ("build", "pytest_gpu", "kernels", "scale", "report")
+MAX_FILES = 8  # what a device call brings back
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _run(tmp_path: Path, name: str, **env: str) -> tuple[int, dict[str, str], Path]:
+    out = tmp_path / name
+    full = dict(os.environ, OUT=str(out), GPU_SESSION_STATE=str(tmp_path / "state"), **env)
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=900)
+    lines = (out / "summary.txt").read_text().splitlines()
+    stages = {}
+    for line in lines:
+        m = re.match(r"(PASS|FAIL|SKIP) (\w+): (.*)", line)
+        if m:
+            stages[m.group(2)] = f"{m.group(1)} {m.group(3)}"
+    assert lines[-1] == f"total {lines[-1].split()[1]}, status {p.returncode}", lines[-1]
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert len(files) <= MAX_FILES, files
+    assert {"summary.txt", "env.txt", "logs.tar"} <= {f.name for f in files}
+    return p.returncode, stages, out
+
+
+@pytest.mark.skipif("not _no_cuda()", reason="a GPU is here: the script would run for real")
+def test_without_cuda_every_gpu_stage_is_skipped_with_its_reason_and_imports_pass(tmp_path):
+    rc, stages, out = _run(tmp_path, "plain")
+    assert rc == 0
+    assert stages["env"].startswith("PASS python ") and "gpu=none" in stages["env"]
+    # what the GPU stages import works without lm-eval, fastapi, uvicorn, gguf and a network
+    assert stages["imports"].startswith("PASS ") and "lm_eval, fastapi, uvicorn, gguf blocked and no network" \
+        in stages["imports"], stages["imports"]
+    for s in STAGES:
+        assert stages[s] == "SKIP no CUDA device", (s, stages[s])
+    assert [f.name for f in out.iterdir()] and not (out / "scale-cpu.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("not _no_cuda()", reason="a GPU is here: the script would run for real")
+def test_dry_run_passes_fails_and_resumes(tmp_path):
+    """LCX_GPU_DRY_RUN=1: the kernel and scale stages run as CPU smoke runs. A scale run that
+    fails says FAIL with its exit status; the next call runs it again (the kernels, done, are
+    skipped as such, their JSON still returned); a third call skips both."""
+    rc, stages, out = _run(tmp_path, "first", LCX_GPU_DRY_RUN="1", SCALE_ARGS="--cases no-such-case")
+    assert rc == 1
+    assert stages["kernels"].startswith("PASS regressions or missing: 0"), stages["kernels"]
+    assert re.match(r"FAIL rc=\d+; .*see logs\.tar:scale\.log", stages["scale"]), stages["scale"]
+    assert stages["report"] == "SKIP no CUDA device" and stages["build"] == "SKIP no CUDA device"
+    assert (out / "kernels-cpu.json").is_file() and not (out / "scale-cpu.json").exists()
+
+    rc, stages, out = _run(tmp_path, "second", LCX_GPU_DRY_RUN="1")
+    assert rc == 0
+    assert stages["kernels"] == "SKIP done in an earlier call"
+    assert stages["scale"].startswith("PASS wrote"), stages["scale"]
+    assert (out / "kernels-cpu.json").is_file() and (out / "scale-cpu.json").is_file()
+
+    rc, stages, _ = _run(tmp_path, "third", LCX_GPU_DRY_RUN="1")
+    assert rc == 0 and stages["scale"] == "SKIP done in an earlier call"
