@@ -42,8 +42,8 @@ HUGE = {
                                                                                      for i in range(1_000_000)]) + b"]}"),
     "detokenize-10M": ("/detokenize", lambda: b'{"tokens": [' + b",".join([b"11"] * 10_000_000) + b"]}"),
 }
-REFUSE_S = 2.5  # "well under a second" on an idle machine; 2 shared CI cores get slack
-STALL_S = 1.0  # the worst /health latency while such bodies arrive (main: 2.8-6.8 s)
+REFUSE_S = 4.0  # ~0.5 s on an idle machine; 2 shared cores under load (load average 8 seen) get slack
+STALL_S = 2.0  # the worst /health latency while such bodies arrive (~0.1 s idle; main: 2.8-6.8 s)
 RSS_ROUNDS = 10
 
 
