@@ -501,7 +501,7 @@ class Engine:
 
     def _adjust_logits(self, s: _Seq, logits: torch.Tensor) -> torch.Tensor:
         """The logits [V] after the request's penalties and min_tokens mask, as a new float64
-        tensor. A penalised logit never overflows to -inf (it stops at float64's lowest), so only
+        tensor. A penalised logit never overflows to +-inf (it stops at float64's extremes), so only
         the mask gives -inf, and never to every token."""
         p = s.params
         x = logits.double()
@@ -515,7 +515,8 @@ class Engine:
                 s.seen[torch.tensor(ids, dtype=torch.long, device=x.device)] = True
             rp = p.repetition_penalty
             lowest = torch.finfo(torch.float64).min
-            x = torch.where(s.seen, torch.where(x > 0, x / rp, (x * rp).clamp(min=lowest)), x)
+            # both sides clamped to float64's range: any penalty > 0 leaves finite logits
+            x = torch.where(s.seen, torch.where(x > 0, (x / rp).clamp(max=-lowest), (x * rp).clamp(min=lowest)), x)
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             if s.counts is None:
                 s.counts = torch.zeros(V, dtype=torch.float64, device=x.device)

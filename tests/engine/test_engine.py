@@ -375,3 +375,12 @@ def test_engine_on_cuda_matches_cpu():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-4)
         assert a.token_ids[0] == b.token_ids[0]
         assert len(b.token_ids) == GEN
+
+
+def test_tiny_repetition_penalty_stays_finite():
+    """A penalty > 0 as small as float64 allows (1e-309) with temperature > 0 samples, never
+    NaN: a positive logit divided by it stops at float64's largest value (#34)."""
+    model, tok = tiny_llama(seed=0)
+    out = Engine(model, tok).generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, temperature=1.0,
+                                                                     repetition_penalty=1e-309, seed=0))
+    assert out[0].finish_reason in ("stop", "length") and out[0].error is None
