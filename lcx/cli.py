@@ -47,8 +47,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "Λ-mask / LM-Infinite attention per backend vs dense causal SDPA on CPU (time, peak memory)"
      " -> results/attention_cpu.{json,png}"),
     (("bench", "decode"), "lcx.bench.decode",
-     "greedy decoding with LM-Infinite's bounded KV cache vs a full cache (tok/s, cache and peak memory)"
-     " -> results/decode_cpu.{json,png}"),
+     "decode tok/s per method through lcx's engine vs vanilla, 4k-32k, SmolLM2-135M's shape, with the"
+     " memory-traffic ideal -> results/decode_cpu.{json,png}"),
     (("bench", "extrapolation"), "lcx.bench.extrapolation",
      "perplexity and likelihood passkey to 8k per attention / RoPE method on tiny-5m"
      " -> results/extrapolation_tiny.{json,png}"),

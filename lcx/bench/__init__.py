@@ -12,7 +12,8 @@ environment, git SHA, written atomically. results/README.md lists every file and
   regression check against the stored baseline of the same GPU (`lcx bench kernels --check`).
 - `lcx.bench.attention`: Λ-mask / LM-Infinite attention per `lcx.attention` backend vs dense
   causal SDPA on CPU, one subprocess per case (time and peak memory).
-- `lcx.bench.decode`: greedy decoding with LM-Infinite's bounded KV cache vs a full cache.
+- `lcx.bench.decode`: decoding speed per method through lcx's engine (LM-Infinite, sinks, sliding
+  window, Self-Extend vs vanilla, 4k-32k), beside the memory-traffic ideal.
 - `lcx.bench.extrapolation`: perplexity and likelihood passkey per attention / RoPE method, tiny-5m.
 - `lcx.bench.swat`: the SWAT model vs the softmax model under every RoPE method, perplexity.
 - `lcx.bench.lmeval`: passkey and perplexity per RoPE method through the `lm_eval` CLI.

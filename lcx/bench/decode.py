@@ -1,143 +1,178 @@
-"""`lcx bench decode`: LM-Infinite with a bounded KV cache vs full-cache decoding, CPU, tiny-5m.
+"""`lcx bench decode`: decoding speed per method through lcx's engine, against vanilla in the same run.
 
-    lcx bench decode                         # 4k, 16k, 32k -> results/decode_cpu.{json,png}
-    lcx bench decode --contexts 1024 --new-tokens 16 --out /tmp/d.json
+    lcx bench decode                       # SmolLM2-135M's shape, fp32, one thread, 4k-32k -> results/decode_cpu.{json,png}
+    lcx bench decode --lengths 2048 --layers 2 --tokens 8 --out /tmp/d.json     # a quick check
 
-For each context length n: a prompt of n held-out tokens is prefilled, then `--new-tokens`
-tokens are decoded greedily, one forward per token, by the reference decode loop
-(`lcx.engine.reference.greedy_decode_ref`, the loop of `lcx.methods.greedy_generate`) over HF's
-own cache objects, which is what is compared; `lcx report` measures decoding in lcx's engine. Cases:
+What is measured is `lcx.engine` (what `lcx serve`, `lcx report`'s decode cells and the lm-eval
+`lcx` model run): for each prompt length, every case's engine prefills the same prompt, then the
+engines decode in rounds, one token per case per round (interleaved, so a change in the
+machine's load hits every case alike), each step timed in process CPU time (one thread: the
+time this process computed, whatever the other core does) and wall time. tokens/s = 1 / the
+median CPU time of a step; the ratio is against `vanilla` at the same length in the same run.
 
-  vanilla_full     the unpatched model (HF sdpa, DynamicCache of rotated keys): the baseline;
-  lminf_full       LM-Infinite (G, L) through `patch_attention`, full DynamicCache (unrotated
-                   keys; every step re-rotates all n keys: what "Λ-mask on a full cache" costs);
-  lminf_bounded    LM-Infinite (G, L) with `BoundedKVCache`: G + L - 1 keys kept per layer;
-  sinks_bounded    StreamingLLM (4 sinks + window L) with `BoundedKVCache`.
+Cases (`CASES`; each an `lcx.MethodConfig` the engine applies):
 
-Numbers per case: decode tokens/s = 1 / median CPU time of a per-token forward (process CPU
-time, `time.process_time`, one thread: on this shared, oversubscribed machine wall time measures
-the neighbours; wall-clock medians are recorded too as `tokens_per_s_wall`), prefill seconds
-(wall and CPU), KV-cache bytes after
-prefill and at the end (exact tensor sizes), and the process's peak resident memory during
-prefill and during decoding (one subprocess per case; Linux VmHWM reset right before each
-phase via /proc/self/clear_refs, glibc mmap threshold fixed at 64 KiB, as in
-`lcx bench attention`; the model's weights, ~20 MB, are resident before either phase and not
-counted). `tokens_equal` checks that the bounded cache generated exactly the tokens of
-lminf_full. Ratios are against vanilla_full of the same context in the same run.
+  vanilla              the model as built (HF SDPA prefill; the engine's cache of rotated keys)
+  lm_infinite/w1024    LM-Infinite, 10 global keys + a window of 1024 (the issue's short window)
+  sinks/w1024          StreamingLLM, 4 sinks + a window of 1020 (1024 keys in all)
+  sliding_window/w1024 a window of 1024 keys
+  lm_infinite/L0       `lcx.presets` lm_infinite for the shape's L0 (window L0 = 8192: the report's)
+  sinks/L0             `lcx.presets` sinks (4 + L0 - 4)
+  self_extend          `lcx.presets` self_extend (W = L0 / 4, the smallest G reaching the longest length)
 
-G, L and the sink count are flags, not `lcx.presets` (whose LM-Infinite has 10 global keys and
-whose StreamingLLM window is L0 - 4): the committed results/decode_cpu.json was measured with
-G = 16 and 4 sinks + a window of 256.
+The model is the shape's LlamaForCausalLM with random weights (`lcx.bench.scale.SHAPES`; no
+download): decode cost does not depend on the weights' values, only on their shapes and on what
+each method reads, so the table holds for the trained model (the record says so). Each case
+runs on its own copy of the model's modules sharing one set of weights (a method patches the
+attention modules it runs on).
+
+Beside each ratio, the memory-traffic ideal: a decode step must read the weights once (the
+layers' and the LM head's) and the keys/values its query can see; ideal ratio = (weights +
+vanilla's KV) / (weights + the method's visible KV). Also per case: KV bytes the engine holds
+after the last step (exact tensor sizes), prefill time, and the resident-memory peak of the
+prefill (VmHWM over VmRSS, reset before each prefill; the other cases' caches are resident then).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import copy
 import statistics
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-DESCRIPTION = "CPU greedy decoding, tiny-5m: LM-Infinite bounded KV cache vs full-cache decoding"
-CASES = ("vanilla_full", "lminf_full", "lminf_bounded", "sinks_bounded")
+DESCRIPTION = "decode tokens/s per method through lcx.engine vs vanilla, one thread, SmolLM2-135M's shape"
 
 
-def child(case: str, n: int, args) -> dict:
-    import contextlib
+@dataclass(frozen=True)
+class Case:
+    """A row: a `lcx.presets` name (None: the model as built) or an explicit attention method."""
 
+    name: str
+    preset: str | None = None
+    attention: dict[str, Any] | None = None
+
+    def method_config(self, L0: int, max_len: int):
+        from lcx import MethodConfig, presets
+
+        if self.attention is not None:
+            return MethodConfig.from_dict({"attention": self.attention})
+        if self.preset is None:
+            return MethodConfig()
+        return presets.config(self.preset, L0=L0, factor=max(1.0, max_len / L0))
+
+
+# The only list of cases; tests iterate over it.
+CASES: tuple[Case, ...] = (
+    Case("vanilla"),
+    Case("lm_infinite/w1024", attention={"type": "lm_infinite", "n_global": 10, "n_local": 1024}),
+    Case("sinks/w1024", attention={"type": "sinks", "n_sink": 4, "window": 1020}),
+    Case("sliding_window/w1024", attention={"type": "sliding_window", "window": 1024}),
+    Case("lm_infinite/L0", preset="lm_infinite"),
+    Case("sinks/L0", preset="sinks"),
+    Case("self_extend", preset="self_extend"),
+)
+BASELINE = "vanilla"
+
+
+def visible_keys(method: Any, T: int) -> int:
+    """Keys the query at position T - 1 sees (None: every key)."""
+    if method is None:
+        return T
+    rule = method.decode_rule()
+    if rule is None:
+        window = method.cache_window
+        return T if window is None else min(T, sum(window))
+    if rule.window is None or rule.window >= T:
+        return T
+    if rule.side is None:  # every older key through the side branch (Self-Extend)
+        return T
+    return rule.window + min(rule.side, T - rule.window)
+
+
+def _share_weights_copy(model):
+    """The model's modules copied, its parameters and buffers shared (one set of weights)."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) -> dict[str, Any]:
+    """Every case at prompt length T: prefill each, then decode interleaved (module docstring)."""
     import torch
-    from transformers.cache_utils import DynamicCache
-    from transformers.utils import logging as hf_logging
 
-    from lcx.data.tokenizer import encode_documents
-    from lcx.engine.reference import greedy_decode_ref
-    from lcx.eval.perplexity import load_texts
+    from lcx.bench.scale import IdTokenizer
+    from lcx.engine import Engine, EngineConfig, SamplingParams
     from lcx.measure import reset_peak, status_bytes
-    from lcx.methods import BoundedKVCache, attention_patched, cache_nbytes, lm_infinite, sinks
-    from lcx.models import load_model
 
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
-    model.eval()
-    _, texts = load_texts("validation")
-    stream = encode_documents(tok, texts)
-    if len(stream) < n:
-        raise SystemExit(f"validation split has {len(stream)} tokens < {n}")
-    ids = torch.tensor(stream[:n])[None]
-    method = {"lminf": lm_infinite(args.n_global, args.n_local),
-              "sinks": sinks(args.n_sink, args.n_local), "vanilla": None}[case.split("_")[0]]
-    ctx = attention_patched(model, method) if method is not None else contextlib.nullcontext()
-    with ctx, torch.inference_mode():
-        cache = BoundedKVCache(method) if case.endswith("bounded") else DynamicCache()
+    g = torch.Generator().manual_seed(args.seed + T)
+    prompt = torch.randint(0, facts["vocab"], (T,), generator=g).tolist()
+    L0 = int(model.config.max_position_embeddings)
+    elem = torch.finfo(next(model.parameters()).dtype).bits // 8
+    weight_bytes = (facts["params_per_token"] + facts["lm_head_params"]) * elem
+    kv_per_token = facts["kv_elems_per_token"] * elem
+    engines, out = {}, {}
+    for case in cases:
+        cfg = case.method_config(L0, max(args.lengths))
+        m = _share_weights_copy(model)
+        eng = Engine(m, IdTokenizer(), EngineConfig(methods=cfg, max_batch=1, max_model_len=T + args.tokens + 2))
+        # one more token than timed, so the request still runs (and holds its cache) at the end
+        eng.add_request(prompt, SamplingParams(max_tokens=args.tokens + 2, ignore_eos=True))
         before = status_bytes("VmRSS")
         reset_peak()
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        prefill_peak = status_bytes("VmHWM") - before
-        cache_after_prefill = cache_nbytes(cache)
-        logits = out.logits[:, -1]  # [1, V]
-        del out
-        steps, cpu = [], []
-
-        def feed(nxt: torch.Tensor) -> torch.Tensor:  # [1] -> logits [1, V]; one timed decode step
-            ts, cs = time.perf_counter(), time.process_time()
-            logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-            steps.append(time.perf_counter() - ts)
-            cpu.append(time.process_time() - cs)
-            return logits
-
-        before = status_bytes("VmRSS")
-        reset_peak()
-        toks = greedy_decode_ref(feed, logits, args.new_tokens)[0].tolist()
-        decode_peak = status_bytes("VmHWM") - before
-    med = statistics.median(cpu)
-    return {"prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu_s, "decode_step_median_cpu_s": med,
-            "decode_step_median_wall_s": statistics.median(steps), "decode_step_mean_cpu_s": statistics.mean(cpu),
-            "tokens_per_s": 1.0 / med, "tokens_per_s_wall": 1.0 / statistics.median(steps),
-            "cache_bytes_after_prefill": cache_after_prefill, "cache_bytes_end": cache_nbytes(cache),
-            "prefill_peak_mb": prefill_peak / 2**20, "decode_peak_mb": decode_peak / 2**20,
-            "tokens": toks, "step_wall_s": steps, "step_cpu_s": cpu, "threads": torch.get_num_threads(),
-            "method": None if method is None else method.to_dict()}
-
-
-def run_case(case: str, n: int, args) -> dict:
-    """One case in a fresh interpreter (`python -m lcx.bench.decode --child ...`, same working
-    directory and PYTHONPATH, so the same lcx), its memory measured in isolation."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "lcx.bench.decode", "--child", case, "--child-context", str(n),
-           "--model", args.model, "--new-tokens", str(args.new_tokens), "--n-global", str(args.n_global),
-           "--n-local", str(args.n_local), "--n-sink", str(args.n_sink), "--threads", str(args.threads)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout_s)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return {"status": "error", "error": " | ".join(tail), "wall_s": time.perf_counter() - t0}
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    res.update(status="ok", wall_s=time.perf_counter() - t0)
-    return res
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            eng.step()  # prefill + the first token
+        prefill_s = time.perf_counter() - t0
+        method = cfg.attention
+        vis = visible_keys(method, T + 1)
+        out[case.name] = {"config": cfg.to_dict(), "prefill_s": round(prefill_s, 3),
+                          "prefill_peak_mb": round((status_bytes("VmHWM") - before) / 2**20, 1),
+                          "fast_path": eng.cache_layout.rotated, "visible_keys": vis,
+                          "ideal_bytes_per_step": weight_bytes + vis * kv_per_token,
+                          "cpu_s": [], "wall_s": [], "tokens": []}
+        engines[case.name] = eng
+        print(f"  T={T} {case.name}: prefill {prefill_s:.1f} s", flush=True)
+    # decode: round-robin, one step per case per round
+    with torch.inference_mode():
+        for _ in range(args.tokens):
+            for name, eng in engines.items():
+                c0, w0 = time.process_time(), time.perf_counter()
+                evs = eng.step()
+                out[name]["cpu_s"].append(time.process_time() - c0)
+                out[name]["wall_s"].append(time.perf_counter() - w0)
+                out[name]["tokens"] += [t for ev in evs for t in ev.token_ids]
+    for name, eng in engines.items():
+        r = out[name]
+        r["kv_bytes"] = eng.kv_cache_bytes  # the cache after T + tokens positions
+        r["tokens_per_s"] = 1.0 / statistics.median(r["cpu_s"])
+        r["tokens_per_s_wall"] = 1.0 / statistics.median(r["wall_s"])
+        r["cpu_s"] = [round(x, 5) for x in r["cpu_s"]]
+        r["wall_s"] = [round(x, 5) for x in r["wall_s"]]
+        eng.reset()
+    base = out.get(BASELINE)
+    for name, r in out.items():
+        if base is not None:
+            r["ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["ratio_wall"] = r["tokens_per_s_wall"] / base["tokens_per_s_wall"]
+            r["ideal_ratio"] = base["ideal_bytes_per_step"] / r["ideal_bytes_per_step"]
+    return out
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.formatter_class = argparse.RawDescriptionHelpFormatter
     ap.epilog = __doc__.split("\n\n", 1)[1]
-    ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--n-global", type=int, default=16)
-    ap.add_argument("--n-local", type=int, default=256, help="LM-Infinite window (and StreamingLLM window)")
-    ap.add_argument("--n-sink", type=int, default=4)
+    ap.add_argument("--shape", default="smollm2-135m", help="model shape of lcx.bench.scale.SHAPES (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (quick checks)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--tokens", type=int, default=24, help="timed decode steps per case and length (default: %(default)s)")
+    ap.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
-    ap.add_argument("--case-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/decode_cpu.json",
                     help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--child-context", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,90 +182,91 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.child:
-        print(json.dumps(child(args.child, args.child_context, args)))
-        return 0
-    if args.new_tokens < 2:
-        raise ValueError(f"--new-tokens must be >= 2 (one prefill token + timed decode steps), got {args.new_tokens}")
+    import torch
 
     from lcx.bench.record import write_record
+    from lcx.bench.scale import SHAPES, build_model, shape_facts
     from lcx.data.io import atomic_savefig
 
-    config = {k: getattr(args, k) for k in ("model", "contexts", "new_tokens", "n_global", "n_local", "n_sink",
-                                            "threads", "cases")}
-    config["prompt"] = "the first n tokens of the validation split (lcx.data.tokenizer.encode_documents)"
-    config["memory_measure"] = ("cache_bytes: exact KV tensor bytes; *_peak_mb: VmHWM increase over VmRSS during "
-                                "the phase (reset via /proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536)")
-    results: dict[str, dict] = {c: {} for c in args.cases}
+    if args.tokens < 3:
+        raise ValueError(f"--tokens must be >= 3, got {args.tokens}")
+    if args.shape not in SHAPES:
+        raise ValueError(f"unknown shape {args.shape!r}; known: {list(SHAPES)}")
+    torch.set_num_threads(args.threads)
+    cases = [c for c in CASES if c.name in args.cases]
+    if BASELINE not in args.cases:
+        cases = [CASES[0]] + cases
+    model = build_model(args.shape, layers=args.layers, dtype=torch.float32, device="cpu", seed=args.seed)
+    facts = shape_facts(model.config)
+    config = {"shape": args.shape, "layers": model.config.num_hidden_layers, "lengths": sorted(args.lengths),
+              "tokens": args.tokens, "threads": args.threads, "seed": args.seed, "dtype": "float32",
+              "cases": {c.name: c.method_config(int(model.config.max_position_embeddings), max(args.lengths)).to_dict()
+                        for c in cases},
+              "weights": "random (lcx.bench.scale.build_model): decode cost depends on shapes, not on weight values",
+              "timing": "per step: process CPU time (tokens_per_s, ratio) and wall time (*_wall), median over "
+                        "--tokens steps, cases interleaved round by round",
+              "ideal": "bytes per decode step = weights (layers + LM head) + visible keys x KV bytes per token"}
+    results: dict[str, Any] = {}
     out = Path(args.out)
     t_start = time.time()
-
-    def save(quiet: bool = True):
-        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=quiet,
-                     wall_s=time.time() - t_start, summary=summarise(results, args))
-
-    for n in sorted(args.contexts):
-        for c in args.cases:
-            r = run_case(c, n, args)
-            results[c][str(n)] = r
-            if r["status"] == "ok":
-                print(f"n={n:>6} {c:<15} {r['tokens_per_s']:>8.1f} tok/s (cpu)  prefill {r['prefill_cpu_s']:>7.1f} s  "
-                      f"cache {r['cache_bytes_end'] / 2**20:>7.2f} MB  peak prefill {r['prefill_peak_mb']:>7.1f} MB "
-                      f"decode {r['decode_peak_mb']:>6.1f} MB", flush=True)
-            else:
-                print(f"n={n:>6} {c:<15} ERROR {r['error']}", flush=True)
-            save()
-    print(json.dumps(summarise(results, args), indent=1))
-    save(quiet=False)
-    plot(results, args, out.with_suffix(".png"), atomic_savefig)
+    for T in sorted(args.lengths):
+        print(f"T={T}", flush=True)
+        results[str(T)] = run_length(model, facts, cases, T, args)
+        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=True,
+                     wall_s=round(time.time() - t_start, 1), summary=summarise(results))
+    print(table(results))
+    write_record(out, description=DESCRIPTION, config=config, results=results,
+                 wall_s=round(time.time() - t_start, 1), summary=summarise(results))
+    plot(results, out.with_suffix(".png"), atomic_savefig, args)
     print(f"wrote {out.with_suffix('.png')}")
     return 0
 
 
-def summarise(results: dict, args) -> dict:
-    summary = {}
-    for n in sorted(args.contexts):
-        base = results.get("vanilla_full", {}).get(str(n), {})
-        full = results.get("lminf_full", {}).get(str(n), {})
-        row = {}
-        for c in args.cases:
-            r = results[c].get(str(n), {})
-            if r.get("status") != "ok":
-                continue
-            row[c] = {"tokens_per_s": r["tokens_per_s"], "cache_mb": r["cache_bytes_end"] / 2**20,
-                      "decode_peak_mb": r["decode_peak_mb"], "prefill_cpu_s": r["prefill_cpu_s"],
-                      "tokens_per_s_wall": r["tokens_per_s_wall"]}
-            if base.get("status") == "ok":
-                row[c]["speedup_vs_vanilla_full"] = r["tokens_per_s"] / base["tokens_per_s"]
-                row[c]["cache_memory_saving_vs_vanilla_full"] = base["cache_bytes_end"] / r["cache_bytes_end"]
-            if c.startswith("lminf") and c != "lminf_full" and full.get("status") == "ok":
-                row[c]["tokens_equal_lminf_full"] = r["tokens"] == full["tokens"]
-        summary[str(n)] = row
-    return summary
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    return {T: {name: {k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k))
+                       for k in ("tokens_per_s", "ratio", "ideal_ratio", "kv_bytes", "fast_path")}
+                for name, r in row.items()} for T, row in results.items()}
 
 
-def plot(results: dict, args, path: Path, savefig) -> None:
+def table(results: dict[str, Any]) -> str:
+    lines = [f"{'case':<22}" + "".join(f"{T:>22}" for T in results)]
+    names = list(next(iter(results.values())))
+    for name in names:
+        cells = []
+        for row in results.values():
+            r = row[name]
+            cells.append(f"{r['tokens_per_s']:7.2f} {r.get('ratio', float('nan')):5.2f}x ({r.get('ideal_ratio', float('nan')):4.2f})")
+        lines.append(f"{name:<22}" + "".join(f"{c:>22}" for c in cells))
+    lines.append("(tok/s, ratio to vanilla, memory-traffic ideal ratio in parentheses)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path, savefig, args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for c in args.cases:
-        pts = [(int(n), r) for n, r in results[c].items() if r.get("status") == "ok"]
-        pts.sort()
-        if not pts:
-            continue
-        axes[0].plot([n for n, _ in pts], [r["tokens_per_s"] for _, r in pts], marker="o", label=c)
-        axes[1].plot([n for n, _ in pts], [r["cache_bytes_end"] / 2**20 for _, r in pts], marker="o", label=c)
-    for ax, yl in zip(axes, ("decode tokens/s (1 / median CPU time per step)", "KV cache at the end (MB)")):
+    lengths = [int(T) for T in results]
+    names = list(next(iter(results.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    for name in names:
+        ratio = [results[str(T)][name].get("ratio") for T in lengths]
+        line = axes[0].plot(lengths, [results[str(T)][name]["tokens_per_s"] for T in lengths], marker="o", label=name)
+        if name != BASELINE:
+            axes[1].plot(lengths, ratio, marker="o", color=line[0].get_color(), label=name)
+            axes[1].plot(lengths, [results[str(T)][name].get("ideal_ratio") for T in lengths], ls=":",
+                         color=line[0].get_color())
+    axes[0].set_ylabel("decode tokens/s (1 / median CPU time per step)")
+    axes[1].set_ylabel("speed vs vanilla (dotted: memory-traffic ideal)")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(yl)
+        ax.set_xlabel("prompt length (tokens)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{args.model} CPU decoding: LM-Infinite (G={args.n_global}, L={args.n_local}) bounded cache vs full cache")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"lcx.engine decoding, {args.shape} shape (random weights), fp32, {args.threads} thread(s)")
     fig.tight_layout()
     savefig(fig, path, dpi=120)
 
