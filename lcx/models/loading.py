@@ -280,8 +280,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str | torch.device) -> 
 # --------------------------------------------------------------------------------------------
 
 def is_compressed(path: str | os.PathLike) -> bool:
-    """True when the HF directory `path` stores a file xz-compressed (`model.safetensors.xz`)."""
-    return any(f.suffix == COMPRESSED_SUFFIX and f.is_file() for f in Path(path).iterdir())
+    """True when the HF directory `path` stores a file only xz-compressed (`model.safetensors.xz`
+    without `model.safetensors`; a plain file, e.g. freshly trained weights, wins over its .xz)."""
+    return any(f.suffix == COMPRESSED_SUFFIX and f.is_file() and not f.with_suffix("").exists()
+               for f in Path(path).iterdir())
 
 
 def unpacked_dir(path: str | os.PathLike) -> Path:
@@ -325,6 +327,8 @@ def _build_unpacked(files: list[Path], key: str, entry: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{entry.name}-", dir=entry.parent))
     try:
         for f in files:
+            if f.suffix == COMPRESSED_SUFFIX and f.with_suffix("").exists():
+                continue  # the plain file wins (is_compressed)
             if f.suffix == COMPRESSED_SUFFIX:
                 (tmp / f.stem).write_bytes(lzma.decompress(f.read_bytes()))
             else:

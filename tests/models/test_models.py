@@ -380,6 +380,8 @@ def test_compressed_weights_unpack_once_to_the_same_bytes(tmp_path, monkeypatch,
     cfg = (packed / "config.json").read_text()
     (packed / "config.json").write_text(cfg + "\n")
     assert resolve_source(packed)[1] != entry  # any edit: a new entry
+    shutil.copy(tiny_model_dir / "model.safetensors", packed / "model.safetensors")
+    assert not is_compressed(packed) and resolve_source(packed) == ("hf", packed)  # a plain file wins over its .xz
     assert resolve_source(tiny_model_dir) == ("hf", tiny_model_dir.resolve())  # plain dirs as they are
 
 
