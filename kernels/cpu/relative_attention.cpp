@@ -1,6 +1,6 @@
-// Softmax attention over a paged KV cache of UNROTATED keys with per-(query, key) relative
-// positions, on the CPU: the decode step and the prefill of every lcx method whose attention is
-// plain softmax over a subset of keys at method-given positions (`lcx.methods.last_query`).
+// Softmax attention over a paged KV cache with per-(query, key) relative rotations, on the CPU:
+// the decode step and the prefill of every lcx method whose attention is plain softmax over a
+// subset of keys at method-given positions (`lcx.methods.last_query`), for the vLLM plugin.
 //
 // For request b, query t (row q_rows[b, t] of query/out), head h (kv head g = h / (H / Hkv)), key k:
 //
@@ -9,12 +9,18 @@
 //     out   = sum_k softmax(s)_k * kv[rows[b, k, g], D:2D]
 //
 // Rot is lcx's half-split rotation of the first r = 2 * half channels by the angles a_i of the
-// key's position relative to the query (cos/sin tables [U, half], the attention factor squared
-// folded in): (x_i, x_{i+half}) -> (x_i cos a_i - x_{i+half} sin a_i, x_{i+half} cos a_i + x_i sin a_i);
-// channels past r pass through. So the score needs one pass over the pairs:
+// table row u (cos/sin tables [U, half]): (x_i, x_{i+half}) -> (x_i cos a_i - x_{i+half} sin a_i,
+// x_{i+half} cos a_i + x_i sin a_i); channels past r pass through. So the score needs one pass:
 //     q . Rot k = sum_i cos a_i (q_i k_i + q_{i+h} k_{i+h}) + sin a_i (q_{i+h} k_i - q_i k_{i+h}).
-// The query stays unrotated (only relative rotations matter). The tables are indexed by a small
-// table row u, not by (query, key): a step's relative positions repeat, so U is small.
+// Two ways the callers use it (only relative rotations matter):
+//   - keys and queries UNROTATED: u holds the key's position relative to the query, the attention
+//     factor squared folded into the tables;
+//   - keys and queries rotated at their true positions (vLLM's rotary, the plugin's rotated
+//     layout): u holds the method's relative position minus the true one, unit scale; for
+//     window keys that is the identity row (cos 1, sin 0), which the kernel reads without
+//     rotating, so only the method's few moved keys (LM-Infinite's globals, ...) are rotated.
+// The tables are indexed by a small table row u, not by (query, key): a step's relative
+// positions repeat, so U is small.
 // References: `LastQueryPlan.attend` and `AttentionMethod.attend` (tests/kernels/test_relative_attention_cpu.py).
 //
 // Threads: one task per (request, query, kv head) through at::parallel_for (torch's intra-op pool).
@@ -28,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -56,6 +63,16 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
   const int64_t kvs = kv.stride(0);
   const float fscale = static_cast<float>(scale);
 
+  // Rows of the tables that are the identity (relative rotation 0, unit scale): keys read through
+  // them need no rotation. A cache of keys rotated at their true positions reads its window keys
+  // that way (the vLLM plugin's rotated layout), so most keys of a step skip the rotation.
+  std::vector<char> identity(U);
+  for (int64_t u = 0; u < U; ++u) {
+    bool id = true;
+    for (int64_t i = 0; i < half && id; ++i) id = cos_ptr[u * half + i] == 1.f && sin_ptr[u * half + i] == 0.f;
+    identity[u] = id;
+  }
+
   std::atomic<bool> bad{false};
   // One task per (request, query, kv head): the key is read and rotated once for the `group`
   // query heads that share it (GQA), each head keeping its own scores and accumulator.
@@ -83,20 +100,29 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         visible[k] = u >= 0 && u < U && kr_row >= 0 && kr_row < R;
         if (!visible[k]) continue;
         const scalar_t* key = kv_ptr + kr_row * kvs;
-        const float* c = cos_ptr + u * half;
-        const float* sn = sin_ptr + u * half;
+        const float* kp = kr.data();  // the key as the query sees it
+        if (identity[u]) {
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            kp = key;  // read in place
+          } else {
+            for (int64_t i = 0; i < D; ++i) kr[i] = static_cast<float>(key[i]);
+          }
+        } else {
+          const float* c = cos_ptr + u * half;
+          const float* sn = sin_ptr + u * half;
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float k1 = static_cast<float>(key[i]), k2 = static_cast<float>(key[i + half]);
-          kr[i] = k1 * c[i] - k2 * sn[i];
-          kr[i + half] = k2 * c[i] + k1 * sn[i];
+          for (int64_t i = 0; i < half; ++i) {
+            const float k1 = static_cast<float>(key[i]), k2 = static_cast<float>(key[i + half]);
+            kr[i] = k1 * c[i] - k2 * sn[i];
+            kr[i + half] = k2 * c[i] + k1 * sn[i];
+          }
+          for (int64_t i = 2 * half; i < D; ++i) kr[i] = static_cast<float>(key[i]);
         }
-        for (int64_t i = 2 * half; i < D; ++i) kr[i] = static_cast<float>(key[i]);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) dot += qj[i] * kr[i];
+          for (int64_t i = 0; i < D; ++i) dot += qj[i] * kp[i];
           s[j * K + k] = dot * fscale;
           mx[j] = std::max(mx[j], s[j * K + k]);
         }

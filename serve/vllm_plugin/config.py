@@ -25,9 +25,11 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
 - every other method: `lm_infinite` (Λ-mask, capped global distance), `sinks` (StreamingLLM),
   `self_extend` (grouped positions) — the methods that change distances
   (`lcx.methods.UNROTATED_METHODS`) — and those vLLM's kernels lack (`swat`: sigmoid + ALiBi):
-  the layer skips vLLM's rotary, caches unrotated keys and calls the lcx method per request
-  (`.method_attention`): exact, but a Python loop over lcx's blockwise attention (slow), the
-  KV cache keeps every block, and only on vLLM's CPU backend.
+  the layer computes the lcx method itself (`.method_attention`, exact, vLLM's CPU backend
+  only, the KV cache keeps every block). Methods with a `decode_rule` cache keys rotated at
+  their true positions by the layer's rotary (lcx's table) and re-rotate only the keys the
+  method moves; the others (SWAT, LM-Infinite with top-k) skip vLLM's rotary and cache
+  unrotated keys.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ METHOD_KEYS = ("rope", "attention")  # the MethodConfig keys vLLM takes (no lcx 
 ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
-# other registry method runs on unrotated q/k through `.method_attention` (exact, slow, CPU
-# backend only): the methods that change positions (LM-Infinite's capped distance, StreamingLLM's
-# renumbering, Self-Extend's groups; `lcx.methods.UNROTATED_METHODS`) need it, and a method the
-# kernels lack (SWAT's sigmoid + ALiBi) would otherwise silently run as softmax attention.
+# other registry method runs through `.method_attention` (exact, CPU backend only): the methods
+# that change positions (LM-Infinite's capped distance, StreamingLLM's renumbering, Self-Extend's
+# groups; `lcx.methods.UNROTATED_METHODS`) need it, and a method the kernels lack (SWAT's
+# sigmoid + ALiBi) would otherwise silently run as softmax attention.
 NATIVE_METHODS = ("causal", "sliding_window")
 
 
@@ -110,9 +112,21 @@ class VllmMethods:
             else None
 
     @property
-    def needs_unrotated(self) -> bool:
-        """True when the layers run the lcx method themselves on unrotated q/k (`.method_attention`)."""
+    def runs_lcx_attention(self) -> bool:
+        """True when the layers run the lcx method themselves (`.method_attention`), not vLLM's kernels."""
         return self.attention is not None and self.attention.name not in NATIVE_METHODS
+
+    @property
+    def keys_rotated(self) -> bool:
+        """True when such layers cache keys rotated at their true positions (the method has a
+        `decode_rule`: LM-Infinite without top-k, sinks, Self-Extend), False when unrotated (SWAT,
+        LM-Infinite with top-k) or when vLLM's kernels run the attention."""
+        return self.runs_lcx_attention and self.attention.decode_rule() is not None
+
+    @property
+    def needs_unrotated(self) -> bool:
+        """True when the layers skip vLLM's rotary and cache unrotated keys (`.method_attention`)."""
+        return self.runs_lcx_attention and not self.keys_rotated
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -1,45 +1,54 @@
 """lcx attention methods vLLM's kernels cannot run (LM-Infinite, StreamingLLM sinks, Self-Extend, SWAT) inside vLLM.
 
-LM-Infinite scores its global keys at a capped distance (global keys unrotated, the query rotated
-to min(limit, Tk - 1)) and StreamingLLM renumbers positions inside its cache; neither fits vLLM's
-kernels, which attend over keys cached *after* RoPE with causal + sliding-window masks only.
-This module runs them exactly instead:
+LM-Infinite scores its global keys at a capped distance, StreamingLLM renumbers positions inside
+its cache, Self-Extend groups far positions, SWAT is a sigmoid; vLLM's kernels attend over keys
+cached *after* RoPE with causal + sliding-window masks only. This module runs them exactly: the
+layer's attention implementation (vLLM's CPU impl: its KV-cache shape and metadata builder are
+kept) gets `_MethodAttention`'s forward and cache update, with its own layout (rows of
+[key | value], written with plain indexing), and computes the lcx method itself, with the
+queries the last Tq of the keys (lcx's convention, which is also how vLLM schedules prefill,
+chunked prefill and decode).
 
-- the layer skips vLLM's rotary embedding, so q and k arrive unrotated and the cache holds
-  unrotated keys;
-- the layer's attention implementation (vLLM's CPU impl: its KV-cache shape and metadata
-  builder are kept) gets `_MethodAttention`'s forward and cache update, with its own layout,
-  which writes k/v into the paged cache with plain indexing and calls the lcx method itself:
-  `method.attend(q, k, v, rotary=Rotary(inv_freq, positions, attention_factor))` — lcx's
-  semantics, RoPE included, with the queries the last Tq of the keys (lcx's convention, which is
-  also how vLLM schedules prefill, chunked prefill and decode).
+Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class from the method):
 
-Two paths, both exactly the method's semantics:
+- **rotated** (every method with a `DecodeRule`: LM-Infinite without top-k, sinks, Self-Extend).
+  The layer runs its rotary embedding as plain vLLM does (lcx's cos/sin table, `.model`), so q
+  and k arrive rotated at their true positions and the paged cache holds keys rotated ONCE, when
+  written. A decode step follows the method's rule (`lcx.methods.spec`, "Decode rule"): one
+  softmax over the window branch (the last `window` keys, read as they are: the query is already
+  rotated at p_q) and the side branch (LM-Infinite's G global keys, the S sinks, Self-Extend's
+  grouped keys), where a side key cached at a(R(p_k))k is re-rotated by
+  delta = (side_key(p_k) - p_k) - (side_query(p_q) - p_q): only the method's few moved keys are
+  rotated per step (all the keys past the window for Self-Extend, whose grouped positions move
+  every key). Prefill and chunked prefill: the same with `AttentionMethod.query_keys`, each key
+  re-rotated by (the position the method gives it - its true position), zero inside windows.
+- **unrotated** (SWAT's sigmoid, LM-Infinite with top-k middle keys: no rule). The layer skips
+  vLLM's rotary, the cache holds unrotated keys, and every call rotates the keys it reads
+  relative to the unrotated query (`AttentionMethod.query_keys` through
+  `lcx.methods.last_query.RelativeKeys`), or runs the method's own `attend`:
+  `method.attend(q, k, v, rotary=Rotary(inv_freq, positions, attention_factor))`.
 
-- decode (one query per request), batched: every method here is bounded (`cache_window` =
-  (n_first, n_recent): a query sees only the first n_first and the last n_recent keys), and on
-  that compressed set of keys it computes exactly what it computes on the full cache
-  (`lcx.methods.bounded_cache`: keys rotated by their true positions, or by their slot in the
-  compressed set for StreamingLLM's renumbering). So the decode rows of a step are grouped by
-  the length of their compressed set (shorter requests keep their whole cache) and each group
-  is one call. The plan (blocks, offsets, positions of the kept keys) depends only on the step's
-  metadata, so it is built once per step and shared by every layer.
-- prefill and chunked prefill (several queries per request): requests with equal numbers of
-  queries and keys (e.g. prompts of equal length arriving together) are one call over their
-  whole caches.
+The step's plan (which keys each request reads, from which blocks; built from the step's
+metadata only) is built once per step by the first layer and shared by every layer, as are the
+rotation tables. Decode rows (one query) of the rotated layout are one call for the whole batch
+(compressed caches of different lengths padded with invisible keys); the unrotated layout groups
+them by compressed length (`lcx.methods.bounded_cache`: the first n_first and last n_recent keys,
+rotated by their true positions or, for StreamingLLM's renumbering, by their slot in the
+compressed set). Prefills with equal numbers of queries and keys are one call over their whole
+caches.
 
 Each call runs on `lcx.kernels.cpu.paged_relative_attention_cpu` (C++, compiled on first use;
-`attention_kernel()`): for every method but SWAT a query's attention is plain softmax over a subset
-of keys, each at a method-given position relative to the query (`AttentionMethod.query_keys`,
-as `lcx.methods.last_query.RelativeKeys`: visibility and small rotation tables, built once per
-step for decode and once per shape for prefill), so the kernel reads the kept keys straight
-from the paged cache, rotates them relative to the unrotated query, and does the masked
-softmax in one pass: no gather copy, no rotated-key temporaries, one call per group and layer.
-Where the extension cannot build (no compiler or ninja; logged), or for SWAT's sigmoid, the
-torch route runs instead: decode gathers the kept keys (`index_select`) and calls
-`LastQueryPlan.attend` (one SDPA), prefill calls the method's `attend` on
-`prefill_backend(method)` (flash where the method runs on it, else blockwise). Both routes are
-tested against `method.attend` (tests/serve/test_vllm_plugin_decode.py).
+`attention_kernel()`): softmax over a subset of keys read straight from the paged cache, each
+rotated by a small table row relative to the query (identity rows, the window keys of the
+rotated layout, are read without rotating), masked softmax in one pass, one call per group and
+layer. Where the extension cannot build (no compiler or ninja; logged), or for SWAT's sigmoid,
+the torch route runs instead: rotated decode gathers the kept keys, re-rotates them and runs one
+SDPA; rotated prefill un-rotates q and k and calls the method's `attend`; the unrotated layout
+gathers + `LastQueryPlan.attend` for decode and `attend` on `prefill_backend(method)` for
+prefill. Every route is tested against `method.attend` (tests/serve/test_vllm_plugin_decode.py).
+
+Tensor parallelism: each rank holds its own heads (H / tp query heads, their kv heads) and its
+own cache; everything here is per head, so a rank runs the same code on its slice.
 
 KV memory: the cache keeps every block. vLLM 0.32's KV manager frees blocks only for layers
 whose KV spec says so: `SlidingWindowSpec` frees everything before the window (LM-Infinite's
@@ -61,14 +70,17 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from lcx.attention import Rotary
+from lcx.attention.rotary import table_dtype
 from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
 from lcx.kernels.cpu import paged_relative_attention_cpu
 from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys
+from lcx.rope import apply_rotary_ref, rope_cos_sin
 
 _log = logging.getLogger(__name__)
 
@@ -76,7 +88,8 @@ _log = logging.getLogger(__name__)
 class _MethodAttention:
     """What a switched layer's impl runs: `forward` and `do_kv_cache_update` are bound onto the
     impl instance (as `lcx.methods.patch_attention` does for HF layers); `lcx_method`,
-    `lcx_inv_freq`, `lcx_attention_factor`, `lcx_backend` are set on it by `switch_to_method`."""
+    `lcx_rotated`, `lcx_inv_freq`, `lcx_attention_factor`, `lcx_backend` are set on it by
+    `switch_to_method`."""
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # kv_cache: [num_blocks, Hkv, block_size, 2 * D]; keys in [..., :D], values in [..., D:].
@@ -92,17 +105,20 @@ class _MethodAttention:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        """query `[N, H, D]` (unrotated, requests concatenated) -> output `[N, H, D]`."""
+        """query `[N, H, D]` (requests concatenated; rotated at its true positions in the rotated
+        layout, else unrotated) -> output `[N, H, D]`."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by lcx methods")
         if attn_metadata is None:  # warm-up
             return output
         num_blocks, hkv, block_size, two_d = kv_cache.shape
         d = two_d // 2
-        plan = _step_plan(attn_metadata, self.lcx_method, block_size)
+        plan = _step_plan(attn_metadata, self.lcx_method, block_size, self.lcx_rotated)
         flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
         fused = (self.lcx_kernel == "cpp" and query.dtype == kv_cache.dtype == output.dtype
                  and query.dtype in FUSED_DTYPES)
+        if plan.rule_decode is not None:  # rotated layout: every decode row in one call
+            _rule_decode_attend(self, plan.rule_decode, query, flat, kv_cache.shape, output, fused)
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
             B, K = g.blocks.shape
             rows = g.cache_rows(kv_cache.shape)  # [B, K, Hkv]
@@ -133,10 +149,123 @@ class _MethodAttention:
                     continue
             kv = kv_cache[g.blocks].permute(0, 1, 3, 2, 4).reshape(B, n_blk * block_size, hkv, two_d)[:, :g.n_keys]
             q = query[g.token_rows].view(B, g.n_queries, *query.shape[1:])  # the last Tq of the Tk keys
-            out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], rotary=rotary, scale=self.scale,
+            k = kv[..., :d]
+            if self.lcx_rotated:  # back to the method's inputs: q and k un-rotated (lcx's tables)
+                cos, sin = rope_cos_sin(torch.arange(g.n_keys), self.lcx_inv_freq, self.lcx_attention_factor,
+                                        table_dtype(query.dtype))
+                k = apply_rotary_ref(k, cos, sin, inverse=True)
+                q = apply_rotary_ref(q, cos[g.n_keys - g.n_queries:], sin[g.n_keys - g.n_queries:], inverse=True)
+            out = self.lcx_method.attend(q, k, kv[..., d:], rotary=rotary, scale=self.scale,
                                          backend=self.lcx_backend)
             output[g.token_rows] = out.reshape(B * g.n_queries, *out.shape[2:]).to(output.dtype)
         return output
+
+
+def _rule_decode_attend(impl, dec: "_RuleDecode", query: torch.Tensor, flat: torch.Tensor, cache_shape,
+                        output: torch.Tensor, fused: bool) -> None:
+    """The decode rows of a step in the rotated layout: rotated query `[N, H, D]`, the cache as
+    rows `flat [R, 2D]`; writes `output[dec.rows]`."""
+    rows = dec.cache_rows(cache_shape)  # [B, K, Hkv]
+    if fused:  # window keys read as they are, side keys re-rotated by their table row: one C++ call
+        keys = dec.relative_keys(impl.lcx_inv_freq, query.dtype)
+        paged_relative_attention_cpu(query, flat, rows, dec.rows[:, None], keys, scale=impl.scale, out=output)
+        return
+    B, K = dec.visible.shape
+    d = flat.shape[1] // 2
+    wide = table_dtype(query.dtype)
+    kv = flat.index_select(0, rows.flatten()).view(B, K, -1, 2 * d).to(wide)  # [B, K, Hkv, 2D]
+    cos, sin = dec.tables(impl.lcx_inv_freq, wide)  # [B, K, r]: identity for window keys
+    k = apply_rotary_ref(kv[..., :d], cos, sin).transpose(1, 2)  # [B, Hkv, K, D]
+    q = query[dec.rows][:, :, None].to(wide)  # [B, H, 1, D]
+    out = F.scaled_dot_product_attention(q, k, kv[..., d:].transpose(1, 2), attn_mask=dec.visible[:, None, None, :],
+                                         scale=impl.scale, enable_gqa=q.shape[1] != k.shape[1])
+    output[dec.rows] = out[:, :, 0].to(output.dtype)
+
+
+def _memo_basis(store: list, kind: str, inv_freq: torch.Tensor, dtype: torch.dtype, build):
+    """`build()` once per (kind, rotary basis, dtype) in `store`: tables built by the first layer
+    of a step serve every layer whose rotary has equal values (each layer holds its own inv_freq)."""
+    for (inv, dt, kd), value in store:
+        if kd == kind and dt == dtype and (inv is inv_freq or torch.equal(inv, inv_freq)):
+            return value
+    value = build()
+    store.append(((inv_freq, dtype, kind), value))
+    return value
+
+
+def _delta_keys(visible: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> RelativeKeys:
+    """`RelativeKeys` that re-rotate keys cached rotated at their true positions by `delta`
+    `[Bd, Tq, Tk]` float64 (the method's position - the true one; 0: read as cached), where
+    `visible`; unit scale (the attention factor is already in the cached keys and the query)."""
+    uniq, inverse = torch.unique(delta[visible], return_inverse=True)
+    cos, sin = rope_cos_sin(uniq, inv_freq, 1.0, torch.float32)  # [U, r]: elementwise per position
+    index = torch.full(delta.shape, -1, dtype=torch.long)
+    index[visible] = inverse
+    h = cos.shape[-1] // 2
+    return RelativeKeys(index, cos[:, :h].contiguous(), sin[:, :h].contiguous())
+
+
+@dataclass(frozen=True)
+class _RuleDecode:
+    """The decode rows of a step in the rotated layout: each request's keys under the method's
+    `DecodeRule` (window keys, then side keys), padded to the longest with invisible keys.
+
+        LM-Infinite G=2, L=4, request with n=9 keys (query at p_q=8), K = G + L:
+        keys   0  1 | 5  6  7  8         delta: globals (0 - p_k) - (min(limit, 8) - 8), window 0
+    """
+
+    rows: torch.Tensor  # [B] token rows of `query` / `output`
+    blocks: torch.Tensor  # [B, K] physical block of each key
+    offsets: torch.Tensor  # [B, K] offset in that block
+    visible: torch.Tensor  # [B, K] bool
+    delta: torch.Tensor  # [B, K] float64: re-rotation of each cached key (0: window keys, padding)
+    shared: list = field(default_factory=list, compare=False)  # see `_memo_basis`
+    row_index: dict = field(default_factory=dict, compare=False)  # cache shape -> `_cache_rows` [B, K, Hkv]
+
+    def relative_keys(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> RelativeKeys:
+        """The C++ kernel's tables: `index [B, 1, K]`, unit-scale cos/sin of the distinct deltas."""
+        return _memo_basis(self.shared, "keys", inv_freq, dtype, lambda: _delta_keys(
+            self.visible[:, None], self.delta[:, None], inv_freq))
+
+    def tables(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch route's cos/sin `[B, K, r]` of every key's delta (unit scale)."""
+        return _memo_basis(self.shared, "tables", inv_freq, dtype,
+                           lambda: rope_cos_sin(self.delta, inv_freq, 1.0, dtype))
+
+    def cache_rows(self, cache_shape) -> torch.Tensor:
+        return _memo_rows(self.row_index, cache_shape, lambda: (self.blocks, self.offsets))
+
+
+def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 req: torch.Tensor, method: AttentionMethod, block_size: int) -> _RuleDecode:
+    """The decode rows `req [B]` of a step under `method.decode_rule()` (module docstring).
+
+    A request with n keys (the query the last, p_q = n - 1) reads its window keys
+    p_q - window < p_k <= p_q and its side keys p_k <= p_q - window (among the first `side`);
+    with a bounded rule (window and side both set) that is at most side + window keys: the
+    first min(side, n - window) and the last window."""
+    rule = method.decode_rule()
+    n = seq_lens.long()[req][:, None]  # [B, 1]
+    B = req.shape[0]
+    W, S = rule.window, rule.side
+    if W is None or S is None:  # every key may be read (Self-Extend's grouped keys)
+        idx = torch.arange(int(n.max())).expand(B, -1)
+    else:
+        j = torch.arange(min(int(n.max()), S + W))[None]
+        idx = torch.where(j < S, j, j + (n - (S + W)).clamp(min=0))  # [B, K]: [0, S) then the last W
+    valid = idx < n
+    p_q = n - 1
+    in_window = torch.ones_like(valid) if W is None else idx > p_q - W
+    side = ~in_window & (True if S is None else idx < S)
+    visible = valid & (in_window | side)
+    delta = torch.zeros(idx.shape, dtype=torch.float64)
+    if rule.has_side:
+        pk, pq = idx.to(torch.float64), p_q.to(torch.float64)
+        moved = (rule.side_key(pk) - pk) - (rule.side_query(pq) - pq)  # [B, K]
+        delta = torch.where(side & visible, moved, delta)
+    idx = idx.masked_fill(~valid, 0)  # padding reads a real slot (never used: invisible)
+    blocks = block_table.long()[req[:, None], idx // block_size]
+    return _RuleDecode(query_start_loc.long()[req], blocks, idx % block_size, visible, delta)
 
 
 @dataclass(frozen=True)
@@ -199,8 +328,9 @@ class _MultiQueryGroup:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    decode_groups: tuple[_DecodeGroup, ...]
+    decode_groups: tuple[_DecodeGroup, ...]  # unrotated layout
     multi_query_groups: tuple[_MultiQueryGroup, ...]
+    rule_decode: _RuleDecode | None = None  # rotated layout: every decode row
 
     @property
     def multi_query(self) -> tuple[int, ...]:
@@ -211,15 +341,15 @@ class _StepPlan:
 _PLAN_ATTR = "_lcx_step_plan"
 
 
-def _step_plan(attn_metadata, method: AttentionMethod, block_size: int) -> _StepPlan:
+def _step_plan(attn_metadata, method: AttentionMethod, block_size: int, rotated: bool = False) -> _StepPlan:
     """The step's plan, built by the first layer and cached on the metadata object (vLLM passes
     the same one to every layer of a KV-cache group in a step, and a new one the next step)."""
-    key = (method, block_size)
+    key = (method, block_size, rotated)
     cached = getattr(attn_metadata, _PLAN_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     plan = _build_plan(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
-                       method, block_size)
+                       method, block_size, rotated)
     try:
         setattr(attn_metadata, _PLAN_ATTR, (key, plan))
     except AttributeError:  # a metadata class with __slots__: every layer rebuilds the plan
@@ -254,26 +384,34 @@ def _bounded(method: AttentionMethod) -> bool:
 
 
 def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                method: AttentionMethod, block_size: int) -> _StepPlan:
-    """Split the step's requests into batched decode groups and multi-query requests.
+                method: AttentionMethod, block_size: int, rotated: bool = False) -> _StepPlan:
+    """Split the step's requests into decode rows and multi-query requests.
 
-    A decode request with n cached keys (its own included) keeps, for a method with
-    `cache_window` (G, L), key indices [0, G) and [n - L, n) when n >= G + L (K = G + L keys),
-    else all of [0, n) (K = n); rotary positions are those indices, or 0..K-1 where the method
-    renumbers positions inside its cache (StreamingLLM).
+    Rotated layout: every decode row goes to one `_RuleDecode`. Unrotated layout: decode rows
+    are grouped by the length of their compressed cache: a request with n cached keys (its own
+    included) keeps, for a method with `cache_window` (G, L), key indices [0, G) and [n - L, n)
+    when n >= G + L (K = G + L keys), else all of [0, n) (K = n); rotary positions are those
+    indices, or 0..K-1 where the method renumbers positions inside its cache (StreamingLLM).
     """
-    bounded = _bounded(method)
+    bounded = not rotated and _bounded(method)
     n_first, n_recent = method.cache_window if bounded else (0, 0)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode: dict[int, list[int]] = {}  # K -> request indices
+    rule_rows = []  # rotated layout: every decode row
     multi = []  # and unbounded methods' decode requests: the per-request path
     for i in range(len(starts) - 1):
         n_q = starts[i + 1] - starts[i]
-        if n_q == 1 and bounded:
+        if n_q == 1 and rotated:
+            rule_rows.append(i)
+        elif n_q == 1 and bounded:
             decode.setdefault(min(int(lens[i]), n_first + n_recent), []).append(i)
         elif n_q >= 1:
             multi.append(i)
+    rule_decode = None
+    if rule_rows:
+        rule_decode = _rule_decode(query_start_loc, seq_lens, block_table, torch.tensor(rule_rows), method,
+                                   block_size)
     groups = []
     for k_len, reqs in sorted(decode.items()):
         req = torch.tensor(reqs, dtype=torch.long)
@@ -294,7 +432,7 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
         token_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs])
         blocks = block_table.long()[torch.tensor(reqs)][:, : -(-n_keys // block_size)]
         multi_groups.append(_MultiQueryGroup(tuple(reqs), n_q, n_keys, token_rows, blocks))
-    return _StepPlan(tuple(groups), tuple(multi_groups))
+    return _StepPlan(tuple(groups), tuple(multi_groups), rule_decode)
 
 
 def prefill_backend(method: AttentionMethod) -> str:
@@ -308,15 +446,25 @@ _PREFILL_KEYS_MAX = 64  # shapes of prefill/chunk calls remembered per layer
 
 def _prefill_keys(impl, n_keys: int, n_queries: int, dtype: torch.dtype) -> RelativeKeys | None:
     """`RelativeKeys` of a prefill or chunk of `n_queries` queries over `n_keys` keys at positions
-    0..n_keys-1, remembered per layer (prompts of a workload repeat a few shapes)."""
+    0..n_keys-1, remembered per layer (prompts of a workload repeat a few shapes). Unrotated
+    layout: each key's position relative to its query (`RelativeKeys.build`); rotated layout:
+    the position `query_keys` gives the key minus its true one (0 inside windows)."""
     cache = impl.lcx_prefill_keys
     key = (n_keys, n_queries, dtype)
     if key not in cache:
         if len(cache) >= _PREFILL_KEYS_MAX:
             cache.pop(next(iter(cache)))
-        cache[key] = RelativeKeys.build(impl.lcx_method, Rotary(impl.lcx_inv_freq, None, impl.lcx_attention_factor),
-                                        n_keys=n_keys, n_queries=n_queries, device=impl.lcx_inv_freq.device,
-                                        dtype=dtype)
+        if impl.lcx_rotated:
+            pos = torch.arange(n_keys)[None]  # [1, Tk]
+            keys = impl.lcx_method.query_keys(pos, n_queries)  # [1, Tq, Tk]
+            visible = torch.ones(keys.key_positions.shape, dtype=torch.bool) if keys.visible is None \
+                else keys.visible
+            cache[key] = _delta_keys(visible, keys.key_positions.to(torch.float64) - pos[:, None], impl.lcx_inv_freq)
+        else:
+            cache[key] = RelativeKeys.build(impl.lcx_method,
+                                            Rotary(impl.lcx_inv_freq, None, impl.lcx_attention_factor),
+                                            n_keys=n_keys, n_queries=n_queries, device=impl.lcx_inv_freq.device,
+                                            dtype=dtype)
     return cache[key]
 
 
@@ -333,8 +481,13 @@ def attention_kernel() -> str:
     return "torch"
 
 
-def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float) -> None:
-    """Make vLLM `Attention` layer `attn_layer` run `method` on unrotated q/k (see module doc)."""
+def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,
+                     *, rotated: bool = False) -> None:
+    """Make vLLM `Attention` layer `attn_layer` run `method` (see module doc): on q/k rotated at
+    their true positions by the layer's rotary embedding (`rotated`, the method must have a
+    `decode_rule`), or on unrotated q/k. `inv_freq`, `attention_factor`: the layer's RoPE basis."""
+    if rotated and method.decode_rule() is None:
+        raise ValueError(f"attention method {method.describe()} has no decode rule: it needs unrotated keys")
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     impl = attn_layer.impl
@@ -344,6 +497,7 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     impl.do_kv_cache_update = types.MethodType(_MethodAttention.do_kv_cache_update, impl)
     impl.lcx_method = method
+    impl.lcx_rotated = bool(rotated)
     impl.lcx_backend = prefill_backend(method)
     impl.lcx_kernel = attention_kernel()
     impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> RelativeKeys, see `_prefill_keys`

@@ -46,22 +46,24 @@ class LcxRotaryEmbedding(RotaryEmbedding):
 
 class LcxLlamaAttention(LlamaAttention):
     """LlamaAttention whose rotary embedding is the lcx spec of `config.lcx_methods` (if any),
-    and which runs the other lcx methods (LM-Infinite, StreamingLLM, Self-Extend, SWAT) on unrotated
-    q/k (`.method_attention`)."""
+    and which runs the other lcx methods (LM-Infinite, StreamingLLM, Self-Extend, SWAT) itself
+    (`.method_attention`): on q/k rotated by this layer's rotary (methods with a decode rule:
+    keys cached after RoPE, as plain vLLM caches them), or on unrotated q/k (SWAT, LM-Infinite
+    with top-k)."""
 
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         methods = VllmMethods.from_hf_config(config)
         self.lcx_unrotated = methods.needs_unrotated
-        if self.lcx_unrotated:
+        if methods.runs_lcx_attention:
             spec = methods.rope or RopeSpec.for_model({}, config)
             inv_freq, attention_factor = compute_inv_freq(spec, self.head_dim, None)
-            switch_to_method(self.attn, methods.attention, inv_freq, attention_factor)
+            switch_to_method(self.attn, methods.attention, inv_freq, attention_factor, rotated=methods.keys_rotated)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self.lcx_unrotated:
             return super().forward(positions, hidden_states)
-        # No rotary here: the lcx method rotates inside attention (positions = cache indices).
+        # Unrotated layout: no rotary here, the lcx method rotates inside attention.
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         output, _ = self.o_proj(self.attn(q, k, v))
@@ -69,11 +71,14 @@ class LcxLlamaAttention(LlamaAttention):
 
     def _init_rotary_emb(self, config, quant_config) -> None:
         methods = VllmMethods.from_hf_config(config)
-        if methods.rope is None:
+        if methods.rope is None and not methods.keys_rotated:
             return super()._init_rotary_emb(config, quant_config)
+        # lcx's table also for the model's own RoPE under a rotated-key method: the cached keys
+        # then carry exactly the rotation the method's re-rotation tables assume.
+        spec = methods.rope or RopeSpec.for_model({}, config)
         # Cover every position vLLM may schedule (max_model_len can exceed the config's length).
         max_len = get_current_vllm_config().model_config.max_model_len
-        self.rotary_emb = LcxRotaryEmbedding(methods.rope, self.head_dim,
+        self.rotary_emb = LcxRotaryEmbedding(spec, self.head_dim,
                                              max(self.max_position_embeddings, int(max_len)),
                                              torch.get_default_dtype())
 

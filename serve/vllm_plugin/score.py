@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--gen", type=int, default=1, help="greedy tokens to generate per prompt (decode path)")
     p.add_argument("--no-plugin", action="store_true", help="plain vLLM (no lcx model class), for baselines")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM's tensor parallelism (CPU backend: one worker process per rank)")
     args = p.parse_args(argv)
 
     from transformers import AutoConfig
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         overrides = hf_overrides(hf_config, json.loads(args.methods), max_model_len=args.max_model_len)
     llm = LLM(model=args.model, dtype=args.dtype, hf_overrides=overrides, max_model_len=args.max_model_len,
-              enforce_eager=True, seed=0)
+              enforce_eager=True, seed=0, tensor_parallel_size=args.tensor_parallel_size)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                         SamplingParams(max_tokens=args.gen, temperature=0.0, prompt_logprobs=0,
                                                 ignore_eos=True), use_tqdm=False)

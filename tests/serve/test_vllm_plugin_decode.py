@@ -1,11 +1,14 @@
-"""The vLLM plugin's attention path for unrotated-key methods, without vLLM.
+"""The vLLM plugin's attention path for lcx methods, without vLLM.
 
 `lcx.serve.vllm_plugin.method_attention._MethodAttention.forward` reads a paged cache through
 block tables; here the paged cache, block tables and step metadata are built by hand (random
 block placement, requests of different lengths, decode and prefill rows mixed in one step) and
 every output row must equal the method's `attend` over that request's whole cache in order
-(float64). This pins the batched decode (compressed caches gathered per row, one call per
-group) to the per-request semantics; tests/serve/test_vllm.py checks the same path inside vLLM.
+(float64). Both cache layouts: unrotated keys (every method), and keys rotated at their true
+positions with the query rotated too (every method with a decode rule; attention factors 1 and
+1.25, since the cached keys carry it). This pins the batched decode (the rule's keys per row,
+one call) and the prefill/chunk calls to the per-request semantics; tests/serve/test_vllm.py
+checks the same paths inside vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
+from lcx.rope import apply_rotary_ref, rope_cos_sin
 from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, attention_kernel, prefill_backend
 from lcx.testing import assert_within_budget
 
@@ -31,9 +35,28 @@ METHODS = {
     "self_extend_2_8": self_extend(2, 8),  # unbounded: per-request path
     "swat_9": swat(9),  # sigmoid + balanced ALiBi: bounded, (0, w)
 }
+ROTATED = [name for name, m in METHODS.items() if m.decode_rule() is not None]  # all but SWAT
+ATTENTION_FACTORS = (1.0, 1.25)
 # (cached keys n, queries this step): decode rows of many lengths (below, at and above G + L),
 # prefills and chunked prefills in the same step, two of each shape (batched together).
 STEP = ((1, 1), (5, 1), (13, 1), (14, 1), (30, 1), (41, 1), (17, 17), (29, 6), (64, 1), (17, 17), (29, 6))
+INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+
+
+def _rotated(cache, meta, query, af: float):
+    """The step's cache and queries rotated at their true positions (lcx's tables, attention
+    factor `af`), as the plugin's rotated layout holds them: key j of a request at position j,
+    its queries at the last positions."""
+    cache = cache.clone()
+    table, starts = meta.block_table, meta.query_start_loc.tolist()
+    rows = []
+    for r, (n, n_q) in enumerate(STEP):
+        cos, sin = rope_cos_sin(torch.arange(n), INV_FREQ, af, torch.float64)  # [n, r]
+        blocks, offsets = table[r, torch.arange(n) // BLOCK].long(), torch.arange(n) % BLOCK
+        k = cache[blocks, :, offsets, :D]  # [n, Hkv, D]
+        cache[blocks, :, offsets, :D] = apply_rotary_ref(k, cos, sin)
+        rows.append(apply_rotary_ref(query[starts[r]:starts[r + 1]], cos[n - n_q:], sin[n - n_q:]))
+    return cache, torch.cat(rows)
 
 
 def _step(seed: int = 0):
@@ -63,10 +86,10 @@ def _step(seed: int = 0):
     return cache, meta, query, keys, values
 
 
-def _impl(method, attention_kernel="torch"):
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=inv_freq, lcx_attention_factor=1.0, scale=None,
-                                 lcx_backend=prefill_backend(method), lcx_kernel=attention_kernel, lcx_prefill_keys={})
+def _impl(method, attention_kernel="torch", rotated=False, af=1.0):
+    impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=INV_FREQ, lcx_attention_factor=af, scale=None,
+                                 lcx_backend=prefill_backend(method), lcx_kernel=attention_kernel, lcx_prefill_keys={},
+                                 lcx_rotated=rotated)
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     return impl
 
@@ -105,6 +128,75 @@ def test_fused_attention_kernel_equals_the_method(name):
         exact = method.attend(*args, rotary=rotary)[0]
         ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary)[0]
         assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name}: request {r} (n={n})")
+
+
+@pytest.mark.parametrize("af", ATTENTION_FACTORS)
+@pytest.mark.parametrize("name", ROTATED)
+def test_rotated_layout_equals_the_method(name, af):
+    """Keys cached rotated at their true positions, queries rotated: every row (decode rows in one
+    call under the method's decode rule, prefill and chunk rows) equals the method's `attend` on
+    the unrotated inputs (float64, torch route)."""
+    method = METHODS[name]
+    cache, meta, query, keys, values = _step()
+    cache_rot, query_rot = _rotated(cache, meta, query, af)
+    impl = _impl(method, rotated=True, af=af)
+    out = torch.full_like(query, float("nan"))
+    impl.forward(None, query_rot, None, None, cache_rot, meta, out)
+    starts = meta.query_start_loc.tolist()
+    rotary = Rotary(INV_FREQ, None, af)
+    for r, (n, n_q) in enumerate(STEP):
+        s, e = starts[r], starts[r + 1]
+        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary)[0]
+        torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("af", ATTENTION_FACTORS)
+@pytest.mark.parametrize("name", ROTATED)
+def test_rotated_layout_fused_kernel_equals_the_method(name, af):
+    """The rotated layout in float32 on the C++ kernel (window keys read without rotation, side
+    keys re-rotated by their delta): every row within `lcx.testing`'s budget of the float64 method."""
+    method = METHODS[name]
+    assert attention_kernel() == "cpp"
+    cache, meta, query, keys, values = _step()
+    cache_rot, query_rot = _rotated(cache, meta, query, af)
+    impl = _impl(method, "cpp", rotated=True, af=af)
+    out = torch.full(query.shape, float("nan"))
+    impl.forward(None, query_rot.float(), None, None, cache_rot.float(), meta, out)
+    starts = meta.query_start_loc.tolist()
+    rotary = Rotary(INV_FREQ, None, af)
+    for r, (n, n_q) in enumerate(STEP):
+        s, e = starts[r], starts[r + 1]
+        args = (query[s:e][None], keys[r][None], values[r][None])
+        exact = method.attend(*args, rotary=rotary)[0]
+        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary)[0]
+        assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name} af={af}: request {r} (n={n})")
+
+
+def test_rotated_plan_by_hand():
+    """LM-Infinite G=3, L=10 (limit 10) in the rotated layout: one decode call; a request with n
+    keys reads [0, 3) and the last 10 when n > 13; globals outside the window are re-rotated by
+    (0 - p_k) - (min(10, p_q) - p_q), window keys not at all."""
+    _, meta, _, _, _ = _step()
+    plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, lm_infinite(3, 10), BLOCK, True)
+    assert plan.decode_groups == ()
+    dec = plan.rule_decode
+    assert dec.rows.tolist() == [0, 1, 2, 3, 4, 5, 29]  # every decode row of STEP
+    assert dec.visible.shape == (7, 13)
+    assert dec.visible[1].tolist() == [True] * 5 + [False] * 8  # n = 5: its 5 keys, padded
+    assert dec.delta[1].tolist() == [0.0] * 13
+    # n = 14 (p_q = 13): keys 0 1 2 | 4 .. 13; globals at 0 vs the query at min(10, 13) = 10
+    assert dec.delta[3].tolist() == [3.0, 2.0, 1.0] + [0.0] * 10
+    assert dec.visible[3].all()
+    # n = 13 (p_q = 12): keys 0 .. 12; window 3 .. 12; globals 0 1 2 at 0 vs query at 10
+    assert dec.delta[2].tolist() == [2.0, 1.0, 0.0] + [0.0] * 10
+    # sinks(2, 9) renumbered, n = 30 (p_q = 29): sinks keep their position, the query moves to
+    # min(29, 2 + 9 - 1) = 10: delta 29 - 10 = 19 for both sinks
+    plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, sinks(2, 9), BLOCK, True)
+    assert plan.rule_decode.delta[4].tolist() == [19.0, 19.0] + [0.0] * 9
+    # Self-Extend reads every key: K = the longest request (64)
+    plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, self_extend(2, 8), BLOCK, True)
+    assert plan.rule_decode.visible.shape == (7, 64) and plan.multi_query == (6, 7, 9, 10)
 
 
 def test_plan_groups_decode_rows_by_compressed_length():
@@ -147,10 +239,17 @@ def test_methods_vllm_kernels_lack_take_the_lcx_path():
     from lcx.serve.vllm_plugin.config import NATIVE_METHODS, VllmMethods
 
     assert set(UNROTATED_METHODS) <= set(ATTENTION_METHODS) - set(NATIVE_METHODS)
+    assert VllmMethods(attention=swat(16)).runs_lcx_attention
+    assert VllmMethods(attention=self_extend(2, 8)).runs_lcx_attention
+    assert not VllmMethods(attention=sliding_window(window=16)).runs_lcx_attention
+    assert not VllmMethods().runs_lcx_attention
+    # keys cached after RoPE for every method with a decode rule; unrotated for the others
+    assert VllmMethods(attention=lm_infinite(4, 16)).keys_rotated
+    assert VllmMethods(attention=sinks(4, 16)).keys_rotated
+    assert VllmMethods(attention=self_extend(2, 8)).keys_rotated
     assert VllmMethods(attention=swat(16)).needs_unrotated
-    assert VllmMethods(attention=self_extend(2, 8)).needs_unrotated
-    assert not VllmMethods(attention=sliding_window(window=16)).needs_unrotated
-    assert not VllmMethods().needs_unrotated
+    assert VllmMethods(attention=lm_infinite(4, 16, top_k=2)).needs_unrotated
+    assert not VllmMethods(attention=sliding_window(window=16)).keys_rotated
 
 
 def test_kv_cache_update_writes_each_slot_and_skips_padding():
