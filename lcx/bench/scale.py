@@ -330,7 +330,7 @@ def run_cell(model: Any, facts: dict[str, int], case: Case, T: int, args: argpar
         gc.collect()
         base = _reset_peak(device)
         runs = [run_engine(model, cfg, prompt, args.decode_tokens, device) for _ in range(args.repeats)]
-        peak = _peak(device) - (base if device != "cuda" else 0)
+        peak = max(0, _peak(device) - (base if device != "cuda" else 0))  # CPU: RSS can shrink
     except (NotImplementedError, ValueError, torch.OutOfMemoryError) as e:
         return {**row, "skipped": f"{type(e).__name__}: {e}"[:500]}
     finally:
