@@ -97,7 +97,8 @@ class AttentionSpec:
         from .alibi import balanced_alibi_slopes
 
         check_count("window", window, 1)
-        kw.setdefault("alibi_slopes", balanced_alibi_slopes(n_heads))
+        if "alibi_slopes" not in kw:  # (not setdefault: the balanced default needs an even head count)
+            kw["alibi_slopes"] = balanced_alibi_slopes(n_heads)
         return cls(mask=sliding_window(left=window - 1), activation="sigmoid", **kw)
 
     @property
