@@ -361,20 +361,30 @@ class DecodeStep:
     write the key, and attend over [main | side] in one softmax (`decode_attention`)."""
 
     slots: StepSlots
-    main_visible: torch.Tensor  # [B, C] bool
-    side_visible: torch.Tensor | None  # [B, Cs] bool
+    main_len: int  # the main store's slots this step reads (an unbounded store: up to the newest key)
+    side_len: int  # the side store's slots this step reads (0: no side key is visible: no side branch)
+    main_visible: torch.Tensor  # [B, main_len] bool
+    side_visible: torch.Tensor | None  # [B, side_len] bool
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> cos, sin [B, 1, r]
-    hidden: torch.Tensor | None = None  # [B, 1, 1, C (+ Cs)] True where a slot is not attended
+    hidden: torch.Tensor | None = None  # [B, 1, 1, main_len + side_len] True where a slot is not attended
 
     @classmethod
     def build(cls, store: KVStore, p_q: torch.Tensor, dtype: torch.dtype) -> "DecodeStep":
         lay = store.layout
         slots = store.step(p_q)
-        main_visible = store.main.pos >= 0  # a ring holds only its window; unbounded: every key
-        side_visible = None
+        # Read only slots that can hold a visible key: a key's slot is at most its position, so
+        # nothing past the newest key (a store may be allocated for the rows' whole budget); a
+        # side store only up to the newest key outside the window.
+        main_len = min(store.main.capacity, int(p_q.max()) + 1)  # (a ring's slot is p % window <= p)
+        main_visible = store.main.pos[:, :main_len] >= 0  # a ring holds only its window
+        side_len, side_visible = 0, None
         if store.side is not None:
-            side_visible = (store.side.pos >= 0) & (store.side.pos <= p_q[:, None] - lay.window)
-        step = cls(slots, main_visible, side_visible)
+            reach = int(p_q.max()) - lay.window + 1  # side keys at positions <= p_q - window
+            side_len = max(0, min(store.side.capacity, reach))
+            if side_len:
+                pos = store.side.pos[:, :side_len]
+                side_visible = (pos >= 0) & (pos <= p_q[:, None] - lay.window)
+        step = cls(slots, main_len, side_len, main_visible, side_visible)
         if lay.basis is not None:  # lcx rotates (patched model); else the model's position_embeddings
             inv_freq, af = lay.basis
             inv_freq = inv_freq.to(p_q.device)
@@ -399,23 +409,25 @@ class DecodeStep:
         cos, sin = self.tables["main"] if "main" in self.tables else position_embeddings
         qm = apply_rotary_ref(q, cos, sin)
         km = apply_rotary_ref(k, cos, sin)
-        qs = ks = None
+        ks = None
         store = self.slots.store
         if store.side is not None:
-            qs = apply_rotary_ref(q, *self.tables["side_query"])
             rows = self.slots.side_rows
             if rows.numel():
                 ks = apply_rotary_ref(k[rows], *self.tables["side_key"])[:, 0]
         layer = attn.layer_idx
         self.slots.write(layer, km[:, 0], v[:, 0], ks)
         side = None
-        if store.side is not None:
-            side = (qs, store.side.k[layer], store.side.v[layer], self.side_visible)
+        if self.side_len:
+            n = self.side_len
+            side = (apply_rotary_ref(q, *self.tables["side_query"]), store.side.k[layer][:, :, :n],
+                    store.side.v[layer][:, :, :n], self.side_visible)
         if self.hidden is None:  # the step's mask, built once for every layer
             vis = self.main_visible if side is None else torch.cat([self.main_visible, self.side_visible], -1)
             self.hidden = ~vis[:, None, None, :]
-        out = decode_attention(qm, store.main.k[layer], store.main.v[layer], self.main_visible, side=side,
-                               scale=attn.scaling, hidden=self.hidden)
+        n = self.main_len
+        out = decode_attention(qm, store.main.k[layer][:, :, :n], store.main.v[layer][:, :, :n], self.main_visible,
+                               side=side, scale=attn.scaling, hidden=self.hidden)
         return attn.o_proj(out.reshape(B, 1, -1))
 
 
