@@ -1,9 +1,10 @@
 """CPU C++ kernels of lcx (installed as `lcx.kernels.cpu`; the .cpp sources ship as package data).
 
-- `relative_attention.cpp`: softmax attention over a paged cache of unrotated keys with
-  per-(query, key) relative positions (`paged_relative_attention_cpu`): gather, relative
-  rotation and masked softmax fused; the vLLM plugin's decode and prefill for LM-Infinite,
-  StreamingLLM sinks, sliding window and Self-Extend.
+- `relative_attention.cpp`: softmax attention over a paged cache with per-(query, key)
+  relative rotations (`paged_relative_attention_cpu`): gather, relative rotation (skipped for
+  identity rows) and masked softmax fused; the vLLM plugin's decode and prefill for LM-Infinite,
+  StreamingLLM sinks and Self-Extend (keys cached after RoPE, only moved keys re-rotated) and on
+  unrotated caches.
 
 Compiled on first use by `torch.utils.cpp_extension.load` (cached); importing this package
 compiles nothing.

@@ -8,8 +8,10 @@ rotated to its position relative to the query (`lcx.methods.last_query.RelativeK
 a query sees and at what relative position, from the method itself). `kv` is the cache viewed as
 rows of [key | value] (vLLM's CPU layout `[num_blocks, Hkv, block_size, 2D]` viewed as
 `[-1, 2D]`); `rows[b, k, g]` is the row of request b's k-th key for kv head g; `q_rows[b, t]` the
-row of `query`/`out` of request b's t-th query. Keys and queries are UNROTATED. Writes `out[q_rows]`
-only. Equal, within `lcx.testing`'s budget, to the method's `attend` on the gathered keys
+row of `query`/`out` of request b's t-th query. Keys and queries are UNROTATED (the tables hold
+positions relative to the query), or both rotated at their true positions (the tables hold the
+method's position minus the true one, unit scale: identity rows, read without rotating, for keys
+the method leaves in place; the vLLM plugin's rotated layout). Writes `out[q_rows]` only. Equal, within `lcx.testing`'s budget, to the method's `attend` on the gathered keys
 (tests/kernels/test_relative_attention_cpu.py).
 
 The extension compiles on first use (torch.utils.cpp_extension.load: a C++ compiler and ninja,
