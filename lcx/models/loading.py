@@ -338,9 +338,6 @@ def _build_unpacked(files: list[Path], key: str, entry: Path) -> None:
         # (the report fingerprints a model by the files of the directory it loads).
         (tmp / MANIFEST).write_text(json.dumps({"format": CACHE_FORMAT, "source_sha256": key,
                                                 "files": sizes}, indent=1))
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
         _install(tmp, entry)
     finally:
         if tmp.exists():
@@ -422,10 +419,6 @@ def _build_gguf_cache(gguf: Path, entry: Path) -> None:
         tok.save_pretrained(tmp)
         _check_tokenizer_round_trip(tok, tmp)
         (tmp / MANIFEST).write_text(json.dumps(_manifest_for(gguf, tmp), indent=1))
-        # mkdtemp (and safetensors) create owner-only modes; a cache is fine to share read-only.
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
         _install(tmp, entry)
     finally:
         if tmp.exists():
@@ -434,7 +427,12 @@ def _build_gguf_cache(gguf: Path, entry: Path) -> None:
 
 
 def _install(tmp: Path, entry: Path) -> None:
-    """Rename the finished `tmp` to `entry`, replacing an invalid old entry."""
+    """Make the finished `tmp` readable by all and rename it to `entry`, replacing an invalid
+    old entry."""
+    # mkdtemp (and safetensors) create owner-only modes; a cache is fine to share read-only.
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    tmp.chmod(0o755)
     if entry.exists():
         if _cache_valid(entry):  # another process finished first: keep theirs
             return
