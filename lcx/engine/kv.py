@@ -142,7 +142,14 @@ class _Store:
             self.pos = _grow(self.pos, C, -1)
 
     def rows(self, sel: torch.Tensor) -> "_Store":
-        return _Store([t[sel] for t in self.k], [t[sel] for t in self.v], self.pos[sel], self.ring, self.limit)
+        """The rows `sel` (copies). An unbounded store keeps only the slots up to its rows'
+        newest key, so memory held for a long request that left is freed."""
+        pos = self.pos[sel]
+        C = self.capacity
+        if self.ring is None and self.limit is None:
+            C = max(1, int(pos.max()) + 1)
+        return _Store([t[sel, :, :C] for t in self.k], [t[sel, :, :C] for t in self.v], pos[:, :C],
+                      self.ring, self.limit)
 
     @staticmethod
     def cat(parts: list["_Store"]) -> "_Store":

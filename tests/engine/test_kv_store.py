@@ -116,3 +116,14 @@ def test_unbounded_store_grows_within_budget():
     store.step(torch.tensor([5]))
     store.step(torch.tensor([6]))
     assert store.main.capacity == 7 and store.main.pos.tolist() == [list(range(7))]
+
+
+def test_unbounded_rows_free_what_the_long_row_held():
+    layout = CacheLayout.unpatched()
+    k = torch.randn(2, HKV, 9, D)
+    pos = torch.tensor([[-1] * 6 + list(range(3)), list(range(9))])
+    store = KVStore.from_prefill(layout, [k], [k.clone()], pos, torch.tensor([40, 40]))
+    assert store.main.capacity == 18
+    short = store.rows([0])
+    assert short.main.capacity == 3 and short.nbytes() < store.nbytes() / 5
+    torch.testing.assert_close(short.main.k[0][0], k[0, :, 6:])
