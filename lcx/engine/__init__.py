@@ -60,9 +60,11 @@ takes that method (`model_attention`) and bounds the cache from its `cache_windo
 way, without patching (the model already runs it).
 
 Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS),
-`kv` (the running batch's KV cache and the decode step), `outputs` (TokenLogprob, StepEvent,
-RequestOutput, EngineStats), `batch` (a prefill's cache as an HF cache), `core` (the Engine: per-request state, prefill/decode, sampling,
-detokenization, the scheduler loop), `reference` (`greedy_decode_ref`: the one-token-per-forward
+`kv` (the running batch's KV cache and the decode step), `sampling` (penalties, greedy,
+temperature/min_p/top_k/top_p, logprobs), `detok` (token bytes/strings, stop strings, the text
+an unfinished request may hand out), `outputs` (TokenLogprob, StepEvent, RequestOutput,
+EngineStats), `batch` (a prefill's cache as an HF cache), `core` (the Engine: per-request state, prefill/decode, stop conditions,
+the scheduler loop), `reference` (`greedy_decode_ref`: the one-token-per-forward
 greedy loop over a caller's cache that the engine is checked against, and that decodes where the
 engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Import from `lcx.engine`.
 """

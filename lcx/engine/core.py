@@ -4,7 +4,6 @@ The batch layout, sampling order and limits are stated once in `lcx.engine`'s do
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from typing import Any, Iterable, Sequence
@@ -13,10 +12,12 @@ import torch
 from torch import nn
 
 from .batch import _hf_cache
+from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, DecodeStep, KVStore
 from .methods import check_method, model_attention
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
 from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
+from .sampling import greedy_and_logprobs, logprob_rows, sample
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,7 @@ class Engine:
         # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)
         self._seqs: list[_Seq] = []
         self._store: KVStore | None = None
-        self._token_cache: dict[int, str] = {}
-        self._special_ids = set(getattr(tokenizer, "all_special_ids", None) or [])
-        self._byte_decoder = _byte_decoder(tokenizer)
+        self._detok = Detokenizer(tokenizer)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: EngineConfig | None = None, *,
@@ -133,35 +132,16 @@ class Engine:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._detok.decode(ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (a byte-level BPE token may be part of a UTF-8 character)."""
-        tok = self.tokenizer.convert_ids_to_tokens(int(token_id))
-        if self._byte_decoder is not None and tok and all(c in self._byte_decoder for c in tok) \
-                and int(token_id) not in self._special_ids:
-            return bytes(self._byte_decoder[c] for c in tok)
-        if tok and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):  # SentencePiece byte fallback
-            try:
-                return bytes([int(tok[3:5], 16)])
-            except ValueError:
-                pass
-        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+        return self._detok.token_bytes(token_id)
 
     def token_str(self, token_id: int) -> str:
-        """One token as text for logprob listings (special tokens included). A token that is not
-        valid UTF-8 on its own is written `bytes:\\xNN...`, as OpenAI does, so distinct tokens
-        never share a string."""
-        s = self._token_cache.get(token_id)
-        if s is None:
-            b = self.token_bytes(token_id)
-            try:
-                s = b.decode("utf-8")
-            except UnicodeDecodeError:
-                s = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
-            if len(self._token_cache) < 1 << 18:
-                self._token_cache[token_id] = s
-        return s
+        """One token as text for logprob listings (`lcx.engine.detok.Detokenizer.token_str`)."""
+        return self._detok.token_str(token_id)
+
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -299,7 +279,7 @@ class Engine:
                 if s.params.prompt_logprobs is not None:
                     n = len(s.prompt_ids)
                     plog = self._lm_head(h[i, h.shape[1] - n:-1]) if n > 1 else None  # [n-1, V]
-                    ev.prompt_logprobs = [None] + (self._logprob_rows(plog, s.prompt_ids[1:], s.params.prompt_logprobs)
+                    ev.prompt_logprobs = [None] + (logprob_rows(plog, s.prompt_ids[1:], s.params.prompt_logprobs)
                                                    if plog is not None else [])
                     s.prompt_logprobs = ev.prompt_logprobs
                 if s.params.max_tokens == 0:
@@ -364,7 +344,7 @@ class Engine:
                 logits, failed = self._decode_rows_separately()
         events: list[StepEvent] = []
         done: list[int] = []
-        greedy, lps = self._batch_greedy_and_logprobs(logits, self._seqs) if logits is not None else (None, None)
+        greedy, lps = greedy_and_logprobs(logits, self._seqs) if logits is not None else (None, None)
         for i, s in enumerate(self._seqs):
             if i in failed:
                 log.error("decode failed for request %s: %r", s.rid, failed[i])
@@ -470,89 +450,14 @@ class Engine:
         """Slots per row of the running batch's KV cache (0 when idle)."""
         return 0 if self._store is None else self._store.slots
 
-    # ------------------------------------------------------------------ sampling and text
+    # ------------------------------------------------------------------ logits, tokens, events
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.model.get_output_embeddings()(h)
         # Logprobs and sampling in at least float32 (bf16/fp16 logits are too coarse).
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
-    def _logprob_rows(self, logits: torch.Tensor, chosen: Sequence[int], k: int,
-                      log_probs: torch.Tensor | None = None) -> list[TokenLogprob]:
-        """TokenLogprob per row of `logits [n, V]` for tokens `chosen [n]`, with top-k
-        (`log_probs`: log_softmax(logits) of a single row [V], if already computed)."""
-        lp = torch.log_softmax(logits, dim=-1) if log_probs is None else log_probs[None]
-        idx = torch.tensor(list(chosen), device=lp.device)
-        picked = lp.gather(1, idx[:, None]).squeeze(1).tolist()
-        if k > 0:
-            tv, ti = lp.topk(k, dim=-1)
-            tv, ti = tv.tolist(), ti.tolist()
-        out = []
-        for r, (t, v) in enumerate(zip(chosen, picked)):
-            top = tuple(zip(ti[r], tv[r])) if k > 0 else ()
-            out.append(TokenLogprob(int(t), float(v), top))
-        return out
-
-    def _batch_greedy_and_logprobs(self, logits: torch.Tensor, seqs: list[_Seq]):
-        """Batch-level work done once per step: argmax of every row ([B] list) and, if any row
-        wants logprobs, log_softmax of all rows ([B, V])."""
-        greedy = logits.argmax(-1).tolist()
-        lps = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        return greedy, lps
-
-    def _adjust_logits(self, s: _Seq, logits: torch.Tensor) -> torch.Tensor:
-        """The logits [V] after the request's penalties and min_tokens mask, as a new float64
-        tensor. A penalised logit never overflows to +-inf (it stops at float64's extremes), so only
-        the mask gives -inf, and never to every token."""
-        p = s.params
-        x = logits.double()
-        if x.data_ptr() == logits.data_ptr():  # already float64: copy before writing into it
-            x = x.clone()
-        V = x.shape[-1]
-        if p.repetition_penalty != 1.0:
-            if s.seen is None:
-                s.seen = torch.zeros(V, dtype=torch.bool, device=x.device)
-                ids = [t for t in s.prompt_ids + s.out_ids if t < V]
-                s.seen[torch.tensor(ids, dtype=torch.long, device=x.device)] = True
-            rp = p.repetition_penalty
-            lowest = torch.finfo(torch.float64).min
-            # both sides clamped to float64's range: any penalty > 0 leaves finite logits
-            x = torch.where(s.seen, torch.where(x > 0, (x / rp).clamp(max=-lowest), (x * rp).clamp(min=lowest)), x)
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            if s.counts is None:
-                s.counts = torch.zeros(V, dtype=torch.float64, device=x.device)
-                for t in s.out_ids:
-                    s.counts[t] += 1
-            x = x - p.frequency_penalty * s.counts - p.presence_penalty * (s.counts > 0).double()
-        if len(s.out_ids) < p.min_tokens:
-            banned = sorted(t for t in s.stop_ids if t < V)
-            if 0 < len(banned) < V:  # (stop tokens covering the whole vocabulary: nothing to mask)
-                x[torch.tensor(banned, dtype=torch.long, device=x.device)] = -math.inf
-        return x
-
     def _sample(self, s: _Seq, logits: torch.Tensor, greedy: int | None = None) -> int:
-        p = s.params
-        if p.adjusts_logits:
-            logits, greedy = self._adjust_logits(s, logits), None
-        if p.temperature == 0:
-            return int(logits.argmax()) if greedy is None else greedy
-        x = logits.double().cpu()
-        probs = torch.softmax(x / p.temperature, dim=-1)
-        if not bool(torch.isfinite(probs).all()):
-            # logits / T overflowed (T tiny, e.g. 1e-310): the same distribution from logits - max,
-            # which is <= 0 everywhere and 0 at the top token
-            probs = torch.softmax((x - x.max()) / p.temperature, dim=-1)
-        if p.min_p > 0.0:
-            probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
-            probs = probs / probs.sum()
-        if 0 < p.top_k < probs.shape[-1]:
-            tv, ti = probs.topk(p.top_k)
-            probs = torch.zeros_like(probs).scatter_(0, ti, tv / tv.sum())
-        if p.top_p < 1.0:
-            sp, si = probs.sort(descending=True)
-            # keep token j if the mass strictly before it is < top_p (the top token always stays)
-            keep = (sp.cumsum(0) - sp) < p.top_p
-            probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-        return int(torch.multinomial(probs, 1, generator=s.gen))
+        return sample(s, logits, greedy)
 
     def _accept(self, s: _Seq, logits: torch.Tensor, ev: StepEvent, *, greedy: int | None = None,
                 logprobs: torch.Tensor | None = None) -> None:
@@ -567,7 +472,7 @@ class Engine:
         ev.token_ids.append(tok)
         self.stats.generated_tokens += 1
         if s.params.logprobs is not None:
-            lp = self._logprob_rows(logits[None], [tok], s.params.logprobs, log_probs=logprobs)[0]
+            lp = logprob_rows(logits[None], [tok], s.params.logprobs, log_probs=logprobs)[0]
             s.logprobs.append(lp)
             ev.logprobs.append(lp)
         if tok in s.stop_ids:
@@ -577,12 +482,9 @@ class Engine:
         prev = len(s.text)
         s.text = self.decode(s.out_ids)
         if s.params.stop and len(s.out_ids) >= s.params.min_tokens:
-            # A stop string can end in the new text and start up to len(stop)-1 chars before it.
-            start = max(0, prev - max(len(x) for x in s.params.stop) + 1)
-            hits = [(s.text.find(x, start), x) for x in s.params.stop]
-            hits = [(i, x) for i, x in hits if i >= 0]
-            if hits:
-                i, x = min(hits)
+            hit = find_stop(s.text, prev, s.params.stop)
+            if hit is not None:
+                i, x = hit
                 s.text = s.text[:i]
                 self._finish(s, "stop", stop_reason=x)
                 return
@@ -596,16 +498,7 @@ class Engine:
 
     def _fill_event(self, s: _Seq, ev: StepEvent) -> None:
         """Move newly stable text into `ev` and copy the finish state."""
-        end = len(s.text)
-        if not s.finished:
-            # Hold back a trailing incomplete UTF-8 sequence and a possible stop-string prefix.
-            while end > s.sent and s.text[end - 1] == "\ufffd":
-                end -= 1
-            for x in s.params.stop:
-                for k in range(min(len(x) - 1, end - s.sent), 0, -1):
-                    if s.text.endswith(x[:k], 0, end):
-                        end -= k
-                        break
+        end = len(s.text) if s.finished else stable_end(s.text, s.sent, s.params.stop)
         if end > s.sent:
             ev.text = s.text[s.sent:end]
             s.sent = end
@@ -657,13 +550,3 @@ def _static_basis(model: nn.Module) -> tuple[torch.Tensor, float] | None:
         return rope_basis(model)
     except ValueError:  # an unpatched length-dependent HF rope type
         return None
-
-
-def _byte_decoder(tokenizer: Any) -> dict[str, int] | None:
-    """GPT-2's printable-char -> byte table when the tokenizer is byte-level BPE, else None."""
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if decoder is None or "ByteLevel" not in type(decoder).__name__ and "ByteLevel" not in repr(decoder):
-        return None
-    from ..models.tiny import _gpt2_bytes_to_unicode
-
-    return {c: b for b, c in _gpt2_bytes_to_unicode().items()}

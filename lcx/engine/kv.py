@@ -233,7 +233,6 @@ class KVStore:
     def step(self, p_q: torch.Tensor) -> "StepSlots":
         """Reserve the slots of each row's new key at position p_q `[B]` (growing unbounded
         stores, within `budget`), record the positions, and return what every layer needs."""
-        lay = self.layout
         B = self.batch
         ar = torch.arange(B, device=p_q.device)
         for st in (self.main, self.side):
