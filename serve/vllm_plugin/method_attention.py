@@ -48,7 +48,8 @@ gathers + `LastQueryPlan.attend` for decode and `attend` on `prefill_backend(met
 prefill. Every route is tested against `method.attend` (tests/serve/test_vllm_plugin_decode.py).
 
 Tensor parallelism: each rank holds its own heads (H / tp query heads, their kv heads) and its
-own cache; everything here is per head, so a rank runs the same code on its slice.
+own cache; everything here is per head, so a rank runs the same code on its slice, with per-head
+parameters (SWAT's ALiBi slopes) cut to its heads (`method_for_rank`).
 
 KV memory: the cache keeps every block. vLLM 0.32's KV manager frees blocks only for layers
 whose KV spec says so: `SlidingWindowSpec` frees everything before the window (LM-Infinite's
@@ -65,6 +66,7 @@ selected through the documented `--attention-backend` route).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from dataclasses import dataclass, field
@@ -479,6 +481,17 @@ def attention_kernel() -> str:
         return "cpp"
     _log.warning("lcx: the C++ attention kernel is unavailable (%s); attention runs on torch ops", reason)
     return "torch"
+
+
+def method_for_rank(method: AttentionMethod, total_heads: int, n_heads: int, rank: int) -> AttentionMethod:
+    """`method` as tensor-parallel rank `rank` runs it on its `n_heads` of the model's
+    `total_heads` query heads (heads [rank * n_heads, (rank + 1) * n_heads)). The same method for
+    every method without per-head parameters; SWAT's per-head ALiBi slopes are resolved for the
+    whole model (`SWAT.for_heads`) and cut to the rank's heads, so each head keeps its slope."""
+    if n_heads == total_heads or not hasattr(method, "for_heads"):
+        return method
+    full = method.for_heads(total_heads)
+    return dataclasses.replace(full, alibi_slopes=full.alibi_slopes[rank * n_heads:(rank + 1) * n_heads])
 
 
 def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor, attention_factor: float,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 from lcx.rope import RopeSpec, compute_inv_freq, rope_cos_sin
 
 from .config import VllmMethods
-from .method_attention import switch_to_method
+from .method_attention import method_for_rank, switch_to_method
 
 
 class LcxRotaryEmbedding(RotaryEmbedding):
@@ -58,7 +59,9 @@ class LcxLlamaAttention(LlamaAttention):
         if methods.runs_lcx_attention:
             spec = methods.rope or RopeSpec.for_model({}, config)
             inv_freq, attention_factor = compute_inv_freq(spec, self.head_dim, None)
-            switch_to_method(self.attn, methods.attention, inv_freq, attention_factor, rotated=methods.keys_rotated)
+            method = method_for_rank(methods.attention, self.total_num_heads, self.num_heads,
+                                     get_tensor_model_parallel_rank())
+            switch_to_method(self.attn, method, inv_freq, attention_factor, rotated=methods.keys_rotated)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self.lcx_unrotated:

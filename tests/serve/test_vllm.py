@@ -13,6 +13,8 @@ Checks:
   lcx.hf.rope_patch / lcx.methods;
 - the same prompts give *different* logprobs without the method (so the check can fail);
 - vLLM's greedy decode (paged cache, one query per step) gives lcx's greedy tokens;
+- with `--tensor-parallel-size 2` (CPU backend, two worker processes) the plugin's methods
+  (TP_METHODS, both cache layouts) still equal lcx's logprobs and greedy tokens, i.e. TP=1's;
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
   text equals lcx's greedy decode, echo+logprobs equal lcx's prompt logprobs;
 - bad method configurations are refused before vLLM starts;
@@ -21,7 +23,8 @@ Checks:
 
 The default test run skips this module (pyproject addopts `-m "not vllm and not slow"`); without vLLM
 it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing vLLM fails.
-Cost: one vLLM start per method (~30-80 s each on 2 busy cores), about 9 minutes in all (14 tests).
+Cost: one vLLM start per method (~30-80 s each on 2 busy cores, TP=2 starts ~1.5-4 min), about
+20-30 minutes in all (20 tests).
 """
 
 from __future__ import annotations
@@ -60,8 +63,18 @@ METHODS = {
     "lm_infinite_8_128": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 128}},
     "yarn_x2+lm_infinite_4_200": {"rope": {"rope_type": "yarn", "factor": 2},
                                   "attention": {"type": "lm_infinite", "n_global": 4, "n_local": 200}},
-    # ... and StreamingLLM's renumbered positions.
+    # ... and StreamingLLM's renumbered positions (both: keys cached after RoPE, the globals /
+    # sinks re-rotated per step) ...
     "sinks_4_96": {"attention": {"type": "sinks", "n_sink": 4, "window": 96}},
+    # ... and Self-Extend's grouped positions (every key past the window re-rotated per step).
+    "self_extend_4_64": {"attention": {"type": "self_extend", "group_size": 4, "window": 64}},
+}
+# Tensor parallelism (--tensor-parallel-size 2 on vLLM's CPU backend: two worker processes, each
+# with half the heads and its own paged cache): every method the plugin computes itself, both
+# cache layouts (keys after RoPE: LM-Infinite, sinks, Self-Extend; unrotated: SWAT's sigmoid).
+TP_METHODS = {
+    **{name: METHODS[name] for name in ("lm_infinite_8_128", "sinks_4_96", "self_extend_4_64")},
+    "swat_128": {"attention": {"type": "swat", "window": 128}},
 }
 GEN = 6  # greedy tokens decoded by vLLM for GEN_PROMPTS (its decode path over the paged cache)
 GEN_PROMPTS = (3, 5)  # prompts of 257 and 1000 tokens: decode past the context, across blocks
@@ -132,12 +145,12 @@ def _lcx_engine(model_dir: Path, methods: dict):
 
 
 def _vllm_logprobs(model_dir: Path, methods: dict | None, prompts: list[list[int]], tmp: Path,
-                   gen: int = 1) -> list[list[float]] | tuple[list[list[float]], list[list[int]]]:
+                   gen: int = 1, tp: int = 1) -> list[list[float]] | tuple[list[list[float]], list[list[int]]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     cmd = [str(_python()), "-m", "lcx.serve.vllm_plugin.score", "--model", str(model_dir),
            "--prompts", str(tmp / "prompts.json"), "--out", str(tmp / "out.json"),
-           "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(gen)]
+           "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(gen), "--tensor-parallel-size", str(tp)]
     cmd += ["--methods", json.dumps(methods)] if methods is not None else ["--no-plugin"]
     log = tmp / "worker.log"
     private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
@@ -190,6 +203,30 @@ def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_pat
     # Decode through vLLM's paged cache: greedy tokens equal lcx's full-recompute greedy decode.
     for i in GEN_PROMPTS:
         assert generated[i] == _lcx_greedy_ids(model_dir, methods, prompts[i], GEN), f"{name}: prompt {i}"
+
+
+@pytest.fixture(scope="module")
+def vllm_plain_tp2(model_dir, prompts, tmp_path_factory):
+    """Plain vLLM with --tensor-parallel-size 2, or a skip saying why TP=2 cannot start here."""
+    tmp = tmp_path_factory.mktemp("vllm-plain-tp2")
+    try:
+        return _vllm_logprobs(model_dir, None, prompts, tmp, gen=GEN, tp=2)
+    except AssertionError as e:  # the worker failed: TP=2 does not run on this machine
+        pytest.skip(f"vLLM --tensor-parallel-size 2 cannot start here: {str(e)[-1500:]}")
+
+
+@pytest.mark.parametrize("name", list(TP_METHODS))
+def test_tensor_parallel_2_equals_tp1(name, model_dir, prompts, vllm_plain, vllm_plain_tp2, tmp_path):
+    """The plugin under --tensor-parallel-size 2 (each rank: half the heads, its own cache): prompt
+    logprobs within TOL of lcx's and greedy tokens equal to lcx's greedy decode, the references
+    TP=1 is held to (`test_prompt_logprobs_match_lcx`), so TP=2 greedy output = TP=1's. Control:
+    plain vLLM at TP=2 equals plain vLLM at TP=1."""
+    assert _max_diff(vllm_plain_tp2[0], vllm_plain) < TOL
+    methods = TP_METHODS[name]
+    got, generated = _vllm_logprobs(model_dir, methods, prompts, tmp_path, gen=GEN, tp=2)
+    assert _max_diff(got, _lcx_hf_logprobs(model_dir, methods, prompts)) < TOL, f"{name}: TP=2 vs lcx"
+    for i in GEN_PROMPTS:
+        assert generated[i] == _lcx_greedy_ids(model_dir, methods, prompts[i], GEN), f"{name}: TP=2 prompt {i}"
 
 
 @pytest.mark.parametrize("methods, match", [

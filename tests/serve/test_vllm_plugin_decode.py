@@ -252,6 +252,31 @@ def test_methods_vllm_kernels_lack_take_the_lcx_path():
     assert not VllmMethods(attention=sliding_window(window=16)).keys_rotated
 
 
+def test_tensor_parallel_rank_keeps_each_heads_parameters():
+    """Under tensor parallelism a rank computes its slice of the heads: SWAT's per-head slopes
+    (given, or the balanced schedule of the whole model) are cut to the rank's heads; methods
+    without per-head parameters are unchanged."""
+    from lcx.attention import balanced_alibi_slopes
+    from lcx.serve.vllm_plugin.method_attention import method_for_rank
+
+    full = balanced_alibi_slopes(4)
+    assert method_for_rank(swat(9), 4, 2, 0).alibi_slopes == tuple(full[:2])
+    assert method_for_rank(swat(9), 4, 2, 1).alibi_slopes == tuple(full[2:])
+    given = swat(9, alibi_slopes=(0.5, 0.25, -0.5, -0.25))
+    assert method_for_rank(given, 4, 1, 2).alibi_slopes == (-0.5,)
+    assert method_for_rank(given, 4, 4, 0) is given
+    assert method_for_rank(lm_infinite(3, 10), 4, 2, 1) == lm_infinite(3, 10)
+    # a rank's heads give what the whole model gives on them
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 12, 4, D, generator=g, dtype=torch.float64) for _ in range(3))
+    rotary = Rotary(INV_FREQ, None, 1.0)
+    whole = swat(9).attend(q, k, v, rotary=rotary)
+    for rank in (0, 1):
+        h = slice(2 * rank, 2 * rank + 2)
+        part = method_for_rank(swat(9), 4, 2, rank).attend(q[:, :, h], k[:, :, h], v[:, :, h], rotary=rotary)
+        torch.testing.assert_close(part, whole[:, :, h], rtol=1e-12, atol=1e-12)
+
+
 def test_kv_cache_update_writes_each_slot_and_skips_padding():
     """`do_kv_cache_update`: token t's key/value land at slot_mapping[t] (block, offset) of every
     kv head; -1 slots (padding) write nothing."""
