@@ -2,6 +2,7 @@
 
     lcx bench decode                       # SmolLM2-135M's shape, fp32, one thread, 4k-32k -> results/decode_cpu.{json,png}
     lcx bench decode --lengths 2048 --layers 2 --tokens 8 --out /tmp/d.json     # a quick check
+    lcx bench decode --merge a.json b.json --out results/decode_cpu.json       # lengths run in two processes
 
 What is measured is `lcx.engine` (what `lcx serve`, `lcx report`'s decode cells and the lm-eval
 `lcx` model run): for each prompt length, every case's engine prefills the same prompt, then the
@@ -173,6 +174,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/decode_cpu.json",
                     help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: join records of the same settings run for different --lengths "
+                         "(e.g. the longest length in a second process) into --out")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     from lcx.bench.scale import SHAPES, build_model, shape_facts
     from lcx.data.io import atomic_savefig
 
+    if args.merge:
+        return merge(args)
     if args.tokens < 3:
         raise ValueError(f"--tokens must be >= 3, got {args.tokens}")
     if args.shape not in SHAPES:
@@ -219,6 +225,34 @@ def run(args: argparse.Namespace) -> int:
                  wall_s=round(time.time() - t_start, 1), summary=summarise(results))
     plot(results, out.with_suffix(".png"), atomic_savefig, args)
     print(f"wrote {out.with_suffix('.png')}")
+    return 0
+
+
+def merge(args: argparse.Namespace) -> int:
+    """Join records that differ only in their lengths (each length's cases ran interleaved in one
+    process; lengths never compare across processes, only ratios within a length do)."""
+    import json
+
+    from lcx.bench.record import write_record
+    from lcx.data.io import atomic_savefig
+
+    recs = [json.loads(Path(f).read_text()) for f in args.merge]
+    same = ("shape", "layers", "tokens", "threads", "seed", "dtype", "cases")
+    for f, r in zip(args.merge[1:], recs[1:]):
+        diff = [k for k in same if r["config"].get(k) != recs[0]["config"].get(k)]
+        if diff:
+            raise ValueError(f"{f}: settings {diff} differ from {args.merge[0]}'s; only lengths may differ")
+    results = {T: row for r in recs for T, row in r["results"].items()}
+    results = dict(sorted(results.items(), key=lambda kv: int(kv[0])))
+    config = {**recs[0]["config"], "lengths": [int(T) for T in results],
+              "merged_from": {f: {"lengths": r["config"]["lengths"], "git": r["environment"].get("git")}
+                              for f, r in zip(args.merge, recs)}}
+    out = Path(args.out)
+    write_record(out, description=DESCRIPTION, config=config, results=results,
+                 wall_s=sum(r.get("wall_s", 0) for r in recs), summary=summarise(results))
+    print(table(results))
+    args.shape, args.threads = config["shape"], config["threads"]
+    plot(results, out.with_suffix(".png"), atomic_savefig, args)
     return 0
 
 

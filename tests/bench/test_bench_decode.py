@@ -35,3 +35,20 @@ def test_bench_decode_record(tmp_path):
     # windows of 1024 cover both toy lengths: every cache grows with the prompt here
     assert kv["vanilla"][1] > kv["vanilla"][0]
     assert out.with_suffix(".png").exists()
+
+
+def test_bench_decode_merge(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    assert main(["--lengths", "40", "--layers", "1", "--tokens", "3", "--cases", "vanilla", "sinks/w1024",
+                 "--out", str(a)]) == 0
+    assert main(["--lengths", "70", "--layers", "1", "--tokens", "3", "--cases", "vanilla", "sinks/w1024",
+                 "--out", str(b)]) == 0
+    assert main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert list(rec["results"]) == ["40", "70"] and rec["config"]["lengths"] == [40, 70]
+    c = tmp_path / "c.json"
+    assert main(["--lengths", "40", "--layers", "1", "--tokens", "4", "--cases", "vanilla", "--out", str(c)]) == 0
+    import pytest
+
+    with pytest.raises(ValueError, match="only lengths may differ"):
+        main(["--merge", str(a), str(c), "--out", str(tmp_path / "x.json")])
