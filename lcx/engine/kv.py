@@ -91,8 +91,8 @@ class CacheLayout:
         it does not depend on the length (None: it does, so keys cannot be rotated once);
         `general=True` forces the general path (e.g. an explicit decode backend)."""
         rule = None if general or basis is None else method.decode_rule()
-        if rule is not None:
-            return cls(rule.window, rule.side, True, rule, basis)
+        if rule is not None:  # (a top-k branch may pick any older key: the side store keeps them all)
+            return cls(rule.window, None if rule.top_k else rule.side, True, rule, basis)
         window = method.cache_window
         if window is None:
             return cls(None, 0, False)
@@ -371,6 +371,9 @@ class DecodeStep:
     side_len: int  # the side store's slots this step reads (0: no side key is visible: no side branch)
     main_visible: torch.Tensor  # [B, main_len] bool
     side_visible: torch.Tensor | None  # [B, side_len] bool
+    mid_len: int = 0  # top-k branch: side-store slots holding its candidates (0: none this step)
+    mid_visible: torch.Tensor | None = None  # [B, 1, 1, mid_len] bool: the middle keys of each row
+    mid_rows: torch.Tensor | None = None  # [B, 1, 1, 1] bool: rows whose middle holds >= k keys
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> cos, sin [B, 1, r]
     hidden: torch.Tensor | None = None  # [B, 1, 1, main_len + side_len] True where a slot is not attended
 
@@ -384,13 +387,24 @@ class DecodeStep:
         main_len = min(store.main.capacity, int(p_q.max()) + 1)  # (a ring's slot is p % window <= p)
         main_visible = store.main.pos[:, :main_len] >= 0  # a ring holds only its window
         side_len, side_visible = 0, None
+        rule = lay.rule
+        mid = {}
         if store.side is not None:
-            reach = int(p_q.max()) - lay.window + 1  # side keys at positions <= p_q - window
-            side_len = max(0, min(store.side.capacity, reach))
+            reach = max(0, min(store.side.capacity, int(p_q.max()) - lay.window + 1))  # keys <= p_q - window
+            older = store.side.pos[:, :reach]
+            older = (older >= 0) & (older <= p_q[:, None] - lay.window)
+            side_len = reach if rule is None or not rule.top_k else min(reach, rule.side)
             if side_len:
-                pos = store.side.pos[:, :side_len]
-                side_visible = (pos >= 0) & (pos <= p_q[:, None] - lay.window)
-        step = cls(slots, main_len, side_len, main_visible, side_visible)
+                side_visible = older[:, :side_len]
+                if rule is not None and rule.top_k:
+                    side_visible = side_visible & (store.side.pos[:, :side_len] < rule.side)
+            if rule is not None and rule.top_k and reach > rule.side:
+                # LM-Infinite's middle: side <= p <= p_q - window, in rows holding >= k of them
+                rows = (p_q - lay.window - rule.side + 1) >= rule.top_k
+                if bool(rows.any()) and reach >= rule.top_k:
+                    mid = dict(mid_len=reach, mid_rows=rows[:, None, None, None],
+                               mid_visible=(older & (store.side.pos[:, :reach] >= rule.side))[:, None, None, :])
+        step = cls(slots, main_len, side_len, main_visible, side_visible, **mid)
         if lay.basis is not None:  # lcx rotates (patched model); else the model's position_embeddings
             inv_freq, af = lay.basis
             inv_freq = inv_freq.to(p_q.device)
@@ -401,6 +415,8 @@ class DecodeStep:
                 step.tables["side_query"] = rope_cos_sin(lay.rule.side_query(p), inv_freq, af, tdt)
                 rows = slots.side_rows
                 step.tables["side_key"] = rope_cos_sin(lay.rule.side_key(p[rows]), inv_freq, af, tdt)
+            if step.mid_len:
+                step.tables["top_k_query"] = rope_cos_sin(torch.full_like(p, rule.top_k_query), inv_freq, af, tdt)
         return step
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
@@ -431,19 +447,40 @@ class DecodeStep:
         if self.hidden is None:  # the step's mask, built once for every layer
             vis = self.main_visible if side is None else torch.cat([self.main_visible, self.side_visible], -1)
             self.hidden = ~vis[:, None, None, :]
+        extra = None
+        if self.mid_len and store.layout.rule.top_k_in_layer(layer):
+            extra = self._top_k(q, store.side.k[layer], store.side.v[layer], store.layout.rule.top_k, attn.scaling)
         n = self.main_len
         out = decode_attention(qm, store.main.k[layer][:, :, :n], store.main.v[layer][:, :, :n], self.main_visible,
-                               side=side, scale=attn.scaling, hidden=self.hidden)
+                               side=side, scale=attn.scaling, hidden=self.hidden, extra=extra)
         return attn.o_proj(out.reshape(B, 1, -1))
+
+
+    def _top_k(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, top_k: int, scale: float):
+        """LM-Infinite's top-k middle keys of the step's query: (logits `[B, Hkv, g, k]`, scaled,
+        -inf in rows whose middle holds fewer than k keys; their values `[B, Hkv, g, k, Dv]`)."""
+        B, _, H, D = q.shape
+        Hkv, n = k.shape[1], self.mid_len
+        wide = torch.promote_types(q.dtype, torch.float32)
+        qt = apply_rotary_ref(q, *self.tables["top_k_query"]).reshape(B, Hkv, H // Hkv, D)
+        m = torch.matmul(qt.to(wide), k[:, :, :n].to(wide).transpose(-1, -2)) * scale  # [B, Hkv, g, n]
+        m = m.masked_fill_(~self.mid_visible, NEG_INF)
+        best, idx = m.topk(top_k, dim=-1)  # per query head
+        best = best.masked_fill(~self.mid_rows, NEG_INF)
+        vals = v[:, :, :n].unsqueeze(2).expand(B, Hkv, H // Hkv, n, v.shape[-1])
+        return best, vals.gather(3, idx[..., None].expand(*idx.shape, v.shape[-1]))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
                      side: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     scale: float | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, hidden: torch.Tensor | None = None,
+                     extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per row over a slot store: rotated q `[B, 1, H, D]`, k/v `[B, Hkv, C, D]`,
     visible `[B, C]`; `side` = (q rotated for the side branch, its k, v, visible) joins the
     same softmax. -> `[B, 1, H, Dv]`. `hidden`: the inverse of [visible | side visible] as
-    `[B, 1, 1, C + Cs]`, when the caller has it (one per step, shared by the layers).
+    `[B, 1, 1, C + Cs]`, when the caller has it (one per step, shared by the layers). `extra`:
+    (logits `[B, Hkv, g, n]` already scaled, -inf where not visible; their values
+    `[B, Hkv, g, n, Dv]`) of keys chosen per query head (LM-Infinite's top-k), in the same softmax.
 
     GQA without copies: the H // Hkv query heads of a kv head are one [g, D] block against its
     keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
@@ -457,7 +494,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
     wide = torch.promote_types(q.dtype, torch.float32)
-    if side is None and q.dtype in (torch.float16, torch.bfloat16):
+    if side is None and extra is None and q.dtype in (torch.float16, torch.bfloat16):
         mask = visible[:, None, None, :] if hidden is None else ~hidden
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, g, D), k, v, attn_mask=mask, scale=scale)
         return out.reshape(B, 1, H, v.shape[-1])
@@ -472,11 +509,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         vis = visible if side is None else torch.cat([visible, side[3]], -1)
         hidden = ~vis[:, None, None, :]
     s = (s * scale).masked_fill_(hidden, NEG_INF)
+    if extra is not None:
+        s = torch.cat([s, extra[0].to(wide)], -1)
     p = torch.softmax(s, dim=-1)
     C = k.shape[2]
+    Cs = side[1].shape[2] if side is not None else 0
     out = torch.matmul(p[..., :C], v.to(wide))  # [B, Hkv, g, Dv]
     if side is not None:
-        out = out + torch.matmul(p[..., C:], side[2].to(wide))
+        out = out + torch.matmul(p[..., C:C + Cs], side[2].to(wide))
+    if extra is not None:
+        out = out + torch.matmul(p[..., C + Cs:].unsqueeze(-2), extra[1].to(wide)).squeeze(-2)
     return out.reshape(B, 1, H, v.shape[-1]).to(v.dtype)
 
 

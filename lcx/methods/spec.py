@@ -43,7 +43,8 @@ rotated per step (once more, for the side branch); cached keys never are. Per me
 
     causal            window None
     sliding_window    window w
-    lm_infinite       window L; side G, side_key 0, side_query min(limit, p_q) (the distance cap)
+    lm_infinite       window L; side G, side_key 0, side_query min(limit, p_q) (the distance cap);
+                      with top_k: the k best middle keys, query at top_k_insert_at, key at 0
     sinks (renumber)  window w; side S, side_key p_k, side_query min(p_q, S + w - 1)
     sinks (bare)      window w; side S, side_key p_k, side_query p_q
     self_extend       window W; side every key, side_key floor(p_k / G),
@@ -213,16 +214,31 @@ class DecodeRule:
                 positions (0: no side branch; None: every key).
     side_key:   p_k -> the position a side key is stored rotated at (float64 tensor op).
     side_query: p_q -> the position the query is rotated at for the side branch.
+    top_k:      k > 0: a third branch, LM-Infinite's top-k middle keys. The middle keys
+                side <= p_k <= p_q - window, stored like side keys (rotated at side_key(p_k),
+                so the side store keeps every key), are scored with the query rotated at
+                `top_k_query`; per query head the k best join the softmax with those scores
+                as logits, in layers top_k_layers[0] <= layer < top_k_layers[1] (None: all
+                after), and only where the middle holds at least k keys.
     """
 
     window: int | None
     side: int | None = 0
     side_key: Callable[[torch.Tensor], torch.Tensor] | None = None
     side_query: Callable[[torch.Tensor], torch.Tensor] | None = None
+    top_k: int = 0
+    top_k_query: float | None = None
+    top_k_layers: tuple[int, int | None] = (0, None)
 
     def __post_init__(self) -> None:
         if self.side != 0 and (self.window is None or self.side_key is None or self.side_query is None):
             raise ValueError("a side branch needs a window and both side_key and side_query")
+        if self.top_k and (self.side is None or not self.side_key or self.top_k_query is None):
+            raise ValueError("a top-k branch needs a bounded side branch (its keys' rotation) and top_k_query")
+
+    def top_k_in_layer(self, layer: int) -> bool:
+        lo, hi = self.top_k_layers
+        return bool(self.top_k) and lo <= layer and (hi is None or layer < hi)
 
     @property
     def has_side(self) -> bool:
@@ -358,13 +374,14 @@ class LMInfinite(AttentionMethod):
         return None if self.top_k else (self.n_global, self.n_local)
 
     def decode_rule(self):
-        if self.top_k:
-            return None  # the top-k middle keys are not a fixed window + side branch
         # global keys stored unrotated (position 0), scored with the query at the cap
-        # d = min(limit, p_q) (on a contiguous history Tk - 1 = p_q)
+        # d = min(limit, p_q) (on a contiguous history Tk - 1 = p_q); with top_k, the middle
+        # keys are stored the same way and scored with the query at top_k_insert_at
         limit = self.limit_distance
+        top = dict(top_k=self.top_k, top_k_query=float(self.top_k_insert_at),
+                   top_k_layers=(self.top_k_from_layer, self.top_k_to_layer)) if self.top_k else {}
         return DecodeRule(window=self.n_local, side=self.n_global, side_key=torch.zeros_like,
-                          side_query=lambda p: torch.clamp(p, max=limit))
+                          side_query=lambda p: torch.clamp(p, max=limit), **top)
 
     def last_query_keys(self, positions):
         keys = self.query_keys(positions, 1)

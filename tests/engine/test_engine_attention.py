@@ -27,6 +27,9 @@ METHODS = {
     "self_extend": {"type": "self_extend", "group_size": 3, "window": 7},  # unbounded
     # a cap past G + L - 1: no BoundedKVCache can run it; the engine's rule still bounds it
     "lm_infinite_far_cap": {"type": "lm_infinite", "n_global": 3, "n_local": 12, "limit_distance": 40},
+    # the paper's top-k middle keys (unbounded: any middle key may be picked), from layer 1
+    "lm_infinite_topk": {"type": "lm_infinite", "n_global": 3, "n_local": 12, "top_k": 2, "top_k_from_layer": 1,
+                         "top_k_insert_at": 6},
 }
 
 
@@ -84,7 +87,7 @@ def test_engine_batch_equals_bounded_cache_rows(model64, name):
         # every method with a decode rule decodes on the fast path (keys rotated once)
         assert layout.rotated == (rule is not None)
         bound = None  # slots per row, fixed for a bounded method
-        if rule is not None and rule.window is not None and rule.side is not None:
+        if rule is not None and rule.window is not None and rule.side is not None and not rule.top_k:
             bound = rule.window + rule.side
         elif rule is None and method.cache_window is not None:
             bound = sum(method.cache_window)

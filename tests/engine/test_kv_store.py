@@ -11,7 +11,7 @@ from torch import nn
 
 from lcx.attention import Rotary
 from lcx.engine.kv import CacheLayout, DecodeStep, KVStore
-from lcx.methods import ATTENTION_METHODS, causal, lm_infinite, self_extend, sinks, sliding_window
+from lcx.methods import ATTENTION_METHODS, LMInfinite, causal, lm_infinite, self_extend, sinks, sliding_window
 
 B_LENS = (1, 6, 13)  # prompt lengths of the rows (odd, one shorter than every window)
 STEPS = 11  # decode steps: rows run past every window below
@@ -25,6 +25,10 @@ METHODS = [
     sinks(1, 3, renumber=False),
     self_extend(2, 4),
     self_extend(3, 5),
+    # LM-Infinite's top-k middle keys (layer 0 runs it; the middle reaches k keys after some steps)
+    LMInfinite(2, 4, top_k=2, top_k_from_layer=0, top_k_insert_at=3),
+    LMInfinite(1, 3, limit_distance=2, top_k=3, top_k_from_layer=0, top_k_insert_at=5),
+    LMInfinite(2, 4, top_k=2, top_k_from_layer=1),  # not in this layer: plain Λ over a cache of every key
 ]
 
 
