@@ -3,7 +3,6 @@ vLLM), `EngineConfig`, the finish reasons and limits."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -145,11 +144,9 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown EngineConfig key(s) {unknown}; accepted: {sorted(names)}")
-        return cls(**d)
+        from ..configs import strict_from_dict
+
+        return strict_from_dict(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_model_len": self.max_model_len, "max_batch": self.max_batch,

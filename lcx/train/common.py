@@ -6,20 +6,17 @@ formulas live here, so a fix reaches every loop.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Iterable, Mapping
 
 import torch
 
+from ..configs import strict_from_dict
+
 
 def config_from_dict(cls, d: Mapping[str, Any]):
-    """`cls(**d)` for a config dataclass, rejecting unknown keys by name (configs are data)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; accepted: {sorted(names)}")
-    return cls(**d)
+    """`cls(**d)` for a config dataclass, rejecting unknown keys by name (`lcx.configs`)."""
+    return strict_from_dict(cls, d)
 
 
 def warmup_cosine_lr(step: int, *, lr: float, steps: int, warmup_steps: int, min_ratio: float) -> float:

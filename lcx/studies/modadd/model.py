@@ -28,7 +28,6 @@ acts at up to three places, and only where it means something:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -91,11 +90,9 @@ class EncoderConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EncoderConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown EncoderConfig key(s) {unknown}; accepted: {sorted(names)}")
-        return cls(**d)
+        from lcx.configs import strict_from_dict
+
+        return strict_from_dict(cls, d)
 
 
 # ------------------------------------------------------------------------ position encodings
