@@ -188,9 +188,57 @@ void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& k
   });
 }
 
+// Write token t's key and value into the cache row of its slot: kv [R, 2D] (the cache
+// [num_blocks, Hkv, block_size, 2D] viewed as rows), slot s = block * block_size + offset, head g
+// -> row (block * Hkv + g) * block_size + offset, keys in [0, D), values in [D, 2D). Slots < 0
+// (padding) write nothing. One pass, no temporaries (the torch version is a cat + index_copy_).
+template <typename scalar_t>
+void write_kv_impl(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv,
+                   const torch::Tensor& slots, int64_t block_size, int64_t hkv) {
+  const int64_t N = slots.size(0), D = key.size(2), R = kv.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  scalar_t* out = kv.data_ptr<scalar_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t kvs = kv.stride(0);
+  bool bad = false;
+  for (int64_t t = 0; t < N; ++t) {
+    const int64_t s = sl[t];
+    if (s < 0) continue;
+    const int64_t block = s / block_size, offset = s % block_size;
+    for (int64_t g = 0; g < hkv; ++g) {
+      const int64_t row = (block * hkv + g) * block_size + offset;
+      if (row >= R) { bad = true; continue; }
+      scalar_t* dst = out + row * kvs;
+      std::copy(k + t * ks0 + g * ks1, k + t * ks0 + g * ks1 + D, dst);
+      std::copy(v + t * vs0 + g * vs1, v + t * vs0 + g * vs1 + D, dst + D);
+    }
+  }
+  TORCH_CHECK(!bad, "a slot is outside the cache");
+}
+
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor kv, const torch::Tensor& slots,
+              int64_t block_size, int64_t hkv) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv.dim() == 2 && slots.dim() == 1,
+              "key/value [N, Hkv, D], kv [R, 2D], slots [N]");
+  TORCH_CHECK(key.scalar_type() == kv.scalar_type() && value.scalar_type() == kv.scalar_type(),
+              "key, value and kv must share one dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "contiguous int64 slots");
+  TORCH_CHECK(key.size(0) >= slots.size(0) && value.size(0) >= slots.size(0), "a key and value per slot");
+  TORCH_CHECK(key.size(1) == hkv && value.size(1) == hkv && kv.size(1) == 2 * key.size(2) &&
+                  value.size(2) == key.size(2), "kv rows hold keys then values: width 2 * head_dim");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && kv.stride(1) == 1, "unit channel stride needed");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, kv.scalar_type(), "write_kv", [&] {
+    write_kv_impl<scalar_t>(key, value, kv, slots, block_size, hkv);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "write keys/values into their cache rows by slot (CPU)", py::arg("key"),
+        py::arg("value"), py::arg("kv"), py::arg("slots"), py::arg("block_size"), py::arg("hkv"));
   m.def("paged_relative_attention", &paged_relative_attention,
         "softmax attention with per-(query, key) relative positions over a paged cache (CPU)", py::arg("query"),
         py::arg("kv"), py::arg("rows"), py::arg("q_rows"), py::arg("index"), py::arg("cos"), py::arg("sin"),

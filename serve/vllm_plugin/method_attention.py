@@ -80,7 +80,7 @@ from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
 from lcx.kernels.cpu import paged_relative_attention_cpu
-from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES
+from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES, load_extension
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 
@@ -96,6 +96,11 @@ class _MethodAttention:
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # kv_cache: [num_blocks, Hkv, block_size, 2 * D]; keys in [..., :D], values in [..., D:].
         slots = slot_mapping[: key.shape[0]].long()
+        if getattr(self, "lcx_kernel", None) == "cpp" and key.dtype == value.dtype == kv_cache.dtype \
+                and key.dtype in FUSED_DTYPES:  # one C++ pass, no temporaries
+            load_extension().write_kv(key, value, kv_cache.view(-1, kv_cache.shape[-1]), slots.contiguous(),
+                                      kv_cache.shape[2], kv_cache.shape[1])
+            return
         keep = slots >= 0  # -1: padding tokens
         n = slots.shape[0]
         kv = torch.cat((key[:n], value[:n]), dim=-1)  # [N, Hkv, 2D]: one indexed write

@@ -277,16 +277,21 @@ def test_tensor_parallel_rank_keeps_each_heads_parameters():
         torch.testing.assert_close(part, whole[:, :, h], rtol=1e-12, atol=1e-12)
 
 
-def test_kv_cache_update_writes_each_slot_and_skips_padding():
-    """`do_kv_cache_update`: token t's key/value land at slot_mapping[t] (block, offset) of every
-    kv head; -1 slots (padding) write nothing."""
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+def test_kv_cache_update_writes_each_slot_and_skips_padding(kernel):
+    """`do_kv_cache_update` (torch ops, and the C++ `write_kv`): token t's key/value land at
+    slot_mapping[t] (block, offset) of every kv head; -1 slots (padding) write nothing."""
+    if kernel == "cpp" and attention_kernel() != "cpp":
+        pytest.skip("no C++ toolchain")
     g = torch.Generator().manual_seed(3)
     n_blocks = 5
-    cache = torch.zeros(n_blocks, HKV, BLOCK, 2 * D, dtype=torch.float64)
-    key = torch.randn(6, HKV, D, generator=g, dtype=torch.float64)
-    value = torch.randn(6, HKV, D, generator=g, dtype=torch.float64)
+    dtype = torch.float64 if kernel == "torch" else torch.float32
+    cache = torch.zeros(n_blocks, HKV, BLOCK, 2 * D, dtype=dtype)
+    qkv = torch.randn(6, (H + 2 * HKV) * D, generator=g, dtype=torch.float64).to(dtype)  # as vLLM splits it
+    key = qkv[:, H * D:(H + HKV) * D].view(6, HKV, D)
+    value = qkv[:, (H + HKV) * D:].view(6, HKV, D)
     slots = torch.tensor([17, 3, -1, 39, 8, -1])
-    _MethodAttention.do_kv_cache_update(None, None, key, value, cache, slots)
+    _MethodAttention.do_kv_cache_update(types.SimpleNamespace(lcx_kernel=kernel), None, key, value, cache, slots)
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
