@@ -237,14 +237,18 @@ def merge(args: argparse.Namespace) -> int:
     from lcx.data.io import atomic_savefig
 
     recs = [json.loads(Path(f).read_text()) for f in args.merge]
-    same = ("shape", "layers", "tokens", "threads", "seed", "dtype", "cases")
+    same = ("shape", "layers", "tokens", "threads", "seed", "dtype")
     for f, r in zip(args.merge[1:], recs[1:]):
         diff = [k for k in same if r["config"].get(k) != recs[0]["config"].get(k)]
+        a, b = recs[0]["config"]["cases"], r["config"]["cases"]
+        diff += [f"cases.{n}" for n in sorted(set(a) & set(b)) if a[n] != b[n]]
         if diff:
-            raise ValueError(f"{f}: settings {diff} differ from {args.merge[0]}'s; only lengths may differ")
+            raise ValueError(f"{f}: settings {diff} differ from {args.merge[0]}'s; only lengths (and which "
+                             "cases ran) may differ")
     results = {T: row for r in recs for T, row in r["results"].items()}
     results = dict(sorted(results.items(), key=lambda kv: int(kv[0])))
     config = {**recs[0]["config"], "lengths": [int(T) for T in results],
+              "cases": {n: c for r in recs for n, c in r["config"]["cases"].items()},
               "merged_from": {f: {"lengths": r["config"]["lengths"], "git": r["environment"].get("git")}
                               for f, r in zip(args.merge, recs)}}
     out = Path(args.out)
@@ -264,12 +268,13 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     lines = [f"{'case':<22}" + "".join(f"{T:>22}" for T in results)]
-    names = list(next(iter(results.values())))
+    names = list(dict.fromkeys(n for row in results.values() for n in row))
     for name in names:
         cells = []
         for row in results.values():
-            r = row[name]
-            cells.append(f"{r['tokens_per_s']:7.2f} {r.get('ratio', float('nan')):5.2f}x ({r.get('ideal_ratio', float('nan')):4.2f})")
+            r = row.get(name)
+            cells.append("—" if r is None else
+                         f"{r['tokens_per_s']:7.2f} {r.get('ratio', float('nan')):5.2f}x ({r.get('ideal_ratio', float('nan')):4.2f})")
         lines.append(f"{name:<22}" + "".join(f"{c:>22}" for c in cells))
     lines.append("(tok/s, ratio to vanilla, memory-traffic ideal ratio in parentheses)")
     return "\n".join(lines)
@@ -281,16 +286,15 @@ def plot(results: dict[str, Any], path: Path, savefig, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = [int(T) for T in results]
-    names = list(next(iter(results.values())))
+    names = list(dict.fromkeys(n for row in results.values() for n in row))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     for name in names:
-        ratio = [results[str(T)][name].get("ratio") for T in lengths]
-        line = axes[0].plot(lengths, [results[str(T)][name]["tokens_per_s"] for T in lengths], marker="o", label=name)
+        lengths = [int(T) for T, row in results.items() if name in row]
+        rows = [results[str(T)][name] for T in lengths]
+        line = axes[0].plot(lengths, [r["tokens_per_s"] for r in rows], marker="o", label=name)
         if name != BASELINE:
-            axes[1].plot(lengths, ratio, marker="o", color=line[0].get_color(), label=name)
-            axes[1].plot(lengths, [results[str(T)][name].get("ideal_ratio") for T in lengths], ls=":",
-                         color=line[0].get_color())
+            axes[1].plot(lengths, [r.get("ratio") for r in rows], marker="o", color=line[0].get_color(), label=name)
+            axes[1].plot(lengths, [r.get("ideal_ratio") for r in rows], ls=":", color=line[0].get_color())
     axes[0].set_ylabel("decode tokens/s (1 / median CPU time per step)")
     axes[1].set_ylabel("speed vs vanilla (dotted: memory-traffic ideal)")
     axes[1].axhline(1.0, color="k", lw=0.8)
