@@ -252,23 +252,30 @@ def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
     engine = Engine(m, tok, EngineConfig(methods=run.with_backend(cfg.attn_backend), max_batch=1,
                                          max_model_len=length + cfg.decode_tokens + 1))
     prompt = _prompt_ids(tok, length)
+    # one CPU thread: tokens/s from this process's CPU time, which the other processes of a shared
+    # machine do not inflate (wall time is recorded too); otherwise (threads, GPU) wall time
+    cpu_timed = cfg.device == "cpu" and torch.get_num_threads() == 1
     with torch.inference_mode():
         engine.add_request(prompt, SamplingParams(max_tokens=cfg.decode_tokens, ignore_eos=True))
         t0 = time.perf_counter()
         engine.step()  # prefill + first token
         prefill = time.perf_counter() - t0
-        peak, steps, t1 = engine.kv_cache_bytes, 0, time.perf_counter()
+        peak, steps, t1, c1 = engine.kv_cache_bytes, 0, time.perf_counter(), time.process_time()
         while engine.has_work():
             engine.step()
             steps += 1
             peak = max(peak, engine.kv_cache_bytes)
-        decode = time.perf_counter() - t1
-    return {"prefill_s": round(prefill, 4), "decode_s": round(decode, 4), "decode_steps": steps,
-            "tokens_per_s": steps / decode if decode > 0 else float("nan"), "kv_cache_mb": peak / 2**20,
+        decode, decode_cpu = time.perf_counter() - t1, time.process_time() - c1
+    timed = decode_cpu if cpu_timed else decode
+    return {"prefill_s": round(prefill, 4), "decode_s": round(decode, 4), "decode_cpu_s": round(decode_cpu, 4),
+            "decode_steps": steps, "tokens_per_s": steps / timed if timed > 0 else float("nan"),
+            "timing": "process CPU time (1 thread)" if cpu_timed else "wall", "kv_cache_mb": peak / 2**20,
             "threads": torch.get_num_threads()}
 
 
 CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
+# How a decode cell times (its settings carry it: cells timed otherwise are measured again).
+DECODE_TIMING = "cpu time with one CPU thread, else wall"
 
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
 CELL_VERSION = 2
@@ -364,7 +371,7 @@ def cell_settings(kind: str, model: str, name: str, run: MethodRun, cfg: ReportC
     if kind == "lmeval":
         return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
                 "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}
-    return {**common, "decode_tokens": cfg.decode_tokens}
+    return {**common, "decode_tokens": cfg.decode_tokens, "timing": DECODE_TIMING}
 
 
 def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
@@ -746,11 +753,19 @@ def markdown(record: dict[str, Any]) -> str:
               f"## Decoding ({c['decode_tokens']} greedy tokens after a prompt of L tokens, lcx.engine, batch 1)", "",
               "| method | " + " | ".join(f"{L} tok/s" for L in dl) + " | " + " | ".join(f"{L} KV MB" for L in dl) + " |",
               "|---|" + "---:|" * (2 * len(dl))]
+    def tps(name: str, L: Any) -> str:
+        x, base = _get(record, name, "decode", L, "tokens_per_s"), _get(record, "vanilla", "decode", L, "tokens_per_s")
+        ratio = f" ({x / base:.2f}×)" if "vanilla" in res and math.isfinite(x) and math.isfinite(base) and base else ""
+        return _fmt(x, ".1f") + ratio
+
     for name in res:
-        lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "decode", L, "tokens_per_s"), ".1f")
-                                                 for L in dl) + " | "
+        lines.append(f"| {name} | " + " | ".join(tps(name, L) for L in dl) + " | "
                      + " | ".join(_fmt(_get(record, name, "decode", L, "kv_cache_mb"), ".2f") for L in dl) + " |")
-    lines += ["", "![decoding by length](decode_by_length.png)", "", "## Methods (resolved)", ""]
+    timing = {(_cell(record, n, "decode", L) or {}).get("timing") for n in res for L in dl} - {None}
+    lines += ["", "tok/s (× vanilla at the same length); each cell measured on its own, one after another, "
+              f"timed by {' / '.join(sorted(timing)) or 'wall clock'}: compare ratios with the noise of one "
+              "run in mind (`lcx bench decode` interleaves the methods for a controlled comparison).", "",
+              "![decoding by length](decode_by_length.png)", "", "## Methods (resolved)", ""]
     for name, m in c["methods_resolved"].items():
         lines.append(f"- **{name}**: `{json.dumps({k: v for k, v in m.items() if v})}`")
     for name, why in c["methods_skipped"].items():
