@@ -121,7 +121,9 @@ class VllmMethods:
         """True when such layers cache keys rotated at their true positions (the method has a
         `decode_rule`: LM-Infinite without top-k, sinks, Self-Extend), False when unrotated (SWAT,
         LM-Infinite with top-k) or when vLLM's kernels run the attention."""
-        return self.runs_lcx_attention and self.attention.decode_rule() is not None
+        from .method_attention import rotated_rule  # torch only; no vLLM import
+
+        return self.runs_lcx_attention and rotated_rule(self.attention) is not None
 
     @property
     def needs_unrotated(self) -> bool:

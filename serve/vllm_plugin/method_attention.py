@@ -11,7 +11,8 @@ chunked prefill and decode).
 
 Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class from the method):
 
-- **rotated** (every method with a `DecodeRule`: LM-Infinite without top-k, sinks, Self-Extend).
+- **rotated** (every method with a window + side `DecodeRule`, `rotated_rule`: LM-Infinite
+  without top-k, sinks, Self-Extend).
   The layer runs its rotary embedding as plain vLLM does (lcx's cos/sin table, `.model`), so q
   and k arrive rotated at their true positions and the paged cache holds keys rotated ONCE, when
   written. A decode step follows the method's rule (`lcx.methods.spec`, "Decode rule"): one
@@ -22,7 +23,8 @@ Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class 
   rotated per step (all the keys past the window for Self-Extend, whose grouped positions move
   every key). Prefill and chunked prefill: the same with `AttentionMethod.query_keys`, each key
   re-rotated by (the position the method gives it - its true position), zero inside windows.
-- **unrotated** (SWAT's sigmoid, LM-Infinite with top-k middle keys: no rule). The layer skips
+- **unrotated** (SWAT's sigmoid: no rule; LM-Infinite with top-k middle keys: its rule's top-k
+  branch picks keys by score, not a fixed subset). The layer skips
   vLLM's rotary, the cache holds unrotated keys, and every call rotates the keys it reads
   relative to the unrotated query (`AttentionMethod.query_keys` through
   `lcx.methods.last_query.RelativeKeys`), or runs the method's own `attend`:
@@ -251,7 +253,7 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     p_q - window < p_k <= p_q and its side keys p_k <= p_q - window (among the first `side`);
     with a bounded rule (window and side both set) that is at most side + window keys: the
     first min(side, n - window) and the last window."""
-    rule = method.decode_rule()
+    rule = rotated_rule(method)
     n = seq_lens.long()[req][:, None]  # [B, 1]
     B = req.shape[0]
     W, S = rule.window, rule.side
@@ -488,6 +490,14 @@ def attention_kernel() -> str:
     return "torch"
 
 
+def rotated_rule(method: AttentionMethod):
+    """The method's `DecodeRule` if the rotated layout runs it (window + side branches), else None:
+    no rule (SWAT), or a rule with a top-k branch (LM-Infinite's top-k middle keys, chosen per
+    query head by score, which this module's fixed-subset decode does not compute)."""
+    rule = method.decode_rule()
+    return None if rule is None or rule.top_k else rule
+
+
 def method_for_rank(method: AttentionMethod, total_heads: int, n_heads: int, rank: int) -> AttentionMethod:
     """`method` as tensor-parallel rank `rank` runs it on its `n_heads` of the model's
     `total_heads` query heads (heads [rank * n_heads, (rank + 1) * n_heads)). The same method for
@@ -504,8 +514,9 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     """Make vLLM `Attention` layer `attn_layer` run `method` (see module doc): on q/k rotated at
     their true positions by the layer's rotary embedding (`rotated`, the method must have a
     `decode_rule`), or on unrotated q/k. `inv_freq`, `attention_factor`: the layer's RoPE basis."""
-    if rotated and method.decode_rule() is None:
-        raise ValueError(f"attention method {method.describe()} has no decode rule: it needs unrotated keys")
+    if rotated and rotated_rule(method) is None:
+        raise ValueError(f"attention method {method.describe()} has no window + side decode rule: "
+                         "it needs unrotated keys")
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     impl = attn_layer.impl

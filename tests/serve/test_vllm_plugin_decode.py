@@ -22,7 +22,8 @@ import torch
 from lcx.attention import Rotary
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
 from lcx.rope import apply_rotary_ref, rope_cos_sin
-from lcx.serve.vllm_plugin.method_attention import _MethodAttention, _build_plan, attention_kernel, prefill_backend
+from lcx.serve.vllm_plugin.method_attention import (_MethodAttention, _build_plan, attention_kernel, prefill_backend,
+                                                     rotated_rule)
 from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
@@ -35,7 +36,7 @@ METHODS = {
     "self_extend_2_8": self_extend(2, 8),  # unbounded: per-request path
     "swat_9": swat(9),  # sigmoid + balanced ALiBi: bounded, (0, w)
 }
-ROTATED = [name for name, m in METHODS.items() if m.decode_rule() is not None]  # all but SWAT
+ROTATED = [name for name, m in METHODS.items() if rotated_rule(m) is not None]  # all but SWAT
 ATTENTION_FACTORS = (1.0, 1.25)
 # (cached keys n, queries this step): decode rows of many lengths (below, at and above G + L),
 # prefills and chunked prefills in the same step, two of each shape (batched together).
