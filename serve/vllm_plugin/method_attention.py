@@ -142,7 +142,8 @@ class _MethodAttention:
             lq = g.plan(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor, query.dtype)
             if lq is None:  # not plain softmax attention (SWAT): the method's own path
                 out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], scale=self.scale,
-                                             rotary=Rotary(self.lcx_inv_freq, g.positions, self.lcx_attention_factor))
+                                             rotary=Rotary(self.lcx_inv_freq, g.positions, self.lcx_attention_factor),
+                                             layer_idx=self.lcx_layer_idx)
             else:
                 out = lq.attend(q, kv[..., :d], kv[..., d:], scale=self.scale)
             output[g.rows] = out[:, 0].to(output.dtype)
@@ -165,7 +166,7 @@ class _MethodAttention:
                 k = apply_rotary_ref(k, cos, sin, inverse=True)
                 q = apply_rotary_ref(q, cos[g.n_keys - g.n_queries:], sin[g.n_keys - g.n_queries:], inverse=True)
             out = self.lcx_method.attend(q, k, kv[..., d:], rotary=rotary, scale=self.scale,
-                                         backend=self.lcx_backend)
+                                         backend=self.lcx_backend, layer_idx=self.lcx_layer_idx)
             output[g.token_rows] = out.reshape(B * g.n_queries, *out.shape[2:]).to(output.dtype)
         return output
 
@@ -532,3 +533,13 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> RelativeKeys, see `_prefill_keys`
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)
+    # the model layer (methods that differ per layer: LM-Infinite's top-k) from vLLM's layer name
+    impl.lcx_layer_idx = layer_index(getattr(attn_layer, "layer_name", ""))
+
+
+def layer_index(layer_name: str) -> int | None:
+    """The decoder layer of a vLLM attention layer's name ("model.layers.3.self_attn.attn" -> 3)."""
+    import re
+
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", layer_name)
+    return int(m.group(1)) if m else None

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lcx.attention import Rotary
-from lcx.methods import lm_infinite, self_extend, sinks, sliding_window, swat
+from lcx.methods import LMInfinite, lm_infinite, self_extend, sinks, sliding_window, swat
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 from lcx.serve.vllm_plugin.method_attention import (_MethodAttention, _build_plan, attention_kernel, prefill_backend,
                                                      rotated_rule)
@@ -35,6 +35,8 @@ METHODS = {
     "sliding_window_7": sliding_window(window=7),
     "self_extend_2_8": self_extend(2, 8),  # unbounded: per-request path
     "swat_9": swat(9),  # sigmoid + balanced ALiBi: bounded, (0, w)
+    # the paper's top-k middle keys, this layer (0) on: unbounded, per-request path, layer_idx needed
+    "lm_infinite_topk": LMInfinite(2, 6, top_k=2, top_k_from_layer=0, top_k_insert_at=3),
 }
 ROTATED = [name for name, m in METHODS.items() if rotated_rule(m) is not None]  # all but SWAT
 ATTENTION_FACTORS = (1.0, 1.25)
@@ -90,7 +92,7 @@ def _step(seed: int = 0):
 def _impl(method, attention_kernel="torch", rotated=False, af=1.0):
     impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=INV_FREQ, lcx_attention_factor=af, scale=None,
                                  lcx_backend=prefill_backend(method), lcx_kernel=attention_kernel, lcx_prefill_keys={},
-                                 lcx_rotated=rotated)
+                                 lcx_rotated=rotated, lcx_layer_idx=0)
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     return impl
 
@@ -106,7 +108,7 @@ def test_every_row_equals_the_method_over_the_whole_cache(name):
     rotary = Rotary(impl.lcx_inv_freq, None, 1.0)
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
-        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary)[0]
+        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary, layer_idx=0)[0]
         torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
 
 
@@ -126,8 +128,8 @@ def test_fused_attention_kernel_equals_the_method(name):
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
         args = (query[s:e][None], keys[r][None], values[r][None])
-        exact = method.attend(*args, rotary=rotary)[0]
-        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary)[0]
+        exact = method.attend(*args, rotary=rotary, layer_idx=0)[0]
+        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary, layer_idx=0)[0]
         assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name}: request {r} (n={n})")
 
 
@@ -147,7 +149,7 @@ def test_rotated_layout_equals_the_method(name, af):
     rotary = Rotary(INV_FREQ, None, af)
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
-        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary)[0]
+        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary, layer_idx=0)[0]
         torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
 
 
@@ -169,8 +171,8 @@ def test_rotated_layout_fused_kernel_equals_the_method(name, af):
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
         args = (query[s:e][None], keys[r][None], values[r][None])
-        exact = method.attend(*args, rotary=rotary)[0]
-        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary)[0]
+        exact = method.attend(*args, rotary=rotary, layer_idx=0)[0]
+        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary, layer_idx=0)[0]
         assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name} af={af}: request {r} (n={n})")
 
 
@@ -301,3 +303,11 @@ def test_kv_cache_update_writes_each_slot_and_skips_padding(kernel):
     written = {s for s in slots.tolist() if s >= 0}
     untouched = [s for s in range(n_blocks * BLOCK) if s not in written]
     assert all(cache[s // BLOCK, :, s % BLOCK].abs().sum() == 0 for s in untouched)
+
+
+def test_layer_index_from_vllm_layer_names():
+    from lcx.serve.vllm_plugin.method_attention import layer_index
+
+    assert layer_index("model.layers.3.self_attn.attn") == 3
+    assert layer_index("layers.12.self_attn.attn") == 12
+    assert layer_index("attn") is None
