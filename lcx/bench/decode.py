@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lcx.bench.scale import visible_keys  # the one count of the keys a query sees
+
 DESCRIPTION = "decode tokens/s per method through lcx.engine vs vanilla, one thread, SmolLM2-135M's shape"
 
 
@@ -77,21 +79,6 @@ CASES: tuple[Case, ...] = (
     Case("self_extend", preset="self_extend"),
 )
 BASELINE = "vanilla"
-
-
-def visible_keys(method: Any, T: int) -> int:
-    """Keys the query at position T - 1 sees (None: every key)."""
-    if method is None:
-        return T
-    rule = method.decode_rule()
-    if rule is None:
-        window = method.cache_window
-        return T if window is None else min(T, sum(window))
-    if rule.window is None or rule.window >= T:
-        return T
-    if rule.side is None:  # every older key through the side branch (Self-Extend)
-        return T
-    return rule.window + min(rule.side, T - rule.window)
 
 
 def _share_weights_copy(model):
