@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .method_config import INFERENCE_BACKEND
-from .presets import PRESETS
+from .presets import PRESETS, PresetRun
+from .presets import resolve as resolve_preset
 
 DEFAULT_METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "truncate", "lm_infinite", "lm_infinite_topk",
                    "sliding_window", "sinks", "lm_infinite+yarn", "self_extend", "swat")
@@ -129,36 +130,11 @@ class ReportConfig:
 # Methods: name -> config of the components that run them
 # ============================================================================================
 
-@dataclass(frozen=True)
-class MethodRun:
-    """One report method: its `lcx.MethodConfig` and the model it runs on (None: the report's
-    model; else the preset's sibling model)."""
-
-    config: Any  # lcx.MethodConfig
-    model: str | None = None
-
-    @property
-    def attention(self) -> Any:
-        return self.config.attention
-
-    def with_backend(self, backend: str | None) -> Any:
-        """The config with the report's attention backend (when it has an attention method)."""
-        return self.config.with_default_backend(backend)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = self.config.to_dict()
-        return {"rope": d.get("rope"), "attention": d.get("attention"), "model": self.model}
-
-
-def method_run(name: str, model: str, L0: int, factor: float, n_layers: int | None = None) -> "MethodRun | str":
-    """Preset `name` (`lcx.presets`) for `model` (`n_layers`: its depth, for depth-scaled presets),
-    or why it cannot run there."""
-    from .presets import resolve
-
-    r = resolve(name, model, L0=L0, factor=factor, n_layers=n_layers)
-    if isinstance(r, str):
-        return r
-    return MethodRun(r.config, r.model if r.model != model else None)
+def run_settings(run: PresetRun, model: str) -> dict[str, Any]:
+    """What a cell records of its method: the config's RoPE and attention, and the model it runs
+    on when that is not the report's (a preset's sibling, e.g. SWAT's trained model)."""
+    d = run.config.to_dict()
+    return {"rope": d.get("rope"), "attention": d.get("attention"), "model": run.model if run.model != model else None}
 
 
 def model_hf_config(model: str) -> dict[str, Any]:
@@ -188,7 +164,7 @@ def _tasks_dir() -> str:
     return str(TASKS_DIR)
 
 
-def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
     """passkey + lcx_ppl at one context length through lm-eval's `simple_evaluate` with the
     `lcx` model. Perplexity windows are cut at max(cfg.lengths) tokens (`window_tokens`), so a
     length scores the same text whether it runs alone or in a sweep."""
@@ -197,9 +173,9 @@ def run_lmeval_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
 
     from .lmeval_model import LcxLM
 
-    lm = LcxLM(pretrained=run.model or model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
-               **run.with_backend(cfg.attn_backend).to_flat())
-    meta = {"tokenizer": run.model or model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
+    lm = LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
+               **run.config.with_default_backend(cfg.attn_backend).to_flat())
+    meta = {"tokenizer": run.model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
             "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
     t0 = time.perf_counter()
@@ -240,7 +216,7 @@ def _prompt_ids(tokenizer: Any, n: int) -> list[int]:
     raise ValueError(f"the held-out corpus has only {len(ids)} tokens; asked for {n}")
 
 
-def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+def run_decode_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
     """Prefill `length` tokens of held-out text, then greedy-decode `decode_tokens` with lcx's
     engine (batch 1): prefill time, decode tokens/s and the peak KV-cache size."""
     import torch
@@ -248,8 +224,8 @@ def run_decode_cell(model: str, run: MethodRun, cfg: ReportConfig, length: int) 
     from .engine import Engine, EngineConfig, SamplingParams
     from .models import load_model
 
-    m, tok = load_model(run.model or model, dtype=cfg.dtype, device=cfg.device)
-    engine = Engine(m, tok, EngineConfig(methods=run.with_backend(cfg.attn_backend), max_batch=1,
+    m, tok = load_model(run.model, dtype=cfg.dtype, device=cfg.device)
+    engine = Engine(m, tok, EngineConfig(methods=run.config.with_default_backend(cfg.attn_backend), max_batch=1,
                                          max_model_len=length + cfg.decode_tokens + 1))
     prompt = _prompt_ids(tok, length)
     # one CPU thread: tokens/s from this process's CPU time, which the other processes of a shared
@@ -363,11 +339,11 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def cell_settings(kind: str, model: str, name: str, run: MethodRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
     """What a cell's numbers depend on besides the fingerprint."""
-    common = {"kind": kind, "model": run.model or model, "method": name, "run": run.to_dict(), "seed": cfg.seed,
+    common = {"kind": kind, "model": run.model, "method": name, "run": run_settings(run, model), "seed": cfg.seed,
               "length": length, "device": cfg.device, "dtype": cfg.dtype,
-              "attn_backend": cfg.attn_backend if run.attention else None}
+              "attn_backend": cfg.attn_backend if run.config.attention else None}
     if kind == "lmeval":
         return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
                 "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}
@@ -457,16 +433,16 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     context, n_layers = int(hf_config["max_position_embeddings"]), hf_config.get("num_hidden_layers")
     cfg = cfg.resolved(context)
     factor = max(cfg.lengths) / context
-    runs: dict[str, MethodRun] = {}
+    runs: dict[str, PresetRun] = {}
     skipped: dict[str, str] = {}
     for name in cfg.methods:
-        r = method_run(name, cfg.model, context, max(1.0, factor), n_layers)
+        r = resolve_preset(name, cfg.model, L0=context, factor=max(1.0, factor), n_layers=n_layers)
         if isinstance(r, str):
             skipped[name] = r
             log(f"skipping {name}: {r}")
         else:
             runs[name] = r
-    fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model])
+    fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model != cfg.model])
     if render:
         run_id, keep, why = "render", None, "--render: stored cells with matching settings and fingerprint"
     else:

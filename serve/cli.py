@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-from lcx.method_config import add_method_arguments, split_method_args
+from lcx.method_config import add_method_arguments, method_config_from_args
 from lcx.threads import add_threads_argument, resolve_threads
 
 SWITCH_INTERVAL_S = 0.0005
@@ -75,13 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_method_arguments(parser, json_flag="--methods")
 
 
-def methods_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """`EngineConfig.methods`: the `lcx.MethodConfig` of --methods and the method flags, plus any
-    other engine method named in --methods (checked by `EngineConfig`)."""
-    cfg, other = split_method_args(args)
-    return {**cfg.to_dict(), **other}
-
-
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return run_vllm(args)
@@ -101,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Validate everything that is cheap before loading the model.
     config = EngineConfig(max_model_len=args.max_model_len, max_batch=args.max_batch,
-                          methods=methods_from_args(args))
+                          methods=method_config_from_args(args))
     if args.batch_window_ms < 0:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
     max_body = int(args.max_body_mb * (1 << 20))
@@ -120,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                      max_body_bytes=max_body, body_timeout_s=args.body_timeout_s, max_stop=args.max_stop,
                      chat_template=chat_template)
     print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
-          f"max_batch {config.max_batch}, methods {dict(config.to_dict()['methods'])})", file=sys.stderr, flush=True)
+          f"max_batch {config.max_batch}, methods: {config.methods.describe()})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
     return 0
 
@@ -153,7 +146,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "
                                                                      "FILE')" if dest == "chat_template" else ""))
     python = vllm_python()  # a clear error naming the install script if vLLM is missing
-    model_dir, kwargs, methods = vllm_arguments(args.model, methods_from_args(args),
+    model_dir, kwargs, methods = vllm_arguments(args.model, method_config_from_args(args),
                                                 max_model_len=args.max_model_len, dtype=args.dtype)
     max_model_len, overrides = kwargs.get("max_model_len"), kwargs["hf_overrides"]
     name = args.served_model_name or args.model

@@ -39,12 +39,10 @@ def test_every_format_round_trips(d):
     assert hash(MethodConfig.from_dict(d)) == hash(cfg)
 
 
-def test_flat_rope_dict_and_engine_form_are_accepted():
+def test_flat_rope_dict_is_accepted():
     assert MethodConfig.from_dict({"rope_type": "yarn", "factor": 4}).to_dict() == {"rope": {"rope_type": "yarn",
                                                                                            "factor": 4}}
     assert MethodConfig.from_dict({"type": "linear", "factor": 2}).rope["rope_type"] == "linear"  # HF legacy key
-    engine_form = {"attention": {"type": "sinks", "n_sink": 1, "window": 8, "backend": "ref"}}
-    assert MethodConfig.from_dict(engine_form).backend == "ref"
     assert parse_flat("a=1,b=[1, 2],c=x,d=true") == {"a": 1, "b": [1, 2], "c": "x", "d": True}
 
 
@@ -58,8 +56,9 @@ def test_flat_rope_dict_and_engine_form_are_accepted():
     ({"backend": "flash"}, "without an attention method"),
     ({"rope": {"rope_type": "yarn", "factor": 2}, "window": 3}, r"unknown method config key\(s\) \['window'\]"),
     ({"factor": 2, "attention": None}, "RoPE keys go under 'rope'"),
-    ({"attention": {"type": "sinks", "n_sink": 1, "window": 8, "backend": "ref"}, "backend": "flash"},
-     "backend given twice"),
+    ({"attention": {"type": "sinks", "n_sink": 1, "window": 8, "backend": "ref"}}, "backend inside 'attention'"),
+    ({"attention": {"type": "sinks", "n_sink": 1, "window": 8, "decode_backend": "ref"}, "backend": "flash"},
+     "decode_backend inside 'attention'"),
 ])
 def test_bad_configs_name_the_problem(d, match):
     with pytest.raises(ValueError, match=match):
@@ -108,8 +107,16 @@ def test_cli_flags_build_the_same_config():
 def test_derived_values():
     class Cfg:
         max_position_embeddings = 64
+        rope_theta = 10_000.0
+
+    class Scaled(Cfg):  # a model whose own rope parameters name its original length
+        rope_parameters = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10_000.0,
+                           "original_max_position_embeddings": 32}
 
     assert MethodConfig.from_dict({"rope": {"rope_type": "yarn", "factor": 4}}).context_len(Cfg) == 256
+    # the spec is resolved against the model: L is the model's original length, not its window
+    assert MethodConfig.from_dict({"rope": {"rope_type": "yarn", "factor": 4}}).context_len(Scaled) == 128
+    assert MethodConfig.from_dict({"rope": {"rope_type": "truncate"}}).context_len(Cfg) is None
     assert MethodConfig.from_dict({"rope": {"rope_type": "yarn", "factor": 4,
                                             "original_max_position_embeddings": 32}}).context_len(Cfg) == 128
     assert MethodConfig().context_len(Cfg) is None

@@ -9,7 +9,7 @@ import pytest
 
 from lcx.report import (
     DEFAULT_METHODS,
-    method_run,
+    run_settings,
     ReportConfig,
     cell_settings,
     code_fingerprint,
@@ -18,6 +18,12 @@ from lcx.report import (
     plan_run,
     run_report,
 )
+
+
+def method_run(name, model, L0, factor):
+    from lcx.presets import resolve
+
+    return resolve(name, model, L0=L0, factor=factor)
 
 
 def test_every_default_method_is_a_preset():
@@ -45,16 +51,17 @@ def test_config_errors_name_the_field(kwargs, match):
 
 def test_methods_resolve_to_component_configs():
     runs = {n: method_run(n, "tiny-5m", 256, 8.0) for n in DEFAULT_METHODS}
-    assert runs["vanilla"].to_dict() == {"rope": None, "attention": None, "model": None}
-    assert runs["yarn"].to_dict()["rope"] == {"rope_type": "yarn", "factor": 8.0}
-    assert runs["lm_infinite"].to_dict()["attention"] == {"type": "lm_infinite", "n_global": 10, "n_local": 256}
+    assert run_settings(runs["vanilla"], "tiny-5m") == {"rope": None, "attention": None, "model": None}
+    assert run_settings(runs["yarn"], "tiny-5m")["rope"] == {"rope_type": "yarn", "factor": 8.0}
+    assert run_settings(runs["lm_infinite"], "tiny-5m")["attention"] == {"type": "lm_infinite", "n_global": 10,
+                                                                         "n_local": 256}
     both = runs["lm_infinite+yarn"]
     # LM-Infinite + YaRN: the `yarn` row's YaRN under LM-Infinite's window
     assert both.config.to_dict() == {"rope": {"rope_type": "yarn", "factor": 8.0},
                                      "attention": {"type": "lm_infinite", "n_global": 10, "n_local": 256}}
     assert both.config.to_flat() == {"rope_type": "yarn", "factor": 8.0, "attention": "lm_infinite",
                                      "n_global": 10, "n_local": 256}
-    assert runs["swat"].model == "tiny-swat-5m"
+    assert runs["swat"].model == "tiny-swat-5m" and run_settings(runs["swat"], "tiny-5m")["model"] == "tiny-swat-5m"
     assert "no swat model" in method_run("swat", "smollm2-135m", 8192, 2.0)
     # every resolved config is accepted by the components that run it, in their formats
     from lcx.engine import EngineConfig
@@ -62,13 +69,13 @@ def test_methods_resolve_to_component_configs():
 
     for r in runs.values():
         for backend in (None, "flash"):
-            EngineConfig(methods=r.with_backend(backend))
-            EngineConfig(methods=r.with_backend(backend).to_dict())
-            split_model_args(r.with_backend(backend).to_flat())
-    assert both.with_backend("flash").to_dict()["backend"] == "flash"
-    assert both.with_backend("flash").to_flat()["attn_backend"] == "flash"
+            c = r.config.with_default_backend(backend)
+            assert EngineConfig(methods=c).methods == EngineConfig(methods=c.to_dict()).methods == c
+            split_model_args(c.to_flat())
+    assert both.config.with_default_backend("flash").to_dict()["backend"] == "flash"
+    assert both.config.with_default_backend("flash").to_flat()["attn_backend"] == "flash"
     assert "backend" not in both.config.to_dict()  # the run's own config is not changed
-    assert runs["yarn"].with_backend("flash").to_flat() == {"rope_type": "yarn", "factor": 8.0}
+    assert runs["yarn"].config.with_default_backend("flash").to_flat() == {"rope_type": "yarn", "factor": 8.0}
 
 
 def test_depth_fractions_are_sorted_and_recorded():

@@ -44,8 +44,9 @@ for them a request's output depends on what it is batched with (as with HF batch
 run with `max_batch=1` for per-request semantics. Static types have no such effect.
 
 Limits: `max_model_len` bounds prompt + max_tokens; a request over it is rejected with
-`ValueError` (never truncated). Methods come from `EngineConfig.methods` and `ENGINE_METHODS`;
-unknown names raise. Attention methods (`"attention": {"type": "lm_infinite", "n_global": 16,
+`ValueError` (never truncated). The methods are one `lcx.MethodConfig` (`EngineConfig.methods`),
+applied at start-up by `MethodConfig.apply` (RoPE, then attention: the same route as
+`lcx.patch`); its `context_len` is the default `max_model_len`. Attention methods (`"attention": {"type": "lm_infinite", "n_global": 16,
 "n_local": 1024}`, `sliding_window`, `sinks`, `self_extend`; `lcx.methods`) patch the model's
 attention for prefill; decoding follows the method's `decode_rule` over the cache of rotated
 keys (`lcx.engine.kv`), which holds window + first keys per row for a bounded method however
@@ -56,10 +57,10 @@ gathered per step for the method's own `attend` (`lcx_key_positions`, `lcx.hf.at
 Tokens equal unbatched decoding with a `BoundedKVCache` (or a full cache, for unbounded methods)
 in float64 (tests/engine/test_engine_attention.py). A model trained with an attention method
 (SWAT) records it in its config (`lcx.hf.recorded`); without an `attention` entry the engine
-takes that method (`model_attention`) and bounds the cache from its `cache_window` the same
+takes that method (`lcx.hf.recorded.recorded_method`; `Engine.methods` then names it) and bounds the cache from its `cache_window` the same
 way, without patching (the model already runs it).
 
-Package layout: `params` (SamplingParams, EngineConfig, limits), `methods` (ENGINE_METHODS),
+Package layout: `params` (SamplingParams, EngineConfig, limits),
 `kv` (the running batch's KV cache and the decode step), `sampling` (penalties, greedy,
 temperature/min_p/top_k/top_p, logprobs), `detok` (token bytes/strings, stop strings, the text
 an unfinished request may hand out), `outputs` (TokenLogprob, StepEvent, RequestOutput,
@@ -71,7 +72,6 @@ engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Im
 
 from .core import Engine
 from .kv import CacheLayout, DecodeStep, KVStore
-from .methods import ENGINE_METHODS, EngineMethod, ResolvedAttention, check_method, model_attention
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
 from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
 from .reference import greedy_decode_ref
@@ -79,7 +79,6 @@ from .reference import greedy_decode_ref
 __all__ = [
     "CacheLayout",
     "DecodeStep",
-    "ENGINE_METHODS",
     "FINISH_REASONS",
     "INT64_MAX",
     "INT64_MIN",
@@ -87,15 +86,11 @@ __all__ = [
     "ContextLengthError",
     "Engine",
     "EngineConfig",
-    "EngineMethod",
     "EngineStats",
     "KVStore",
     "RequestOutput",
-    "ResolvedAttention",
     "SamplingParams",
     "StepEvent",
     "TokenLogprob",
-    "check_method",
     "greedy_decode_ref",
-    "model_attention",
 ]

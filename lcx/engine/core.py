@@ -3,6 +3,7 @@ The batch layout, sampling order and limits are stated once in `lcx.engine`'s do
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -14,7 +15,8 @@ from torch import nn
 from .batch import _hf_cache
 from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, DecodeStep, KVStore
-from .methods import check_method, model_attention
+from ..hf.recorded import recorded_method
+from ..method_config import MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
 from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
 from .sampling import greedy_and_logprobs, logprob_rows, sample
@@ -73,31 +75,29 @@ class Engine:
         check_model_type(model, "lcx.engine")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
-        self.resolved_methods: dict[str, Any] = {}
-        context = None
-        for name, params in config.methods.items():
-            method = check_method(name)
-            resolved = method.apply(model, params)
-            self.resolved_methods[name] = resolved
-            context = method.context_len(model, resolved) or context
-        recorded = False
-        if "attention" not in self.resolved_methods:
+        methods = config.methods
+        context = methods.context_len(model.config)  # before the patch changes the model's rope
+        methods.apply(model)
+        recorded = methods.attention is None and recorded_method(model) is not None
+        if recorded:
             # none asked for: the model's own attention method, when its config records one (a
-            # model trained with it, e.g. SWAT), resolved and bounded like one asked for
-            own = model_attention(model)
-            if own is not None:
-                self.resolved_methods["attention"] = own
-                recorded = True
+            # model trained with it, e.g. SWAT), bounded like one asked for (not applied: the
+            # model already runs it, per row on `lcx_key_positions` like a patched model)
+            own = recorded_method(model)
+            methods = dataclasses.replace(methods, attention=own.attention, backend=own.backend,
+                                          decode_backend=own.decode_backend)
+        # what the engine runs: the config applied, plus the attention method the model records
+        self.methods: MethodConfig = methods
         self._recorded = recorded
-        self.cache_layout = _cache_layout(model, self.resolved_methods.get("attention"), recorded)
-        self._hook = self.cache_layout.rotated and "attention" not in self.resolved_methods
+        self.cache_layout = _cache_layout(model, methods, recorded)
+        self._hook = self.cache_layout.rotated and methods.attention is None
         if self._hook:
             from ..hf.attention_patch import install_decode_hook
 
             install_decode_hook(model)
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
-        self._row_attention = "attention" in self.resolved_methods
+        self._row_attention = methods.attention is not None
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.vocab_size = int(model.config.vocab_size)
@@ -117,6 +117,20 @@ class Engine:
         self._seqs: list[_Seq] = []
         self._store: KVStore | None = None
         self._detok = Detokenizer(tokenizer)
+
+    def methods_info(self) -> dict[str, Any]:
+        """What the engine runs, for people and records (the server's model card): `methods` in
+        the nested form, the RoPE spec resolved against the model, and the per-row KV window
+        (`[n_first, n_recent]`; None: every key is kept)."""
+        from ..hf.rope_patch import current_spec
+
+        d = self.methods.to_dict()
+        spec = current_spec(self.model)
+        if spec is not None:
+            d["rope"] = spec.to_dict()
+        window = self.methods.kv_window
+        d["kv_window"] = list(window) if window is not None else None
+        return d
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: EngineConfig | None = None, *,
@@ -396,7 +410,7 @@ class Engine:
         from ..hf.attention_patch import current_patch, has_decode_hook, install_decode_hook
 
         patched = current_patch(self.model) is not None
-        if patched != ("attention" in self.resolved_methods and not self._recorded):
+        if patched != (self.methods.attention is not None and not self._recorded):
             raise RuntimeError("the model's attention patch changed after the engine was built; build a new Engine")
         if not patched and not has_decode_hook(self.model):
             install_decode_hook(self.model)
@@ -518,23 +532,22 @@ class Engine:
         return self._event(s)
 
 
-def _cache_layout(model: nn.Module, attention: Any, recorded: bool) -> CacheLayout:
-    """The engine's `CacheLayout` for a model and its resolved attention method (None: none).
+def _cache_layout(model: nn.Module, methods: MethodConfig, recorded: bool) -> CacheLayout:
+    """The engine's `CacheLayout` for a model and the methods it runs.
 
     Keys are cached rotated once (the fast path) unless the method has no `DecodeRule` (SWAT),
     the RoPE basis changes with the length (dynamic NTK, longrope: a key rotated once would
     keep an old basis, which an attention method's reference does not do), an explicit
     `decode_backend` asks for the method's own attention, the method is one a model records
     (it runs its own attention forward), or the unpatched model has its own sliding window."""
-    if attention is None:
+    if methods.attention is None:
         cfg = model.config
         window = getattr(cfg, "sliding_window", None)
         if window and getattr(cfg, "use_sliding_window", True):
             return CacheLayout(rotated=False)  # HF masks its window; the general path hands it the mask
         return CacheLayout.unpatched()
-    basis = _static_basis(model)
-    return CacheLayout.for_method(attention.method, basis=basis,
-                                  general=recorded or attention.decode_backend is not None)
+    return CacheLayout.for_method(methods.attention, basis=_static_basis(model),
+                                  general=recorded or methods.decode_backend is not None)
 
 
 def _static_basis(model: nn.Module) -> tuple[torch.Tensor, float] | None:

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping
 
-
-from .methods import _engine_methods, _method_config, check_method
+from ..method_config import MethodConfig
 
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -112,35 +110,25 @@ class EngineConfig:
     """Start-up configuration of an `Engine`.
 
     max_model_len: limit on prompt + max_tokens of every request (None: the model's
-        `max_position_embeddings`, times the RoPE `factor` when a `rope` method with a factor is
-        applied). May be set above the model's trained context on purpose (extrapolation).
+        `max_position_embeddings`, or the context the methods imply: `MethodConfig.context_len`,
+        L x the RoPE factor). May be set above the model's trained context on purpose
+        (extrapolation).
     max_batch: most requests decoded together; more wait (FIFO).
-    methods: an `lcx.MethodConfig` or its nested dict (`{"rope": {"rope_type": "yarn", "factor":
-        4}, "attention": {...}, "backend": ...}`), plus any other method registered in
-        `ENGINE_METHODS` as `{name: params}`; applied at start-up (rope, attention, then the others).
+    methods: the `lcx.MethodConfig` the engine applies at start-up (`MethodConfig.apply`: RoPE,
+        then attention). A nested dict is parsed into one here (the JSON edge, e.g. `from_dict`);
+        without an attention method the engine runs the one the model's config records, if any.
     """
 
     max_model_len: int | None = None
     max_batch: int = 16
-    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    methods: MethodConfig = field(default_factory=MethodConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not _is_int(self.max_batch) or self.max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
-        methods = _engine_methods(self.methods)
-        for name, params in methods.items():
-            check_method(name)
-            if not isinstance(params, Mapping):
-                raise ValueError(f"methods[{name!r}] must be a mapping of parameters, got {params!r}")
-        object.__setattr__(self, "methods", MappingProxyType(
-            {k: MappingProxyType(dict(v)) for k, v in methods.items()}))
-
-    @property
-    def method_config(self) -> Any:
-        """The `lcx.MethodConfig` part of `methods` (RoPE + attention + backends)."""
-        return _method_config(self.methods)
+        object.__setattr__(self, "methods", MethodConfig.from_dict(self.methods))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
@@ -149,8 +137,7 @@ class EngineConfig:
         return strict_from_dict(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_model_len": self.max_model_len, "max_batch": self.max_batch,
-                "methods": {k: dict(v) for k, v in self.methods.items()}}
+        return {"max_model_len": self.max_model_len, "max_batch": self.max_batch, "methods": self.methods.to_dict()}
 
 
 def _is_int(x: Any) -> bool:

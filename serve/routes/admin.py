@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -16,19 +14,9 @@ from ..protocol import APIError, Health, ModelCard, ModelList
 router = APIRouter()
 
 
-def _jsonable(x: Any) -> Any:
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    try:
-        json.dumps(x)
-        return x
-    except TypeError:
-        return repr(x)
-
-
 def _card(c: ServerContext) -> ModelCard:
     return ModelCard(id=c.model_name, created=int(time.time()), max_model_len=c.engine.max_model_len,
-                     lcx_methods={k: _jsonable(v) for k, v in c.engine.resolved_methods.items()})
+                     lcx_methods=c.engine.methods_info())
 
 
 @router.get("/v1/models", responses=errors(401))

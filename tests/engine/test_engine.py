@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from lcx.engine import (
-    ENGINE_METHODS,
     ContextLengthError,
     Engine,
     EngineConfig,
-    EngineMethod,
     SamplingParams,
     greedy_decode_ref,
 )
@@ -290,8 +288,10 @@ def test_sampling_params_reject_bad_values(kwargs, match):
 
 
 def test_unknown_methods_are_rejected():
-    with pytest.raises(ValueError, match=r"unknown engine method 'nope'; supported: \['attention', 'rope'\]"):
+    with pytest.raises(ValueError, match=r"unknown method config key\(s\) \['nope'\]; accepted: \['rope', 'attention'"):
         EngineConfig(methods={"nope": {}})
+    with pytest.raises(ValueError, match=r"unknown method config key\(s\) \['backend_x'\]"):
+        EngineConfig.from_dict({"methods": {"attention": {"type": "sinks", "n_sink": 1, "window": 4}, "backend_x": 1}})
     with pytest.raises(ValueError, match="attention method type 'lm_infinit' is not known"):
         Engine(*tiny_llama(seed=0), EngineConfig(methods={"attention": {"type": "lm_infinit"}}))
     with pytest.raises(ValueError, match=r"unknown EngineConfig key\(s\) \['max_len'\]"):

@@ -440,17 +440,18 @@ def test_cli_methods_and_errors(tiny_model_dir, capsys):
     import argparse
 
     from lcx.cli import main
-    from lcx.serve.cli import add_arguments, methods_from_args
+    from lcx.method_config import method_config_from_args
+    from lcx.serve.cli import add_arguments
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     args = ap.parse_args(["--model", "m", "--rope", "yarn", "--factor", "4"])
-    assert methods_from_args(args) == {"rope": {"rope_type": "yarn", "factor": 4.0}}
-    assert methods_from_args(ap.parse_args(["--model", "m"])) == {}
+    assert method_config_from_args(args).to_dict() == {"rope": {"rope_type": "yarn", "factor": 4.0}}
+    assert method_config_from_args(ap.parse_args(["--model", "m"])).is_identity
     cases = [
-        (["--methods", '{"lm_infinite": {}}'], "unknown engine method 'lm_infinite'"),
+        (["--methods", '{"lm_infinite": {}}'], "unknown method config key(s) ['lm_infinite']"),
         (["--methods", '{"attention": {"type": "lm_infinite", "n_global": 4, "n_local": 0}}'], "n_local must be >= 1"),
-        (["--methods", '{"bogus": {}}'], "unknown engine method 'bogus'"),
+        (["--methods", '{"bogus": {}}'], "unknown method config key(s) ['bogus']"),
         (["--methods", "{oops"], "--methods is not valid JSON"),
         (["--methods", '{"rope": {"rope_type": "ntk", "factor": 2}}', "--rope", "yarn"], "both with --rope flags"),
         (["--max-batch", "0"], "max_batch must be a positive integer"),

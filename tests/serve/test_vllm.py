@@ -134,12 +134,9 @@ def _lcx_hf_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -
 
 
 def _lcx_engine(model_dir: Path, methods: dict):
-    """lcx's Engine running `methods` (None if the engine does not have one of them)."""
-    from lcx.engine import ENGINE_METHODS, Engine, EngineConfig
+    """lcx's Engine running `methods` (an `lcx.MethodConfig` dict, as the plugin takes)."""
+    from lcx.engine import Engine, EngineConfig
 
-    # Same {name: params} shape as the engine's methods ("rope", "attention").
-    if not set(methods) <= set(ENGINE_METHODS):
-        return None
     return Engine.from_pretrained(str(model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch=1,
                                                                methods=methods), dtype="float32")
 
