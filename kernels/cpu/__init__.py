@@ -10,6 +10,6 @@ Compiled on first use by `torch.utils.cpp_extension.load` (cached); importing th
 compiles nothing.
 """
 
-from .relative_attention import CPP_SOURCE, load_extension, paged_relative_attention_cpu, unavailable
+from .relative_attention import CPP_SOURCE, compact_index, load_extension, paged_relative_attention_cpu, unavailable
 
-__all__ = ["CPP_SOURCE", "load_extension", "paged_relative_attention_cpu", "unavailable"]
+__all__ = ["CPP_SOURCE", "compact_index", "load_extension", "paged_relative_attention_cpu", "unavailable"]

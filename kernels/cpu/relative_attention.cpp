@@ -21,6 +21,11 @@
 //     rotating, so only the method's few moved keys (LM-Infinite's globals, ...) are rotated.
 // The tables are indexed by a small table row u, not by (query, key): a step's relative
 // positions repeat, so U is small.
+// Compacted calls (`cols` non-empty, [1 or B, Tq, Kc]): query t reads only the keys k = cols[.., t, c]
+// (c < Kc, -1: none), with table rows index[.., t, c]. A bounded method's prefill query sees
+// its window + side keys, not the Tk - window others, so the loop runs over Kc = side + window
+// entries instead of skipping Tk - Kc invisible keys for every (query, head); without `cols`,
+// c = k and Kc = K.
 // References: `LastQueryPlan.attend` and `AttentionMethod.attend` (tests/kernels/test_relative_attention_cpu.py).
 //
 // Threads: one task per (request, query, kv head) through at::parallel_for (torch's intra-op pool).
@@ -43,13 +48,16 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>
 void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
-                             const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cos,
-                             const torch::Tensor& sin, double scale, torch::Tensor& out) {
+                             const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cols,
+                             const torch::Tensor& cos, const torch::Tensor& sin, double scale, torch::Tensor& out) {
   const int64_t B = rows.size(0), K = rows.size(1), Hkv = rows.size(2), Tq = q_rows.size(1);
+  const int64_t Kc = index.size(2);  // entries per query: K, or the compacted width of `cols`
   const int64_t H = query.size(1), D = query.size(2), half = cos.size(1), R = kv.size(0);
   const int64_t U = cos.size(0), N = std::min(query.size(0), out.size(0));
   const int64_t group = H / Hkv;
   const bool per_request = index.size(0) != 1;
+  const bool compact = cols.numel() > 0;
+  const int64_t* cols_ptr = compact ? cols.data_ptr<int64_t>() : nullptr;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   const scalar_t* kv_ptr = kv.data_ptr<scalar_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
@@ -77,11 +85,12 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
   // One task per (request, query, kv head): the key is read and rotated once for the `group`
   // query heads that share it (GQA), each head keeping its own scores and accumulator.
   at::parallel_for(0, B * Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), s(group * K), kr(D), mx(group), total(group);
-    std::vector<char> visible(K);
+    std::vector<float> qf(group * D), acc(group * D), s(group * Kc), kr(D), mx(group), total(group);
+    std::vector<int64_t> key_row(Kc);  // cache row of entry c's key (-1: not read)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task % Hkv, bt = task / Hkv, t = bt % Tq, b = bt / Tq;
-      const int64_t* idx = idx_ptr + ((per_request ? b : 0) * Tq + t) * K;
+      const int64_t* idx = idx_ptr + ((per_request ? b : 0) * Tq + t) * Kc;
+      const int64_t* col = compact ? cols_ptr + ((per_request ? b : 0) * Tq + t) * Kc : nullptr;
       const int64_t* key_rows = rows_ptr + b * K * Hkv + g;  // key k's row: key_rows[k * Hkv]
       const int64_t row = qr_ptr[b * Tq + t];
       if (row < 0 || row >= N) {
@@ -93,12 +102,21 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[i]);
       }
       std::fill(mx.begin(), mx.end(), kNegInf);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t u = idx[k];
+      for (int64_t c = 0; c < Kc; ++c) {
+        key_row[c] = -1;
+        const int64_t u = idx[c];
+        const int64_t k = compact ? col[c] : c;
+        if (u < 0 || k < 0) continue;  // not visible (or a compacted row's padding)
+        if (u >= U || k >= K) {  // checked where read, not by a separate pass
+          bad = true;
+          continue;
+        }
         const int64_t kr_row = key_rows[k * Hkv];
-        if (u >= U || kr_row < 0 || kr_row >= R) bad = true;  // checked where read, not by a separate pass
-        visible[k] = u >= 0 && u < U && kr_row >= 0 && kr_row < R;
-        if (!visible[k]) continue;
+        if (kr_row < 0 || kr_row >= R) {
+          bad = true;
+          continue;
+        }
+        key_row[c] = kr_row;
         const scalar_t* key = kv_ptr + kr_row * kvs;
         const float* kp = kr.data();  // the key as the query sees it
         if (identity[u]) {
@@ -108,13 +126,13 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
             for (int64_t i = 0; i < D; ++i) kr[i] = static_cast<float>(key[i]);
           }
         } else {
-          const float* c = cos_ptr + u * half;
+          const float* cs = cos_ptr + u * half;
           const float* sn = sin_ptr + u * half;
 #pragma omp simd
           for (int64_t i = 0; i < half; ++i) {
             const float k1 = static_cast<float>(key[i]), k2 = static_cast<float>(key[i + half]);
-            kr[i] = k1 * c[i] - k2 * sn[i];
-            kr[i + half] = k2 * c[i] + k1 * sn[i];
+            kr[i] = k1 * cs[i] - k2 * sn[i];
+            kr[i + half] = k2 * cs[i] + k1 * sn[i];
           }
           for (int64_t i = 2 * half; i < D; ++i) kr[i] = static_cast<float>(key[i]);
         }
@@ -123,17 +141,17 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < D; ++i) dot += qj[i] * kp[i];
-          s[j * K + k] = dot * fscale;
-          mx[j] = std::max(mx[j], s[j * K + k]);
+          s[j * Kc + c] = dot * fscale;
+          mx[j] = std::max(mx[j], s[j * Kc + c]);
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(total.begin(), total.end(), 0.f);
-      for (int64_t k = 0; k < K; ++k) {
-        if (!visible[k]) continue;  // the same keys are visible to every head of the group
-        const scalar_t* val = kv_ptr + key_rows[k * Hkv] * kvs + D;
+      for (int64_t c = 0; c < Kc; ++c) {
+        if (key_row[c] < 0) continue;  // the same keys are visible to every head of the group
+        const scalar_t* val = kv_ptr + key_row[c] * kvs + D;
         for (int64_t j = 0; j < group; ++j) {
-          const float p = std::exp(s[j * K + k] - mx[j]);
+          const float p = std::exp(s[j * Kc + c] - mx[j]);
           total[j] += p;
           float* a = acc.data() + j * D;
 #pragma omp simd
@@ -155,8 +173,8 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
 }
 
 void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
-                              const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cos,
-                              const torch::Tensor& sin, double scale, torch::Tensor out) {
+                              const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cols,
+                              const torch::Tensor& cos, const torch::Tensor& sin, double scale, torch::Tensor out) {
   TORCH_CHECK(query.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv.dim() == 2 && rows.dim() == 3 && q_rows.dim() == 2 &&
                   index.dim() == 3,
@@ -171,8 +189,15 @@ void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& k
   const int64_t B = rows.size(0), K = rows.size(1), Hkv = rows.size(2), H = query.size(1), D = query.size(2);
   const int64_t Tq = q_rows.size(1);
   TORCH_CHECK(q_rows.size(0) == B, "q_rows must have one row of queries per request");
-  TORCH_CHECK((index.size(0) == 1 || index.size(0) == B) && index.size(1) == Tq && index.size(2) == K,
-              "index must be [1 or B, Tq, K]");
+  if (cols.numel() > 0) {
+    TORCH_CHECK(cols.scalar_type() == torch::kInt64 && cols.is_contiguous() && cols.sizes() == index.sizes(),
+                "cols must be contiguous int64 of index's shape [1 or B, Tq, Kc]");
+    TORCH_CHECK((index.size(0) == 1 || index.size(0) == B) && index.size(1) == Tq && index.size(2) >= 1,
+                "index must be [1 or B, Tq, Kc]");
+  } else {
+    TORCH_CHECK((index.size(0) == 1 || index.size(0) == B) && index.size(1) == Tq && index.size(2) == K,
+                "index must be [1 or B, Tq, K]");
+  }
   TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(kv.size(1) == 2 * D, "kv rows hold keys then values: width 2 * head_dim");
   TORCH_CHECK(out.size(1) == H && out.size(2) == D, "out must be [N, H, D]");
@@ -184,7 +209,7 @@ void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& k
   TORCH_CHECK(K >= 1, "at least one key per request");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, query.scalar_type(),
                                   "paged_relative_attention", [&] {
-    relative_attention_impl<scalar_t>(query, kv, rows, q_rows, index, cos, sin, scale, out);
+    relative_attention_impl<scalar_t>(query, kv, rows, q_rows, index, cols, cos, sin, scale, out);
   });
 }
 
@@ -241,6 +266,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value"), py::arg("kv"), py::arg("slots"), py::arg("block_size"), py::arg("hkv"));
   m.def("paged_relative_attention", &paged_relative_attention,
         "softmax attention with per-(query, key) relative positions over a paged cache (CPU)", py::arg("query"),
-        py::arg("kv"), py::arg("rows"), py::arg("q_rows"), py::arg("index"), py::arg("cos"), py::arg("sin"),
+        py::arg("kv"), py::arg("rows"), py::arg("q_rows"), py::arg("index"), py::arg("cols"), py::arg("cos"), py::arg("sin"),
         py::arg("scale"), py::arg("out"));
 }

@@ -1,7 +1,8 @@
 """Loader and public wrapper of the CPU relative-position attention (`relative_attention.cpp`).
 
     paged_relative_attention_cpu(query [N, H, D], kv [R, 2D], rows [B, K, Hkv], q_rows [B, Tq],
-                                 keys: RelativeKeys, *, scale, out [N, H, D]) -> out
+                                 keys: RelativeKeys, *, scale, out [N, H, D], cols=None) -> out
+    cols, index = compact_index(keys.index)   # only the visible keys of each query: [Bd, Tq, Kc]
 
 Softmax attention of Tq queries per request over K keys read from a paged cache, each key
 rotated to its position relative to the query (`lcx.methods.last_query.RelativeKeys`: which keys
@@ -11,8 +12,19 @@ rows of [key | value] (vLLM's CPU layout `[num_blocks, Hkv, block_size, 2D]` vie
 row of `query`/`out` of request b's t-th query. Keys and queries are UNROTATED (the tables hold
 positions relative to the query), or both rotated at their true positions (the tables hold the
 method's position minus the true one, unit scale: identity rows, read without rotating, for keys
-the method leaves in place; the vLLM plugin's rotated layout). Writes `out[q_rows]` only. Equal, within `lcx.testing`'s budget, to the method's `attend` on the gathered keys
+the method leaves in place; the vLLM plugin's rotated layout). Writes `out[q_rows]` only. Equal,
+within `lcx.testing`'s budget, to the method's `attend` on the gathered keys
 (tests/kernels/test_relative_attention_cpu.py).
+
+Compacted index (`cols`, from `compact_index`): query t reads only keys `cols[.., t, c]` (-1:
+none) with table rows `index[.., t, c]`, so a bounded method's prefill (each query sees
+side + window keys of Tk) costs O(Tq * (side + window)), not O(Tq * Tk): the kernel does not
+walk the invisible keys. Same result as the full index (the same keys, in the same order).
+
+Build flags: the ISA torch detected at run time (`torch.backends.cpu.get_cpu_capability()`:
+AVX512 / AVX2) selects `-m` flags so the dot products and rotations use wide vectors; the
+extension's name carries the ISA, so a cached build is never loaded on a CPU without it. If the
+compiler refuses the flags, the portable build (no ISA flags) is used.
 
 The extension compiles on first use (torch.utils.cpp_extension.load: a C++ compiler and ninja,
 ~30-60 s, cached under torch's extensions directory). `unavailable()` says why it cannot be used.
@@ -30,14 +42,52 @@ CPP_SOURCE = _HERE / "relative_attention.cpp"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# -m flags per ISA torch reports (its own kernels dispatch on the same detection); x86-64 only.
+ISA_FLAGS = {
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+_BASE_FLAGS = ["-O3", "-fopenmp-simd"]  # -fopenmp-simd: `omp simd` reductions vectorised, no OpenMP runtime
+
+
+def isa() -> str:
+    """The ISA the extension is built for here: a key of `ISA_FLAGS`, or "portable"."""
+    import platform
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if platform.machine().lower() in ("x86_64", "amd64") and cap in ISA_FLAGS else "portable"
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension(verbose: bool = False):
-    """Compile (first call; torch caches the build across processes) and import the extension."""
+    """Compile (first call; torch caches the build across processes) and import the extension:
+    with this CPU's ISA flags (`isa()`), else, if that build fails, the portable one (logged)."""
     from torch.utils.cpp_extension import load
 
-    # -fopenmp-simd: honour the `omp simd` reductions (vectorised dot products) without OpenMP
-    return load(name="lcx_relative_attention_cpu", sources=[str(CPP_SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"],
+    target = isa()
+    if target != "portable":
+        try:
+            return load(name=f"lcx_relative_attention_cpu_{target.lower()}", sources=[str(CPP_SOURCE)],
+                        extra_cflags=_BASE_FLAGS + ISA_FLAGS[target], verbose=verbose)
+        except Exception as e:  # noqa: BLE001 - an old compiler without the flags: the portable build
+            import logging
+
+            logging.getLogger(__name__).warning("lcx: the %s build of the CPU attention kernel failed (%s); "
+                                                "building without ISA flags", target, str(e).splitlines()[0])
+    return load(name="lcx_relative_attention_cpu", sources=[str(CPP_SOURCE)], extra_cflags=_BASE_FLAGS,
                 verbose=verbose)
+
+
+def compact_index(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`index [Bd, Tq, Tk]` (-1: not visible) -> `(cols, index)`, both `[Bd, Tq, Kc]` with Kc the
+    most keys any query sees: each query's visible keys first, in key order (`cols`: the key,
+    -1 past the query's last), and their table rows. Build once per shape: O(Tq * Tk)."""
+    visible = index >= 0
+    kc = max(int(visible.sum(-1).max()), 1) if index.numel() else 1
+    # a stable sort of "not visible" puts the visible keys first, each group in key order
+    order = torch.sort((~visible).to(torch.uint8), dim=-1, stable=True).indices[..., :kc]  # [Bd, Tq, Kc]
+    keep = visible.gather(-1, order)
+    return torch.where(keep, order, -1).contiguous(), torch.where(keep, index.gather(-1, order), -1).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,16 +101,22 @@ def unavailable() -> str | None:
     return None
 
 
+_NO_COLS = torch.empty(0, dtype=torch.long)
+
+
 def paged_relative_attention_cpu(query: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, q_rows: torch.Tensor,
-                                 keys, *, scale: float | None, out: torch.Tensor) -> torch.Tensor:
-    """See the module docstring; `keys` a `lcx.methods.last_query.RelativeKeys` (float32 tables);
-    `scale` None: head_dim ** -0.5 (SDPA's default). Returns `out`."""
+                                 keys, *, scale: float | None, out: torch.Tensor,
+                                 cols: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring; `keys` a `lcx.methods.last_query.RelativeKeys` (float32 tables;
+    with `cols`, its index compacted by `compact_index`); `scale` None: head_dim ** -0.5 (SDPA's
+    default). Returns `out`."""
     if query.dtype not in DTYPES:
         raise ValueError(f"paged_relative_attention_cpu takes {DTYPES}, got {query.dtype}")
     load_extension().paged_relative_attention(
-        query, kv, rows.contiguous(), q_rows.contiguous(), keys.index, keys.cos, keys.sin,
-        float(query.shape[-1] ** -0.5 if scale is None else scale), out)
+        query, kv, rows.contiguous(), q_rows.contiguous(), keys.index, _NO_COLS if cols is None else cols,
+        keys.cos, keys.sin, float(query.shape[-1] ** -0.5 if scale is None else scale), out)
     return out
 
 
-__all__ = ["CPP_SOURCE", "DTYPES", "load_extension", "paged_relative_attention_cpu", "unavailable"]
+__all__ = ["CPP_SOURCE", "DTYPES", "ISA_FLAGS", "compact_index", "isa", "load_extension",
+           "paged_relative_attention_cpu", "unavailable"]

@@ -81,7 +81,7 @@ from lcx.attention.rotary import table_dtype
 from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
 from lcx.methods.bounded_cache import kept_slots
-from lcx.kernels.cpu import paged_relative_attention_cpu
+from lcx.kernels.cpu import compact_index, paged_relative_attention_cpu
 from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES, load_extension
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys
 from lcx.rope import apply_rotary_ref, rope_cos_sin
@@ -152,10 +152,10 @@ class _MethodAttention:
             B, n_blk = g.blocks.shape
             if fused:
                 keys = _prefill_keys(self, g.n_keys, g.n_queries, query.dtype)
-                if keys is not None:
+                if keys is not None:  # each query walks only the keys it sees (window + side: a band)
                     paged_relative_attention_cpu(query, flat, g.cache_rows(kv_cache.shape),
-                                                 g.token_rows.view(B, g.n_queries), keys, scale=self.scale,
-                                                 out=output)
+                                                 g.token_rows.view(B, g.n_queries), keys[0], scale=self.scale,
+                                                 out=output, cols=keys[1])
                     continue
             kv = kv_cache[g.blocks].permute(0, 1, 3, 2, 4).reshape(B, n_blk * block_size, hkv, two_d)[:, :g.n_keys]
             q = query[g.token_rows].view(B, g.n_queries, *query.shape[1:])  # the last Tq of the Tk keys
@@ -454,11 +454,13 @@ def prefill_backend(method: AttentionMethod) -> str:
 _PREFILL_KEYS_MAX = 64  # shapes of prefill/chunk calls remembered per layer
 
 
-def _prefill_keys(impl, n_keys: int, n_queries: int, dtype: torch.dtype) -> RelativeKeys | None:
+def _prefill_keys(impl, n_keys: int, n_queries: int,
+                  dtype: torch.dtype) -> tuple[RelativeKeys, torch.Tensor] | None:
     """`RelativeKeys` of a prefill or chunk of `n_queries` queries over `n_keys` keys at positions
-    0..n_keys-1, remembered per layer (prompts of a workload repeat a few shapes). Unrotated
-    layout: each key's position relative to its query (`RelativeKeys.build`); rotated layout:
-    the position `query_keys` gives the key minus its true one (0 inside windows)."""
+    0..n_keys-1, compacted to the keys each query sees (`compact_index`: `(keys, cols)`, index and
+    cols `[1, Tq, Kc]`), remembered per layer (prompts of a workload repeat a few shapes).
+    Unrotated layout: each key's position relative to its query (`RelativeKeys.build`); rotated
+    layout: the position `query_keys` gives the key minus its true one (0 inside windows)."""
     cache = impl.lcx_prefill_keys
     key = (n_keys, n_queries, dtype)
     if key not in cache:
@@ -469,12 +471,16 @@ def _prefill_keys(impl, n_keys: int, n_queries: int, dtype: torch.dtype) -> Rela
             keys = impl.lcx_method.query_keys(pos, n_queries)  # [1, Tq, Tk]
             visible = torch.ones(keys.key_positions.shape, dtype=torch.bool) if keys.visible is None \
                 else keys.visible
-            cache[key] = _delta_keys(visible, keys.key_positions.to(torch.float64) - pos[:, None], impl.lcx_inv_freq)
+            full = _delta_keys(visible, keys.key_positions.to(torch.float64) - pos[:, None], impl.lcx_inv_freq)
         else:
-            cache[key] = RelativeKeys.build(impl.lcx_method,
-                                            Rotary(impl.lcx_inv_freq, None, impl.lcx_attention_factor),
-                                            n_keys=n_keys, n_queries=n_queries, device=impl.lcx_inv_freq.device,
-                                            dtype=dtype)
+            full = RelativeKeys.build(impl.lcx_method, Rotary(impl.lcx_inv_freq, None, impl.lcx_attention_factor),
+                                      n_keys=n_keys, n_queries=n_queries, device=impl.lcx_inv_freq.device,
+                                      dtype=dtype)
+        if full is None:
+            cache[key] = None
+        else:
+            cols, index = compact_index(full.index)
+            cache[key] = (RelativeKeys(index, full.cos, full.sin), cols)
     return cache[key]
 
 
@@ -530,7 +536,7 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.lcx_rotated = bool(rotated)
     impl.lcx_backend = prefill_backend(method)
     impl.lcx_kernel = attention_kernel()
-    impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> RelativeKeys, see `_prefill_keys`
+    impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> (RelativeKeys, cols), see `_prefill_keys`
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)
     # the model layer (methods that differ per layer: LM-Infinite's top-k) from vLLM's layer name
