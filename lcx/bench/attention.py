@@ -42,11 +42,38 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from lcx.bench.harness import Benchmark, figure, replot
+
 DESCRIPTION = "CPU attention time and peak memory: Λ-mask / LM-Infinite per lcx.attention backend vs dense causal SDPA"
+BENCH = Benchmark("attention", DESCRIPTION, __doc__, out="results/attention_cpu.json", threads=1, plot=True,
+                  threads_help="torch threads of each case's process (default: %(default)s)")
 BACKENDS = ("ref", "sdpa", "blockwise", "flex", "flex_compiled", "flash")
 H, D, B = 8, 64, 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    batch: int = B
+    heads: int = H
+    kv_heads: int = H
+    head_dim: int = D
+    dtype: str = "float32"
+    n_global: int
+    n_local: int
+    lengths: list[int]
+    repeats: int
+    budget_s: float
+    threads: int
+    mem_limit_gb: float
+    time_limit_s: float
+    cases: list[str]
+    memory_measure: str = ("peak RSS increase during one call (VmHWM after reset via /proc/self/clear_refs minus "
+                           "VmRSS before; MALLOC_MMAP_THRESHOLD_=65536), one subprocess per case")
+    time_measure: str = ("median process CPU time (time.process_time) over repeats after one warm-up call; "
+                         "median wall time recorded as median_wall_s")
 
 
 def cases() -> list[str]:
@@ -116,13 +143,13 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
 # ------------------------------------------------------------------------------ parent
 
 
-def run_case(case: str, T: int, args) -> dict:
+def run_case(case: str, T: int, args, threads: int) -> dict:
     """One case in a fresh interpreter (`python -m lcx.bench.attention --child ...`, same
     working directory and PYTHONPATH, so the same lcx), its memory measured in isolation."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "lcx.bench.attention", "--child", case, "--child-length", str(T),
            "--global", str(args.n_global), "--local", str(args.n_local), "--repeats", str(args.repeats),
-           "--budget-s", str(args.budget_s), "--threads", str(args.threads)]
+           "--budget-s", str(args.budget_s), "--threads", str(threads)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout_s)
     wall = time.perf_counter() - t0
@@ -135,29 +162,19 @@ def run_case(case: str, T: int, args) -> dict:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.formatter_class = argparse.RawDescriptionHelpFormatter
-    ap.epilog = __doc__.split("\n\n", 1)[1]
+    BENCH.add_arguments(ap)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--global", dest="n_global", type=int, default=64)
     ap.add_argument("--local", dest="n_local", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=60.0, help="time budget for repeats per case")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mem-limit-gb", type=float, default=4.0)
     ap.add_argument("--time-limit-s", type=float, default=240.0, help="skip a case projected slower per call")
     ap.add_argument("--case-timeout-s", type=float, default=1200.0)
     ap.add_argument("--cases", nargs="+", default=None, help=f"subset of {cases()}")
-    ap.add_argument("--out", default="results/attention_cpu.json",
-                    help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-length", type=int, default=None, help=argparse.SUPPRESS)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench attention", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,64 +184,50 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         return 0
 
-    from lcx.bench.record import write_record
-    from lcx.data.io import atomic_savefig
-
     if args.replot:
-        d = json.loads(Path(args.out).read_text())
-        plot(d["results"], d["config"]["cases"], d["config"]["lengths"], Path(args.out).with_suffix(".png"),
-             atomic_savefig)
+        replot(args.out, plot)
         return 0
     unknown = sorted(set(args.cases or []) - set(cases()))
     if unknown:
         raise ValueError(f"--cases: unknown {unknown}; known: {cases()}")
     todo = args.cases or cases()
-    config = {"batch": B, "heads": H, "kv_heads": H, "head_dim": D, "dtype": "float32", "n_global": args.n_global,
-              "n_local": args.n_local, "lengths": sorted(args.lengths), "repeats": args.repeats,
-              "budget_s": args.budget_s, "threads": args.threads, "mem_limit_gb": args.mem_limit_gb,
-              "time_limit_s": args.time_limit_s, "cases": todo,
-              "memory_measure": "peak RSS increase during one call (VmHWM after reset via /proc/self/clear_refs "
-                                "minus VmRSS before; MALLOC_MMAP_THRESHOLD_=65536), one subprocess per case",
-              "time_measure": "median process CPU time (time.process_time) over repeats after one warm-up call; "
-                                "median wall time recorded as median_wall_s"}
+    threads = BENCH.resolve_threads(args, apply=False)  # each case's process sets it
+    config = Config(n_global=args.n_global, n_local=args.n_local, lengths=sorted(args.lengths), repeats=args.repeats,
+                    budget_s=args.budget_s, threads=threads, mem_limit_gb=args.mem_limit_gb,
+                    time_limit_s=args.time_limit_s, cases=todo)
+    rec = BENCH.start(args, config)
     results: dict[str, dict[str, dict]] = {c: {} for c in todo}
     last_ok: dict[str, tuple[int, dict]] = {}
-    out = Path(args.out)
-    t_start = time.time()
 
-    def save(quiet: bool = True):
-        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=quiet,
-                     wall_s=time.time() - t_start, summary=summarise(results, todo))
+    def save(quiet: bool = True) -> dict:
+        return rec.save(results, quiet=quiet, wall_s=rec.elapsed(), summary=summarise(results, todo))
 
-    for T in sorted(args.lengths):
-        for c in todo:
-            prev = last_ok.get(c)
-            if prev is not None:
-                T0, r0 = prev
-                f = (T / T0) ** 2
-                mem, sec = r0["peak_mb"] * f / 1024, r0["median_s"] * f
-                if mem > args.mem_limit_gb or sec > args.time_limit_s:
-                    results[c][str(T)] = {"status": "skipped", "reason": f"projected from T={T0} (x(T/T0)^2): "
-                                          f"{mem:.1f} GB, {sec:.0f} s per call; limits {args.mem_limit_gb} GB, "
-                                          f"{args.time_limit_s} s"}
-                    print(f"T={T:>6} {c:<26} skipped ({results[c][str(T)]['reason']})", flush=True)
-                    continue
-            elif any(results[c].get(str(t), {}).get("status") in ("skipped", "error") for t in args.lengths if t < T):
-                results[c][str(T)] = {"status": "skipped", "reason": "failed or skipped at a shorter length"}
+    for T, c in rec.progress([(T, c) for T in sorted(args.lengths) for c in todo]):
+        prev = last_ok.get(c)
+        if prev is not None:
+            T0, r0 = prev
+            f = (T / T0) ** 2
+            mem, sec = r0["peak_mb"] * f / 1024, r0["median_s"] * f
+            if mem > args.mem_limit_gb or sec > args.time_limit_s:
+                results[c][str(T)] = {"status": "skipped", "reason": f"projected from T={T0} (x(T/T0)^2): "
+                                      f"{mem:.1f} GB, {sec:.0f} s per call; limits {args.mem_limit_gb} GB, "
+                                      f"{args.time_limit_s} s"}
+                rec.log(f"T={T:>6} {c:<26} skipped ({results[c][str(T)]['reason']})")
                 continue
-            r = run_case(c, T, args)
-            results[c][str(T)] = r
-            if r["status"] == "ok":
-                last_ok[c] = (T, r)
-                print(f"T={T:>6} {c:<26} {r['median_s'] * 1e3:>10.1f} ms  peak {r['peak_mb']:>8.1f} MB  "
-                      f"(first call {r['first_call_s']:.1f} s, {len(r['cpu_s_list'])} reps)", flush=True)
-            else:
-                print(f"T={T:>6} {c:<26} ERROR {r['error']}", flush=True)
-            save()
+        elif any(results[c].get(str(t), {}).get("status") in ("skipped", "error") for t in args.lengths if t < T):
+            results[c][str(T)] = {"status": "skipped", "reason": "failed or skipped at a shorter length"}
+            continue
+        r = run_case(c, T, args, threads)
+        results[c][str(T)] = r
+        if r["status"] == "ok":
+            last_ok[c] = (T, r)
+            rec.log(f"T={T:>6} {c:<26} {r['median_s'] * 1e3:>10.1f} ms  peak {r['peak_mb']:>8.1f} MB  "
+                    f"(first call {r['first_call_s']:.1f} s, {len(r['cpu_s_list'])} reps)")
+        else:
+            rec.log(f"T={T:>6} {c:<26} ERROR {r['error']}")
+        save()
     print_table(results, todo, sorted(args.lengths))
-    save(quiet=False)
-    plot(results, todo, sorted(args.lengths), out.with_suffix(".png"), atomic_savefig)
-    print(f"wrote {out.with_suffix('.png')}")
+    rec.finish(results, plot=plot, wall_s=rec.elapsed(), summary=summarise(results, todo))
     return 0
 
 
@@ -264,37 +267,34 @@ def print_table(results: dict, todo: list[str], lengths: list[int]) -> None:
         print(f"{c:<26}" + cells)
 
 
-def plot(results: dict, todo: list[str], lengths: list[int], path: Path, savefig) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+def plot(record: dict, path: Path) -> None:
+    """CPU time and peak memory per call vs length, one line per case."""
+    results, todo, lengths = record["results"], record["config"]["cases"], record["config"]["lengths"]
     colors = {b: f"C{i + 1}" for i, b in enumerate(BACKENDS)}
-    for c in todo:
-        pts = [(T, results[c][str(T)]) for T in lengths if results[c].get(str(T), {}).get("status") == "ok"]
-        if not pts:
-            continue
-        kind, _, backend = c.partition("/")
-        style = dict(marker="o", color=colors.get(backend, "C0"), ls="--" if kind == "lm_infinite" else "-",
-                     lw=2.5 if c == "dense_sdpa" or backend in ("blockwise", "flash") else 1.2)
-        if c == "dense_sdpa":
-            style.update(color="black")
-        axes[0].plot([t for t, _ in pts], [r["median_s"] * 1e3 for _, r in pts], label=c, **style)
-        axes[1].plot([t for t, _ in pts], [max(r["peak_mb"], 0.1) for _, r in pts], label=c, **style)
-    for ax, yl in zip(axes, ("CPU time per call (ms, median)", "peak memory of one call (MB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens (prefill, B=1, 8 heads, D=64, fp32)")
-        ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("CPU attention, 1 thread: Λ-mask (solid) and LM-Infinite (dashed), G=64, L=1024, per backend "
-                 "vs dense causal SDPA (black)")
-    fig.tight_layout()
-    savefig(fig, path, dpi=120)
+    title = ("CPU attention, 1 thread: Λ-mask (solid) and LM-Infinite (dashed), G=64, L=1024, per backend "
+             "vs dense causal SDPA (black)")
+    with figure(path, 1, 2, figsize=(12, 4.8), title=title) as (fig, axes):
+        for c in todo:
+            pts = [(T, results[c][str(T)]) for T in lengths if results[c].get(str(T), {}).get("status") == "ok"]
+            if not pts:
+                continue
+            kind, _, backend = c.partition("/")
+            style = dict(marker="o", color=colors.get(backend, "C0"), ls="--" if kind == "lm_infinite" else "-",
+                         lw=2.5 if c == "dense_sdpa" or backend in ("blockwise", "flash") else 1.2)
+            if c == "dense_sdpa":
+                style.update(color="black")
+            axes[0].plot([t for t, _ in pts], [r["median_s"] * 1e3 for _, r in pts], label=c, **style)
+            axes[1].plot([t for t, _ in pts], [max(r["peak_mb"], 0.1) for _, r in pts], label=c, **style)
+        for ax, yl in zip(axes, ("CPU time per call (ms, median)", "peak memory of one call (MB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens (prefill, B=1, 8 heads, D=64, fp32)")
+            ax.set_ylabel(yl)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
 
+
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,9 +19,11 @@ Each case has a bytes and a FLOPs formula (the minimum traffic / useful work), s
 reports GB/s and TFLOP/s and their fraction of the ceilings measured in the same run:
 device-to-device copy bandwidth (read + write) and a bf16 matmul.
 
-Timing (GPU): CUDA events around each call, `warmup` calls first (compilation, autotuning),
-median of `repeats`; inputs rotate over enough buffers that together exceed 4x the L2 cache,
-so no call finds its inputs cached by the previous one. A case whose implementation is missing
+Timing (GPU): `triton.testing.do_bench` (CUDA events per call, the L2 cache flushed before
+each), after `warmup` calls of our own (compilation, autotuning: kept out of do_bench's estimate
+of a call's time); its time budget is at least 100 ms and about `repeats` calls; the row keeps
+every call's time and their median. Without triton, CUDA events around each of `repeats` calls.
+Inputs also rotate over enough buffers that together exceed 4x the L2 cache. A case whose implementation is missing
 or refuses the shape is recorded as `{"skipped": reason}`, never an error.
 The JSON is rewritten after every case (`"complete": false` until the end), so a run cut off
 by a time limit keeps what it measured. CPU (`--device cpu`): tiny shapes, wall clock, for tests of this module only; the JSON says
@@ -46,6 +48,9 @@ from typing import Any, Callable
 
 import torch
 
+from lcx.bench.harness import Benchmark
+from lcx.bench.harness import progress as _progress
+
 SCHEMA = "lcx.bench.kernels/1"
 THRESHOLD = 0.10
 # Relative to the working directory (the repository root when run from a checkout), never to
@@ -54,6 +59,9 @@ RESULTS_DIR = Path("results") / "kernels"
 G_LAMBDA, L_LAMBDA = 64, 4096  # the Λ configuration the kernel speed goals are stated for
 
 DESCRIPTION = "time every GPU kernel against its baseline; roofline; regression check"
+BENCH = Benchmark("kernels", DESCRIPTION, __doc__, out_help=(
+    "where to write the result JSON (default: results/kernels/<gpu>.json; with --check <gpu>.latest.json; "
+    "--device cpu writes only with --out)"))
 
 
 # ----------------------------------------------------------------------------- cases
@@ -408,11 +416,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_case(prep: Prepared, device: str, *, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of `repeats` calls (CUDA events on GPU, wall clock on CPU), after `warmup`."""
+DO_BENCH_MIN_MS = 100.0  # do_bench's time budget at the least (its default `rep`)
+
+
+def time_case(prep: Prepared, device: str, *, warmup: int, repeats: int,
+              do_bench: Callable[..., Any] | None = None) -> list[float]:
+    """Milliseconds of the timed calls, after `warmup` calls: on CUDA `triton.testing.do_bench`
+    (module docstring; CUDA events by hand where triton is missing), on the CPU wall clock of
+    `repeats` calls. `do_bench` replaces triton's (tests drive the CUDA path's logic with it)."""
     for i in range(warmup):
         prep.run(i)
     _sync(device)
+    if device == "cuda" or do_bench is not None:
+        do_bench = do_bench or _triton_do_bench()
+        if do_bench is not None:
+            return _time_do_bench(prep, do_bench, warmup=warmup, repeats=repeats)
     times = []
     for r in range(repeats):
         i = warmup + r
@@ -428,6 +446,28 @@ def time_case(prep: Prepared, device: str, *, warmup: int, repeats: int) -> list
             prep.run(i)
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def _triton_do_bench() -> Callable[..., Any] | None:
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001 - any import failure means "not usable": CUDA events instead
+        return None
+    return do_bench
+
+
+def _time_do_bench(prep: Prepared, do_bench: Callable[..., Any], *, warmup: int, repeats: int) -> list[float]:
+    """do_bench counts in milliseconds, this benchmark in calls: a probe (do_bench's one timed call)
+    gives a call's time t, then the budget is max(100 ms, (repeats + 1) t), i.e. about `repeats`
+    calls for slow kernels and more for fast ones. Each call takes the next input buffer."""
+    calls = iter(range(warmup, 1 << 62))
+
+    def fn() -> Any:
+        return prep.run(next(calls))
+
+    t = float(do_bench(fn, warmup=0, rep=0, return_mode="median"))
+    times = do_bench(fn, warmup=0, rep=max(DO_BENCH_MIN_MS, (repeats + 1) * t), return_mode="all")
+    return [float(x) for x in times]
 
 
 def measure_ceilings(device: str, *, tiny: bool = False) -> dict[str, float]:
@@ -506,12 +546,6 @@ def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, prog
     `checkpoint(partial_result)` is called after every case (`"complete": false` until the
     last), so a run cut off by a time limit still leaves the cases it finished.
     """
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is optional
-        def tqdm(it, **kw):
-            return type("NoBar", (), {"__iter__": lambda self: iter(it), "set_postfix_str": lambda self, s: None})()
-
     tiny = device == "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("no CUDA GPU here (torch.cuda.is_available() is False); "
@@ -519,6 +553,8 @@ def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, prog
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     ceilings = measure_ceilings(device, tiny=tiny)
     env = versions()
+    timing = ("wall_clock (CPU smoke, tiny shapes)" if device != "cuda" else
+              "triton.testing.do_bench (L2 flushed per call)" if _triton_do_bench() else "cuda_events")
     rows: dict[str, dict] = {}
 
     def assemble(complete: bool) -> dict:
@@ -535,7 +571,7 @@ def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, prog
             "device": device,
             "smoke": device != "cuda",
             "complete": complete,
-            "timing": "cuda_events" if device == "cuda" else "wall_clock (CPU smoke, tiny shapes)",
+            "timing": timing,
             "config": {"warmup": warmup, "repeats": repeats, "statistic": "median",
                        "input_rotation": "buffers until > 4 x L2", "threshold": THRESHOLD},
             "environment": env,
@@ -543,9 +579,10 @@ def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, prog
             "kernels": rows,
         }
 
-    bar = tqdm(cases, desc="kernels", unit="case", disable=not progress, file=sys.stderr)
+    bar = _progress(cases, desc="kernels", unit="case", enabled=progress)
     for case in bar:
-        bar.set_postfix_str(case.name)
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(case.name)
         try:
             prep = case.setup(device, tiny)
             times = time_case(prep, device, warmup=warmup, repeats=repeats)
@@ -640,13 +677,12 @@ def _table(result: dict) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    BENCH.add_arguments(p)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): the benchmark; cpu: tiny smoke configuration, wall clock, never a baseline")
     p.add_argument("--only", nargs="+", metavar="PATTERN", help="run the cases whose name contains a pattern")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per case first (default 5)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per case; the median is kept (default 20)")
-    p.add_argument("--out", type=Path, help="where to write the result JSON (default: results/kernels/<gpu>.json; "
-                   "with --check <gpu>.latest.json; --device cpu writes only with --out)")
     p.add_argument("--check", nargs="?", const="", metavar="BASELINE",
                    help=f"compare with a baseline JSON (default results/kernels/<gpu>.json); exit 1 if a kernel "
                         f"is > {round(100 * THRESHOLD)}%% slower or missing")
@@ -664,8 +700,6 @@ def _load(path: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lcx.data.io import atomic_write_json
-
     if args.list:
         for c in CASES:
             print(f"{c.name:48s} {'cpu-smoke ' if c.cpu else ''}{('vs ' + c.baseline) if c.baseline else ''}")
@@ -686,12 +720,12 @@ def run(args: argparse.Namespace) -> int:
         if out is None and args.device == "cuda" and torch.cuda.is_available():
             slug = gpu_slug(torch.cuda.get_device_name())
             out = RESULTS_DIR / f"{slug}{'.latest' if args.check is not None else ''}.json"
-        save = None if out is None else (lambda r: atomic_write_json(out, r))
-        result = run_cases(cases, args.device, warmup=args.warmup, repeats=args.repeats, checkpoint=save)
+        rec = BENCH.start(args, out=out)  # the record is run_cases' own schema (stored baselines)
+        result = run_cases(cases, args.device, warmup=args.warmup, repeats=args.repeats,
+                           checkpoint=None if out is None else rec.write)
         print(_table(result))
-        if save is not None:
-            save(result)
-            print(f"wrote {out}")
+        if out is not None:
+            rec.write(result, quiet=False)
     if args.check is None:
         return 0
     base_path = Path(args.check) if args.check else RESULTS_DIR / f"{result.get('gpu_slug', 'cpu')}.json"
@@ -700,10 +734,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if cmp.ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lcx bench kernels", description=DESCRIPTION)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+main = BENCH.command(add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from lcx.bench.harness import Benchmark, figure
 from lcx.data import io
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,6 +48,34 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 STRATEGIES = ("recompute", "pie", "conflict")
 DEFAULT_OUT = Path("results") / "pie_code_edit.json"
 DESCRIPTION = "PIE code-editing benchmark: recompute vs pie vs conflict on Python standard-library code"
+BENCH = Benchmark("pie", DESCRIPTION, __doc__, out=str(DEFAULT_OUT), threads=None, seed=0, plot=True,
+                  out_help="the record, PNG beside it (default results/pie_code_edit.json, relative to the "
+                           "working directory)")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The record's "config": the run's settings and what the model and the file set resolved to.
+    `--resume`, `--merge` and `--compare` compare it key by key with stored records."""
+
+    model: str
+    split: str
+    strategies: list[str]  # recompute first: the reference
+    samples: int
+    ctx_tokens: list[int]
+    kinds: list[str]
+    targets: str
+    seed: int
+    max_new_tokens: int
+    backend: str
+    timing_repeats: int
+    device: str
+    threads: int | str | None
+    out: str  # as given (a gzipped record resumes under its .json name)
+    no_plot: bool
+    n_stdlib_files: int
+    model_code_split: dict | None
+    model_config: dict[str, Any]
 
 
 def environment(device) -> dict:
@@ -103,43 +134,37 @@ def load(name: str, device: str):
     return load_model(name, device=device)
 
 
-def plot(summary: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(record: dict, path: Path) -> None:
+    """Per edit kind and strategy: update FLOPs, agreement with recompute, exact match (95% CIs)."""
+    summary, cfg = record["summary"]["all_contexts"], record["config"]
     groups = [g for g in ("all", "insertion", "deletion", "multi") if g in summary]
     strategies = [s for s in STRATEGIES if s in summary["all"]]
     panels = [("flops_ratio_to_recompute", "update FLOPs / recompute", 1.0),
               ("em_vs_recompute", "same line as recompute (95% CI)", 1.0),
               ("em_vs_truth", "exact match of the true line (95% CI)", 1.0)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    title = f"PIE code editing, {cfg['model']}, {len(record['samples'])} samples, ctx {cfg['ctx_tokens']}"
     width = 0.8 / len(strategies)
-    for ax, (key, label, ymax) in zip(axes, panels):
-        for j, s in enumerate(strategies):
-            vals = [summary[g][s][key] or 0.0 for g in groups]
-            ci = [summary[g][s].get(key + "_ci95") for g in groups]
-            err = None
-            if all(c is not None for c in ci):
-                err = [[max(0.0, v - c[0]) for v, c in zip(vals, ci)], [max(0.0, c[1] - v) for v, c in zip(vals, ci)]]
-            bars = ax.bar([i + (j - (len(strategies) - 1) / 2) * width for i in range(len(groups))], vals, width,
-                          label=s, yerr=err, capsize=2, error_kw={"lw": 0.7})
-            for b, v in zip(bars, vals):
-                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
-        ax.set_xticks(range(len(groups)), [f"{g}\n(n={summary[g]['n']})" for g in groups], fontsize=8)
-        ax.set_ylim(0, ymax * 1.12)
-        ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    io.atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, len(panels), figsize=(4.2 * len(panels), 3.6), title=title, title_size=9) as (fig, axes):
+        for ax, (key, label, ymax) in zip(axes, panels):
+            for j, s in enumerate(strategies):
+                vals = [summary[g][s][key] or 0.0 for g in groups]
+                ci = [summary[g][s].get(key + "_ci95") for g in groups]
+                err = None
+                if all(c is not None for c in ci):
+                    err = [[max(0.0, v - c[0]) for v, c in zip(vals, ci)],
+                           [max(0.0, c[1] - v) for v, c in zip(vals, ci)]]
+                bars = ax.bar([i + (j - (len(strategies) - 1) / 2) * width for i in range(len(groups))], vals, width,
+                              label=s, yerr=err, capsize=2, error_kw={"lw": 0.7})
+                for b, v in zip(bars, vals):
+                    ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
+            ax.set_xticks(range(len(groups)), [f"{g}\n(n={summary[g]['n']})" for g in groups], fontsize=8)
+            ax.set_ylim(0, ymax * 1.12)
+            ax.set_title(label, fontsize=9)
+        axes[0].legend(fontsize=7)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.formatter_class = argparse.RawDescriptionHelpFormatter
-    ap.epilog = __doc__.split("\n\n", 1)[0]
+    BENCH.add_arguments(ap)
     ap.add_argument("--model", default="smollm2-135m", help="preset, path, or 'tiny-random' (lcx.models.tiny)")
     ap.add_argument("--split", choices=("all", "train", "val", "eval"), default="all",
                     help="stdlib files to sample: all, or one split of lcx.data.code (a model fine-tuned on "
@@ -153,16 +178,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="target lines: any non-comment line of >= 8 characters, or 'context': only lines "
                          "whose every identifier (keywords, builtins, self, cls aside) occurs in the prompt "
                          "(lcx.studies.code_edit.TARGET_POLICIES)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--backend", default="ref", help="re-rotation backend: ref | triton | cuda")
     ap.add_argument("--timing-repeats", type=int, default=1,
                     help="run each update this many times, report the median wall time")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help="the record (default results/pie_code_edit.json, relative to the working directory)")
-    ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--resume", action="store_true",
                     help="keep the samples a run with the same settings already wrote to --out (a larger "
                          "--samples extends it)")
@@ -174,12 +194,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                     help="write to --out one record holding the samples of these finished runs (same settings "
                          "but --ctx-tokens, --threads and --out), then exit")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench pie", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,21 +212,24 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from lcx.bench.harness import config_dict
     from lcx.studies.code_edit import SampleResult, evaluate, make_samples, stdlib_files, summarize
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    BENCH.resolve_threads(args)
     device = torch.device(args.device)
-    t_start = time.time()
     model, tok = load(args.model, args.device)
     files = stdlib_files(split=None if args.split == "all" else args.split)
     guard = code_split_guard(args.model, args.split, files)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume", "rescore", "merge", "compare", "_run", "command", "subcommand")}
-    config.update(out=str(given_out), strategies=strategies, n_stdlib_files=len(files), model_code_split=guard,
-                  model_config={k: getattr(model.config, k, None) for k in (
-                      "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters")})
-    record = {"benchmark": "pie_code_edit", "config": config, "environment": environment(device),
+    config = Config(
+        model=args.model, split=args.split, strategies=strategies, samples=args.samples, ctx_tokens=args.ctx_tokens,
+        kinds=args.kinds, targets=args.targets, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        backend=args.backend, timing_repeats=args.timing_repeats, device=args.device, threads=args.threads,
+        out=str(given_out), no_plot=args.no_plot, n_stdlib_files=len(files), model_code_split=guard,
+        model_config={k: getattr(model.config, k, None) for k in (
+            "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters")})
+    rec = BENCH.start(args, config)
+    record = {"benchmark": "pie_code_edit", "config": config_dict(config), "environment": environment(device),
               "git": io.git_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "complete": False,
               "summary": {}, "samples": []}
 
@@ -220,40 +237,34 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.out.is_file():
         old = io.read_json(args.out)
         # the samples of a context are drawn in order from its own seed, so only their number may change
-        if {**old.get("config", {}), "samples": None} != {**json.loads(json.dumps(config)), "samples": None}:
+        if {**old.get("config", {}), "samples": None} != {**json.loads(json.dumps(record["config"])), "samples": None}:
             raise SystemExit(f"--resume: {args.out} was written with other settings; drop --resume to start over")
         results = [SampleResult(**x) for x in old["samples"] if x["sample"]["index"] < args.samples]
         done = {(r.sample["ctx_tokens"], r.sample["index"]) for r in results}
         record.update(started=old["started"], resumed=[*old.get("resumed", []), len(results)])
-        print(f"--resume: keeping {len(results)} samples from {args.out}", flush=True)
-    for ctx in args.ctx_tokens:
-        samples = make_samples(tok, args.samples, ctx, kinds=args.kinds, seed=args.seed + ctx, files=files,
-                               targets=args.targets)
-        for i, s in enumerate(samples):
-            if (ctx, i) in done:
-                continue
-            (r,) = evaluate(model, tok, [s], strategies=strategies, backend=args.backend,
-                            max_new_tokens=args.max_new_tokens, timing_repeats=args.timing_repeats,
-                            log=lambda m: print(f"ctx={ctx} #{i} {m}", flush=True))
-            r.sample.update(ctx_tokens=ctx, index=i)
-            results.append(r)
-            record["samples"] = [asdict(x) for x in results]
-            record["summary"] = {"all_contexts": summarize(results, strategies)}
-            io.atomic_write_json(args.out, record, rows=("samples",))
+        rec.log(f"--resume: keeping {len(results)} samples from {args.out}")
+    todo = ((ctx, i, s) for ctx in args.ctx_tokens
+            for i, s in enumerate(make_samples(tok, args.samples, ctx, kinds=args.kinds, seed=args.seed + ctx,
+                                               files=files, targets=args.targets)))
+    for ctx, i, s in rec.progress(todo, unit="sample", total=len(args.ctx_tokens) * args.samples):
+        if (ctx, i) in done:
+            continue
+        (r,) = evaluate(model, tok, [s], strategies=strategies, backend=args.backend,
+                        max_new_tokens=args.max_new_tokens, timing_repeats=args.timing_repeats,
+                        log=lambda m: rec.log(f"ctx={ctx} #{i} {m}"))
+        r.sample.update(ctx_tokens=ctx, index=i)
+        results.append(r)
+        record["samples"] = [asdict(x) for x in results]
+        record["summary"] = {"all_contexts": summarize(results, strategies)}
+        rec.write(record, rows=("samples",))
     record["samples"] = [asdict(x) for x in results]
     record["summary"] = summaries(results, args.ctx_tokens, strategies)
     record["complete"] = True
-    record["elapsed_s"] = time.time() - t_start
-    io.atomic_write_json(args.out, record, rows=("samples",))
-
+    record["elapsed_s"] = rec.elapsed()
     print_table(record, f"{args.model}: {len(results)} samples, contexts {args.ctx_tokens}")
-    if not args.no_plot:
-        png = io.with_suffix(args.out, ".png")
-        plot(record["summary"]["all_contexts"], png,
-             f"PIE code editing, {args.model}, {len(results)} samples, ctx {args.ctx_tokens}")
-        print(f"wrote {args.out} and {png}")
-    else:
-        print(f"wrote {args.out}")
+    rec.write(record, rows=("samples",), quiet=False)
+    if rec.plot:
+        rec.draw(plot, record)
     return 0
 
 
@@ -319,8 +330,7 @@ def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
     io.atomic_write_json(out, record, rows=("samples",))
     print_table(record, f"{base['model']}: {len(results)} samples (merged), contexts {ctx}")
     if plot_it:
-        plot(record["summary"]["all_contexts"], io.with_suffix(out, ".png"),
-             f"PIE code editing, {base['model']}, {len(results)} samples, ctx {ctx}")
+        plot(record, io.with_suffix(out, ".png"))
     return 0
 
 
@@ -395,8 +405,11 @@ def rescore(path: Path, plot_it: bool = True) -> int:
     io.atomic_write_json(path, record, rows=("samples",))
     print_table(record, f"{cfg['model']}: {len(results)} samples (rescored), contexts {cfg['ctx_tokens']}")
     if plot_it:
-        plot(record["summary"]["all_contexts"], io.with_suffix(path, ".png"),
-             f"PIE code editing, {cfg['model']}, {len(results)} samples, ctx {cfg['ctx_tokens']}")
+        plot(record, io.with_suffix(path, ".png"))
     return 0
 
 
+main = BENCH.command(add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,20 +24,37 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
-DESCRIPTION = "one long prefill of a whole model, per method, against the unpatched model"
+from lcx.bench.harness import Benchmark
 
+DESCRIPTION = "one long prefill of a whole model, per method, against the unpatched model"
+BENCH = Benchmark("prefill", DESCRIPTION, __doc__, out="results/prefill_cpu.json", threads="1",
+                  record_description="whole-model prefill time per method vs the unpatched model "
+                                     "(transformers SDPA, causal)")
 DEFAULT_METHODS = ("vanilla", "yarn", "lm_infinite", "sinks", "sliding_window")
+TIME_MEASURE = ("median process CPU time of one forward (use_cache=False, logits_to_keep=1) after a 256-token "
+                "warm-up; wall time recorded too")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    length: int
+    context: int  # the model's L0
+    factor: float  # length / L0 (at least 1): the presets' scaling
+    attn_backend: str
+    repeats: int
+    threads: int
+    time_measure: str = TIME_MEASURE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lcx.attention import BACKENDS
     from lcx.method_config import INFERENCE_BACKEND
 
-    parser.description = __doc__.split("\n\n")[0]
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n\n", 2)[2]
+    BENCH.add_arguments(parser)
     parser.add_argument("--model", default="smollm2-135m", help="model preset or directory (default: %(default)s)")
     parser.add_argument("--length", type=int, default=16384, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -45,17 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-backend", default=INFERENCE_BACKEND, choices=sorted(BACKENDS),
                         help="lcx.attention backend of the attention methods (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards per method; median kept (default 1)")
-    parser.add_argument("--out", default="results/prefill_cpu.json",
-                        help="result JSON, relative to the working directory (default: %(default)s)")
-    from lcx.threads import add_threads_argument
-
-    add_threads_argument(parser, default="1")
-
-
-def _prompt(tok: Any, n: int) -> list[int]:
-    from lcx.report import _prompt_ids
-
-    return _prompt_ids(tok, n)
 
 
 def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
@@ -75,14 +81,12 @@ def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from tqdm.auto import tqdm
 
     from lcx import presets
-    from lcx.bench.record import write_record
     from lcx.models import load_model
-    from lcx.threads import resolve_threads
+    from lcx.report import _prompt_ids
 
-    threads = resolve_threads(args.threads)
+    threads = BENCH.resolve_threads(args)
     if args.repeats < 1 or args.length < 16:
         raise ValueError("--repeats must be >= 1 and --length >= 16")
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -93,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model)
     L0 = int(model.config.max_position_embeddings)
     factor = max(1.0, args.length / L0)
-    ids = torch.tensor([_prompt(tok, args.length)])
+    rec = BENCH.start(args, Config(args.model, args.length, L0, factor, args.attn_backend, args.repeats, threads))
+    ids = torch.tensor([_prompt_ids(tok, args.length)])
     rows: dict[str, Any] = {}
-    for name in tqdm(names, desc="prefill", unit="method"):
+    for name in rec.progress(names, unit="method"):
         r = presets.resolve(name, args.model, L0=L0, factor=factor)
         if isinstance(r, str) or r.model != args.model:
             rows[name] = {"skipped": r if isinstance(r, str) else f"runs on another model ({r.model})"}
@@ -106,28 +111,17 @@ def run(args: argparse.Namespace) -> int:
             runs = [_forward_s(model, ids) for _ in range(args.repeats)]
         rows[name] = {"config": cfg.to_dict(), "cpu_s": statistics.median(x[0] for x in runs),
                       "wall_s": statistics.median(x[1] for x in runs), "peak_mb": max(x[2] for x in runs)}
-        tqdm.write(f"{name:>18}: {rows[name]['cpu_s']:.1f} s CPU, {rows[name]['wall_s']:.1f} s wall, "
-                   f"peak +{rows[name]['peak_mb']:.0f} MB")
+        rec.log(f"{name:>18}: {rows[name]['cpu_s']:.1f} s CPU, {rows[name]['wall_s']:.1f} s wall, "
+                f"peak +{rows[name]['peak_mb']:.0f} MB")
     base = rows["vanilla"]["cpu_s"]
     for row in rows.values():
         if "cpu_s" in row:
             row["speedup_vs_vanilla"] = round(base / row["cpu_s"], 3)
-    write_record(
-        args.out,
-        description="whole-model prefill time per method vs the unpatched model (transformers SDPA, causal)",
-        config={"model": args.model, "length": args.length, "context": L0, "factor": factor,
-                "attn_backend": args.attn_backend, "repeats": args.repeats, "threads": threads,
-                "time_measure": "median process CPU time of one forward (use_cache=False, logits_to_keep=1) "
-                                "after a 256-token warm-up; wall time recorded too"},
-        results=rows)
+    rec.finish(rows)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench prefill", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())

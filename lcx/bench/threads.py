@@ -24,14 +24,28 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from lcx.bench.harness import Benchmark
+
 DESCRIPTION = "which torch thread count is fastest on this machine, idle and under load"
+BENCH = Benchmark("threads", DESCRIPTION, __doc__, out="results/threads_cpu.json", record_description=(
+    "torch thread count vs throughput of lcx's engine (tiny model), idle and with one core busy"))
+SHAPES = {"decode_tok_s": (1, 32, 64), "batched_decode_tok_s": (8, 32, 64), "prefill_tok_s": (4, 240, 1)}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    repeats: int
+    cores: int
+    shapes: dict[str, str] = field(default_factory=lambda: {
+        "decode": "1 x (32 prompt + 64 new)", "batched_decode": "8 x (32 + 64)", "prefill": "4 x 240 prompt tokens"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="results/threads_cpu.json",
-                        help="result JSON, relative to the working directory (default: %(default)s)")
+    BENCH.add_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median is kept (default 3)")
     parser.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
 
@@ -56,9 +70,8 @@ def _time_engine(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> f
 
 
 def _cases(engine: Any, repeats: int) -> dict[str, float]:
-    shapes = {"decode_tok_s": (1, 32, 64), "batched_decode_tok_s": (8, 32, 64), "prefill_tok_s": (4, 240, 1)}
     out = {}
-    for name, (b, p, n) in shapes.items():
+    for name, (b, p, n) in SHAPES.items():
         _time_engine(engine, b, p, min(n, 4))  # warm-up
         t = statistics.median(_time_engine(engine, b, p, n) for _ in range(repeats))
         out[name] = round((b * (n if n > 1 else p)) / t, 1)
@@ -69,15 +82,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import lcx.threads as th
-    from lcx.bench.record import write_record
     from lcx.engine import Engine
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     cores = th.available_cores()
+    rec = BENCH.start(args, Config(model=args.model, repeats=args.repeats, cores=cores))
     engine = Engine.from_pretrained(args.model)
     rows: dict[str, Any] = {}
-    for load in ("idle", "busy"):
+    for load in rec.progress(("idle", "busy"), unit="load"):
         stop, proc = None, None
         if load == "busy":
             stop = mp.Event()
@@ -90,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             for n in sorted({1, cores}):
                 torch.set_num_threads(n)
                 res[f"threads_{n}"] = _cases(engine, args.repeats)
-                print(f"{load:5s} threads={n}: {res[f'threads_{n}']}", flush=True)
+                rec.log(f"{load:5s} threads={n}: {res[f'threads_{n}']}")
             base = res["threads_1"]
             res["ratio_vs_1_thread"] = {f"threads_{n}": {k: round(res[f"threads_{n}"][k] / base[k], 3) for k in base}
                                         for n in sorted({1, cores})}
@@ -99,21 +112,11 @@ def run(args: argparse.Namespace) -> int:
             if proc is not None:
                 stop.set()
                 proc.join(timeout=5)
-    write_record(
-        args.out,
-        description="torch thread count vs throughput of lcx's engine (tiny model), idle and with one core busy",
-        config={"model": args.model, "repeats": args.repeats, "cores": cores,
-                "shapes": {"decode": "1 x (32 prompt + 64 new)", "batched_decode": "8 x (32 + 64)",
-                           "prefill": "4 x 240 prompt tokens"}},
-        results=rows)
+    rec.finish(rows)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench threads", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())
