@@ -1,23 +1,31 @@
 """Request bodies with bounded work: what a body may cost is known before it is parsed.
 
     limits = Limits.for_engine(max_model_len=1024)
-    req = parse_body(CompletionRequest, body, limits)   # on the CPU pool; raises APIError (4xx)
+    scanner = Scanner(limits)
+    for chunk in chunks:                         # as the body arrives (on the event loop)
+        scanner.feed(chunk)                      # raises APIError (413) at the first byte over a limit
+    req = parse_body(CompletionRequest, body, limits, scanned=True)   # on the CPU pool; APIError (4xx)
 
 A JSON body of 30 MB can hold 10M token ids or 7.5M strings. Parsing that into Python objects
 holds the GIL for seconds (pydantic's strict union then reports one error per element) and
-leaves ~1 GB of small objects behind, so one client would stall the event loop and every other
-request. Here a body goes through three stages, each bounded by the one before:
+leaves ~1 GB of small objects behind; even receiving it costs the server ~0.1 s of CPU. Here a
+body goes through three stages, each bounded by the one before:
 
-1. `scan` (no parsing, no copies): walks the body's string delimiters with `bytes.find` and
-   counts, outside strings, the commas and the opening brackets, in windows of `SCAN_WINDOW`
-   bytes so that no single C call holds the GIL for long. A JSON text holds at most
-   `commas + containers + 1` values, so the scan bounds what stage 2 can build. A body over
-   `Limits.max_values` values, `MAX_JSON_STRINGS` strings or `MAX_JSON_CONTAINERS` arrays and
-   objects is refused (413) here, in tens of milliseconds, without allocating anything.
+1. `Scanner` (no parsing): fed each chunk as it arrives, it finds the string delimiters and,
+   outside strings, counts the commas and brackets, with a few C passes per chunk (`replace`
+   neutralises escapes, `translate` marks the structural bytes, `find`/`count` jump between them)
+   and one Python step per string or bracket. A body over a `Limits` bound is refused (413) at
+   the chunk that crosses it, so the rest is never read (the server answers and closes the
+   connection, `lcx.serve.gate.linger_close`): an array with more items than twice the longest
+   list any field allows (`Limits.max_items`; a 10M-id prompt is refused after ~12 KB), nesting
+   deeper than `MAX_JSON_DEPTH`, a string longer than any prompt can be (`max_string_bytes`), more
+   than `MAX_JSON_STRINGS` strings, `MAX_JSON_CONTAINERS` arrays and objects or `max_values`
+   values. A JSON text holds at most `commas + containers + 1` values, so this bounds stage 2.
 2. `json.loads`: at most `max_values` objects, so its time and memory are bounded.
 3. `check_shape`: the request's structural limits on the parsed object, each O(1) or O(#prompts):
    prompt count, token-id list lengths against max_model_len, stop strings (count and length),
-   stop_token_ids, logit_bias entries, messages, /detokenize tokens. Only then does pydantic
+   stop_token_ids, logit_bias entries, messages, /detokenize tokens, with the field's own error
+   (lists up to `max_items` get it; longer ones were refused by stage 1). Only then does pydantic
    validate (strict) what is left, which is small.
 
 The limits (`Limits`) are the server's, documented in README ("Serving") and in /openapi.json.
@@ -49,39 +57,66 @@ from .protocol import (
     validation_error,
 )
 
-SCAN_WINDOW = 1 << 20  # bytes one `bytes.count` call scans (well under a millisecond)
+SCAN_WINDOW = 1 << 20  # bytes `scan` feeds the scanner at a time (a whole body, e.g. in tests)
+# The scanner takes a chunk in slices of this many bytes, so that it refuses a hostile chunk after
+# the first slice over a limit (uvicorn hands over ~64-256 KB at a time; 256 KB of `"a",` is 64k
+# strings to split) at the cost of a few calls per slice for a valid body (~10 us per 16 KB).
+SCAN_SLICE = 16 << 10
 MAX_JSON_STRINGS = 1 << 16  # keys included; a valid request has a few per prompt, message or stop string
 MAX_JSON_CONTAINERS = 1 << 16  # arrays + objects outside strings
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects (a request needs ~5; json.loads stops near 1000)
 MIN_MAX_VALUES = 1 << 20  # Limits.max_values is at least this (and at least 2 x max_model_len)
 DEFAULT_MAX_STOP = 4  # OpenAI's and vLLM's limit; `lcx serve --max-stop` raises it
 TRIM_BYTES = 1 << 20  # after a body at least this large, freed heap memory goes back to the OS
+# A JSON string spends at most 12 bytes per character of the decoded text (a character outside
+# the BMP written as two \uXXXX escapes), so a string of more than 12 x the characters a field
+# may hold cannot be valid for it. Strings up to MIN_MAX_STRING_BYTES are still parsed, so that a
+# prompt a little too long gets its field's own error (400 context_length_exceeded, in characters).
+JSON_BYTES_PER_CHAR = 12
+MIN_MAX_STRING_BYTES = 1 << 20
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]", re.ASCII)  # a \uD800-\uDBFF escape: check its pair
+# bytes.translate table: brackets -> 1, every other byte -> 0
+_MARKS = bytes(int(c in b"[]{}") for c in range(256))
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one request may hold. `max_model_len`: tokens per prompt (and /detokenize ids);
     `max_stop`: stop strings per request; `max_values`: JSON values in a body (token ids
-    included), which bounds the parse. The other limits are constants of `protocol`."""
+    included), which bounds the parse; `max_items`: items of one JSON array or object;
+    `max_string_bytes`: bytes of one JSON string (None: the body limit only). The other limits
+    are constants of `protocol` and of this module."""
 
     max_model_len: int
     max_stop: int = DEFAULT_MAX_STOP
     max_values: int = MIN_MAX_VALUES
+    max_items: int = MIN_MAX_VALUES
+    max_string_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for k in ("max_model_len", "max_stop", "max_values"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        for k in ("max_model_len", "max_stop", "max_values", "max_items", "max_string_bytes"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ValueError(f"{k} must be >= 1, got {v}")
 
     @classmethod
-    def for_engine(cls, max_model_len: int, max_stop: int = DEFAULT_MAX_STOP) -> "Limits":
+    def for_engine(cls, max_model_len: int, max_stop: int = DEFAULT_MAX_STOP,
+                   max_prompt_chars: int | None = None) -> "Limits":
+        """The limits of a server with this max_model_len and --max-stop; `max_prompt_chars`: the
+        longest prompt text it tokenizes (`ServerContext.prompt_char_limit`), which bounds every
+        string (at JSON_BYTES_PER_CHAR, at least MIN_MAX_STRING_BYTES). `max_items` is twice the
+        longest list a field allows, so a list a little over its field's limit gets that field's
+        error (after parsing) and only a hostile one is cut off."""
+        longest = max(max_model_len, max_stop, MAX_PROMPTS, MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS)
         return cls(max_model_len=max_model_len, max_stop=max_stop,
-                   max_values=max(MIN_MAX_VALUES, 2 * max_model_len + 4096))
+                   max_values=max(MIN_MAX_VALUES, 2 * max_model_len + 4096), max_items=2 * longest,
+                   max_string_bytes=None if max_prompt_chars is None
+                   else max(MIN_MAX_STRING_BYTES, JSON_BYTES_PER_CHAR * max_prompt_chars))
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What `scan` counted: JSON strings, containers (arrays + objects) and commas outside strings."""
+    """What the scanner counted: JSON strings, containers (arrays + objects) and commas outside strings."""
 
     strings: int
     containers: int
@@ -94,69 +129,121 @@ class Shape:
         return self.commas + self.containers + 1
 
 
-def _too_large(what: str, got: int, limit: int) -> APIError:
-    return APIError(413, f"the request body holds {got}+ {what}; this server accepts at most {limit} per request "
+def _too_large(what: str, got: int, limit: int, hint: str = "") -> APIError:
+    return APIError(413, f"the request body holds {got}+ {what}; this server accepts at most {limit}{hint} "
                     "(a valid request needs far fewer; see README 'Serving: limits')", code="request_too_large")
 
 
-def _count(body: bytes, subs: tuple[bytes, ...], start: int, end: int) -> list[int]:
-    """Counts of each byte string of `subs` in body[start:end], in SCAN_WINDOW windows (no copy;
-    the GIL is released between windows)."""
-    out = [0] * len(subs)
-    for a in range(start, end, SCAN_WINDOW):
-        b = min(end, a + SCAN_WINDOW)
-        for i, s in enumerate(subs):
-            out[i] += body.count(s, a, b)
-    return out
+class Scanner:
+    """The body's shape, counted chunk by chunk as it arrives; `feed` raises `APIError` (413) at
+    the first chunk that takes a count over its `Limits` bound, so a hostile body is refused
+    before the rest of it is read.
+
+    A chunk costs a few C passes (escapes neutralised with `bytes.replace`, the structural bytes
+    marked with `bytes.translate`, then `find` and `count` between them) plus a Python step per
+    string and per bracket, of which there are at most MAX_JSON_STRINGS + MAX_JSON_CONTAINERS
+    before refusal. Exact for valid JSON; for invalid JSON the counts are only what `json.loads`
+    (which refuses it) would have to build, and may be refused here first.
+    """
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.size = 0  # bytes fed
+        self.strings = self.containers = self.commas = 0
+        self._items: list[int] = []  # per open container: commas seen in it (= items - 1)
+        self._inside = False  # in a string
+        self._string_bytes = 0  # of the string we are in
+        self._carry = b""  # a backslash that escapes the next chunk's first byte
+
+    def shape(self) -> Shape:
+        return Shape(self.strings, self.containers, self.commas)
+
+    def feed(self, chunk: bytes) -> None:
+        if len(chunk) <= SCAN_SLICE:
+            self._feed(chunk)
+            return
+        view = memoryview(chunk)
+        for a in range(0, len(chunk), SCAN_SLICE):
+            self._feed(bytes(view[a:a + SCAN_SLICE]))
+
+    def _feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        data = self._carry + chunk if self._carry else chunk
+        self._carry = b""
+        if data.endswith(b"\\"):  # a run of backslashes at the end: an odd one escapes the next byte
+            if (len(data) - len(data.rstrip(b"\\"))) % 2:
+                data, self._carry = data[:-1], b"\\"
+        if b"\\" in data:
+            # Inside a string a run of backslashes pairs up from its first one: `\\` is one
+            # backslash, and a quote after the pairs is escaped when one backslash is left over.
+            # Neutralised (same length), every quote left is a string delimiter.
+            data = data.replace(b"\\\\", b"..").replace(b'\\"', b"..")
+        lim = self.limits
+        # Split at the delimiters: the pieces alternate between inside and outside strings.
+        parts = data.split(b'"')
+        first_inside = self._inside
+        opened = (len(parts) - (1 if first_inside else 0)) // 2  # strings that start in this chunk
+        self.strings += opened
+        if self.strings > MAX_JSON_STRINGS:
+            raise _too_large("strings", self.strings, MAX_JSON_STRINGS)
+        inside_parts = parts[0::2] if first_inside else parts[1::2]
+        self._inside = first_inside != (len(parts) % 2 == 0)
+        if inside_parts:
+            # the first piece continues a string if we were in one; the last goes on if we still are
+            head = len(inside_parts[0]) + (self._string_bytes if first_inside else 0)
+            longest = max(head, max(map(len, inside_parts)))
+            self._string_bytes = (head if len(inside_parts) == 1 else len(inside_parts[-1])) if self._inside else 0
+            if lim.max_string_bytes is not None and longest > lim.max_string_bytes:
+                raise _too_large("bytes in one string", longest, lim.max_string_bytes,
+                                 " (the longest prompt text this server tokenizes, as JSON)")
+        outside = b"".join(parts[1::2] if first_inside else parts[0::2])
+        del parts, inside_parts
+        self._walk(outside)
+
+    def _walk(self, text: bytes) -> None:
+        """Count the containers of `text` (the chunk's bytes outside strings) and the commas in
+        each; a Python step per bracket."""
+        lim, items = self.limits, self._items
+        marks = text.translate(_MARKS)
+        i, n = 0, len(text)
+        while True:
+            j = marks.find(1, i)
+            c = text.count(b",", i, n if j < 0 else j)
+            if c:
+                self.commas += c
+                if items:
+                    items[-1] += c
+                    if items[-1] >= lim.max_items:
+                        raise _too_large("items in one array or object", items[-1] + 1, lim.max_items,
+                                         " (twice the longest list a field allows: token ids up to "
+                                         "max_model_len, prompts, messages, stop_token_ids)")
+                self._check_values()
+            if j < 0:
+                return
+            if text[j] in b"[{":
+                self.containers += 1
+                items.append(0)
+                if len(items) > MAX_JSON_DEPTH:
+                    raise _too_large("levels of nested arrays and objects", len(items), MAX_JSON_DEPTH)
+                if self.containers > MAX_JSON_CONTAINERS:
+                    raise _too_large("arrays and objects", self.containers, MAX_JSON_CONTAINERS)
+                self._check_values()
+            elif items:  # ] }
+                items.pop()
+            i = j + 1
+
+    def _check_values(self) -> None:
+        v = self.commas + self.containers + 1
+        if v > self.limits.max_values:
+            raise _too_large("values (token ids, strings, numbers)", v, self.limits.max_values)
 
 
 def scan(body: bytes, limits: Limits) -> Shape:
-    """Count the body's strings, and its containers and commas outside strings, refusing (413)
-    as soon as a count is over its limit. Work: O(len(body)) in C, in windows, plus a Python step
-    per string delimiter, of which there are at most 2 x MAX_JSON_STRINGS + 1 before refusal."""
-    # Upper bound first: every string has two unescaped quotes; an escaped quote is preceded by a
-    # backslash, so quotes - backslash-quotes undercounts delimiters by at most the `\\"` pairs.
-    quotes, escaped = _count(body, (b'"', b'\\"'), 0, len(body))
-    if quotes - escaped > 2 * MAX_JSON_STRINGS + 2:
-        raise _too_large("strings", (quotes - escaped) // 2, MAX_JSON_STRINGS)
-    strings = containers = commas = 0
-    pos, inside, n = 0, False, len(body)
-    while True:
-        q = body.find(b'"', pos)
-        end = n if q < 0 else q
-        if not inside:
-            c_open, c_obj, c_comma = _count(body, (b"[", b"{", b","), pos, end)
-            containers += c_open + c_obj
-            commas += c_comma
-            if containers > MAX_JSON_CONTAINERS:
-                raise _too_large("arrays and objects", containers, MAX_JSON_CONTAINERS)
-            if commas + containers + 1 > limits.max_values:
-                raise _too_large("values (token ids, strings, numbers)", commas + containers + 1, limits.max_values)
-        if q < 0:
-            break
-        if inside and _escaped(body, q, pos):
-            pos = q + 1  # an escaped quote: still inside the string
-            continue
-        if not inside:
-            strings += 1
-            if strings > MAX_JSON_STRINGS:
-                raise _too_large("strings", strings, MAX_JSON_STRINGS)
-        inside = not inside
-        pos = q + 1
-    return Shape(strings, containers, commas)
-
-
-def _escaped(body: bytes, q: int, start: int) -> bool:
-    """Whether the quote at `q` is escaped: an odd run of backslashes before it (after `start`)."""
-    i = q
-    while i > start:
-        w = max(start, i - 4096)
-        chunk = body[w:i]
-        run = len(chunk) - len(chunk.rstrip(b"\\"))
-        i -= run
-        if run < len(chunk):
-            break
-    return (q - i) % 2 == 1
+    """`Scanner` over a whole body (in SCAN_WINDOW pieces): its shape, or APIError (413)."""
+    s = Scanner(limits)
+    for a in range(0, len(body), SCAN_WINDOW):
+        s.feed(body[a:a + SCAN_WINDOW])
+    return s.shape()
 
 
 def loads(body: bytes) -> Any:
@@ -272,12 +359,14 @@ def release_memory() -> None:
         trim(0)
 
 
-def parse_body(model: type[BaseModel], body: bytes, limits: Limits) -> Any:
-    """`model` from the JSON `body`: `scan`, `loads`, `check_shape`, then pydantic (strict).
-    Raises `APIError` (400, 413). Runs on the CPU pool."""
+def parse_body(model: type[BaseModel], body: bytes, limits: Limits, *, scanned: bool = False) -> Any:
+    """`model` from the JSON `body`: `scan` (unless `scanned`: a `Scanner` saw it as it arrived),
+    `loads`, `check_shape`, then pydantic (strict). Raises `APIError` (400, 413). Runs on the CPU
+    pool."""
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-    scan(body, limits)
+    if not scanned:
+        scan(body, limits)
     raw = loads(body)
     check_shape(model, raw, limits)
     try:

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from lcx.engine import INT64_MAX, INT64_MIN, ContextLengthError, Engine, SamplingParams, StepEvent, TokenLogprob
 
-from .body import TRIM_BYTES, Limits, cap_mmap_threshold, parse_body, release_memory
+from .body import TRIM_BYTES, Limits, Scanner, cap_mmap_threshold, parse_body, release_memory
 from .chat_template import DEFAULT_CHAT_TEMPLATE, resolve_chat_template
 from .gate import ClientGone, HttpStats, request_id
 from .protocol import (
@@ -39,9 +39,6 @@ from .scheduler import Scheduler
 
 log = logging.getLogger("lcx.serve")
 
-# A body over the limit is still read (and dropped) up to here, so the client gets the 413 instead
-# of a reset connection; a bigger one is not read and its connection closes after the 413.
-DRAIN_LIMIT_BYTES = 64 << 20
 # A prompt of more than `margin x longest token (characters) x max_model_len` characters cannot fit
 # max_model_len tokens: every token covers at most the longest token's characters. That is exact
 # for tokenizers whose normaliser never shortens text (byte-level BPE, Llama's SentencePiece);
@@ -124,13 +121,14 @@ class ServerContext:
             raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self.engine, self.sched, self.model_name = engine, scheduler, model_name
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
-        self.limits = Limits.for_engine(engine.max_model_len, **({} if max_stop is None else {"max_stop": max_stop}))
         self.stats = HttpStats()
         self.pool = concurrent.futures.ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="lcx-cpu")
         self.tok = engine.tokenizer
         # the tokenizer's own template, else (unless chat_template is None) lcx's documented default
         self.chat_template, self.chat_template_source = resolve_chat_template(self.tok, chat_template)
         self.prompt_char_limit = PROMPT_CHARS_MARGIN * max_token_chars(self.tok) * engine.max_model_len
+        self.limits = Limits.for_engine(engine.max_model_len, **({} if max_stop is None else {"max_stop": max_stop}),
+                                        max_prompt_chars=self.prompt_char_limit)
 
     def start(self) -> None:
         cap_mmap_threshold()
@@ -150,57 +148,56 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     async def read_body(self, request: Request) -> bytes:
-        """The body, at most `max_body_bytes` (413 above, after reading the rest up to
-        DRAIN_LIMIT_BYTES so the client sees the answer), within `body_timeout_s` of the first
-        read (408 after; the connection is then closed); JSON only (415)."""
-        declared = request.headers.get("content-length", "")
-        size, chunks = 0, []
-        if declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
-            size = int(declared)
-        else:
-            got = [0]  # bytes received, for the 408's message
-            try:
-                # one task for the whole body (a timeout per chunk would make a task per chunk)
-                size, chunks = await asyncio.wait_for(self._receive_body(request, got), self.body_timeout_s)
-            except asyncio.TimeoutError:
-                raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s "
-                               f"({got[0]} bytes came; lcx serve --body-timeout-s)", code="request_timeout") from None
-        if size > self.max_body_bytes:
-            raise APIError(413, f"the request body has {size}{'+' if size > DRAIN_LIMIT_BYTES else ''} bytes; this "
-                           f"server accepts at most {self.max_body_bytes} (lcx serve --max-body-mb)",
-                           code="request_too_large")
+        """The body, scanned as it arrives (`lcx.serve.body.Scanner`). Refused without reading the
+        rest: another Content-Type than JSON (415), more than `max_body_bytes` (413, declared or
+        counted), a scan limit crossed (413), not all of it within `body_timeout_s` of the first
+        read (408). The gate closes the connection of a body left unread after the answer
+        (`lcx.serve.gate.linger_close`): reading a hostile body to its end would cost the server
+        more than the client."""
         ctype = request.headers.get("content-type")
         if ctype is not None:
             mime = ctype.split(";", 1)[0].strip().lower()
             if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
                 raise APIError(415, f"Content-Type must be application/json, got {ctype!r}",
                                code="unsupported_media_type")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared), "")
+        scanner = Scanner(self.limits)
+        try:
+            # one task for the whole body (a timeout per chunk would make a task per chunk)
+            chunks = await asyncio.wait_for(self._receive_body(request, scanner), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s "
+                           f"({scanner.size} bytes came; lcx serve --body-timeout-s)", code="request_timeout") from None
         body = b"".join(chunks)
         chunks.clear()
         return body
 
-    async def _receive_body(self, request: Request, got: list[int]) -> tuple[int, list[bytes]]:
-        """(size, chunks) of the body: chunks up to `max_body_bytes`, the size read up to DRAIN_LIMIT_BYTES."""
-        size, chunks = 0, []
+    def _too_large(self, size: int, more: str) -> APIError:
+        return APIError(413, f"the request body has {size}{more} bytes; this server accepts at most "
+                        f"{self.max_body_bytes} (lcx serve --max-body-mb)", code="request_too_large")
+
+    async def _receive_body(self, request: Request, scanner: Scanner) -> list[bytes]:
+        """The body's chunks, each scanned as it comes; APIError (413) at the first one over a limit."""
+        chunks = []
         try:
             async for chunk in request.stream():
-                size += len(chunk)
-                got[0] = size
-                if size <= self.max_body_bytes:
-                    chunks.append(chunk)
-                elif size > DRAIN_LIMIT_BYTES:
-                    break
+                if scanner.size + len(chunk) > self.max_body_bytes:
+                    raise self._too_large(scanner.size + len(chunk), "+")
+                scanner.feed(chunk)
+                chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone() from None
-        return size, chunks
+        return chunks
 
     async def parse(self, model: type[BaseModel], request: Request) -> Any:
-        """The request's body as `model`: read here (bounded by `max_body_bytes`), scanned, parsed
-        and validated on the CPU pool with bounded work (`lcx.serve.body`)."""
+        """The request's body as `model`: read and scanned here (`read_body`), parsed and validated
+        on the CPU pool with bounded work (`lcx.serve.body`)."""
         body = await self.read_body(request)
         big = len(body) >= TRIM_BYTES
         try:
-            return await self.cpu(parse_body, model, body, self.limits)
+            return await self.cpu(functools.partial(parse_body, scanned=True), model, body, self.limits)
         except APIError as e:
             # Its traceback holds the parse frames, and so the body; the error ends up in the
             # request's scope, which the handler frames also hold: a cycle that would keep the

@@ -145,11 +145,21 @@ LIMITS = [
      "context_length_exceeded"),
     ("detokenize-over-max-model-len", "/detokenize", {"tokens": [3] * (MAX_MODEL_LEN + 1)}, 400, "tokens",
      "too_many_items"),
-    ("values-over-budget", "/v1/completions", {"prompt": [[3] * 1000] * 1024,
-                                               "stop_token_ids": [1] * 30000}, 413, None, "request_too_large"),
-    ("containers-over-budget", "/v1/completions", b'{"prompt": ' + b"[" * 70000 + b"]" * 70000 + b"}", 413, None,
+    # refused by the scan as the body arrives (413, no field named): each list within max_items
+    ("values-over-budget", "/v1/completions", {"prompt": [[3] * 4000] * 300}, 413, None, "request_too_large"),
+    ("containers-over-budget", "/v1/completions",
+     b'{"prompt": [' + b",".join([b"[" + b",".join([b"[]"] * 4000) + b"]"] * 17) + b"]}", 413, None,
      "request_too_large"),
-    ("deep-nesting", "/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, None),
+    ("deep-nesting", "/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 413, None,
+     "request_too_large"),
+    ("nesting-65", "/v1/completions", b'{"prompt": ' + b"[" * 64 + b"]" * 64 + b"}", 413, None, "request_too_large"),
+    ("nesting-64", "/v1/completions", b'{"prompt": ' + b"[" * 63 + b"]" * 63 + b"}", 400, "prompt", None),
+    ("array-over-twice-the-longest-list", "/v1/completions", {"prompt": [3] * 4097}, 413, None, "request_too_large"),
+    ("array-at-twice-the-longest-list", "/v1/completions", {"prompt": [3] * 4096}, 400, "prompt",
+     "context_length_exceeded"),
+    ("string-over-any-prompt", "/v1/completions", {"prompt": "x" * (2 << 20)}, 413, None, "request_too_large"),
+    ("escaped-string-over-any-prompt", "/v1/completions", b'{"prompt": "' + b'\\"' * (1 << 20) + b'"}', 413,
+     None, "request_too_large"),
     ("lone-surrogate", "/v1/completions", b'{"prompt": "\\ud800x"}', 400, None, "invalid_json"),
     ("repetition-penalty-tiny", "/v1/completions", {"prompt": "x", "repetition_penalty": 1e-308, "temperature": 1},
      400, "repetition_penalty", "invalid_value"),
@@ -298,6 +308,135 @@ def test_a_partial_body_times_out(srv):
     assert b"request_timeout" in data
     assert BODY_TIMEOUT_S - 0.5 < took < BODY_TIMEOUT_S + 10
     assert httpx.get(srv["url"] + "/health", timeout=10).status_code == 200
+
+
+def _answer_then_closed(srv, head: bytes, first: bytes) -> tuple[bytes, bool]:
+    """Send a request's head and the first bytes of its body (the rest never comes); return the
+    answer and whether the server then closed the connection (EOF or reset) by itself."""
+    host, port = srv["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as s:
+        s.sendall(head + first)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        s.settimeout(BODY_TIMEOUT_S + 20)
+        try:
+            closed = s.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False
+    return data, closed
+
+
+@pytest.mark.parametrize("what", ["ids", "strings", "declared-size", "unknown-route"])
+def test_a_refused_body_is_not_read_to_its_end(srv, what):
+    """A body is refused at its first bytes over a limit: the answer comes while the client is
+    still sending (main waited for all 30 MB, here: the body timeout, 408), and the connection is
+    closed after it, the rest unread."""
+    path, size, first = {
+        "ids": ("/v1/completions", 30 << 20, b'{"prompt": [' + b"11," * 20000),
+        "strings": ("/v1/completions", 30 << 20, b'{"prompt": [' + b'"a",' * 20000),
+        "declared-size": ("/v1/completions", 33 << 20, b'{"prompt": [1'),
+        "unknown-route": ("/v1/nothing", 30 << 20, b'{"prompt": [' + b"11," * 20000),
+    }[what]
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+            .encode())
+    data, closed = _answer_then_closed(srv, head, first)
+    status = {"unknown-route": b"404"}.get(what, b"413")
+    assert data.startswith(b"HTTP/1.1 " + status), data[:300]
+    assert closed, "the connection stayed open: the server would read the rest of the body"
+    assert httpx.get(srv["url"] + "/health", timeout=10).status_code == 200
+
+
+def test_a_body_read_to_its_end_keeps_the_connection(srv):
+    """Refusals after the whole body arrived (the parse, the fields) keep the connection alive."""
+    with httpx.Client(timeout=TIMEOUT_S) as c:
+        ports = set()
+        for body in ({"prompt": "x", "bogus": 1}, {"prompt": [3] * 2000}, {"prompt": "x", "max_tokens": 1}):
+            r = c.post(srv["url"] + "/v1/completions", json=body)
+            assert r.status_code in (200, 400), r.text
+            ports.add(r.extensions["network_stream"].get_extra_info("client_addr"))
+        assert len(ports) == 1, ports
+
+
+# ================================================================================ the scanner
+SCAN_CASES = 400  # random JSON documents, each fed in random chunks
+
+
+def _shape_of(obj) -> tuple[int, int, int, int]:
+    """(strings, containers, commas, longest string's JSON bytes) of a parsed document."""
+    strings = containers = commas = 0
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            strings += 1
+        elif isinstance(x, (list, dict)):
+            containers += 1
+            commas += max(0, len(x) - 1)
+            if isinstance(x, dict):
+                strings += len(x)
+            stack.extend(x.values() if isinstance(x, dict) else x)
+    return strings, containers, commas
+
+
+def test_scanner_counts_match_the_parse_in_any_chunking():
+    """The incremental scan counts what json.loads builds, whatever the chunk boundaries (inside
+    escapes, backslash runs, multi-byte characters), and refuses a string one byte over its bound."""
+    import random
+
+    from lcx.serve.body import Limits, Scanner
+    from lcx.serve.protocol import APIError
+
+    rng = random.Random(0)
+    alphabet = ['a', '"', '\\', ',', '[', ']', '{', '}', ' ', '\u00e9', '\U0001F600', '\n']
+
+    def text():
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
+
+    def value(depth=0):
+        r = rng.random()
+        if depth > 4 or r < 0.3:
+            return rng.choice([1, 2.5, None, True, text()])
+        if r < 0.65:
+            return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {text(): value(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    def feed(doc, limits):
+        sc, i = Scanner(limits), 0
+        while i < len(doc):
+            j = i + rng.randint(0, 9)
+            sc.feed(doc[i:j])
+            i = j
+        return sc
+
+    for _ in range(SCAN_CASES):
+        obj, ascii_only = value(), rng.random() < 0.5
+        doc = json.dumps(obj, ensure_ascii=ascii_only).encode()
+        sc = feed(doc, Limits(max_model_len=1 << 20, max_items=1 << 20, max_values=1 << 24))
+        assert (sc.strings, sc.containers, sc.commas) == _shape_of(obj), doc
+        strs = [x for x in _walk(obj) if isinstance(x, str)]
+        longest = max((len(json.dumps(x, ensure_ascii=ascii_only).encode()) - 2 for x in strs), default=0)
+        if longest > 1:
+            feed(doc, Limits(max_model_len=1, max_string_bytes=longest))
+            with pytest.raises(APIError):
+                feed(doc, Limits(max_model_len=1, max_string_bytes=longest - 1))
+
+
+def _walk(obj):
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        yield x
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 def test_chat_template_choice():
