@@ -255,7 +255,7 @@ class TrainConfig:
         if rmix > 0 and retrieval_rows(self) == 0:
             raise ValueError(f"retrieval_mix={rmix} gives no retrieval row in a batch of {self.batch_size}")
         if self.retrieval_formats is not None:
-            from .retrieval import FORMATS
+            from lcx.train.retrieval import FORMATS
 
             fmts = tuple(self.retrieval_formats)
             object.__setattr__(self, "retrieval_formats", fmts)
@@ -774,7 +774,7 @@ def train(
     passkey = PasskeyExamples(tokenizer) if cfg.passkey_mix > 0 else None
     retrieval = None
     if cfg.retrieval_mix > 0:
-        from .retrieval import RetrievalExamples
+        from lcx.train.retrieval import RetrievalExamples
 
         retrieval = RetrievalExamples(tokenizer, train_stream, cfg.retrieval_formats, cfg.copy_vocab)
     # held-out passkey accuracy (the eval's format, full length) whenever retrieval is trained and
