@@ -18,7 +18,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "the main job: passkey, perplexity and decoding vs context length for every method -> results/report/"),
     (("demo",), "lcx.demo",
      "RoPE extrapolation table: perplexity of the bundled model at 256..4k tokens per RoPE type"),
-    (("train", "lm"), "lcx.train.lm",
+    (("train", "lm"), "lcx.train.lm.cli",
      "train a small Llama-style LM on public-domain text (Shakespeare + KJV Bible)"),
     (("train", "stream"), "lcx.train.stream",
      "train + evaluate the streaming word-transduction task: group vs interleaved positions"),

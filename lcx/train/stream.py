@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from lcx.cache.streaming import StreamingConfig, group_layout, stream_generate, wait_k_visible
 from lcx.data.io import atomic_savefig, atomic_write_json, environment
-from lcx.train.lm import ModelConfig, TrainConfig, _optimizer, build_model, lr_at
+from lcx.train.lm import ModelConfig, TrainConfig, build_model, lr_at
+from lcx.train.lm.loop import _optimizer
 
 PAD, START, EOS, N_SPECIAL = 0, 1, 2, 3
 

@@ -15,8 +15,6 @@ from lcx.eval_tasks.passkey.data import FILLER, NEEDLE, QUESTION, TASK_DESCRIPTI
 from lcx.train.lm import (
     PasskeyExamples,
     TrainConfig,
-    _config_from_args,
-    add_arguments,
     batch_at,
     init_model_config,
     lm_loss,
@@ -26,6 +24,7 @@ from lcx.train.lm import (
     train,
     weighted_batch_at,
 )
+from lcx.train.lm.cli import _config_from_args, add_arguments
 
 SEQ_LENS = (200, 256)  # bundled tokenizer: the scaffold alone is ~65 tokens
 TINY_SEQ = 300  # byte tokenizer: scaffold + key + eos is 254 bytes
