@@ -77,7 +77,7 @@ def check_rows(T: int, n_local: int, n_rand: int, seed: int) -> list[int]:
 
 
 def run_one(model, tok, ids, answer, exp, check, log):
-    from lcx.cache import rope_basis
+    from lcx.hf.rope_patch import rope_basis
     from lcx.method_config import INFERENCE_BACKEND
     from lcx.methods import attention_patched, lm_infinite
 

@@ -9,7 +9,7 @@ Semantics (cache layout, keys after RoPE, what a position is after an edit) are 
 `lcx.cache.kv` and `lcx.cache.pie`.
 """
 
-from .kv import ForwardCost, PositionedKVCache, forward_flops, rope_basis
+from .kv import ForwardCost, PositionedKVCache, forward_flops
 from .pie import (
     EDIT_STRATEGIES,
     Edit,
@@ -40,7 +40,6 @@ __all__ = [
     "plan_edits",
     "rerotate",
     "rerotate_ref",
-    "rope_basis",
     "stream_generate",
     "update_cache",
 ]

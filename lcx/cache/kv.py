@@ -35,41 +35,7 @@ from torch import nn
 
 from ..hf import decoder as _decoder
 from ..hf import head_dim_of
-from ..hf.rope_patch import LcxRotaryEmbedding
-from ..rope import compute_inv_freq
-
-# HF rope types whose basis depends on the sequence length (HF's own rotary module mutates
-# its inv_freq buffer per forward for these): their basis cannot be read off the module.
-_HF_LENGTH_DEPENDENT = ("dynamic", "longrope")
-
-
-def rope_basis(model: nn.Module, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """`(inv_freq [r/2] float64, attention_factor)` the model rotates with for `seq_len` positions.
-
-    Patched models (`lcx.patch`): the lcx spec's basis at `seq_len` (matters only for the
-    length-dependent types, dynamic and longrope, whose basis `LcxRotaryEmbedding` picks from
-    max position + 1 of each forward). Unpatched HF models: the rotary module's `inv_freq`
-    buffer and `attention_scaling`; HF keeps inv_freq in float32 and forms angles in float32,
-    so a re-rotation in float64 from this basis differs from HF's own rotation by about one
-    float32 ulp of the angle (`p * inv_freq`). An unpatched model with a length-dependent HF
-    rope type raises `ValueError` (its buffer changes per forward; patch the model with lcx).
-    """
-    rot = _decoder(model).rotary_emb
-    if isinstance(rot, LcxRotaryEmbedding):
-        if rot.spec.is_length_dependent:
-            inv, af = compute_inv_freq(rot.spec, rot.head_dim, seq_len)
-            return inv, float(af)
-        return rot.inv_freq.detach().to("cpu", torch.float64), float(rot.attention_scaling)
-    rope_type = getattr(rot, "rope_type", "default")
-    if rope_type in _HF_LENGTH_DEPENDENT:
-        raise ValueError(
-            f"the model's own rotary module uses rope_type={rope_type!r}, whose basis changes with "
-            "the sequence length; patch the model with lcx (lcx.patch(model, spec)) so lcx knows it")
-    inv = getattr(rot, "inv_freq", None)
-    if inv is None:
-        raise ValueError(f"{type(rot).__name__} has no inv_freq buffer; cannot read the RoPE basis")
-    return inv.detach().to("cpu", torch.float64), float(getattr(rot, "attention_scaling", 1.0))
-
+from ..hf.rope_patch import rope_basis
 
 def _same_basis(a: tuple[torch.Tensor, float] | None, b: tuple[torch.Tensor, float] | None) -> bool:
     if a is None or b is None:

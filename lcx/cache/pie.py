@@ -44,7 +44,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .kv import ForwardCost, PositionedKVCache, _same_basis, _sync, rope_basis
+from ..hf.rope_patch import rope_basis
+from .kv import ForwardCost, PositionedKVCache, _same_basis, _sync
 from .rerotate import rerotate
 
 

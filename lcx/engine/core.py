@@ -552,9 +552,8 @@ def _cache_layout(model: nn.Module, methods: MethodConfig, recorded: bool) -> Ca
 
 def _static_basis(model: nn.Module) -> tuple[torch.Tensor, float] | None:
     """The model's RoPE basis if it does not depend on the sequence length, else None."""
-    from ..cache.kv import rope_basis
     from ..hf import decoder
-    from ..hf.rope_patch import LcxRotaryEmbedding
+    from ..hf.rope_patch import LcxRotaryEmbedding, rope_basis
 
     rot = decoder(model).rotary_emb
     if isinstance(rot, LcxRotaryEmbedding) and rot.spec.is_length_dependent:

@@ -13,7 +13,7 @@ and StreamingLLM renumbers positions. So `patch_attention` gives every `self_att
 the model an instance-level `forward` (transformers 5.17 `LlamaAttention.forward` minus the
 rotation) that projects q/k/v and calls `method.attend` on UNROTATED q/k with an
 `lcx.attention.Rotary` holding the keys' positions. The RoPE basis is read at call time from
-the model's rotary module (`lcx.cache.rope_basis`), so RoPE specs applied with `lcx.patch`
+the model's rotary module (`lcx.hf.rope_patch.rope_basis`), so RoPE specs applied with `lcx.patch`
 compose with any method, in either order. The config's `_attn_implementation` is switched to
 `"lcx_attention_method"`, registered with transformers' attention and mask interfaces: the
 mask function builds no mask (the method owns masking and causality; no [T, T] mask is ever
@@ -44,7 +44,7 @@ Supported: model types llama, mistral, qwen2 (q/k/v/o projections, rotate-half R
 full head, no q/k norm). Not supported (raises): padding in `attention_mask`, attention
 dropout in training mode, models whose attention module has q/k norms (qwen3).
 
-Part of the HF adapter (`lcx.hf`): the methods (`lcx.methods.spec`) know nothing of
+Part of the HF adapter (`lcx.hf`): the methods (`lcx.methods`) know nothing of
 transformers; this module installs them in a model. `lcx.methods` re-exports `patch_attention`,
 `unpatch_attention`, `attention_patched`, `current_attention` and `ATTN_IMPLEMENTATION`.
 """
@@ -61,10 +61,12 @@ import torch
 from torch import nn
 
 from lcx.attention import BACKENDS, Rotary
-from lcx.methods.spec import AttentionMethod, method_from_dict
+from lcx.methods.base import AttentionMethod
+from lcx.methods.registry import method_from_dict
 
 from .models import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # noqa: F401  (lcx.hf.MODEL_TYPES)
 from .models import attention_layers, check_model_type, decoder
+from .rope_patch import rope_basis
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
 DEFAULT_BACKEND = "blockwise"
@@ -156,7 +158,6 @@ def lcx_attention_forward(
     step = kwargs.get("lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
         return step(self, hidden_states, position_embeddings), None
-    from lcx.cache.kv import rope_basis
     from lcx.methods.bounded_cache import BoundedKVCache
 
     st: _ModuleState = getattr(self, _STATE)
@@ -224,7 +225,6 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
 
     q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated), row_pos `[B, Tk]` -> out `[B, Tq, H, D]`.
     """
-    from lcx.cache.kv import rope_basis
 
     B, Tq = q.shape[:2]
     Tk = k.shape[1]

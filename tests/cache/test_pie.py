@@ -22,9 +22,9 @@ from lcx.cache import (
     apply_edits,
     plan_edits,
     rerotate_ref,
-    rope_basis,
     update_cache,
 )
+from lcx.hf.rope_patch import rope_basis
 from lcx.studies.code_edit import evaluate, make_samples, next_line, summarize, token_edits
 from lcx.hf.rope_patch import patch, patched
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rotate_by_positions_ref

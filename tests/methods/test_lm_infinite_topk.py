@@ -216,7 +216,7 @@ def test_attend_without_layer_idx_raises():
 def test_patched_model_layers_equal_reference():
     """On a tiny float64 Llama (2 layers): per layer, the patched output equals o_proj of the
     reference, with top-k from layer 1 (needs the HF adapter to pass `layer_idx`)."""
-    from lcx.cache import rope_basis
+    from lcx.hf.rope_patch import rope_basis
     from lcx.methods import attention_patched
     from lcx.models.tiny import tiny_llama
 
