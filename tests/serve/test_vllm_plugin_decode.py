@@ -23,7 +23,7 @@ from lcx.attention import Rotary
 from lcx.methods import LMInfinite, lm_infinite, self_extend, sinks, sliding_window, swat
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 from lcx.serve.vllm_plugin.method_attention import (_MethodAttention, _build_plan, attention_kernel, prefill_backend,
-                                                     rotated_rule)
+                                                     rotated_rule, rule_covers_prefill)
 from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
@@ -177,15 +177,22 @@ def test_rotated_layout_fused_kernel_equals_the_method(name, af):
 
 
 def test_rotated_plan_by_hand():
-    """LM-Infinite G=3, L=10 (limit 10) in the rotated layout: one decode call; a request with n
-    keys reads [0, 3) and the last 10 when n > 13; globals outside the window are re-rotated by
-    (0 - p_k) - (min(10, p_q) - p_q), window keys not at all."""
+    """LM-Infinite G=3, L=10 (limit 10) in the rotated layout: one call for every row, the
+    prefill and chunk queries too (the rule covers them: `rule_covers_prefill`); a row whose
+    query sees n keys reads [0, 3) and the last 10 when n > 13; globals outside the window are
+    re-rotated by (0 - p_k) - (min(10, p_q) - p_q), window keys not at all."""
     _, meta, _, _, _ = _step()
     plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, lm_infinite(3, 10), BLOCK, True)
-    assert plan.decode_groups == ()
+    assert plan.decode_groups == () and plan.multi_query == ()
     dec = plan.rule_decode
-    assert dec.rows.tolist() == [0, 1, 2, 3, 4, 5, 29]  # every decode row of STEP
-    assert dec.visible.shape == (7, 13)
+    assert dec.rows.tolist() == list(range(sum(q for _, q in STEP)))  # every row of STEP, in order
+    assert dec.visible.shape == (53, 13)
+    # request 6's prefill (17 queries over 17 keys), its query 14 (row 6 + 14, p_q = 14, n = 15):
+    # keys 0 1 2 | 5 .. 14, globals at 0 vs the query at min(10, 14) = 10: delta 4 - p_k
+    assert dec.delta[20].tolist() == [4.0, 3.0, 2.0] + [0.0] * 10 and dec.visible[20].all()
+    assert dec.offsets[20].tolist() == [0, 1, 2, *[(k % BLOCK) for k in range(5, 15)]]
+    # request 6's query 2 (p_q = 2): keys 0 1 2 only, in its window
+    assert dec.visible[8].tolist() == [True] * 3 + [False] * 10 and dec.delta[8].tolist() == [0.0] * 13
     assert dec.visible[1].tolist() == [True] * 5 + [False] * 8  # n = 5: its 5 keys, padded
     assert dec.delta[1].tolist() == [0.0] * 13
     # n = 14 (p_q = 13): keys 0 1 2 | 4 .. 13; globals at 0 vs the query at min(10, 13) = 10
@@ -197,9 +204,25 @@ def test_rotated_plan_by_hand():
     # min(29, 2 + 9 - 1) = 10: delta 29 - 10 = 19 for both sinks
     plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, sinks(2, 9), BLOCK, True)
     assert plan.rule_decode.delta[4].tolist() == [19.0, 19.0] + [0.0] * 9
-    # Self-Extend reads every key: K = the longest request (64)
+    # Self-Extend reads every key: K = the longest request (64); its prefills take whole-cache calls
     plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, self_extend(2, 8), BLOCK, True)
     assert plan.rule_decode.visible.shape == (7, 64) and plan.multi_query == (6, 7, 9, 10)
+    assert plan.rule_decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 29]  # the decode rows
+    # LM-Infinite capped past its window: prefill queries see the call's cap, not the rule's
+    plan = _build_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, lm_infinite(2, 6, limit_distance=20),
+                       BLOCK, True)
+    assert plan.multi_query == (6, 7, 9, 10) and plan.rule_decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 29]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_rule_covers_prefill_only_where_query_keys_agree(name):
+    """`rule_covers_prefill` (prefill queries planned under the decode rule) is True exactly for
+    the window + side rules whose every prefill query equals `query_keys` of the whole call; by
+    hand: LM-Infinite with its cap at the window, sinks and a plain window yes, LM-Infinite capped
+    past its window (the call's Tk sets the cap), Self-Extend (every key), SWAT and top-k (no such
+    rule) no."""
+    want = {"lm_infinite_3_10": True, "sinks_2_9": True, "sinks_2_9_no_renumber": True, "sliding_window_7": True}
+    assert rule_covers_prefill(METHODS[name]) is want.get(name, False)
 
 
 def test_plan_groups_decode_rows_by_compressed_length():
