@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -45,9 +46,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lcx.bench.harness import Benchmark, figure
 from lcx.bench.scale import visible_keys  # the one count of the keys a query sees
 
 DESCRIPTION = "decode tokens/s per method through lcx.engine vs vanilla, one thread, SmolLM2-135M's shape"
+BENCH = Benchmark("decode", DESCRIPTION, __doc__, out="results/decode_cpu.json", threads=1, seed=0, plot=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    shape: str
+    layers: int
+    lengths: list[int]
+    tokens: int
+    threads: int
+    seed: int
+    cases: dict[str, dict]  # name -> its lcx.MethodConfig dict
+    dtype: str = "float32"
+    weights: str = "random (lcx.bench.scale.build_model): decode cost depends on shapes, not on weight values"
+    timing: str = ("per step: process CPU time (tokens_per_s, ratio) and wall time (*_wall), median over "
+                   "--tokens steps, cases interleaved round by round")
+    ideal: str = "bytes per decode step = weights (layers + LM head) + visible keys x KV bytes per token"
+    merged_from: dict[str, dict] | None = None  # --merge: each record's lengths and git SHA
+
+    def to_dict(self) -> dict[str, Any]:
+        order = ("shape", "layers", "lengths", "tokens", "threads", "seed", "dtype", "cases", "weights", "timing",
+                 "ideal", "merged_from")
+        d = dataclasses.asdict(self)
+        return {k: d[k] for k in order if k != "merged_from" or d[k] is not None}
 
 
 @dataclass(frozen=True)
@@ -150,34 +176,21 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.formatter_class = argparse.RawDescriptionHelpFormatter
-    ap.epilog = __doc__.split("\n\n", 1)[1]
+    BENCH.add_arguments(ap)
     ap.add_argument("--shape", default="smollm2-135m", help="model shape of lcx.bench.scale.SHAPES (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (quick checks)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--tokens", type=int, default=24, help="timed decode steps per case and length (default: %(default)s)")
     ap.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/decode_cpu.json",
-                    help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: join records of the same settings run for different --lengths "
                          "(e.g. the longest length in a second process) into --out")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench decode", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lcx.bench.record import write_record
     from lcx.bench.scale import SHAPES, build_model, shape_facts
-    from lcx.data.io import atomic_savefig
 
     if args.merge:
         return merge(args)
@@ -185,45 +198,33 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be >= 3, got {args.tokens}")
     if args.shape not in SHAPES:
         raise ValueError(f"unknown shape {args.shape!r}; known: {list(SHAPES)}")
-    torch.set_num_threads(args.threads)
+    threads = BENCH.resolve_threads(args)
     cases = [c for c in CASES if c.name in args.cases]
     if BASELINE not in args.cases:
         cases = [CASES[0]] + cases
     model = build_model(args.shape, layers=args.layers, dtype=torch.float32, device="cpu", seed=args.seed)
     facts = shape_facts(model.config)
-    config = {"shape": args.shape, "layers": model.config.num_hidden_layers, "lengths": sorted(args.lengths),
-              "tokens": args.tokens, "threads": args.threads, "seed": args.seed, "dtype": "float32",
-              "cases": {c.name: c.method_config(int(model.config.max_position_embeddings), max(args.lengths)).to_dict()
-                        for c in cases},
-              "weights": "random (lcx.bench.scale.build_model): decode cost depends on shapes, not on weight values",
-              "timing": "per step: process CPU time (tokens_per_s, ratio) and wall time (*_wall), median over "
-                        "--tokens steps, cases interleaved round by round",
-              "ideal": "bytes per decode step = weights (layers + LM head) + visible keys x KV bytes per token"}
+    L0 = int(model.config.max_position_embeddings)
+    rec = BENCH.start(args, Config(
+        shape=args.shape, layers=model.config.num_hidden_layers, lengths=sorted(args.lengths), tokens=args.tokens,
+        threads=threads, seed=args.seed, cases={c.name: c.method_config(L0, max(args.lengths)).to_dict() for c in cases}))
     results: dict[str, Any] = {}
-    out = Path(args.out)
-    t_start = time.time()
-    for T in sorted(args.lengths):
-        print(f"T={T}", flush=True)
+    for T in rec.progress(sorted(args.lengths), unit="length"):
+        rec.log(f"T={T}")
         results[str(T)] = run_length(model, facts, cases, T, args)
-        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=True,
-                     wall_s=round(time.time() - t_start, 1), summary=summarise(results))
+        rec.save(results, wall_s=rec.elapsed(1), summary=summarise(results))
     print(table(results))
-    write_record(out, description=DESCRIPTION, config=config, results=results,
-                 wall_s=round(time.time() - t_start, 1), summary=summarise(results))
-    plot(results, out.with_suffix(".png"), atomic_savefig, args)
-    print(f"wrote {out.with_suffix('.png')}")
+    rec.finish(results, plot=plot, wall_s=rec.elapsed(1), summary=summarise(results))
     return 0
 
 
 def merge(args: argparse.Namespace) -> int:
     """Join records that differ only in their lengths (each length's cases ran interleaved in one
     process; lengths never compare across processes, only ratios within a length do)."""
-    import json
+    from lcx.configs import strict_from_dict
+    from lcx.data.io import read_json
 
-    from lcx.bench.record import write_record
-    from lcx.data.io import atomic_savefig
-
-    recs = [json.loads(Path(f).read_text()) for f in args.merge]
+    recs = [read_json(f) for f in args.merge]
     same = ("shape", "layers", "tokens", "threads", "seed", "dtype")
     for f, r in zip(args.merge[1:], recs[1:]):
         diff = [k for k in same if r["config"].get(k) != recs[0]["config"].get(k)]
@@ -234,16 +235,14 @@ def merge(args: argparse.Namespace) -> int:
                              "cases ran) may differ")
     results = {T: row for r in recs for T, row in r["results"].items()}
     results = dict(sorted(results.items(), key=lambda kv: int(kv[0])))
-    config = {**recs[0]["config"], "lengths": [int(T) for T in results],
-              "cases": {n: c for r in recs for n, c in r["config"]["cases"].items()},
-              "merged_from": {f: {"lengths": r["config"]["lengths"], "git": r["environment"].get("git")}
-                              for f, r in zip(args.merge, recs)}}
-    out = Path(args.out)
-    write_record(out, description=DESCRIPTION, config=config, results=results,
-                 wall_s=sum(r.get("wall_s", 0) for r in recs), summary=summarise(results))
+    config = strict_from_dict(Config, {
+        **recs[0]["config"], "lengths": [int(T) for T in results],
+        "cases": {n: c for r in recs for n, c in r["config"]["cases"].items()},
+        "merged_from": {str(f): {"lengths": r["config"]["lengths"], "git": r["environment"].get("git")}
+                        for f, r in zip(args.merge, recs)}})
+    rec = BENCH.start(args, config)
     print(table(results))
-    args.shape, args.threads = config["shape"], config["threads"]
-    plot(results, out.with_suffix(".png"), atomic_savefig, args)
+    rec.finish(results, plot=plot, wall_s=sum(r.get("wall_s", 0) for r in recs), summary=summarise(results))
     return 0
 
 
@@ -267,34 +266,32 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, Any], path: Path, savefig, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(record: dict[str, Any], path: Path) -> None:
+    """tokens/s per case vs length; the ratio to vanilla beside the memory-traffic ideal (dotted)."""
+    results, cfg = record["results"], record["config"]
     names = list(dict.fromkeys(n for row in results.values() for n in row))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-    for name in names:
-        lengths = [int(T) for T, row in results.items() if name in row]
-        rows = [results[str(T)][name] for T in lengths]
-        line = axes[0].plot(lengths, [r["tokens_per_s"] for r in rows], marker="o", label=name)
-        if name != BASELINE:
-            axes[1].plot(lengths, [r.get("ratio") for r in rows], marker="o", color=line[0].get_color(), label=name)
-            axes[1].plot(lengths, [r.get("ideal_ratio") for r in rows], ls=":", color=line[0].get_color())
-    axes[0].set_ylabel("decode tokens/s (1 / median CPU time per step)")
-    axes[1].set_ylabel("speed vs vanilla (dotted: memory-traffic ideal)")
-    axes[1].axhline(1.0, color="k", lw=0.8)
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt length (tokens)")
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"lcx.engine decoding, {args.shape} shape (random weights), fp32, {args.threads} thread(s)")
-    fig.tight_layout()
-    savefig(fig, path, dpi=120)
+    title = f"lcx.engine decoding, {cfg['shape']} shape (random weights), fp32, {cfg['threads']} thread(s)"
+    with figure(path, 1, 2, figsize=(12, 4.4), title=title) as (fig, axes):
+        for name in names:
+            lengths = [int(T) for T, row in results.items() if name in row]
+            rows = [results[str(T)][name] for T in lengths]
+            line = axes[0].plot(lengths, [r["tokens_per_s"] for r in rows], marker="o", label=name)
+            if name != BASELINE:
+                axes[1].plot(lengths, [r.get("ratio") for r in rows], marker="o", color=line[0].get_color(),
+                             label=name)
+                axes[1].plot(lengths, [r.get("ideal_ratio") for r in rows], ls=":", color=line[0].get_color())
+        axes[0].set_ylabel("decode tokens/s (1 / median CPU time per step)")
+        axes[1].set_ylabel("speed vs vanilla (dotted: memory-traffic ideal)")
+        axes[1].axhline(1.0, color="k", lw=0.8)
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt length (tokens)")
+            ax.grid(alpha=0.3)
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=7)
 
+
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,12 +31,38 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from lcx.bench.harness import Benchmark, figure
 
 DESCRIPTION = ("perplexity and passkey vs context length per attention / RoPE method on tiny-5m, applied at "
                "inference without fine-tuning")
+BENCH = Benchmark("extrapolation", DESCRIPTION, __doc__, out="results/extrapolation_tiny.json", threads=1, seed=0,
+                  plot=True)
 N_GLOBAL = 16  # LM-Infinite global keys (paper: 10-100 behave alike)
 TRAIN_LEN = 256
+PASSKEY_SCORING = ("gain = log p(' <key>' | prompt) - log p(' <key>' | prompt with another key in the needle); "
+                   "choice_acc = P(gain > 0); exact_acc = greedy reproduces the key")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    lengths: list[int]
+    methods: dict[str, dict]  # name -> lcx.MethodConfig dict
+    max_tokens_per_length: int
+    texts: dict[str, Any]  # the held-out split and its documents
+    passkey: dict[str, Any]  # builder, depths, samples per depth, seed, scoring
+    threads: int
+    train_length: int = TRAIN_LEN
+    attention_backend: str = "blockwise"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "train_length": self.train_length, "lengths": self.lengths,
+                "methods": self.methods, "max_tokens_per_length": self.max_tokens_per_length, "texts": self.texts,
+                "passkey": self.passkey, "attention_backend": self.attention_backend, "threads": self.threads}
 
 
 def methods(n_global: int) -> dict[str, dict]:
@@ -116,29 +142,18 @@ def passkey(model, tok, lengths: list[int], depths: list[float], samples: int, s
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.formatter_class = argparse.RawDescriptionHelpFormatter
-    ap.epilog = __doc__.split("\n\n", 1)[1]
+    BENCH.add_arguments(ap)
     ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
     ap.add_argument("--n-global", type=int, default=N_GLOBAL)
     ap.add_argument("--max-tokens", type=int, default=32768, help="perplexity token budget per length")
     ap.add_argument("--depths", type=int, default=5, help="passkey depth grid size (0..100%%)")
     ap.add_argument("--samples", type=int, default=4, help="passkey prompts per depth")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=None, help="subset of method names")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="lengths 256..1024, 4k tokens, 2 depths")
     ap.add_argument("--resume", action="store_true", help="keep (method, metric) entries already in --out")
     ap.add_argument("--redo", nargs="+", default=[], choices=("perplexity", "passkey"),
                     help="with --resume: recompute these metrics (e.g. passkey with more --samples)")
-    ap.add_argument("--out", default="results/extrapolation_tiny.json",
-                    help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench extrapolation", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,17 +167,14 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bundled models only: never the network
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
     from transformers.utils import logging as hf_logging
 
-    from lcx.bench.record import write_record
     from lcx.data import io
-    from lcx.data.io import atomic_savefig
     from lcx.eval.perplexity import load_texts, perplexity_by_length
     from lcx.models import load_model
 
     hf_logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
+    threads = BENCH.resolve_threads(args)
     model, tok = load_model(args.model)
     model.eval()
     names, texts = load_texts("validation")
@@ -174,19 +186,13 @@ def run(args: argparse.Namespace) -> int:
     for r in results.values():
         for metric in args.redo:
             r.pop(metric, None)
-    config = {"model": args.model, "train_length": TRAIN_LEN, "lengths": args.lengths, "methods": todo,
-              "max_tokens_per_length": args.max_tokens, "texts": {"split": "validation", "documents": names},
-              "passkey": {"builder": "lcx.eval_tasks.passkey.data.make_docs", "depths": depths,
-                          "samples_per_depth": args.samples, "seed": args.seed,
-                          "scoring": "gain = log p(' <key>' | prompt) - log p(' <key>' | prompt with another key in "
-                                     "the needle); choice_acc = P(gain > 0); exact_acc = greedy reproduces the key"},
-              "attention_backend": "blockwise", "threads": args.threads}
-    t_all = time.time()
-
-    def save(quiet: bool = True):
-        write_record(out, description=DESCRIPTION, config=config, results=results, quiet=quiet, seconds=seconds)
-
-    for name, m in todo.items():
+    rec = BENCH.start(args, Config(
+        model=args.model, lengths=args.lengths, methods=todo, max_tokens_per_length=args.max_tokens,
+        texts={"split": "validation", "documents": names},
+        passkey={"builder": "lcx.eval_tasks.passkey.data.make_docs", "depths": depths,
+                 "samples_per_depth": args.samples, "seed": args.seed, "scoring": PASSKEY_SCORING},
+        threads=threads), out=out)
+    for name, m in rec.progress(list(todo.items()), unit="method"):
         r = results.setdefault(name, {})
         if "perplexity" not in r:
             t0 = time.time()
@@ -195,23 +201,21 @@ def run(args: argparse.Namespace) -> int:
                                            max_tokens_per_length=args.max_tokens, progress=False)
             r["perplexity"] = [x.to_dict() for x in res.values()]
             seconds[f"{name}/perplexity"] = time.time() - t0
-            print(f"{name:<32} ppl  " + "  ".join(f"{x.length}:{x.ppl:.1f}" for x in res.values())
-                  + f"   ({seconds[f'{name}/perplexity']:.0f} s)", flush=True)
-            save()
+            rec.log(f"{name:<32} ppl  " + "  ".join(f"{x.length}:{x.ppl:.1f}" for x in res.values())
+                    + f"   ({seconds[f'{name}/perplexity']:.0f} s)")
+            rec.save(results, seconds=seconds)
         if "passkey" not in r:
             t0 = time.time()
             with _contexts(model, m):
                 r["passkey"] = passkey(model, tok, args.lengths, depths, args.samples, args.seed)
             seconds[f"{name}/passkey"] = time.time() - t0
-            print(f"{name:<32} pass " + "  ".join(f"{L}:{v['choice_acc']:.2f}/{v['mean_gain']:+.2f}"
-                                                  for L, v in r["passkey"].items())
-                  + f"   ({seconds[f'{name}/passkey']:.0f} s)", flush=True)
-            save()
-    seconds["total_this_run"] = time.time() - t_all
+            rec.log(f"{name:<32} pass " + "  ".join(f"{L}:{v['choice_acc']:.2f}/{v['mean_gain']:+.2f}"
+                                                    for L, v in r["passkey"].items())
+                    + f"   ({seconds[f'{name}/passkey']:.0f} s)")
+            rec.save(results, seconds=seconds)
+    seconds["total_this_run"] = rec.elapsed()
     print_table(results, args.lengths)
-    save(quiet=False)
-    plot(results, args.lengths, io.with_suffix(out, ".png"), atomic_savefig)
-    print(f"wrote {io.with_suffix(out, '.png')}")
+    rec.finish(results, plot=plot, seconds=seconds)
     return 0
 
 
@@ -232,38 +236,35 @@ def print_table(results: dict, lengths: list[int]) -> None:
                                       if str(L) in pk else f"{'':>9}" for L in lengths))
 
 
-def plot(results: dict, lengths: list[int], path: Path, savefig) -> None:
-    import matplotlib
+def plot(record: dict, path: Path) -> None:
+    """Perplexity, tail perplexity and the passkey retrieval gain vs length, one line per method."""
+    results = record["results"]
+    title = "tiny-5m (trained at 256 tokens): attention methods and RoPE scaling without fine-tuning"
+    with figure(path, 1, 3, figsize=(16, 4.5), title=title) as (fig, axes):
+        for name, r in results.items():
+            pp = r.get("perplexity", [])
+            if pp:
+                axes[0].plot([x["length"] for x in pp], [x["ppl"] for x in pp], marker="o", label=name)
+                axes[1].plot([x["length"] for x in pp], [x["tail_ppl"] for x in pp], marker="o", label=name)
+            pk = r.get("passkey", {})
+            if pk:
+                Ls = sorted(int(L) for L in pk)
+                axes[2].plot(Ls, [pk[str(L)]["mean_gain"] for L in Ls], marker="o", label=name)
+        for ax, sub in zip(axes, ("perplexity (all tokens)", "tail perplexity (last 256 positions)",
+                                  "passkey: retrieval gain log p(key|needle) - log p(key|other needle)")):
+            ax.set_xscale("log", base=2)
+            ax.axvline(TRAIN_LEN, color="gray", ls=":", lw=1)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_title(sub, fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[0].set_yscale("log")
+        axes[1].set_yscale("log")
+        axes[2].axhline(0.0, color="gray", ls="--", lw=1)
+        axes[2].set_ylabel("nats")
+        axes[0].legend(fontsize=7)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for name, r in results.items():
-        pp = r.get("perplexity", [])
-        if pp:
-            axes[0].plot([x["length"] for x in pp], [x["ppl"] for x in pp], marker="o", label=name)
-            axes[1].plot([x["length"] for x in pp], [x["tail_ppl"] for x in pp], marker="o", label=name)
-        pk = r.get("passkey", {})
-        if pk:
-            Ls = sorted(int(L) for L in pk)
-            axes[2].plot(Ls, [pk[str(L)]["mean_gain"] for L in Ls], marker="o", label=name)
-    for ax, title in zip(axes, ("perplexity (all tokens)", "tail perplexity (last 256 positions)",
-                                "passkey: retrieval gain log p(key|needle) - log p(key|other needle)")):
-        ax.set_xscale("log", base=2)
-        ax.axvline(TRAIN_LEN, color="gray", ls=":", lw=1)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
-    axes[2].axhline(0.0, color="gray", ls="--", lw=1)
-    axes[2].set_ylabel("nats")
-    axes[0].legend(fontsize=7)
-    fig.suptitle("tiny-5m (trained at 256 tokens): attention methods and RoPE scaling without fine-tuning")
-    fig.tight_layout()
-    savefig(fig, path, dpi=120)
-
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())

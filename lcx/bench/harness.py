@@ -114,11 +114,12 @@ class Benchmark:
         if self.threads is not OFF:
             from lcx.threads import add_threads_argument
 
-            if self.threads_help is None:
+            help_ = self.threads_help or (None if self.threads is not None else
+                                          "torch CPU threads, N or auto (lcx.threads); default: torch's own")
+            if help_ is None:
                 add_threads_argument(parser, default=self.threads)  # lcx's help text, as every command
             else:
-                parser.add_argument("--threads", type=_threads, default=self.threads, metavar="N|auto",
-                                    help=self.threads_help)
+                parser.add_argument("--threads", type=_threads, default=self.threads, metavar="N|auto", help=help_)
         if self.seed is not OFF:
             parser.add_argument("--seed", type=int, default=self.seed, help="random seed (default: %(default)s)")
         if self.plot:

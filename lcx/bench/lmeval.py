@@ -37,10 +37,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from lcx.bench.harness import Benchmark, figure
 
 DESCRIPTION = "passkey (depth x length) and perplexity by length of RoPE methods, through lm_eval --model lcx"
 OUT = Path("results") / "lmeval"  # relative to the working directory
+BENCH = Benchmark("lmeval", DESCRIPTION, __doc__, out=str(OUT), threads=2,
+                  out_help="output folder, relative to the working directory (default: %(default)s)",
+                  threads_help="torch threads per lm_eval run (default: %(default)s)")
 
 # Per model: RoPE factor of the methods, passkey grid, perplexity lengths/docs.
 PLANS = {
@@ -53,6 +60,19 @@ TASKS = ("passkey", "lcx_ppl", "lcx_ppl_tail")
 METHODS = ("vanilla", "linear", "ntk", "yarn", "dynamic")  # lcx.presets names (RoPE factor from PLANS)
 # --quick: a plumbing check in about a minute per run (numbers not meant for reading).
 QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=2)
+
+
+@dataclass(frozen=True)
+class Config:
+    models: dict[str, dict[str, Any]]  # name -> its plan (PLANS, --quick applied), methods, context
+    methods: dict[str, dict[str, Any]]  # name -> what is recorded of it (`_recorded`)
+    quick: bool
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    command: str = "lm_eval --model lcx ..."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"models": self.models, "methods": self.methods, "tasks": self.tasks, "command": self.command,
+                "quick": self.quick}
 
 
 def model_args(model: str, method: str, factor: float) -> str:
@@ -121,63 +141,54 @@ def summarize(results: dict, samples: list[dict], lengths: list[int]) -> dict:
 
 
 def plot(record: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lcx.data.io import atomic_savefig
-
+    """passkey_heatmap.png (accuracy by depth x length, per model and method) and ppl_by_length.png
+    (bits per byte by length, lcx_ppl and lcx_ppl_tail) in the folder `out`."""
     runs = record["runs"]
     models = list(runs)
     n_methods = max(len(runs[m]) for m in models)
-    fig, axes = plt.subplots(len(models), n_methods, figsize=(3.2 * n_methods, 2.9 * len(models)),
-                             squeeze=False, constrained_layout=True)
-    for i, model in enumerate(models):
-        for j in range(n_methods):
-            ax = axes[i][j]
-            if j >= len(runs[model]):
-                ax.axis("off")
-                continue
-            method = list(runs[model])[j]
-            grid = runs[model][method]["passkey_by_depth_length"]
-            depths = list(grid)
-            lengths = list(next(iter(grid.values())))
-            mat = [[grid[d][L] for L in lengths] for d in depths]
-            im = ax.imshow(mat, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
-            ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
-            ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
-            ctx = record["config"]["models"][model]["context"]
-            ax.set_title(f"{model} · {method}", fontsize=9)
-            if ctx in [int(L) for L in lengths]:
-                k = [int(L) for L in lengths].index(ctx)
-                ax.axvline(k + 0.5, color="k", lw=1, ls="--")
-            if j == 0:
-                ax.set_ylabel("needle depth")
-            if i == len(models) - 1:
-                ax.set_xlabel("context length (tokens)")
-    fig.colorbar(im, ax=axes, shrink=0.6, label="passkey accuracy")
-    atomic_savefig(fig, out / "passkey_heatmap.png", dpi=120)
-    plt.close(fig)
+    with figure(out / "passkey_heatmap.png", len(models), n_methods, layout="constrained", squeeze=False,
+                figsize=(3.2 * n_methods, 2.9 * len(models))) as (fig, axes):
+        for i, model in enumerate(models):
+            for j in range(n_methods):
+                ax = axes[i][j]
+                if j >= len(runs[model]):
+                    ax.axis("off")
+                    continue
+                method = list(runs[model])[j]
+                grid = runs[model][method]["passkey_by_depth_length"]
+                depths = list(grid)
+                lengths = list(next(iter(grid.values())))
+                mat = [[grid[d][L] for L in lengths] for d in depths]
+                im = ax.imshow(mat, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+                ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
+                ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
+                ctx = record["config"]["models"][model]["context"]
+                ax.set_title(f"{model} · {method}", fontsize=9)
+                if ctx in [int(L) for L in lengths]:
+                    k = [int(L) for L in lengths].index(ctx)
+                    ax.axvline(k + 0.5, color="k", lw=1, ls="--")
+                if j == 0:
+                    ax.set_ylabel("needle depth")
+                if i == len(models) - 1:
+                    ax.set_xlabel("context length (tokens)")
+        fig.colorbar(im, ax=axes, shrink=0.6, label="passkey accuracy")
 
-    fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 6.4), squeeze=False,
-                             constrained_layout=True)
-    for row, (task, what) in enumerate((("lcx_ppl", "whole window of L tokens"),
-                                        ("lcx_ppl_tail", "tokens L/2..L given the first half"))):
-        for ax, model in zip(axes[row], models):
-            for method, r in runs[model].items():
-                by_len = r[f"{task}_by_length"]
-                Ls = [int(L) for L in by_len]
-                ax.plot(Ls, [by_len[str(L)]["bits_per_byte"] for L in Ls], marker="o", label=method)
-            ctx = record["config"]["models"][model]["context"]
-            ax.axvline(ctx, color="k", lw=1, ls="--", label=f"model context {ctx}")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context length L (tokens)")
-            ax.set_ylabel("bits per byte (lower is better)")
-            ax.set_title(f"{task} · {model}\n{what}", fontsize=9)
-            ax.legend(fontsize=7)
-    atomic_savefig(fig, out / "ppl_by_length.png", dpi=120)
-    plt.close(fig)
+    with figure(out / "ppl_by_length.png", 2, len(models), layout="constrained", squeeze=False,
+                figsize=(4.6 * len(models), 6.4)) as (fig, axes):
+        for row, (task, what) in enumerate((("lcx_ppl", "whole window of L tokens"),
+                                            ("lcx_ppl_tail", "tokens L/2..L given the first half"))):
+            for ax, model in zip(axes[row], models):
+                for method, r in runs[model].items():
+                    by_len = r[f"{task}_by_length"]
+                    Ls = [int(L) for L in by_len]
+                    ax.plot(Ls, [by_len[str(L)]["bits_per_byte"] for L in Ls], marker="o", label=method)
+                ctx = record["config"]["models"][model]["context"]
+                ax.axvline(ctx, color="k", lw=1, ls="--", label=f"model context {ctx}")
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("context length L (tokens)")
+                ax.set_ylabel("bits per byte (lower is better)")
+                ax.set_title(f"{task} · {model}\n{what}", fontsize=9)
+                ax.legend(fontsize=7)
 
 
 def table(record: dict) -> str:
@@ -196,22 +207,12 @@ def table(record: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    BENCH.add_arguments(p)
     p.add_argument("--models", default=",".join(PLANS), help="comma-separated presets (default: %(default)s)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated, from {sorted(METHODS)} (default: each model's list in PLANS)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per run (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=OUT,
-                   help="output folder, relative to the working directory (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="plumbing check: 2 depths, 1 sample, 2 ppl docs, the 3 shortest lengths")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lcx bench lmeval", description=DESCRIPTION)
-    add_arguments(p)
-    return run(p.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,39 +227,35 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown method(s) {bad}; known: {sorted(METHODS)}")
     methods = [m for m in METHODS if any(m in ms for ms in methods_of.values())]
 
-    import torch  # noqa: F401  (environment() reads versions)
+    from lcx.data.io import environment
 
-    from lcx.data.io import atomic_write_json, environment
-
-    record = {"config": {"models": {}, "methods": {m: _recorded(m) for m in methods},
-                         "tasks": list(TASKS), "command": "lm_eval --model lcx ..."},
-              "environment": environment(), "runs": {}}
+    threads = BENCH.resolve_threads(args, apply=False)  # each lm_eval process's OMP_NUM_THREADS
     plans = {m: dict(PLANS[m]) for m in models}
     if args.quick:
         for plan in plans.values():
             plan.update(QUICK, lengths=plan["lengths"][:3])
-    for model in models:
-        record["config"]["models"][model] = {**plans[model], "methods": methods_of[model],
-                                             "context": context_of(model)}
-    record["config"]["quick"] = args.quick
+    config = Config(models={m: {**plans[m], "methods": methods_of[m], "context": context_of(m)} for m in models},
+                    methods={m: _recorded(m) for m in methods}, quick=args.quick)
+    rec = BENCH.start(args, config)
+    record = {"config": config.to_dict(), "environment": environment(), "runs": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    for model in models:
+    for model, method in rec.progress([(m, x) for m in models for x in methods_of[m]], unit="run"):
         plan = plans[model]
-        record["runs"][model] = {}
-        for method in methods_of[model]:
-            with tempfile.TemporaryDirectory(prefix="lmeval-") as tmp:
-                results, extra = run_lm_eval(model, method, plan, args.threads, Path(tmp))
-                summary = summarize(results, extra["samples"], plan["lengths"])
-                atomic_write_json(args.out / "raw" / f"{model}__{method}.json", results)
-            record["runs"][model][method] = summary
-            print(f"  {model} {method}: passkey {summary['passkey_by_length']}  ({summary['wall_s']} s)", flush=True)
-    atomic_write_json(args.out / "lmeval_results.json", record)
+        with tempfile.TemporaryDirectory(prefix="lmeval-") as tmp:
+            results, extra = run_lm_eval(model, method, plan, threads, Path(tmp))
+            summary = summarize(results, extra["samples"], plan["lengths"])
+            rec.write(results, args.out / "raw" / f"{model}__{method}.json")
+        record["runs"].setdefault(model, {})[method] = summary
+        rec.log(f"  {model} {method}: passkey {summary['passkey_by_length']}  ({summary['wall_s']} s)")
+    rec.write(record, args.out / "lmeval_results.json")
     plot(record, args.out)
     print(table(record))
     print(f"\nwrote {args.out / 'lmeval_results.json'}, passkey_heatmap.png, ppl_by_length.png")
     return 0 if all(math.isfinite(v["bits_per_byte"]) for runs in record["runs"].values() for r in runs.values()
                     for task in ("lcx_ppl", "lcx_ppl_tail") for v in r[f"{task}_by_length"].values()) else 1
 
+
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import statistics
 import sys
 import time
@@ -52,7 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lcx.bench.harness import Benchmark
+
 DESCRIPTION = "every method at GPU scale on random weights: prefill time, decode tok/s, KV bytes, memory vs vanilla"
+BENCH = Benchmark("scale", DESCRIPTION, __doc__, threads="1",
+                  out_help="result JSON (default results/scale/<gpu>.json, or results/scale/cpu.json)")
 
 # Model shapes as LlamaConfig kwargs (the published configs' architecture numbers; no weights).
 # max_position_embeddings is the context the presets scale from (L0): 8192 for all three
@@ -109,6 +112,29 @@ CASES: tuple[Case, ...] = (
 KEY_CASES = ("vanilla", "lm_infinite/triton", "sinks")
 # Backends that materialise a [T, T] score matrix per head (the memory estimate counts it).
 QUADRATIC_BACKENDS = ("ref", "sdpa", "flex")
+
+
+@dataclass(frozen=True)
+class Config:
+    shapes: dict[str, dict[str, Any]]  # name -> LlamaConfig kwargs (with --layers)
+    lengths: list[int]
+    cases: list[dict[str, Any]]
+    context: int | str  # L0, or "the shape's max_position_embeddings"
+    device: str
+    dtype: str
+    decode_tokens: int
+    repeats: int
+    threads: int
+    memory_fraction: float
+    batch: int = 1
+    weights: str = "random (normal, std 0.02; norms 1), seed 0"
+    timing: str = ("wall clock, synchronised: prefill = the engine's first step (prefill + first token); "
+                   "decode = the following steps; after a warm-up at min(T, 1024) tokens")
+
+    def to_dict(self) -> dict[str, Any]:
+        order = ("shapes", "lengths", "cases", "context", "device", "dtype", "decode_tokens", "repeats", "threads",
+                 "batch", "memory_fraction", "weights", "timing")
+        return {k: getattr(self, k) for k in order}
 
 
 # ============================================================================================
@@ -414,9 +440,7 @@ def default_out(device: str) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.split("\n\n")[0]
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n\n", 2)[2]
+    BENCH.add_arguments(parser)
     parser.add_argument("--shape", default=None,
                         help=f"comma-separated shapes of {', '.join(SHAPES)} (default: all on CUDA, "
                              "smollm2-135m on the CPU)")
@@ -438,12 +462,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cell-budget", type=float, default=45.0,
                         help="seconds a cell is assumed to need when checking --time-limit (default 45)")
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out and run the others")
-    parser.add_argument("--out", default=None,
-                        help="result JSON (default results/scale/<gpu>.json, or results/scale/cpu.json)")
     parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul rate")
-    from lcx.threads import add_threads_argument
-
-    add_threads_argument(parser, default="1")
 
 
 def _csv(text: str | None) -> list[str]:
@@ -454,14 +473,10 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     import torch
-    from tqdm.auto import tqdm
 
-    from lcx.bench.record import write_record
     from lcx.models.loading import _as_dtype
-    from lcx.threads import resolve_threads
 
-    t_start = time.perf_counter()
-    threads = resolve_threads(args.threads)
+    threads = BENCH.resolve_threads(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
@@ -485,43 +500,41 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be >= 16, got {args.context}")
     args.decode_tokens = args.decode_tokens if args.decode_tokens is not None else (32 if gpu else 8)
     elem_bytes = torch.empty((), dtype=dtype).element_size()
-    out = Path(args.out) if args.out else default_out(device)
-    config = {"shapes": {s: {**SHAPES[s], **({"num_hidden_layers": args.layers} if args.layers else {})}
-                         for s in shapes},
-              "lengths": lengths, "cases": [{"name": c.name, "preset": c.preset, "backend": c.backend,
-                                              "attention": c.attention} for c in cases],
-              "context": args.context or "the shape's max_position_embeddings",
-              "device": device, "dtype": str(dtype).removeprefix("torch."), "decode_tokens": args.decode_tokens,
-              "repeats": args.repeats, "threads": threads, "batch": 1, "memory_fraction": args.memory_fraction,
-              "weights": "random (normal, std 0.02; norms 1), seed 0",
-              "timing": "wall clock, synchronised: prefill = the engine's first step (prefill + first token); "
-                        "decode = the following steps; after a warm-up at min(T, 1024) tokens"}
+    config = Config(
+        shapes={s: {**SHAPES[s], **({"num_hidden_layers": args.layers} if args.layers else {})} for s in shapes},
+        lengths=lengths, cases=[{"name": c.name, "preset": c.preset, "backend": c.backend, "attention": c.attention}
+                                for c in cases],
+        context=args.context or "the shape's max_position_embeddings", device=device,
+        dtype=str(dtype).removeprefix("torch."), decode_tokens=args.decode_tokens, repeats=args.repeats,
+        threads=threads, memory_fraction=args.memory_fraction)
+    rec = BENCH.start(args, config, out=args.out or default_out(device),
+                      environment={"device": device, "device_name": torch.cuda.get_device_name() if gpu else "cpu"})
+    out = rec.out
     cells: dict[str, Any] = {}
     if args.resume and out.is_file():
         prev = json.loads(out.read_text())
-        if {k: v for k, v in prev.get("config", {}).items() if k not in ("lengths", "shapes", "cases")} == \
-                {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ("lengths", "shapes", "cases")}:
+        free = ("lengths", "shapes", "cases")  # a resumed run may sweep more of these
+        if {k: v for k, v in prev.get("config", {}).items() if k not in free} == \
+                {k: v for k, v in json.loads(json.dumps(config.to_dict())).items() if k not in free}:
             cells = {k: v for k, v in prev.get("results", {}).items() if "not_run" not in v}
             print(f"resuming {out}: {len(cells)} cells kept")
         else:
             print(f"--resume: {out} has other settings; starting afresh")
-    environment = {"device": device, "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     if not args.no_ceilings:
         from lcx.bench.kernels import measure_ceilings
 
-        environment["ceilings"] = measure_ceilings(device, tiny=not gpu)
+        rec.environment["ceilings"] = measure_ceilings(device, tiny=not gpu)
 
     def save(complete: bool) -> None:
         add_ratios(cells)
-        write_record(out, description=DESCRIPTION, config=config, environment=environment, quiet=True,
-                     complete=complete, results=cells)
+        rec.save(cells, complete=complete)
 
     order = [c for c in cell_order(shapes, lengths, cases) if f"{c[0]}|{c[1]}|{c[2].name}" not in cells]
     model = shape_now = facts = None
     stopped = False
-    for shape, T, case in tqdm(order, desc="scale", unit="cell"):
+    for shape, T, case in rec.progress(order, unit="cell"):
         key = f"{shape}|{T}|{case.name}"
-        if args.time_limit is not None and time.perf_counter() - t_start > args.time_limit - args.cell_budget:
+        if args.time_limit is not None and rec.elapsed() > args.time_limit - args.cell_budget:
             cells[key] = {"not_run": f"time limit ({args.time_limit:.0f} s)"}
             stopped = True
             continue
@@ -532,12 +545,12 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
             from transformers import LlamaConfig
 
-            cfg_kw = dict(config["shapes"][shape])
+            cfg_kw = dict(config.shapes[shape])
             facts = shape_facts(LlamaConfig(**cfg_kw))
             w = facts["params"] * elem_bytes
             if w > args.memory_fraction * free_bytes(device):
                 shape_now = shape
-                tqdm.write(f"{shape}: weights {w / 2**30:.1f} GiB do not fit")
+                rec.log(f"{shape}: weights {w / 2**30:.1f} GiB do not fit")
                 model = None
             else:
                 model, shape_now = build_model(shape, layers=args.layers, dtype=dtype, device=device), shape
@@ -547,21 +560,20 @@ def run(args: argparse.Namespace) -> int:
         else:
             cells[key] = run_cell(model, facts, case, T, args, device, elem_bytes)
         row = cells[key]
-        tqdm.write(f"{key}: " + (f"prefill {row['prefill_s']:.3f} s, {row['decode_tok_s']} tok/s, "
-                                 f"KV {row['kv_cache_bytes'] / 2**20:.1f} MiB" if "prefill_s" in row
-                                 else str(row.get("skipped") or row.get("not_fit"))))
+        rec.log(f"{key}: " + (f"prefill {row['prefill_s']:.3f} s, {row['decode_tok_s']} tok/s, "
+                              f"KV {row['kv_cache_bytes'] / 2**20:.1f} MiB" if "prefill_s" in row
+                              else str(row.get("skipped") or row.get("not_fit"))))
         save(False)
-    save(not stopped)
-    record = json.loads(out.read_text())
+    add_ratios(cells)
+    record = rec.record(cells, complete=not stopped)
     print(table(record))
-    print(f"wrote {out}" + ("" if not stopped else " (time limit: a second call with --resume continues)"))
+    rec.finish(cells, complete=not stopped)
+    if stopped:
+        print("(time limit: a second call with --resume continues)")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench scale", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+main = BENCH.command(add_arguments, run)
 
 
 if __name__ == "__main__":

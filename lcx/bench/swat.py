@@ -26,10 +26,15 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from lcx.bench.harness import Benchmark, figure, log, progress
 
 DESCRIPTION = ("held-out perplexity vs context length: SWAT (sigmoid, 128-key window, balanced ALiBi + RoPE) "
                "vs the softmax model with vanilla RoPE and with RoPE scaling at inference")
+BENCH = Benchmark("swat", DESCRIPTION, __doc__, out="results/swat_vs_softmax.json", threads=None, plot=True)
 TRAIN_LENGTH = 256
 # RoPE methods for the softmax model: name -> the `lcx.presets` name it runs, at L0 = TRAIN_LENGTH
 # and the static factor s. "dynamic" is the exception: the committed results/swat_vs_softmax.json
@@ -38,6 +43,22 @@ TRAIN_LENGTH = 256
 METHODS = {"default": "vanilla", "linear": "linear", "ntk": "ntk", "dynamic": None, "yarn": "yarn",
            "llama3": "llama3", "truncate": "truncate"}
 DYNAMIC_FACTOR_1 = {"rope": {"rope_type": "dynamic", "factor": 1.0}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    swat: str
+    softmax: str
+    train_length: int = TRAIN_LENGTH
+    lengths: list[int]
+    max_tokens_per_length: int
+    tail: int = 256
+    rope_factor: float
+    methods: dict[str, dict]  # name -> the softmax model's lcx.MethodConfig dict
+    texts: dict[str, Any]
+    best_rope_criterion: str = (f"lowest mean NLL over lengths > {TRAIN_LENGTH}, chosen on the reported text "
+                                "(favours the softmax baseline)")
+    swat_attention: dict[str, Any] = field(default_factory=dict)  # the SWAT model's recorded attention
 
 
 def method_config(name: str, s: float) -> dict:
@@ -50,18 +71,14 @@ def method_config(name: str, s: float) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = __doc__.split("\n\n", 1)[1]
+    BENCH.add_arguments(p)
     p.add_argument("--swat", default="tiny-swat-5m", help="SWAT model: preset or directory (default: %(default)s)")
     p.add_argument("--softmax", default="tiny-5m", help="softmax model: preset or directory (default: %(default)s)")
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="comma-separated context lengths")
     p.add_argument("--max-tokens", type=int, default=32768, help="token budget per length (default 32768)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"softmax RoPE methods (default {','.join(METHODS)})")
     p.add_argument("--factor", type=float, default=None, help="static RoPE factor (default max(lengths)/256)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quick", action="store_true", help="lengths 256,512,1024 and 4096 tokens per length")
-    p.add_argument("--out", default="results/swat_vs_softmax.json",
-                   help="result JSON, PNG beside it; relative to the working directory (default: %(default)s)")
 
 
 def summarize(out: dict) -> None:
@@ -91,52 +108,40 @@ def summarize(out: dict) -> None:
             "swat_ppl": res["swat"][i]["ppl"], "swat_tail_ppl": res["swat"][i]["tail_ppl"]}
 
 
-def plot(res: dict, best: str, path: Path) -> None:
-    import matplotlib
+def plot(record: dict, path: Path) -> None:
+    """Perplexity vs length (all scored tokens; the last 256 positions): SWAT, softmax + RoPE, softmax
+    + the best RoPE scaling, the other scalings in gray."""
+    import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
-
-    from lcx.data.io import atomic_savefig
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=False)
-    for ax, key, title in ((axes[0], "ppl", "all scored tokens"), (axes[1], "tail_ppl", "last 256 positions")):
-        for name, rows in res["softmax"].items():
-            if name in ("default", best):
-                continue
-            ax.plot([r["length"] for r in rows], [r[key] for r in rows], lw=0.8, alpha=0.35, color="gray",
-                    marker=".")
-            ax.annotate(name, ((rows[-1]["length"]), rows[-1][key]), fontsize=7, color="gray", alpha=0.7)
-        for label, rows, style in (
-            ("softmax, RoPE", res["softmax"]["default"], dict(color="tab:blue", marker="o")),
-            (f"softmax, RoPE + {best} (best)", res["softmax"][best], dict(color="tab:green", marker="s")),
-            ("SWAT (w=128)", res["swat"], dict(color="tab:red", marker="^")),
-        ):
-            ax.plot([r["length"] for r in rows], [r[key] for r in rows], lw=1.8, label=label, **style)
-        ax.axvline(TRAIN_LENGTH, color="k", lw=0.6, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        xs = [r["length"] for r in res["swat"]]
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_xlabel("context length (tokens); dashed: training length 256")
-        ax.set_ylabel("perplexity")
-        ax.set_title(f"held-out perplexity, {title}")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("tiny 5M Llama on Shakespeare + KJV: SWAT vs softmax (gray: other RoPE scalings)", fontsize=10)
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lcx bench swat", description=DESCRIPTION)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    res, best = record["results"], record["best_rope"]
+    title = "tiny 5M Llama on Shakespeare + KJV: SWAT vs softmax (gray: other RoPE scalings)"
+    with figure(path, 1, 2, figsize=(12, 4.4), sharey=False, title=title, title_size=10) as (fig, axes):
+        for ax, key, sub in ((axes[0], "ppl", "all scored tokens"), (axes[1], "tail_ppl", "last 256 positions")):
+            for name, rows in res["softmax"].items():
+                if name in ("default", best):
+                    continue
+                ax.plot([r["length"] for r in rows], [r[key] for r in rows], lw=0.8, alpha=0.35, color="gray",
+                        marker=".")
+                ax.annotate(name, ((rows[-1]["length"]), rows[-1][key]), fontsize=7, color="gray", alpha=0.7)
+            for label, rows, style in (
+                ("softmax, RoPE", res["softmax"]["default"], dict(color="tab:blue", marker="o")),
+                (f"softmax, RoPE + {best} (best)", res["softmax"][best], dict(color="tab:green", marker="s")),
+                ("SWAT (w=128)", res["swat"], dict(color="tab:red", marker="^")),
+            ):
+                ax.plot([r["length"] for r in rows], [r[key] for r in rows], lw=1.8, label=label, **style)
+            ax.axvline(TRAIN_LENGTH, color="k", lw=0.6, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            xs = [r["length"] for r in res["swat"]]
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+            ax.set_xlabel("context length (tokens); dashed: training length 256")
+            ax.set_ylabel("perplexity")
+            ax.set_title(f"held-out perplexity, {sub}")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,57 +157,50 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import lcx.hf.swat as swat  # registers the "lcx_swat" attention before loading
-    from lcx.bench.record import write_record
     from lcx.data import load_corpus
     from lcx.eval.perplexity import perplexity_by_length
     from lcx.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    BENCH.resolve_threads(args)
     docs = load_corpus("validation")
     texts = [d.text for d in docs]
-    out: dict = {
-        "config": {"swat": args.swat, "softmax": args.softmax, "train_length": TRAIN_LENGTH, "lengths": lengths,
-                   "max_tokens_per_length": max_tokens, "tail": 256, "rope_factor": factor,
-                   "methods": {}, "texts": {"split": "validation", "documents": [d.name for d in docs]},
-                   "best_rope_criterion": f"lowest mean NLL over lengths > {TRAIN_LENGTH}, chosen on the "
-                                          "reported text (favours the softmax baseline)"},
-        "seconds": {}, "results": {"swat": None, "softmax": {}},
-    }
+    seconds: dict[str, float] = {}
+    results: dict[str, Any] = {"swat": None, "softmax": {}}
 
     def score(name, model, tok, spec=None):
         t0 = time.perf_counter()
         r = perplexity_by_length(model, tok, texts, lengths, spec=spec, max_tokens_per_length=max_tokens,
                                  progress=False)
-        out["seconds"][name] = time.perf_counter() - t0
+        seconds[name] = time.perf_counter() - t0
         rows = [x.to_dict() for x in r.values()]
-        print(f"{name:18s} " + " ".join(f"{x['length']}:{x['ppl']:7.2f}" for x in rows)
-              + f"   ({out['seconds'][name]:.0f}s)", flush=True)
+        log(f"{name:18s} " + " ".join(f"{x['length']}:{x['ppl']:7.2f}" for x in rows)
+            + f"   ({seconds[name]:.0f}s)")
         return rows
 
     print(f"lengths {lengths}, {max_tokens} tokens per length, {torch.get_num_threads()} threads; ppl:", flush=True)
     model, tok = load_model(args.swat)
     assert swat.is_swat(model) and model.config._attn_implementation == swat.ATTN_IMPLEMENTATION
-    out["config"]["swat_attention"] = dict(model.config.lcx_attention)
-    out["results"]["swat"] = score("swat", model, tok)
+    swat_attention = dict(model.config.lcx_attention)
+    results["swat"] = score("swat", model, tok)
     del model
 
     model, tok = load_model(args.softmax)
     if int(model.config.max_position_embeddings) != TRAIN_LENGTH:
         raise ValueError(f"{args.softmax}: max_position_embeddings {model.config.max_position_embeddings}, "
                          f"this benchmark's methods assume the training length {TRAIN_LENGTH}")
-    for name in methods:
-        cfg = method_config(name, factor)
-        out["config"]["methods"][name] = cfg
-        out["results"]["softmax"][name] = score(f"softmax/{name}", model, tok, cfg or None)
+    configs = {name: method_config(name, factor) for name in methods}
+    for name in progress(methods, desc="swat", unit="method"):
+        results["softmax"][name] = score(f"softmax/{name}", model, tok, configs[name] or None)
 
+    out = {"results": results}
     summarize(out)
     best = out["best_rope"]
-    path = Path(args.out)
-    write_record(path, description=DESCRIPTION, config=out["config"], results=out["results"],
-                 seconds=out["seconds"], best_rope=best, summary=out["summary"],
-                 best_softmax_per_length=out["best_softmax_per_length"])
-    plot(out["results"], best, path.with_suffix(".png"))
+    rec = BENCH.start(args, Config(
+        swat=args.swat, softmax=args.softmax, lengths=lengths, max_tokens_per_length=max_tokens, rope_factor=factor,
+        methods=configs, texts={"split": "validation", "documents": [d.name for d in docs]},
+        swat_attention=swat_attention))
+    rec.finish(results, plot=plot, seconds=seconds, best_rope=best, summary=out["summary"],
+               best_softmax_per_length=out["best_softmax_per_length"])
     print(f"best RoPE scaling for the softmax model: {best}")
     print(f"{'length':>7s} {'SWAT':>8s} {'softmax':>8s} {'sm+' + best:>10s}")
     for L, row in out["summary"].items():
@@ -210,9 +208,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{L:>7s} {vals[0]:8.2f} {vals[1]:8.2f} {vals[2]:10.2f}")
     print("best softmax method at each length (oracle):",
           ", ".join(f"{L}: {b['method']} {b['ppl']:.2f}" for L, b in out["best_softmax_per_length"].items()))
-    print(f"wrote {path.with_suffix('.png')}")
     return 0
 
+
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())
