@@ -55,9 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lcx.engine import Engine
 
-from .body import DEFAULT_MAX_STOP
+from .body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP
 from .chat_template import AUTO
-from .cli import DEFAULT_MAX_BODY_BYTES
 from .context import DEFAULT_BODY_TIMEOUT_S, ServerContext
 from .gate import Gate, error_response
 from .openapi import install_openapi

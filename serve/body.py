@@ -66,6 +66,7 @@ MAX_JSON_STRINGS = 1 << 16  # keys included; a valid request has a few per promp
 MAX_JSON_CONTAINERS = 1 << 16  # arrays + objects outside strings
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects (a request needs ~5; json.loads stops near 1000)
 MIN_MAX_VALUES = 1 << 20  # Limits.max_values is at least this (and at least 2 x max_model_len)
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # `lcx serve --max-body-mb`
 DEFAULT_MAX_STOP = 4  # OpenAI's and vLLM's limit; `lcx serve --max-stop` raises it
 TRIM_BYTES = 1 << 20  # after a body at least this large, freed heap memory goes back to the OS
 # A JSON string spends at most 12 bytes per character of the decoded text (a character outside

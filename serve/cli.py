@@ -26,8 +26,9 @@ from typing import Any
 from lcx.method_config import add_method_arguments, method_config_from_args
 from lcx.threads import add_threads_argument, resolve_threads
 
+from .body import DEFAULT_MAX_BODY_BYTES
+
 SWITCH_INTERVAL_S = 0.0005
-DEFAULT_MAX_BODY_BYTES = 32 << 20  # --max-body-mb; defined here, not in .app, so --help needs no fastapi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

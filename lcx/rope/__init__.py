@@ -13,8 +13,9 @@ from .rotary import (
     rotate_by_positions_ref,
     rotate_half,
 )
+from .rotary import compute_inv_freq
 from .spec import RopeSpec
-from .types import ROPE_TYPES, RopeType, compute_inv_freq
+from .types import ROPE_TYPES, RopeType
 
 __all__ = [
     "ROPE_TYPES",

@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .spec import RopeSpec
-    from .types import ROPE_TYPES, compute_inv_freq
+    from .rotary import compute_inv_freq
+    from .types import ROPE_TYPES
 
     d = spec_dict_from_args(args)
     d.setdefault("rope_theta", 10_000.0)

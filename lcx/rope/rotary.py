@@ -16,7 +16,26 @@ from __future__ import annotations
 import torch
 
 from .spec import RopeSpec
-from .types import compute_inv_freq
+from .types import ROPE_TYPES, rope_theta_powers
+
+
+def compute_inv_freq(
+    spec: RopeSpec | dict, head_dim: int, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[rotary_dim // 2]` (float64) and the cos/sin `attention_factor`.
+
+    `seq_len` matters only for length-dependent types (dynamic, longrope): the number of
+    positions the current forward covers (max position + 1).
+    """
+    spec = RopeSpec.from_dict(spec)
+    if spec.rope_theta is None:
+        raise ValueError(
+            "rope_theta is unset (None means 'inherit from the model'): pass rope_theta=... "
+            "or resolve the spec with RopeSpec.for_model(spec, model.config)"
+        )
+    dim = spec.rotary_dim(head_dim)
+    inv_freq, af = ROPE_TYPES[spec.rope_type].fn(spec, rope_theta_powers(spec.rope_theta, dim), dim, seq_len)
+    return inv_freq, float(af)
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

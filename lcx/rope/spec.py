@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .types import ROPE_TYPES  # the registry is the only list of types
+
 # Keys accepted in a dict but carried by the model, not by the RoPE variant.
 _IGNORED_HF_KEYS = {"max_position_embeddings"}
 
@@ -58,8 +60,6 @@ class RopeSpec:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        from .types import ROPE_TYPES  # the registry is the only list of types
-
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_type={self.rope_type!r} is not a known RoPE type; known: {sorted(ROPE_TYPES)}"
@@ -192,8 +192,6 @@ class RopeSpec:
             if theta is None:
                 raise ValueError("the model config has no rope_theta; pass rope_theta explicitly")
             d["rope_theta"] = float(theta)
-        from .types import ROPE_TYPES
-
         rtype = d.get("rope_type", d.get("type", "default"))
         entry = ROPE_TYPES.get(rtype)
         L_key = "original_max_position_embeddings"

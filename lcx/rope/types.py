@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .spec import RopeSpec
+if TYPE_CHECKING:  # the spec validates against this registry (`RopeSpec.validate`): no runtime import back
+    from .spec import RopeSpec
 
-RopeFn = Callable[[RopeSpec, torch.Tensor, int, "int | None"], "tuple[torch.Tensor, float]"]
+RopeFn = Callable[["RopeSpec", torch.Tensor, int, "int | None"], "tuple[torch.Tensor, float]"]
 
 
-def _theta(base: float, dim: int) -> torch.Tensor:
+def rope_theta_powers(base: float, dim: int) -> torch.Tensor:
     """theta_i = base^(-2i/d) in float64, i = 0..d/2-1."""
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
 
@@ -39,7 +40,7 @@ def rope_linear(spec: RopeSpec, theta: torch.Tensor, dim: int, seq_len: int | No
 def rope_ntk(spec: RopeSpec, theta: torch.Tensor, dim: int, seq_len: int | None):
     """Static NTK-aware scaling: b' = b * s^(d/(d-2)). (transformers has no static variant.)"""
     base = spec.rope_theta * spec.factor ** (dim / (dim - 2))
-    return _theta(base, dim), 1.0
+    return rope_theta_powers(base, dim), 1.0
 
 
 def rope_dynamic(spec: RopeSpec, theta: torch.Tensor, dim: int, seq_len: int | None):
@@ -54,7 +55,7 @@ def rope_dynamic(spec: RopeSpec, theta: torch.Tensor, dim: int, seq_len: int | N
     n = L if seq_len is None else max(int(seq_len), L)
     s = spec.factor
     base = spec.rope_theta * ((s * n / L) - (s - 1)) ** (dim / (dim - 2))
-    return _theta(base, dim), 1.0
+    return rope_theta_powers(base, dim), 1.0
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -166,22 +167,3 @@ ROPE_TYPES: dict[str, RopeType] = {
     "longrope": _t(rope_longrope, {"short_factor", "long_factor", _L}, {"factor", "attention_factor"}),
     "truncate": _t(rope_truncate, (), {"truncate_length", _L}, in_transformers=False),
 }
-
-
-def compute_inv_freq(
-    spec: RopeSpec | dict, head_dim: int, seq_len: int | None = None
-) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies `[rotary_dim // 2]` (float64) and the cos/sin `attention_factor`.
-
-    `seq_len` matters only for length-dependent types (dynamic, longrope): the number of
-    positions the current forward covers (max position + 1).
-    """
-    spec = RopeSpec.from_dict(spec)
-    if spec.rope_theta is None:
-        raise ValueError(
-            "rope_theta is unset (None means 'inherit from the model'): pass rope_theta=... "
-            "or resolve the spec with RopeSpec.for_model(spec, model.config)"
-        )
-    dim = spec.rotary_dim(head_dim)
-    inv_freq, af = ROPE_TYPES[spec.rope_type].fn(spec, _theta(spec.rope_theta, dim), dim, seq_len)
-    return inv_freq, float(af)

@@ -171,7 +171,7 @@ class RotaryPositions(PositionEncoding):
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__(cfg)
-        from lcx.rope.types import compute_inv_freq
+        from lcx.rope import compute_inv_freq
 
         inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": cfg.rope_theta}, cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
