@@ -21,7 +21,11 @@ Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class 
   grouped keys), where a side key cached at a(R(p_k))k is re-rotated by
   delta = (side_key(p_k) - p_k) - (side_query(p_q) - p_q): only the method's few moved keys are
   rotated per step (all the keys past the window for Self-Extend, whose grouped positions move
-  every key). Prefill and chunked prefill: the same with `AttentionMethod.query_keys`, each key
+  every key). Prefill and chunked prefill: where the rule holds for every query of a call
+  (`rule_covers_prefill`: LM-Infinite with its cap at the window, sinks), each query is a row of
+  the same call, read as the last query of its own prefix: it reads its side + window keys only
+  (a band), planned in O(side + window) per query. Otherwise (LM-Infinite capped past its
+  window, Self-Extend) with `AttentionMethod.query_keys` over the call's keys, each key
   re-rotated by (the position the method gives it - its true position), zero inside windows.
 - **unrotated** (SWAT's sigmoid: no rule; LM-Infinite with top-k middle keys: its rule's top-k
   branch picks keys by score, not a fixed subset). The layer skips
@@ -32,8 +36,8 @@ Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class 
 
 The step's plan (which keys each request reads, from which blocks; built from the step's
 metadata only) is built once per step by the first layer and shared by every layer, as are the
-rotation tables. Decode rows (one query) of the rotated layout are one call for the whole batch
-(compressed caches of different lengths padded with invisible keys); the unrotated layout groups
+rotation tables. Decode rows (one query) of the rotated layout, and its banded prefill rows, are
+one call for the whole batch (compressed caches of different lengths padded with invisible keys); the unrotated layout groups
 them by compressed length (`lcx.methods.bounded_cache`: the first n_first and last n_recent keys,
 rotated by their true positions or, for StreamingLLM's renumbering, by their slot in the
 compressed set). Prefills with equal numbers of queries and keys are one call over their whole
@@ -43,7 +47,8 @@ Each call runs on `lcx.kernels.cpu.paged_relative_attention_cpu` (C++, compiled 
 `attention_kernel()`): softmax over a subset of keys read straight from the paged cache, each
 rotated by a small table row relative to the query (identity rows, the window keys of the
 rotated layout, are read without rotating), masked softmax in one pass, one call per group and
-layer. Where the extension cannot build (no compiler or ninja; logged), or for SWAT's sigmoid,
+layer; prefill tables from `query_keys` are compacted (`compact_index`) so each query walks only
+the keys it sees, not every key of its prefix. Where the extension cannot build (no compiler or ninja; logged), or for SWAT's sigmoid,
 the torch route runs instead: rotated decode gathers the kept keys, re-rotates them and runs one
 SDPA; rotated prefill un-rotates q and k and calls the method's `attend`; the unrotated layout
 gathers + `LastQueryPlan.attend` for decode and `attend` on `prefill_backend(method)` for
