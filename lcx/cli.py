@@ -22,7 +22,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "train a small Llama-style LM on public-domain text (Shakespeare + KJV Bible)"),
     (("train", "stream"), "lcx.train.stream",
      "train + evaluate the streaming word-transduction task: group vs interleaved positions"),
-    (("train", "modadd"), "lcx.studies.modadd.study",
+    (("train", "modadd"), "lcx.studies.modadd.cli",
      "modular-addition robustness study (position shift, template OOD): encoder recipes, decoder export"),
     (("eval", "ppl"), "lcx.eval.perplexity",
      "perplexity of a model on held-out text at several context lengths, with a RoPE spec"),

@@ -17,7 +17,16 @@ import torch
 
 from lcx.data import modadd
 from lcx.studies.modadd.model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
-from lcx.studies.modadd import study as tm
+from lcx.studies.modadd import study as study_module
+from lcx.studies.modadd.aggregate import aggregate
+from lcx.studies.modadd.cli import _study_from_arg
+from lcx.studies.modadd.config import RunConfig, StudyConfig, load_run
+from lcx.studies.modadd.data import DIGIT_IDS, MASK_ID, batch_at, mask_characters, pack, sample_texts
+from lcx.studies.modadd.decoder import DecoderConfig, decoder_accuracy, train_decoder
+from lcx.studies.modadd.evaluation import CURVE_SPLITS, PLACE_VALUE_SHIFTS, place_value_errors
+from lcx.studies.modadd.recipes import INTERVENTIONS, Recipe, recipe_by_name
+from lcx.studies.modadd.study import DEFAULT_STUDY, run_study
+from lcx.studies.modadd.training import _optimizer, build_model, loss_fn, symmetric_kl, train_run
 
 ROOT = Path(__file__).resolve().parents[2]
 PE_NAMES = sorted(POSITION_ENCODINGS)
@@ -25,7 +34,7 @@ BATCH_SIZES = (1, 3)
 TINY_MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64}
 # A study small enough for tests: 2 configurations x 1 seed, a few steps each.
 TINY_RUN = {"steps": 3, "batch_size": 8, "eval_pairs": 7, "eval_offsets": [0, 8, 32, 128], "model": TINY_MODEL}
-TINY_STUDY = tm.StudyConfig(configs=(("baseline", "learned"), ("robust", "rope")), seeds=(0,), run=TINY_RUN)
+TINY_STUDY = StudyConfig(configs=(("baseline", "learned"), ("robust", "rope")), seeds=(0,), run=TINY_RUN)
 
 
 @pytest.fixture(autouse=True)
@@ -44,34 +53,34 @@ def _numbers(ids: torch.Tensor, length: int) -> list[int]:
 
 # --------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("make, key", [
-    (lambda: tm.RunConfig.from_dict({"bogus_key": 1}), "bogus_key"),
-    (lambda: tm.RunConfig(position="sinusoid"), "position"),
-    (lambda: tm.RunConfig(recipe="robust-no_dropout"), "no_dropout"),
-    (lambda: tm.RunConfig(recipe="fancy"), "fancy"),
-    (lambda: tm.RunConfig(recipe="baseline+dropout"), "+dropout"),
-    (lambda: tm.RunConfig(steps=0), "steps"),
-    (lambda: tm.RunConfig(eval_offsets=(0, 8)), "eval_offsets"),
-    (lambda: tm.RunConfig(recipe="robust", batch_size=7), "batch_size"),
-    (lambda: tm.RunConfig(eval_offsets=(0, 8, 32, 128, 300)), "max_positions"),
-    (lambda: tm.Recipe(max_offset=-1), "max_offset"),
-    (lambda: tm.Recipe(curriculum=1), "curriculum"),
-    (lambda: tm.Recipe(template_pool="english"), "template_pool"),
-    (lambda: tm.Recipe.from_dict({"mixup": True}), "mixup"),
+    (lambda: RunConfig.from_dict({"bogus_key": 1}), "bogus_key"),
+    (lambda: RunConfig(position="sinusoid"), "position"),
+    (lambda: RunConfig(recipe="robust-no_dropout"), "no_dropout"),
+    (lambda: RunConfig(recipe="fancy"), "fancy"),
+    (lambda: RunConfig(recipe="baseline+dropout"), "+dropout"),
+    (lambda: RunConfig(steps=0), "steps"),
+    (lambda: RunConfig(eval_offsets=(0, 8)), "eval_offsets"),
+    (lambda: RunConfig(recipe="robust", batch_size=7), "batch_size"),
+    (lambda: RunConfig(eval_offsets=(0, 8, 32, 128, 300)), "max_positions"),
+    (lambda: Recipe(max_offset=-1), "max_offset"),
+    (lambda: Recipe(curriculum=1), "curriculum"),
+    (lambda: Recipe(template_pool="english"), "template_pool"),
+    (lambda: Recipe.from_dict({"mixup": True}), "mixup"),
     (lambda: EncoderConfig(d_model=130), "n_heads"),
     (lambda: EncoderConfig.from_dict({"width": 3}), "width"),
-    (lambda: tm.DecoderConfig(recipe="robust"), "consistency"),
-    (lambda: tm.StudyConfig(configs=(("robust",),)), "(recipe, position)"),
-    (lambda: tm.DecoderConfig.from_dict({"layers": 3}), "layers"),
-    (lambda: tm.StudyConfig(run={"seed": 3}), "seed"),
-    (lambda: tm.Recipe(offset_sampling="row"), "offset_sampling"),
-    (lambda: tm.Recipe(curriculum_delay_frac=1.0), "curriculum_delay_frac"),
-    (lambda: tm.Recipe(consistency_ramp_frac=-0.1), "consistency_ramp_frac"),
-    (lambda: tm.recipe_by_name("robust~markers=false"), "~field=value"),
-    (lambda: tm.recipe_by_name("robust~lr=0.1"), "~field=value"),
-    (lambda: tm.RunConfig(tag="a b"), "tag"),
-    (lambda: tm.StudyConfig(configs=(("robust", "learned", {"lr": 0.1}),)), "tag"),
-    (lambda: tm.StudyConfig(configs=(("robust", "learned", {"tag": "x", "seed": 1}),)), "seed"),
-    (lambda: tm.StudyConfig(configs=(("robust", "learned"), ("robust", "learned"))), "same name"),
+    (lambda: DecoderConfig(recipe="robust"), "consistency"),
+    (lambda: StudyConfig(configs=(("robust",),)), "(recipe, position)"),
+    (lambda: DecoderConfig.from_dict({"layers": 3}), "layers"),
+    (lambda: StudyConfig(run={"seed": 3}), "seed"),
+    (lambda: Recipe(offset_sampling="row"), "offset_sampling"),
+    (lambda: Recipe(curriculum_delay_frac=1.0), "curriculum_delay_frac"),
+    (lambda: Recipe(consistency_ramp_frac=-0.1), "consistency_ramp_frac"),
+    (lambda: recipe_by_name("robust~markers=false"), "~field=value"),
+    (lambda: recipe_by_name("robust~lr=0.1"), "~field=value"),
+    (lambda: RunConfig(tag="a b"), "tag"),
+    (lambda: StudyConfig(configs=(("robust", "learned", {"lr": 0.1}),)), "tag"),
+    (lambda: StudyConfig(configs=(("robust", "learned", {"tag": "x", "seed": 1}),)), "seed"),
+    (lambda: StudyConfig(configs=(("robust", "learned"), ("robust", "learned"))), "same name"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_config_errors_name_the_key(make, key):
     with pytest.raises(ValueError, match=re.escape(key)):
@@ -79,17 +88,17 @@ def test_config_errors_name_the_key(make, key):
 
 
 def test_recipes_and_ablation_names():
-    robust = tm.recipe_by_name("robust")
-    assert all(getattr(robust, f) for f in tm.INTERVENTIONS)
-    assert not any(getattr(tm.recipe_by_name("baseline"), f) for f in tm.INTERVENTIONS)
-    for f in tm.INTERVENTIONS:
-        r = tm.recipe_by_name(f"robust-no_{f}")
-        assert [g for g in tm.INTERVENTIONS if not getattr(r, g)] == [f]
-    for f in tm.INTERVENTIONS:
-        r = tm.recipe_by_name(f"baseline+{f}")
-        assert [g for g in tm.INTERVENTIONS if getattr(r, g)] == [f]
-    assert tm.recipe_by_name("baseline+markers+templates-no_markers") == tm.recipe_by_name("baseline+templates")
-    assert tm.RunConfig.from_dict(tm.RunConfig(recipe="robust-no_markers").to_dict()) == tm.RunConfig(
+    robust = recipe_by_name("robust")
+    assert all(getattr(robust, f) for f in INTERVENTIONS)
+    assert not any(getattr(recipe_by_name("baseline"), f) for f in INTERVENTIONS)
+    for f in INTERVENTIONS:
+        r = recipe_by_name(f"robust-no_{f}")
+        assert [g for g in INTERVENTIONS if not getattr(r, g)] == [f]
+    for f in INTERVENTIONS:
+        r = recipe_by_name(f"baseline+{f}")
+        assert [g for g in INTERVENTIONS if getattr(r, g)] == [f]
+    assert recipe_by_name("baseline+markers+templates-no_markers") == recipe_by_name("baseline+templates")
+    assert RunConfig.from_dict(RunConfig(recipe="robust-no_markers").to_dict()) == RunConfig(
         recipe="robust-no_markers")
 
 
@@ -98,34 +107,34 @@ def test_template_pools():
     pairs = modadd.split_pairs(0).train[:400]
     for name, pool in (("robust", modadd.TRAIN_TEMPLATES),
                        ("robust_nl", modadd.TRAIN_TEMPLATES + modadd.NL_TRAIN_TEMPLATES)):
-        recipe = tm.recipe_by_name(name)
-        texts = tm.sample_texts(recipe, pairs, random.Random(0), 0)
+        recipe = recipe_by_name(name)
+        texts = sample_texts(recipe, pairs, random.Random(0), 0)
         bodies = {t.strip()[len(modadd.EXPR_OPEN):-len(modadd.EXPR_CLOSE)] for t in texts}
         used = {tpl for tpl in pool for (a, b) in pairs if tpl.format(a=a, b=b) in bodies}
         assert used == set(pool), name
-    assert tm.recipe_by_name("robust_nl-no_templates") == tm.recipe_by_name("robust-no_templates").__class__(
+    assert recipe_by_name("robust_nl-no_templates") == recipe_by_name("robust-no_templates").__class__(
         markers=True, curriculum=True, consistency=True, template_pool="mixed")
 
 
 def test_curriculum_widens_linearly():
-    r = tm.Recipe(curriculum=True, max_offset=32, curriculum_frac=0.5)
+    r = Recipe(curriculum=True, max_offset=32, curriculum_frac=0.5)
     assert [r.max_offset_at(s, 100) for s in (0, 24, 49, 50, 99)] == [1, 16, 32, 32, 32]
-    assert tm.Recipe().max_offset_at(99, 100) == 0
-    delayed = tm.recipe_by_name("robust~curriculum_delay_frac=0.2")
+    assert Recipe().max_offset_at(99, 100) == 0
+    delayed = recipe_by_name("robust~curriculum_delay_frac=0.2")
     assert [delayed.max_offset_at(s, 100) for s in (0, 19, 20, 44, 69, 99)] == [0, 0, 1, 16, 32, 32]
 
 
 def test_template_mixture_can_start_late():
-    r = tm.recipe_by_name("robust~template_delay_frac=0.3")
+    r = recipe_by_name("robust~template_delay_frac=0.3")
     assert [r.templates_at(s, 100) for s in (0, 29, 30, 99)] == [False, False, True, True]
-    assert tm.recipe_by_name("robust").templates_at(0, 100)
-    assert not tm.recipe_by_name("robust-no_templates").templates_at(99, 100)
-    cfg = tm.RunConfig(recipe="robust~template_delay_frac=0.3~curriculum_delay_frac=0.3", steps=100,
+    assert recipe_by_name("robust").templates_at(0, 100)
+    assert not recipe_by_name("robust-no_templates").templates_at(99, 100)
+    cfg = RunConfig(recipe="robust~template_delay_frac=0.3~curriculum_delay_frac=0.3", steps=100,
                        batch_size=64, model=TINY_MODEL)
     pairs = modadd.split_pairs(0).train
 
     def canonical_rows(step):  # markers wrap a canonical expression at offset 0: "<EXPR>a+b=</EXPR>"
-        ids, lengths, _, _ = tm.batch_at(cfg, pairs, step)
+        ids, lengths, _, _ = batch_at(cfg, pairs, step)
         texts = [bytes(i - 3 for i in row[1:n].tolist()).decode() for row, n in zip(ids, lengths)]
         return sum(re.fullmatch(r"<EXPR>\d+\+\d+=</EXPR>", t) is not None for t in texts)
 
@@ -134,49 +143,49 @@ def test_template_mixture_can_start_late():
 
 
 def test_recipe_modifiers_and_schedules():
-    r = tm.recipe_by_name("robust-no_markers~offset_sampling=example~consistency_ramp_frac=0.5~max_offset=16")
+    r = recipe_by_name("robust-no_markers~offset_sampling=example~consistency_ramp_frac=0.5~max_offset=16")
     assert (r.markers, r.curriculum, r.offset_sampling, r.consistency_ramp_frac, r.max_offset) == (
         False, True, "example", 0.5, 16)
     assert [r.consistency_weight_at(s, 100) for s in (0, 24, 49, 99)] == [0.02, 0.5, 1.0, 1.0]
-    assert tm.recipe_by_name("robust").consistency_weight_at(0, 100) == 1.0
-    assert tm.recipe_by_name("baseline").consistency_weight_at(50, 100) == 0.0
+    assert recipe_by_name("robust").consistency_weight_at(0, 100) == 1.0
+    assert recipe_by_name("baseline").consistency_weight_at(50, 100) == 0.0
     # the KL term is weighted by the schedule: at step 0 of a ramp it is (almost) off
-    cfg = tm.RunConfig(recipe="robust~consistency_ramp_frac=0.5", steps=100, batch_size=8, model=TINY_MODEL)
-    model = tm.build_model(cfg)
-    batch = tm.batch_at(cfg, modadd.split_pairs(0).train, 10)
-    ce = tm.loss_fn(model, cfg, *batch, step=0)[1]["ce"]
-    loss0, parts = tm.loss_fn(model, cfg, *batch, step=0)
-    loss_full, _ = tm.loss_fn(model, cfg, *batch)
+    cfg = RunConfig(recipe="robust~consistency_ramp_frac=0.5", steps=100, batch_size=8, model=TINY_MODEL)
+    model = build_model(cfg)
+    batch = batch_at(cfg, modadd.split_pairs(0).train, 10)
+    ce = loss_fn(model, cfg, *batch, step=0)[1]["ce"]
+    loss0, parts = loss_fn(model, cfg, *batch, step=0)
+    loss_full, _ = loss_fn(model, cfg, *batch)
     assert loss0.item() == pytest.approx(ce + 0.02 * parts["kl"], rel=1e-5)
     assert loss_full.item() == pytest.approx(ce + parts["kl"], rel=1e-5)
 
 
 def test_consistency_loss_can_start_late():
-    r = tm.recipe_by_name("robust~consistency_delay_frac=0.4~consistency_ramp_frac=0.1")
+    r = recipe_by_name("robust~consistency_delay_frac=0.4~consistency_ramp_frac=0.1")
     assert [r.consistency_at(s, 100) for s in (0, 39, 40, 99)] == [False, False, True, True]
     # the ramp counts from the start of the loss
     assert [r.consistency_weight_at(s, 100) for s in (0, 39, 40, 44, 49, 99)] == [0.0, 0.0, 0.1, 0.5, 1.0, 1.0]
-    staged = tm.recipe_by_name("robust_staged")
+    staged = recipe_by_name("robust_staged")
     assert (staged.curriculum_delay_frac, staged.template_delay_frac, staged.consistency_delay_frac,
             staged.template_pool) == (0.1, 0.5, 0.5, "mixed")
-    cfg = tm.RunConfig(recipe="robust_staged", steps=100, batch_size=8, model=TINY_MODEL)
+    cfg = RunConfig(recipe="robust_staged", steps=100, batch_size=8, model=TINY_MODEL)
     pairs = modadd.split_pairs(0).train
-    model = tm.build_model(cfg)
+    model = build_model(cfg)
     # before the delay: 8 distinct pairs, plain cross-entropy; after it: 4 pairs rendered twice + KL
-    ids, lengths, labels, n = tm.batch_at(cfg, pairs, 10)
+    ids, lengths, labels, n = batch_at(cfg, pairs, 10)
     assert n == 8 and len(ids) == 8
-    loss, parts = tm.loss_fn(model, cfg, ids, lengths, labels, n, step=10)
+    loss, parts = loss_fn(model, cfg, ids, lengths, labels, n, step=10)
     assert set(parts) == {"ce"} and loss.item() == pytest.approx(parts["ce"])
-    ids, lengths, labels, n = tm.batch_at(cfg, pairs, 60)
+    ids, lengths, labels, n = batch_at(cfg, pairs, 60)
     assert n == 4 and len(ids) == 8 and torch.equal(labels[:4], labels[4:])
-    assert set(tm.loss_fn(model, cfg, ids, lengths, labels, n, step=60)[1]) == {"ce", "kl"}
+    assert set(loss_fn(model, cfg, ids, lengths, labels, n, step=60)[1]) == {"ce", "kl"}
 
 
 def test_offset_sampling_per_batch_or_per_example():
     pairs = modadd.split_pairs(0).train[:64]
 
     def offsets(name):
-        texts = tm.sample_texts(tm.recipe_by_name(name), pairs, random.Random(3), 32)
+        texts = sample_texts(recipe_by_name(name), pairs, random.Random(3), 32)
         return {len(t) - len(t.lstrip(modadd.PAD)) for t in texts}
 
     assert len(offsets("baseline+curriculum")) == 1
@@ -191,9 +200,9 @@ def test_training_batches_use_only_train_pairs_and_eval_uses_the_task_pairs():
     train = set(split.train)
     assert not train & set(split.test)
     for recipe in ("baseline", "robust"):
-        cfg = tm.RunConfig(recipe=recipe, batch_size=16, steps=10)
+        cfg = RunConfig(recipe=recipe, batch_size=16, steps=10)
         for step in (0, 9):
-            ids, lengths, labels, n = tm.batch_at(cfg, split.train, step)
+            ids, lengths, labels, n = batch_at(cfg, split.train, step)
             for i in range(ids.shape[0]):
                 a, b = _numbers(ids[i], int(lengths[i]))
                 assert (a, b) in train and labels[i] == (a + b) % 97
@@ -202,20 +211,20 @@ def test_training_batches_use_only_train_pairs_and_eval_uses_the_task_pairs():
 
 
 def test_consistency_batch_pairs_rows_and_kl():
-    cfg = tm.RunConfig(recipe="robust", batch_size=12, steps=100)
-    ids, lengths, labels, n = tm.batch_at(cfg, modadd.split_pairs(0).train, 80)
+    cfg = RunConfig(recipe="robust", batch_size=12, steps=100)
+    ids, lengths, labels, n = batch_at(cfg, modadd.split_pairs(0).train, 80)
     assert n == 6 and torch.equal(labels[:n], labels[n:])
     assert [_numbers(ids[i], int(lengths[i])) for i in range(n)] == \
         [_numbers(ids[i + n], int(lengths[i + n])) for i in range(n)]
     x = torch.randn(5, 97)
-    assert tm.symmetric_kl(x, x).abs() < 1e-6 and tm.symmetric_kl(x, torch.randn(5, 97)) > 0.1
+    assert symmetric_kl(x, x).abs() < 1e-6 and symmetric_kl(x, torch.randn(5, 97)) > 0.1
 
 
 def test_batches_are_a_function_of_seed_and_step():
-    cfg = tm.RunConfig(recipe="robust", batch_size=8)
+    cfg = RunConfig(recipe="robust", batch_size=8)
     train = modadd.split_pairs(0).train
-    assert torch.equal(tm.batch_at(cfg, train, 5)[0], tm.batch_at(cfg, train, 5)[0])
-    assert not torch.equal(tm.batch_at(cfg, train, 5)[0], tm.batch_at(cfg, train, 6)[0])
+    assert torch.equal(batch_at(cfg, train, 5)[0], batch_at(cfg, train, 5)[0])
+    assert not torch.equal(batch_at(cfg, train, 5)[0], batch_at(cfg, train, 6)[0])
 
 
 # --------------------------------------------------------------------------- models
@@ -225,7 +234,7 @@ def test_encoder_forward_backward(pe, batch):
     torch.manual_seed(0)
     model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL))
     texts = [modadd.render(12, 34, t, o) for t, o in zip(modadd.TRAIN_TEMPLATES, (0, 5, 17))][:batch]
-    ids, lengths = tm.pack(texts)
+    ids, lengths = pack(texts)
     logits = model(ids, lengths)
     assert logits.shape == (batch, 97) and torch.isfinite(logits).all()
     logits.logsumexp(-1).sum().backward()
@@ -239,8 +248,8 @@ def test_encoder_padding_does_not_change_logits(pe):
     torch.manual_seed(0)
     model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL)).eval()
     short, long = modadd.render(3, 4), modadd.render(50, 60, modadd.OOD_TEMPLATES[0], 9)
-    alone = model(*tm.pack([short]))
-    together = model(*tm.pack([short, long]))[:1]
+    alone = model(*pack([short]))
+    together = model(*pack([short, long]))[:1]
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
 
 
@@ -249,7 +258,7 @@ def test_cls_only_last_block_equals_the_full_encoder(pe):
     """The last block computes the [CLS] query alone: same logits as running it on every token."""
     torch.manual_seed(0)
     model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL)).double().eval()
-    ids, lengths = tm.pack([modadd.render(5, 61, t, o) for t, o in zip(modadd.TRAIN_TEMPLATES, (0, 3, 11))])
+    ids, lengths = pack([modadd.render(5, 61, t, o) for t, o in zip(modadd.TRAIN_TEMPLATES, (0, 3, 11))])
     fast = model(ids, lengths)
     B, T = ids.shape
     pos = torch.arange(T)
@@ -269,7 +278,7 @@ def test_position_semantics(pe):
     """Only NoPE is blind to order: permuting the characters leaves its logits unchanged."""
     torch.manual_seed(0)
     model = ModAddEncoder(EncoderConfig(position=pe, **TINY_MODEL)).eval()
-    a, b = model(*tm.pack(["12+34="])), model(*tm.pack(["=43+21"]))
+    a, b = model(*pack(["12+34="])), model(*pack(["=43+21"]))
     assert torch.allclose(a, b, atol=1e-5) == (pe == "nope")
 
 
@@ -285,9 +294,9 @@ def test_alibi_bias_is_symmetric_distance():
 def test_tiny_training_run_learns():
     """A short run on 24 training pairs: the loss falls far below chance (ln 97) and the pairs
     it trained on are mostly answered right (chance: 1/97)."""
-    cfg = tm.RunConfig(steps=60, batch_size=32, lr=3e-3, weight_decay=0.0, warmup_steps=5, train_pairs=24,
+    cfg = RunConfig(steps=60, batch_size=32, lr=3e-3, weight_decay=0.0, warmup_steps=5, train_pairs=24,
                        eval_pairs=24, eval_offsets=(0, 8, 32, 128), model=TINY_MODEL)
-    _, res = tm.train_run(cfg, progress=False, log_every=5)
+    _, res = train_run(cfg, progress=False, log_every=5)
     assert res["curve"]["loss"][-1] < math.log(97) - 2.0, res["curve"]["loss"]
     assert res["metrics"]["train_id"] > 0.5, res["metrics"]
     assert set(res["metrics"]["shift"]) == {"0", "8", "32", "128"}
@@ -295,14 +304,14 @@ def test_tiny_training_run_learns():
 
 
 def test_learning_curve_every_n_steps():
-    cfg = tm.RunConfig(steps=7, batch_size=8, eval_pairs=5, eval_offsets=(0, 8, 32, 128), eval_every=3,
+    cfg = RunConfig(steps=7, batch_size=8, eval_pairs=5, eval_offsets=(0, 8, 32, 128), eval_every=3,
                        model=TINY_MODEL)
-    _, res = tm.train_run(cfg, progress=False)
+    _, res = train_run(cfg, progress=False)
     learning = res["curve"]["learning"]
     assert learning["step"] == [3, 6, 7]
-    assert set(learning) == {"step", *tm.CURVE_SPLITS}
-    assert all(len(learning[k]) == 3 and all(0 <= v <= 1 for v in learning[k]) for k in tm.CURVE_SPLITS)
-    _, plain = tm.train_run(dataclasses.replace(cfg, eval_every=0), progress=False)
+    assert set(learning) == {"step", *CURVE_SPLITS}
+    assert all(len(learning[k]) == 3 and all(0 <= v <= 1 for v in learning[k]) for k in CURVE_SPLITS)
+    _, plain = train_run(dataclasses.replace(cfg, eval_every=0), progress=False)
     assert "learning" not in plain["curve"]
     # the curve's evaluations do not change training
     assert plain["curve"]["loss"] == res["curve"]["loss"]
@@ -311,21 +320,21 @@ def test_learning_curve_every_n_steps():
 # --------------------------------------------------------------------------- study: resume + aggregate
 def test_study_resumes_and_redoes_corrupt_runs(tmp_path, monkeypatch):
     calls = []
-    real = tm.train_run
+    real = train_run
 
     def counting(cfg, **kw):
         calls.append(cfg.name)
         return real(cfg, **kw)
 
-    monkeypatch.setattr(tm, "train_run", counting)
-    tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
+    monkeypatch.setattr(study_module, "train_run", counting)
+    run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
     names = [c.name for c in TINY_STUDY.run_configs()]
     assert calls == names
     assert (tmp_path / "table.md").is_file() and (tmp_path / "shift.png").is_file()
     assert (tmp_path / "ablation.png").is_file() and (tmp_path / "study_config.json").is_file()
 
     calls.clear()
-    tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
+    run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
     assert calls == []  # everything finished: nothing is retrained
 
     first, second = (tmp_path / "runs" / f"{n}.json" for n in names)
@@ -333,22 +342,22 @@ def test_study_resumes_and_redoes_corrupt_runs(tmp_path, monkeypatch):
     other = json.loads(second.read_text())
     other["config"]["steps"] = 99  # a run made with another config
     second.write_text(json.dumps(other))
-    tm.run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
+    run_study(TINY_STUDY, tmp_path, progress=False, log=lambda *_: None)
     assert calls == names
-    assert tm.load_run(first, TINY_STUDY.run_configs()[0]) is not None
+    assert load_run(first, TINY_STUDY.run_configs()[0]) is not None
     # a recipe redefined since the run was made (the run file stores the resolved recipe): rerun
     stale = json.loads(second.read_text())
     stale["recipe"]["consistency_weight"] = 0.5
     second.write_text(json.dumps(stale))
-    assert tm.load_run(second, TINY_STUDY.run_configs()[1]) is None
+    assert load_run(second, TINY_STUDY.run_configs()[1]) is None
     del stale["recipe"]["offset_sampling"]  # a field added later: its default still matches
     stale["recipe"]["consistency_weight"] = 1.0
     second.write_text(json.dumps(stale))
-    assert tm.load_run(second, TINY_STUDY.run_configs()[1]) is not None
+    assert load_run(second, TINY_STUDY.run_configs()[1]) is not None
 
 
 def _fake_run(runs: Path, recipe: str, position: str, seed: int, acc: float) -> None:
-    cfg = tm.RunConfig(recipe=recipe, position=position, seed=seed)
+    cfg = RunConfig(recipe=recipe, position=position, seed=seed)
     shift = {str(o): acc / (1 + o) for o in cfg.eval_offsets}
     metrics = {"id": acc, "pos": acc / 2, "template": acc / 4, "train_id": 1.0, "shift": shift, "templates": [acc / 4] * 5}
     (runs / f"{cfg.name}.json").write_text(json.dumps({"name": cfg.name, "config": cfg.to_dict(), "metrics": metrics,
@@ -362,8 +371,8 @@ def test_aggregate_table_from_run_files(tmp_path):
         _fake_run(runs, "baseline", "learned", seed, acc)
     _fake_run(runs, "robust", "learned", 0, 1.0)
     (runs / "junk.json").write_text("{not json")
-    study = tm.StudyConfig(configs=(("baseline", "learned"), ("robust", "learned")), seeds=(0, 1, 2))
-    table = tm.aggregate(tmp_path, study)
+    study = StudyConfig(configs=(("baseline", "learned"), ("robust", "learned")), seeds=(0, 1, 2))
+    table = aggregate(tmp_path, study)
     base, robust = table["rows"]
     assert base["id"]["mean"] == pytest.approx(0.7) and base["id"]["std"] == pytest.approx(0.2)
     assert base["template"]["mean"] == pytest.approx(0.175) and base["seeds"] == [0, 1, 2]
@@ -377,13 +386,13 @@ def test_aggregate_table_from_run_files(tmp_path):
 
 
 def test_tagged_configs_aggregate_separately_with_learning_curves(tmp_path):
-    study = tm.StudyConfig(configs=(("baseline", "learned"), ("baseline", "learned", {"tag": "hot", "lr": 3e-3})),
+    study = StudyConfig(configs=(("baseline", "learned"), ("baseline", "learned", {"tag": "hot", "lr": 3e-3})),
                            seeds=(0,), run={**TINY_RUN, "steps": 4, "eval_every": 2})
     names = [c.name for c in study.run_configs()]
     assert names == ["baseline__learned__s0", "baseline__learned__hot__s0"]
     assert [c.lr for c in study.run_configs()] == [1e-3, 3e-3]
-    assert tm.StudyConfig.from_dict(json.loads(json.dumps(study.to_dict()))) == study
-    tm.run_study(study, tmp_path, progress=False, log=lambda *_: None)
+    assert StudyConfig.from_dict(json.loads(json.dumps(study.to_dict()))) == study
+    run_study(study, tmp_path, progress=False, log=lambda *_: None)
     table = json.loads((tmp_path / "table.json").read_text())
     assert [(r["recipe"], r.get("tag")) for r in table["rows"]] == [("baseline", None), ("baseline", "hot")]
     assert all(r["learning"]["step"] == [2, 4] for r in table["rows"])
@@ -392,26 +401,26 @@ def test_tagged_configs_aggregate_separately_with_learning_curves(tmp_path):
 
 
 def test_study_presets_and_config_files(tmp_path):
-    assert tm._study_from_arg("default") is tm.DEFAULT_STUDY
-    long = tm._study_from_arg("long")
-    assert long.run["steps"] == 4 * tm.DEFAULT_STUDY.run["steps"]
+    assert _study_from_arg("default") is DEFAULT_STUDY
+    long = _study_from_arg("long")
+    assert long.run["steps"] == 4 * DEFAULT_STUDY.run["steps"]
     assert {c.recipe for c in long.run_configs()} >= {"baseline", "robust"}
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(TINY_STUDY.to_dict()))
-    assert tm._study_from_arg(str(path)).run_configs() == TINY_STUDY.run_configs()
+    assert _study_from_arg(str(path)).run_configs() == TINY_STUDY.run_configs()
     with pytest.raises(ValueError, match="neither a committed study"):
-        tm._study_from_arg("longest")
-    assert all(c.eval_every for c in tm._study_from_arg("diagnosis").run_configs())
+        _study_from_arg("longest")
+    assert all(c.eval_every for c in _study_from_arg("diagnosis").run_configs())
     # the default study holds every leave-one-out ablation of the robust recipe
-    assert {(f"robust-no_{i}", "learned") for i in tm.INTERVENTIONS} <= set(tm.DEFAULT_STUDY.configs)
+    assert {(f"robust-no_{i}", "learned") for i in INTERVENTIONS} <= set(DEFAULT_STUDY.configs)
 
 
 # --------------------------------------------------------------------------- decoder export + lm-eval
 @pytest.fixture(scope="module")
 def decoder_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("modadd") / "decoder"
-    cfg = tm.DecoderConfig(steps=10, batch_size=16, eval_pairs=5, hidden_size=32, intermediate_size=64)
-    tm.train_decoder(cfg, out, progress=False)
+    cfg = DecoderConfig(steps=10, batch_size=16, eval_pairs=5, hidden_size=32, intermediate_size=64)
+    train_decoder(cfg, out, progress=False)
     return out
 
 
@@ -433,7 +442,7 @@ def test_decoder_export_loads_offline_and_greedy_matches_teacher_forcing(decoder
         gen = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         text = tok.decode(gen[0, ids.shape[1]:])
         right = text.split("\n")[0] == modadd.answer(a, b) and "\n" in text
-        assert right == (tm.decoder_accuracy(model, [p], [modadd.answer(a, b)]) == 1.0), (p, text)
+        assert right == (decoder_accuracy(model, [p], [modadd.answer(a, b)]) == 1.0), (p, text)
 
 
 def _lmeval_in_process(pretrained: str, limit: int) -> dict:
@@ -458,9 +467,9 @@ def test_lmeval_lcx_model_evaluates_the_exported_decoder(decoder_dir):
     model, _ = __import__("lcx").load_model(str(decoder_dir))
     pairs = modadd.split_pairs(0).test[:limit]
     answers = [modadd.answer(a, b) for a, b in pairs]
-    want_id = tm.decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], answers)
+    want_id = decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], answers)
     assert res["modadd_shift_id"]["exact_match,none"] == pytest.approx(want_id)
-    want_128 = tm.decoder_accuracy(model, [modadd.render(a, b, offset=128) for a, b in pairs], answers)
+    want_128 = decoder_accuracy(model, [modadd.render(a, b, offset=128) for a, b in pairs], answers)
     assert res["modadd_shift_pos"]["offset_128,none"] == pytest.approx(want_128)
 
 
@@ -486,7 +495,7 @@ def test_lm_eval_cli_on_the_committed_decoder(tmp_path):
 
     model, _ = lcx.load_model(str(COMMITTED_DECODER))
     pairs = modadd.split_pairs(0).test[:20]
-    want = tm.decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], [modadd.answer(a, b) for a, b in pairs])
+    want = decoder_accuracy(model, [modadd.render(a, b) for a, b in pairs], [modadd.answer(a, b) for a, b in pairs])
     assert res["modadd_shift_id"]["exact_match,none"] == pytest.approx(want)
     assert want > 0.5
 
@@ -513,60 +522,60 @@ def test_sinusoidal_position_init_has_relative_structure():
 def test_place_value_errors_classifies_wrong_answers():
     pairs = [(12, 34), (57, 8), (90, 90), (3, 4)]
     truth = [(a + b) % 97 for a, b in pairs]
-    assert tm.place_value_errors(pairs, truth) == {"errors": 0, "share": None, "reversed": None,
-                                                   "chance": len(tm.PLACE_VALUE_SHIFTS) / 96}
+    assert place_value_errors(pairs, truth) == {"errors": 0, "share": None, "reversed": None,
+                                                   "chance": len(PLACE_VALUE_SHIFTS) / 96}
     # 21 + 34 (a's digits reversed), 57 + 8 + 9 (one digit at the wrong place: 9k), off by 1 and by 3
     # (2 would count: 99 = 9 x 11 = 2 mod 97)
     pred = [(21 + 34) % 97, (57 + 8 + 9) % 97, (180 + 1) % 97, 10]
-    r = tm.place_value_errors(pairs, pred)
+    r = place_value_errors(pairs, pred)
     assert r["errors"] == 4 and r["share"] == 0.5 and r["reversed"] == 0.25
     assert 0.3 < r["chance"] < 0.45  # 36 of the 96 wrong classes
-    assert all((9 * k) % 97 in tm.PLACE_VALUE_SHIFTS for k in (1, -1, 18, -18))
-    assert 0 not in tm.PLACE_VALUE_SHIFTS and 1 not in tm.PLACE_VALUE_SHIFTS
+    assert all((9 * k) % 97 in PLACE_VALUE_SHIFTS for k in (1, -1, 18, -18))
+    assert 0 not in PLACE_VALUE_SHIFTS and 1 not in PLACE_VALUE_SHIFTS
 
 
 def test_position_decay_false_exempts_only_the_position_table():
     for position_decay in (True, False):
-        cfg = tm.RunConfig(recipe="robust", position_decay=position_decay)
-        model = tm.build_model(cfg)
-        opt = tm._optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+        cfg = RunConfig(recipe="robust", position_decay=position_decay)
+        model = build_model(cfg)
+        opt = _optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
         decayed = {id(p) for p in opt.param_groups[0]["params"]}
         assert opt.param_groups[0]["weight_decay"] == 1.0 and opt.param_groups[1]["weight_decay"] == 0.0
         assert (id(model.pe.table.weight) in decayed) == position_decay
         assert id(model.tok.weight) in decayed and id(model.head.weight) in decayed
     # no table to exempt: a no-op
-    cfg = tm.RunConfig(recipe="robust", position="rope", position_decay=False)
-    model = tm.build_model(cfg)
-    opt = tm._optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+    cfg = RunConfig(recipe="robust", position="rope", position_decay=False)
+    model = build_model(cfg)
+    opt = _optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
     assert all(p.dim() < 2 for p in opt.param_groups[1]["params"])
     with pytest.raises(ValueError, match="position_decay"):
-        tm.RunConfig(position_decay="no")
+        RunConfig(position_decay="no")
 
 
 def test_mask_characters_masks_only_non_digit_text_at_the_rate():
-    ids, lengths = tm.pack([modadd.render(53, 7, "What is {a}+{b} mod 97? Answer:", 3), modadd.render(1, 2)])
-    masked, which = tm.mask_characters(ids, lengths, 1.0, torch.Generator().manual_seed(0))
-    digits = torch.isin(ids, tm.DIGIT_IDS)
+    ids, lengths = pack([modadd.render(53, 7, "What is {a}+{b} mod 97? Answer:", 3), modadd.render(1, 2)])
+    masked, which = mask_characters(ids, lengths, 1.0, torch.Generator().manual_seed(0))
+    digits = torch.isin(ids, DIGIT_IDS)
     text = (torch.arange(ids.shape[1])[None] < lengths[:, None]) & (torch.arange(ids.shape[1])[None] > 0)
     # rate 1: every non-digit text character, nothing else ([CLS], padding and digits kept)
     assert torch.equal(which, text & ~digits)
-    assert torch.equal(masked[which], torch.full((int(which.sum()),), tm.MASK_ID))
+    assert torch.equal(masked[which], torch.full((int(which.sum()),), MASK_ID))
     assert torch.equal(masked[~which], ids[~which])
-    assert tm.MASK_ID not in ids.tolist()[0] + ids.tolist()[1]
+    assert MASK_ID not in ids.tolist()[0] + ids.tolist()[1]
     # a rate in between: a share near it, and a function of the generator's seed alone
-    big, blen = tm.pack([modadd.render(a, b, "The sum of {a} and {b} mod 97 equals", 5) for a, b in [(12, 34)] * 200])
-    _, w1 = tm.mask_characters(big, blen, 0.15, torch.Generator().manual_seed(1))
-    _, w2 = tm.mask_characters(big, blen, 0.15, torch.Generator().manual_seed(1))
-    cand = int(((torch.arange(big.shape[1])[None] < blen[:, None]) & ~torch.isin(big, tm.DIGIT_IDS)).sum()) - 200
+    big, blen = pack([modadd.render(a, b, "The sum of {a} and {b} mod 97 equals", 5) for a, b in [(12, 34)] * 200])
+    _, w1 = mask_characters(big, blen, 0.15, torch.Generator().manual_seed(1))
+    _, w2 = mask_characters(big, blen, 0.15, torch.Generator().manual_seed(1))
+    cand = int(((torch.arange(big.shape[1])[None] < blen[:, None]) & ~torch.isin(big, DIGIT_IDS)).sum()) - 200
     assert torch.equal(w1, w2) and 0.12 < int(w1.sum()) / cand < 0.18
 
 
 def test_mlm_weight_adds_the_token_head_and_its_loss():
-    cfg = tm.RunConfig.from_dict({**TINY_RUN, "recipe": "robust_nl", "mlm_weight": 0.5})
-    assert cfg.model.token_head and not tm.RunConfig.from_dict({**TINY_RUN}).model.token_head
-    model = tm.build_model(cfg)
-    batch = tm.batch_at(cfg, tm.split_pairs(0).train, 2)
-    loss, parts = tm.loss_fn(model, cfg, *batch, step=2)
+    cfg = RunConfig.from_dict({**TINY_RUN, "recipe": "robust_nl", "mlm_weight": 0.5})
+    assert cfg.model.token_head and not RunConfig.from_dict({**TINY_RUN}).model.token_head
+    model = build_model(cfg)
+    batch = batch_at(cfg, modadd.split_pairs(0).train, 2)
+    loss, parts = loss_fn(model, cfg, *batch, step=2)
     assert set(parts) == {"ce", "kl", "mlm"}
     assert loss.item() == pytest.approx(parts["ce"] + parts["kl"] + 0.5 * parts["mlm"], rel=1e-5)
     assert parts["mlm"] > 4  # untrained: near ln(vocab)
@@ -584,4 +593,4 @@ def test_mlm_weight_adds_the_token_head_and_its_loss():
         plain(ids, lengths, tokens=True)
     for bad in ({"mlm_weight": -1.0}, {"mlm_rate": 0.0}, {"mlm_rate": 1.5}, {"mlm_weight": float("nan")}):
         with pytest.raises(ValueError, match="mlm_"):
-            tm.RunConfig.from_dict(bad)
+            RunConfig.from_dict(bad)
