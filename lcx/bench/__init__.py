@@ -1,15 +1,20 @@
 """Benchmarks run from the CLI (`lcx bench <name>`, or `python -m lcx.bench.<name>`).
 
-Each module has `DESCRIPTION`, `add_arguments(parser)`, `run(args)` and `main(argv)`, and writes
-its JSON under results/ (relative to the working directory) through `lcx.bench.record`: config,
-environment, git SHA, written atomically. results/README.md lists every file and its command.
+Each module declares its command with `lcx.bench.harness.Benchmark` (`BENCH`: name, description,
+default `--out`, which of `--threads`/`--seed`/`--no-plot` it takes) and keeps only what is its own:
+a frozen `Config` (the record's "config"), its cases and measurement, a table and a plot; it has
+`DESCRIPTION`, `add_arguments(parser)`, `run(args)` and `main(argv)`, and writes its JSON under
+results/ (relative to the working directory) through the harness's `Run`: the `lcx.bench.record`
+shape (config, environment, git SHA, results), written atomically after every case, the PNG beside
+it. results/README.md lists every file and its command. (`lcx.bench.serving` still builds its own
+skeleton; its port to the harness is pending.)
 
 - `lcx.bench.prefill`: one long prefill per method (`lcx.presets`) against the unpatched model.
 - `lcx.bench.threads`: which torch thread count is fastest here, idle and under load.
 - `lcx.bench.pie`: the PIE code-editing benchmark (`lcx.studies.code_edit`), one record per run
   with every sample (resumable, mergeable across processes).
-- `lcx.bench.kernels`: every GPU kernel against its baseline, with roofline numbers, and a
-  regression check against the stored baseline of the same GPU (`lcx bench kernels --check`).
+- `lcx.bench.kernels`: every GPU kernel against its baseline (timed by `triton.testing.do_bench`),
+  with roofline numbers, and a regression check against the stored baseline of the same GPU (`lcx bench kernels --check`).
 - `lcx.bench.attention`: Λ-mask / LM-Infinite attention per `lcx.attention` backend vs dense
   causal SDPA on CPU, one subprocess per case (time and peak memory).
 - `lcx.bench.decode`: decoding speed per method through lcx's engine (LM-Infinite, sinks, sliding

@@ -38,8 +38,9 @@ import contextlib
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from lcx.bench.record import build_record
 
@@ -149,7 +150,7 @@ class Benchmark:
         return resolve_threads(value, apply=apply)
 
     def start(self, args: argparse.Namespace, config: Any = None, *, out: str | Path | None = None,
-              environment: dict[str, Any] | None = None) -> "Run":
+              environment: dict[str, Any] | None = None) -> Run:
         """A run writing to `out` (default `--out`) with this resolved config (a frozen dataclass;
         None for a benchmark that writes a record of its own shape with `Run.write`); the clock starts."""
         path = out if out is not None else getattr(args, "out", None)
@@ -292,4 +293,4 @@ def replot(path: str | Path, plot: Callable[[dict, Path], None]) -> Path:
     return png
 
 
-__all__ = ["Benchmark", "OFF", "Run", "config_dict", "figure", "log", "progress", "replot"]
+__all__ = ["OFF", "Benchmark", "Run", "config_dict", "figure", "log", "progress", "replot"]

@@ -22,11 +22,11 @@ device-to-device copy bandwidth (read + write) and a bf16 matmul.
 Timing (GPU): `triton.testing.do_bench` (CUDA events per call, the L2 cache flushed before
 each), after `warmup` calls of our own (compilation, autotuning: kept out of do_bench's estimate
 of a call's time); its time budget is at least 100 ms and about `repeats` calls; the row keeps
-every call's time and their median. Without triton, CUDA events around each of `repeats` calls.
-Inputs also rotate over enough buffers that together exceed 4x the L2 cache. A case whose implementation is missing
-or refuses the shape is recorded as `{"skipped": reason}`, never an error.
-The JSON is rewritten after every case (`"complete": false` until the end), so a run cut off
-by a time limit keeps what it measured. CPU (`--device cpu`): tiny shapes, wall clock, for tests of this module only; the JSON says
+every call's time and their median. Inputs also rotate over enough buffers that together exceed
+4x the L2 cache. A case whose implementation is missing or refuses the shape is recorded as
+`{"skipped": reason}`, never an error. The JSON is rewritten after every case (`"complete": false`
+until the end), so a run cut off by a time limit keeps what it measured. CPU (`--device cpu`):
+tiny shapes, wall clock of `repeats` calls, for tests of this module only; the JSON says
 `"smoke": true` and the compare refuses it.
 
 Regression check (`compare`, a pure function): a kernel more than `threshold` (10%) slower
@@ -42,9 +42,10 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -421,39 +422,22 @@ DO_BENCH_MIN_MS = 100.0  # do_bench's time budget at the least (its default `rep
 
 def time_case(prep: Prepared, device: str, *, warmup: int, repeats: int,
               do_bench: Callable[..., Any] | None = None) -> list[float]:
-    """Milliseconds of the timed calls, after `warmup` calls: on CUDA `triton.testing.do_bench`
-    (module docstring; CUDA events by hand where triton is missing), on the CPU wall clock of
-    `repeats` calls. `do_bench` replaces triton's (tests drive the CUDA path's logic with it)."""
+    """Milliseconds of the timed calls, after `warmup` calls: on CUDA through
+    `triton.testing.do_bench` (module docstring), on the CPU the wall clock of `repeats` calls.
+    `do_bench` stands in for triton's (tests drive the CUDA path's logic on the CPU with it)."""
     for i in range(warmup):
         prep.run(i)
     _sync(device)
     if device == "cuda" or do_bench is not None:
-        do_bench = do_bench or _triton_do_bench()
-        if do_bench is not None:
-            return _time_do_bench(prep, do_bench, warmup=warmup, repeats=repeats)
+        if do_bench is None:
+            from triton.testing import do_bench  # triton comes with torch's CUDA builds
+        return _time_do_bench(prep, do_bench, warmup=warmup, repeats=repeats)
     times = []
-    for r in range(repeats):
-        i = warmup + r
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            prep.run(i)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            prep.run(i)
-            times.append((time.perf_counter() - t0) * 1e3)
+    for i in range(warmup, warmup + repeats):
+        t0 = time.perf_counter()
+        prep.run(i)
+        times.append((time.perf_counter() - t0) * 1e3)
     return times
-
-
-def _triton_do_bench() -> Callable[..., Any] | None:
-    try:
-        from triton.testing import do_bench
-    except Exception:  # noqa: BLE001 - any import failure means "not usable": CUDA events instead
-        return None
-    return do_bench
 
 
 def _time_do_bench(prep: Prepared, do_bench: Callable[..., Any], *, warmup: int, repeats: int) -> list[float]:
@@ -553,8 +537,8 @@ def run_cases(cases: list[Case], device: str, *, warmup: int, repeats: int, prog
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     ceilings = measure_ceilings(device, tiny=tiny)
     env = versions()
-    timing = ("wall_clock (CPU smoke, tiny shapes)" if device != "cuda" else
-              "triton.testing.do_bench (L2 flushed per call)" if _triton_do_bench() else "cuda_events")
+    timing = ("triton.testing.do_bench (L2 flushed per call)" if device == "cuda"
+              else "wall_clock (CPU smoke, tiny shapes)")
     rows: dict[str, dict] = {}
 
     def assemble(complete: bool) -> dict:
