@@ -14,7 +14,8 @@ skeleton; its port to the harness is pending.)
 - `lcx.bench.pie`: the PIE code-editing benchmark (`lcx.studies.code_edit`), one record per run
   with every sample (resumable, mergeable across processes).
 - `lcx.bench.kernels`: every GPU kernel against its baseline (timed by `triton.testing.do_bench`),
-  with roofline numbers, and a regression check against the stored baseline of the same GPU (`lcx bench kernels --check`).
+  with roofline numbers, and a regression check against the stored baseline of the same GPU
+  (`lcx bench kernels --check`).
 - `lcx.bench.attention`: Λ-mask / LM-Infinite attention per `lcx.attention` backend vs dense
   causal SDPA on CPU, one subprocess per case (time and peak memory).
 - `lcx.bench.decode`: decoding speed per method through lcx's engine (LM-Infinite, sinks, sliding

@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     L0 = int(model.config.max_position_embeddings)
     rec = BENCH.start(args, Config(
         shape=args.shape, layers=model.config.num_hidden_layers, lengths=sorted(args.lengths), tokens=args.tokens,
-        threads=threads, seed=args.seed, cases={c.name: c.method_config(L0, max(args.lengths)).to_dict() for c in cases}))
+        threads=threads, seed=args.seed,
+        cases={c.name: c.method_config(L0, max(args.lengths)).to_dict() for c in cases}))
     results: dict[str, Any] = {}
     for T in rec.progress(sorted(args.lengths), unit="length"):
         rec.log(f"T={T}")

@@ -189,7 +189,8 @@ class Run:
             from lcx.data.io import environment
 
             self._env = environment()
-        return build_record(description=self.bench.record_description or self.bench.description, config=config_dict(self.config), results=results,
+        return build_record(description=self.bench.record_description or self.bench.description,
+                            config=config_dict(self.config), results=results,
                             environment={**self._env, **self.environment}, **extra)
 
     def save(self, results: Any, *, quiet: bool = True, **extra: Any) -> dict[str, Any]:

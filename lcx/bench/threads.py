@@ -30,8 +30,9 @@ from typing import Any
 from lcx.bench.harness import Benchmark
 
 DESCRIPTION = "which torch thread count is fastest on this machine, idle and under load"
-BENCH = Benchmark("threads", DESCRIPTION, __doc__, out="results/threads_cpu.json", record_description=(
-    "torch thread count vs throughput of lcx's engine (tiny model), idle and with one core busy"))
+BENCH = Benchmark("threads", DESCRIPTION, __doc__, out="results/threads_cpu.json",
+                  record_description="torch thread count vs throughput of lcx's engine (tiny model), idle and "
+                                     "with one core busy")
 SHAPES = {"decode_tok_s": (1, 32, 64), "batched_decode_tok_s": (8, 32, 64), "prefill_tok_s": (4, 240, 1)}
 
 
