@@ -239,3 +239,27 @@ def test_kernel_timing_on_the_cpu_is_wall_clock_of_repeats_calls():
     seen = []
     times = time_case(Prepared(run=seen.append, n_buffers=1, bytes=1.0, flops=0.0), "cpu", warmup=1, repeats=3)
     assert seen == [0, 1, 2, 3] and len(times) == 3 and all(t >= 0 for t in times)
+
+
+# ----------------------------------------------------------------------------- committed records
+ROOT = Path(__file__).resolve().parents[2]
+# The committed record of each benchmark whose config is its `Config` (the same keys, in order):
+# what `--resume`, `--merge`, `--compare` and the README read back.
+COMMITTED = [("threads", "threads_cpu.json"), ("prefill", "prefill_cpu.json"), ("attention", "attention_cpu.json"),
+             ("decode", "decode_cpu.json"), ("decode", "decode_cpu_32k.json"),
+             ("extrapolation", "extrapolation_tiny.json"), ("swat", "swat_vs_softmax.json"),
+             ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json")]
+
+
+@pytest.mark.parametrize("name,path", COMMITTED, ids=[p for _, p in COMMITTED])
+def test_committed_records_have_the_config_of_their_benchmark(name, path):
+    from lcx.configs import strict_from_dict
+    from lcx.data.io import json_path, read_json
+
+    file = json_path(ROOT / "results" / path)
+    if not file.exists():
+        pytest.skip(f"{file} is not in this checkout")
+    stored = read_json(file)["config"]
+    cfg = strict_from_dict(import_module(f"lcx.bench.{name}").Config, stored)  # no key unknown or missing
+    assert list(config_dict(cfg)) == list(stored)  # written back in the same order
+    assert config_dict(cfg) == stored
