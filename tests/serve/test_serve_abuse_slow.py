@@ -2,10 +2,12 @@
 
 - schemathesis fuzzes every route of the served /openapi.json: never a 5xx, and every answer
   (status, content type, body) conforms to the document;
-- load and abuse: while a steady client measures its latency, other clients (another process)
+- load and abuse: while a steady client measures its latency, other clients (two processes)
   send the bodies of issue #34 (10M token ids, 7.5M strings, 1M stop strings, /detokenize of 10M
-  ids, deep nesting, bodies that never finish); the steady client's p99 stays within 2x its solo
-  p99 and the server's RSS comes back within 10% after the storm.
+  ids, deep nesting, bodies that never finish) back to back; every one is answered 400/408/413;
+  the steady client's p99 stays within 2x its solo p99 (measured just before and just after the
+  storm, so that the shared machine's drift falls on both sides) and the server's RSS comes back
+  within 10% after the storm.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ pytestmark = pytest.mark.slow
 
 FUZZ_MAX_MODEL_LEN = 32  # bounds the work of any generated request
 FUZZ_EXAMPLES = 60  # per operation
-STEADY_REQUESTS = 60
-STORM_S = 30  # the abusers stop after this, whatever the steady client does
+STEADY_REQUESTS = 150  # per phase: p99 is then the 149th of 150, not the slowest
+STORM_MAX_S = 120  # the abusers stop when the steady client is done, or after this
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def test_openapi_fuzz_never_5xx_and_conforms(case):
 
 # ================================================================================ load and abuse
 ABUSER = r'''
-import socket, sys, time, httpx
+import select, socket, sys, time, httpx
 url, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
 bodies = [  # built by repetition: instant, so the abusers' own CPU does not load the machine
     ("/v1/completions", b'{"prompt": [' + b"11," * 9_999_999 + b"11]}"),
@@ -80,18 +82,42 @@ bodies = [  # built by repetition: instant, so the abusers' own CPU does not loa
 print("ready", flush=True)
 host, port = url.removeprefix("http://").split(":")
 hung, sent, i = [], 0, 0
-while time.monotonic() < until:
-    path, body = bodies[i % len(bodies)]
-    i += 1
-    r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
-    assert r.status_code in (400, 413), (path, r.status_code, r.text[:200])
-    sent += 1
-    if i % 3 == 0:  # a client that never finishes its body
-        s = socket.create_connection((host, int(port)))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n{\"prompt\": [1,")
-        hung.append(s)
-print(sent)
+# one client, as an SDK holds it (httpx.post would build an SSL context per call: ~20 ms of this
+# machine's 2 cores per body, which would measure the abusers' CPU rather than the server's)
+with httpx.Client(timeout=60) as client:
+    while time.monotonic() < until and not select.select([sys.stdin], [], [], 0)[0]:  # until stdin closes
+        path, body = bodies[i % len(bodies)]
+        i += 1
+        r = client.post(url + path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code in (400, 413), (path, r.status_code, r.text[:200])
+        sent += 1
+        if i % 3 == 0:  # a client that never finishes its body
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n{\"prompt\": [1,")
+            hung.append(s)
+for s in hung:  # each is answered 408 once the body timeout has passed
+    s.settimeout(60)
+    head = s.recv(64)
+    assert head.startswith(b"HTTP/1.1 408"), head
+print(sent, len(hung))
 '''
+
+
+def _storm(target: str, steady_url: str) -> tuple[list[float], int]:
+    """The steady client's latencies while two abusers hit `target`; and the bodies they sent."""
+    abusers = [subprocess.Popen([sys.executable, "-c", ABUSER, target, str(STORM_MAX_S)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for a in abusers:
+            assert a.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        lat = _steady(steady_url, STEADY_REQUESTS)
+    finally:
+        outs = [a.communicate(timeout=STORM_MAX_S + 60)[0] for a in abusers]  # closes stdin: stop
+    assert all(a.returncode == 0 for a in abusers), outs
+    sent = sum(int(o.split()[-2]) for o in outs)
+    assert sent >= 10, outs  # the storm did happen
+    return lat, sent
 
 
 def _steady(url: str, n: int) -> list[float]:
@@ -120,26 +146,20 @@ def test_load_and_abuse(tmp_path):
         solo = _steady(url, STEADY_REQUESTS)
         time.sleep(0.5)
         rss_before = me.memory_info().rss
-        abusers = [subprocess.Popen([sys.executable, "-c", ABUSER, url, str(STORM_S)], stdout=subprocess.PIPE,
-                                    text=True) for _ in range(2)]
-        try:
-            for a in abusers:
-                assert a.stdout.readline().strip() == "ready"
-            time.sleep(0.5)
-            storm = _steady(url, STEADY_REQUESTS)
-        finally:
-            outs = [a.communicate(timeout=STORM_S + 120)[0] for a in abusers]
-        assert all(a.returncode == 0 for a in abusers), outs
-        assert sum(int(o.split()[-1]) for o in outs) >= 10, outs  # the storm did happen
+        storm, sent = _storm(url, url)
         time.sleep(2)
         rss_after = me.memory_info().rss
-        assert rss_after <= 1.1 * rss_before, f"RSS {rss_before >> 20} -> {rss_after >> 20} MB after the storm"
+        solo += _steady(url, STEADY_REQUESTS)
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-        s, w = _p99(solo), _p99(storm)
-        if w > 2 * s:
-            # Known gap (issue #34 item 5): each 30 MB body still costs the server ~0.1 s of CPU to
-            # receive (uvicorn's h11 parser and its copies), refused or not; two clients sending
-            # them back to back on 2 cores slow the steady client ~4x. Closing the gap needs the
-            # body scanned while it streams in and the connection cut at the first value over
-            # budget (with a lingering close so the client still reads the 413).
-            pytest.xfail(f"steady p99 {w * 1000:.0f} ms under abuse vs {s * 1000:.0f} ms alone (> 2x)")
+    s, w = _p99(solo), _p99(storm)
+    summary = (f"steady p99 {w * 1000:.0f} ms under abuse ({sent} bodies) vs {s * 1000:.0f} ms alone; "
+               f"RSS {rss_before >> 20} -> {rss_after >> 20} MB")
+    print(summary)
+    assert rss_after <= 1.1 * rss_before, summary
+    if w > 2 * s:
+        # Known gap (issue #34 item 5), now the machine's: a hostile 30 MB body costs the server
+        # ~2-6 ms of CPU (refused at its first 16 KB, the rest left unread; it was ~100 ms), yet
+        # on 2 shared cores under load 9-26 the abusing processes alone, sending to a stub server
+        # that answers at once, slowed this client as much (p99 2.2-3.8x alone, vs 2.2-3.2x
+        # against lcx; /tmp probe, see the commit).
+        pytest.xfail(summary)
