@@ -565,11 +565,8 @@ def run(args: argparse.Namespace) -> int:
                               else str(row.get("skipped") or row.get("not_fit"))))
         save(False)
     add_ratios(cells)
-    record = rec.record(cells, complete=not stopped)
-    print(table(record))
-    rec.finish(cells, complete=not stopped)
-    if stopped:
-        print("(time limit: a second call with --resume continues)")
+    print(table(rec.save(cells, complete=not stopped)))
+    print(f"wrote {out}" + ("" if not stopped else " (time limit: a second call with --resume continues)"))
     return 0
 
 
