@@ -43,7 +43,7 @@ from lm_eval.models.huggingface import HFLM
 
 from lcx.engine import Engine, EngineConfig, SamplingParams
 from lcx.method_config import INFERENCE_BACKEND, ROPE_KEYS, MethodConfig
-from lcx.methods.spec import ATTENTION_METHODS
+from lcx.methods.registry import ATTENTION_METHODS
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ _FLAT_ROPE_KEYS = ROPE_KEYS | {"type"} | _IGNORED_HF_KEYS
 
 
 def _attention_classes() -> dict[str, type]:
-    from .methods.spec import ATTENTION_METHODS
+    from .methods.registry import ATTENTION_METHODS
 
     return ATTENTION_METHODS
 
@@ -97,7 +97,7 @@ class MethodConfig:
         if self.rope is not None:
             object.__setattr__(self, "rope", MappingProxyType(_checked_rope(self.rope)))
         if self.attention is not None:
-            from .methods.spec import AttentionMethod, method_from_dict
+            from .methods import AttentionMethod, method_from_dict
 
             if not isinstance(self.attention, (Mapping, AttentionMethod)):
                 raise ValueError(f"attention must be an attention method dict, got {self.attention!r}")

@@ -58,13 +58,15 @@ class Preset:
     """name: build(L0, factor) -> MethodConfig (build(L0, factor, n_layers) when `depth_scaled`;
     n_layers None: the model's depth is not known). `siblings`: for methods that need a model trained
     with them, model name -> that model (the preset then runs on the sibling, as loaded: the
-    sibling's config records the method, `lcx.hf.recorded`)."""
+    sibling's config records the method, `lcx.hf.recorded`). `in_report`: one of `lcx report`'s
+    default methods (`lcx.report.DEFAULT_METHODS`; False: run only when `--methods` names it)."""
 
     name: str
     build: Callable[..., dict[str, Any]]
     description: str
     siblings: Mapping[str, str] | None = None
     depth_scaled: bool = False
+    in_report: bool = True
 
     def config(self, L0: int, factor: float, n_layers: int | None = None) -> MethodConfig:
         if not isinstance(L0, int) or L0 < 1:
@@ -105,7 +107,7 @@ _ALL = (
     Preset("ntk", _rope("ntk"), "static NTK-aware base scaling by s"),
     Preset("dynamic", _rope("dynamic"), "dynamic NTK: unscaled up to L0, then the base grows with the length"),
     Preset("yarn", _rope("yarn"), "YaRN, factor s (beta_fast 32, beta_slow 1, attention factor 0.1 ln s + 1)"),
-    Preset("llama3", _rope("llama3"), "Llama-3.1 frequency banding, factor s"),
+    Preset("llama3", _rope("llama3"), "Llama-3.1 frequency banding, factor s", in_report=False),
     Preset("truncate", lambda L0, s: {"rope": {"rope_type": "truncate"}},
            "Giraffe truncation at the model's length"),
     Preset("lm_infinite", lambda L0, s: {"attention": _lm_infinite(L0)},

@@ -60,8 +60,7 @@ from .method_config import INFERENCE_BACKEND
 from .presets import PRESETS, PresetRun
 from .presets import resolve as resolve_preset
 
-DEFAULT_METHODS = ("vanilla", "linear", "ntk", "dynamic", "yarn", "truncate", "lm_infinite", "lm_infinite_topk",
-                   "sliding_window", "sinks", "lm_infinite+yarn", "self_extend", "swat")
+DEFAULT_METHODS = tuple(name for name, p in PRESETS.items() if p.in_report)  # a new preset runs by default
 PPL_METRIC = "word_perplexity"
 CELL_KINDS = ("lmeval", "decode")
 

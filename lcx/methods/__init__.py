@@ -1,14 +1,19 @@
-"""Attention methods for whole HF models: LM-Infinite, sliding window, StreamingLLM sinks, Self-Extend, SWAT.
+"""Attention methods for whole HF models, one module each (`lcx.methods.<name>`).
 
 >>> from lcx.methods import lm_infinite, attention_patched, BoundedKVCache, greedy_generate
 >>> with attention_patched(model, lm_infinite(n_global=16, n_local=256)):      # doctest: +SKIP
 ...     logits = model(ids).logits                                            # full sequence
 ...     out = greedy_generate(model, ids, 64, cache=BoundedKVCache(lm_infinite(16, 256)))
 
-- `lcx.methods.spec`: the methods (`ATTENTION_METHODS`), each `attend(q, k, v, rotary=...)`
-  on UNROTATED q/k, and `cache_window` for bounded caches.
-- `lcx.methods.streaming`: StreamingLLM's renumbered positions over a whole sequence.
-- `lcx.methods.self_extend`, `lcx.methods.swat`: Self-Extend and SWAT, one module each.
+- `lcx.methods.base`: `AttentionMethod` (each method's `attend(q, k, v, rotary=...)` on
+  UNROTATED q/k, its decode rule, `cache_window` for bounded caches, `examples` for the tests).
+- `lcx.methods.<name>`: one module per method (its dataclass, validation, reference, factory):
+  `causal`, `lm_infinite`, `sliding_window`, `sinks` (with `lcx.methods.streaming`, StreamingLLM's
+  renumbered positions over a whole sequence), `self_extend`, `swat`.
+- `lcx.methods.registry`: `ATTENTION_METHODS`, the only list of them; `method_from_dict`;
+  `examples()`, the cases every test grid over methods is generated from. Everything the registry
+  imports from a method's module is exported here.
+- `lcx.methods.last_query`: the last query of a call as plain softmax attention (decode fast path).
 - `lcx.methods.bounded_cache`: `BoundedKVCache` (a transformers `Cache`), `greedy_generate` (the
   reference decode loop over such a cache; `lcx.engine` is lcx's decode loop and is tested equal).
 - `patch_attention` / `unpatch_attention` / `attention_patched` / `current_attention`: the
@@ -19,29 +24,13 @@
 from importlib import import_module
 from typing import Any
 
+from . import registry
+from .base import AttentionMethod, DecodeRule, LastQueryKeys
 from .bounded_cache import BoundedKVCache, GenerationResult, cache_len, cache_nbytes, greedy_generate
-from .spec import (
-    ATTENTION_METHODS,
-    UNROTATED_METHODS,
-    AttentionMethod,
-    Causal,
-    LMInfinite,
-    Sinks,
-    SelfExtend,
-    SlidingWindow,
-    SWAT,
-    causal,
-    lm_infinite,
-    method_from_dict,
-    self_extend,
-    sinks,
-    sliding_window,
-    swat,
-)
-from .self_extend import self_extend_ref
+from .registry import *  # noqa: F403 -- the registry, every method class and factory (registry.__all__)
 from .streaming import streaming_attention, streaming_attention_ref
 
-# Re-exported from the HF adapter lazily: `lcx.hf.attention_patch` imports `lcx.methods.spec`,
+# Re-exported from the HF adapter lazily: `lcx.hf.attention_patch` imports `lcx.methods.base`,
 # so an eager import here would fail whenever `lcx.hf.attention_patch` is imported first.
 _FROM_HF = ("ATTN_IMPLEMENTATION", "attention_patched", "current_attention", "patch_attention", "unpatch_attention")
 
@@ -53,33 +42,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ATTENTION_METHODS",
-    "ATTN_IMPLEMENTATION",
     "AttentionMethod",
     "BoundedKVCache",
-    "Causal",
+    "DecodeRule",
     "GenerationResult",
-    "LMInfinite",
-    "Sinks",
-    "SelfExtend",
-    "SlidingWindow",
-    "SWAT",
-    "UNROTATED_METHODS",
-    "attention_patched",
+    "LastQueryKeys",
     "cache_len",
     "cache_nbytes",
-    "causal",
-    "current_attention",
     "greedy_generate",
-    "lm_infinite",
-    "method_from_dict",
-    "patch_attention",
-    "self_extend",
-    "self_extend_ref",
-    "sinks",
-    "sliding_window",
     "streaming_attention",
     "streaming_attention_ref",
-    "swat",
-    "unpatch_attention",
 ]
+__all__ += [*_FROM_HF, *registry.__all__]

@@ -48,7 +48,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..engine.reference import greedy_decode_ref
-from .spec import AttentionMethod, method_from_dict
+from .base import AttentionMethod
+from .registry import method_from_dict
 
 
 def kept_slots(pos: torch.Tensor, next_position: torch.Tensor | int, n_first: int, n_recent: int) -> torch.Tensor:

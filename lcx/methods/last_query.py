@@ -29,7 +29,7 @@ from lcx.attention import Rotary
 from lcx.attention.rotary import table_dtype
 from lcx.rope import rope_cos_sin
 
-from .spec import AttentionMethod
+from .base import AttentionMethod
 
 
 @dataclass(frozen=True)
@@ -132,14 +132,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 
 def attend_last_query(method: AttentionMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      rotary: Rotary, scale: float | None = None) -> torch.Tensor:
+                      rotary: Rotary, scale: float | None = None, layer_idx: int | None = None) -> torch.Tensor:
     """`method.attend(q, k, v, ...)` for one query per row (Tq = 1), through `LastQueryPlan` where
-    the method allows it (else `attend` itself)."""
+    the method allows it (else `attend` itself, given `layer_idx` for methods that differ per layer)."""
     if q.shape[1] != 1:
         raise ValueError(f"attend_last_query takes one query per row, got Tq={q.shape[1]}")
     plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device, dtype=q.dtype)
     if plan is None:
-        return method.attend(q, k, v, rotary=rotary, scale=scale)
+        return method.attend(q, k, v, rotary=rotary, scale=scale, layer_idx=layer_idx)
     return plan.attend(q, k, v, scale=scale)
 
 

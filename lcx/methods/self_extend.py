@@ -27,6 +27,9 @@ every backend runs natively:
                   window convention (queries are the last Tq of the keys), query index i maps
                   to mask index i - W, which sees exactly the keys j <= i - W.
 
+Decode rule: a window branch of W keys; a side branch of every older key, stored rotated at
+floor(p_k / G) (side_key), scored with the query at floor(p_q / G) + W - W / G (side_query).
+
 Unbounded (every key stays visible): no bounded cache; keys are cached unrotated because the
 grouped pass rotates them to other positions.
 """
@@ -45,7 +48,7 @@ from lcx.masks import sliding_window as sliding_window_mask
 from lcx.masks.base import check_count
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 
-from .spec import AttentionMethod
+from .base import AttentionMethod, DecodeRule, LastQueryKeys
 
 
 def grouped_positions(pos: torch.Tensor, group_size: int, window: int, *, query: bool) -> torch.Tensor:
@@ -95,6 +98,7 @@ class SelfExtend(AttentionMethod):
 
     name: ClassVar[str] = "self_extend"
     needs_unrotated_keys: ClassVar[bool] = True
+    examples = ({"group_size": 2, "window": 4}, {"group_size": 3, "window": 5})
     group_size: int
     window: int
 
@@ -125,8 +129,6 @@ class SelfExtend(AttentionMethod):
         return out
 
     def last_query_keys(self, positions):
-        from .spec import LastQueryKeys
-
         # keys W or more behind the query: q at gq(p_i), k at gk(p_j), i.e. k moved to
         # p_i - (gq(p_i) - gk(p_j)) against the query at p_i (float positions)
         Tk = positions.shape[-1]
@@ -137,8 +139,6 @@ class SelfExtend(AttentionMethod):
         return LastQueryKeys(None, torch.where(near, p, far))
 
     def decode_rule(self):
-        from .spec import DecodeRule
-
         # grouped keys stored rotated at floor(p / G), once; the query at gq(p_q) for them
         G, W = self.group_size, self.window
         return DecodeRule(window=W, side=None,
@@ -150,3 +150,7 @@ class SelfExtend(AttentionMethod):
 
     def _call_specs(self):
         return (AttentionSpec(mask=sliding_window_mask(left=self.window - 1)), AttentionSpec(mask=causal_mask))
+
+
+def self_extend(group_size: int, window: int) -> SelfExtend:
+    return SelfExtend(group_size, window)

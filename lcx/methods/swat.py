@@ -31,7 +31,8 @@ the model has never seen sigmoid weights, so expect it to be much worse than the
 
 Bounded: a query sees only the last w keys (`cache_window = (0, w)`), at their true distances,
 so keys may be cached after RoPE (`needs_unrotated_keys` is False) and a cache of w - 1 keys
-per layer decodes exactly.
+per layer decodes exactly. No decode rule (`decode_rule` None: sigmoid with a distance bias is
+not a softmax over rotated keys): `lcx.engine` decodes it through `attend`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any, ClassVar
 from lcx.attention import AttentionSpec, balanced_alibi_slopes
 from lcx.masks.base import check_count
 
-from .spec import AttentionMethod, _spec_for
+from .base import AttentionMethod, _spec_for
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class SWAT(AttentionMethod):
     """
 
     name: ClassVar[str] = "swat"
+    # explicit slopes for the 4 query heads the test grids run
+    examples = ({"window": 4}, {"window": 5, "alibi_slopes": (0.5, -0.25, 0.0, 1.0)})
     window: int
     alibi_slopes: tuple[float, ...] | None = None
 
@@ -114,3 +117,8 @@ def _for_heads(method: SWAT, n_heads: int) -> SWAT:
     if len(method.alibi_slopes) != n_heads:
         raise ValueError(f"{len(method.alibi_slopes)} SWAT alibi slopes for {n_heads} heads")
     return method
+
+
+def swat(window: int, alibi_slopes=None) -> SWAT:
+    """SWAT over `window` keys, the query included; slopes default to the balanced schedule."""
+    return SWAT(window, alibi_slopes)

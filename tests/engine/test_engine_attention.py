@@ -12,25 +12,17 @@ import pytest
 import torch
 
 from lcx.engine import Engine, EngineConfig, SamplingParams
-from lcx.methods import BoundedKVCache, attention_patched, greedy_generate, method_from_dict
+from lcx.methods import BoundedKVCache, attention_patched, examples, greedy_generate, method_from_dict, method_id
 from lcx.models.tiny import tiny_llama
 
 GEN = 40
 PROMPT_LENS = (3, 29, 17)  # ragged: the batch is left-padded
-# windows small enough that prompts + GEN tokens run far past them (max_position_embeddings 128)
-METHODS = {
-    "lm_infinite": {"type": "lm_infinite", "n_global": 3, "n_local": 12},
-    "sliding_window": {"type": "sliding_window", "window": 10},
-    "sinks": {"type": "sinks", "n_sink": 2, "window": 9},
-    "swat": {"type": "swat", "window": 8},  # applied to a softmax model: the same machinery
-    "sinks_bare": {"type": "sinks", "n_sink": 2, "window": 9, "renumber": False},
-    "self_extend": {"type": "self_extend", "group_size": 3, "window": 7},  # unbounded
-    # a cap past G + L - 1: no BoundedKVCache can run it; the engine's rule still bounds it
-    "lm_infinite_far_cap": {"type": "lm_infinite", "n_global": 3, "n_local": 12, "limit_distance": 40},
-    # the paper's top-k middle keys (unbounded: any middle key may be picked), from layer 1
-    "lm_infinite_topk": {"type": "lm_infinite", "n_global": 3, "n_local": 12, "top_k": 2, "top_k_from_layer": 1,
-                         "top_k_insert_at": 6},
-}
+# every registered method's examples (`lcx.methods.registry.examples`) as a config's dicts: windows
+# of a few keys, so prompts + GEN tokens run far past them (max_position_embeddings 128); among
+# them unbounded methods, LM-Infinite's cap past G + L - 1 (no BoundedKVCache can run it; the
+# engine's rule still bounds it) and its top-k middle keys (unbounded: any middle key may be picked)
+METHODS = {method_id(m): m.to_dict() for m in examples()}
+LM_INFINITE = {"type": "lm_infinite", "n_global": 3, "n_local": 12}  # the tests below that need one method
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +50,11 @@ def _reference(model, method, prompt):
 
 
 @contextlib.contextmanager
-def _method_engine(model, tok, name):
-    """`(engine, method, prompts, want)`: an engine running METHODS[name], its prompts and each
-    prompt's reference tokens; the model's attention patch is removed on exit."""
+def _method_engine(model, tok, params):
+    """`(engine, method, prompts, want)`: an engine running the method of `params`, its prompts and
+    each prompt's reference tokens; the model's attention patch is removed on exit."""
     from lcx.methods import unpatch_attention
 
-    params = METHODS[name]
     method = method_from_dict(params)
     prompts = _prompts(tok)
     want = [_reference(model, method, p) for p in prompts]
@@ -76,7 +67,7 @@ def _method_engine(model, tok, name):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_engine_batch_equals_bounded_cache_rows(model64, name):
     model, tok = model64
-    with _method_engine(model, tok, name) as (engine, method, prompts, want):
+    with _method_engine(model, tok, METHODS[name]) as (engine, method, prompts, want):
         sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
         for p in prompts:
             engine.add_request(p, sp)
@@ -107,7 +98,7 @@ def test_engine_batch_equals_bounded_cache_rows(model64, name):
 def test_engine_attention_joins_running_batch(model64):
     """A request added while others decode (merged into the running batch) still matches."""
     model, tok = model64
-    with _method_engine(model, tok, "lm_infinite") as (engine, _, prompts, want):
+    with _method_engine(model, tok, LM_INFINITE) as (engine, _, prompts, want):
         sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
         ids = [engine.add_request(prompts[0], sp)]
         got: dict[str, list[int]] = {ids[0]: []}
@@ -128,8 +119,8 @@ def test_engine_rejects_bad_attention_params():
     with pytest.raises(ValueError, match="n_local must be >= 1"):
         Engine(model, tok, EngineConfig(methods={"attention": {"type": "lm_infinite", "n_global": 2, "n_local": 0}}))
     with pytest.raises(ValueError, match="not an lcx.attention backend"):
-        Engine(model, tok, EngineConfig(methods={"attention": {"type": "sliding_window", "window": 8,
-                                                               "backend": "nope"}}))
+        Engine(model, tok, EngineConfig(methods={"attention": {"type": "sliding_window", "window": 8},
+                                                 "backend": "nope"}))
 
 
 def test_served_lm_infinite_concurrent_requests(model64):
@@ -147,7 +138,7 @@ def test_served_lm_infinite_concurrent_requests(model64):
     from lcx.serve.app import create_app
 
     model, tok = model64
-    params = METHODS["lm_infinite"]
+    params = LM_INFINITE
     method = method_from_dict(params)
     prompts = _prompts(tok)
     want = [tok.decode(_reference(model, method, p)) for p in prompts]
@@ -209,28 +200,28 @@ def test_engine_swat_model_batched_with_bounded_cache():
 
 
 def test_engine_takes_a_swat_models_recorded_method():
-    """A model trained with a method (SWAT) needs no `attention` entry: the engine reads the
-    method its config records, as it would resolve one asked for (bounded, window (0, w)),
-    without patching; an `attention` entry asked for replaces it."""
-    from lcx.engine import model_attention
+    """A model trained with a method (SWAT) needs no `attention` entry: the engine runs the
+    method its config records (bounded, window (0, w)), without patching, and names it in
+    `Engine.methods`; an `attention` entry asked for replaces it."""
     from lcx.hf.recorded import recorded_method
     from lcx.methods import sliding_window, swat
     from lcx.models.swat import build_swat_model
 
     model, tok = tiny_llama(seed=0)
     model = build_swat_model(model.config, window=8).eval()
-    own = model_attention(model)
-    assert own.method == recorded_method(model).attention == swat(8).for_heads(4)
-    assert own.bounded and own.method.cache_window == (0, 8) and own.backend == "blockwise"
+    own = recorded_method(model)
+    assert own.attention == swat(8).for_heads(4) and own.backend == "blockwise"
     engine = Engine(model, tok, EngineConfig(max_model_len=64))
-    assert engine.resolved_methods["attention"] == own and engine._row_attention
+    assert engine.methods.attention == own.attention and engine.methods.backend == "blockwise"
+    assert engine.methods.kv_window == (0, 8) and engine.methods_info()["kv_window"] == [0, 8]
+    assert engine._row_attention and not engine.cache_layout.rotated
     assert model.config._attn_implementation == "lcx_swat"  # runs as loaded, not patched
     asked = Engine(model, tok, EngineConfig(methods={"attention": {"type": "sliding_window", "window": 5}}))
-    assert asked.resolved_methods["attention"].method == sliding_window(window=5)
+    assert asked.methods.attention == sliding_window(window=5)
     from lcx.methods import unpatch_attention
 
     unpatch_attention(model)
-    assert model_attention(tiny_llama(seed=0)[0]) is None  # stock attention
+    assert recorded_method(tiny_llama(seed=0)[0]) is None  # stock attention
 
 
 def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
@@ -240,7 +231,7 @@ def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
     from lcx.methods import unpatch_attention
 
     model, tok = model64
-    params = METHODS["lm_infinite"]
+    params = LM_INFINITE
     want = [_reference(model, method_from_dict(params), p) for p in _prompts(tok)[:2]]
     seen: list[tuple[str, int]] = []
     orig = backends_mod.attention
@@ -249,14 +240,14 @@ def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
         seen.append((backend, q.shape[1]))
         return orig(q, k, v, spec, backend=backend, **kw)
 
-    monkeypatch.setattr("lcx.methods.spec.attention", spy)
-    engine = Engine(model, tok, EngineConfig(methods={"attention": {**params, "decode_backend": "flash"}},
+    monkeypatch.setattr("lcx.methods.base.attention", spy)
+    engine = Engine(model, tok, EngineConfig(methods={"attention": params, "decode_backend": "flash"},
                                              max_model_len=256))
     try:
         outs = engine.generate(_prompts(tok)[:2], SamplingParams(max_tokens=GEN, ignore_eos=True))
         assert [o.token_ids for o in outs] == want
         assert {b for b, tq in seen if tq == 1} == {"flash"} and {b for b, tq in seen if tq > 1} == {"blockwise"}
-        assert engine.resolved_methods["attention"].to_dict()["decode_backend"] == "flash"
+        assert engine.methods.decode_backend == "flash" and engine.methods_info()["decode_backend"] == "flash"
     finally:
         unpatch_attention(model)
 

@@ -11,30 +11,15 @@ from torch import nn
 
 from lcx.attention import Rotary
 from lcx.engine.kv import CacheLayout, DecodeStep, KVStore
-from lcx.methods import ATTENTION_METHODS, LMInfinite, causal, lm_infinite, self_extend, sinks, sliding_window
+from lcx.methods import examples, lm_infinite, method_id
 
-B_LENS = (1, 6, 13)  # prompt lengths of the rows (odd, one shorter than every window)
+B_LENS = (1, 6, 13)  # prompt lengths of the rows (odd; the first no longer than any window)
 STEPS = 11  # decode steps: rows run past every window below
 H, HKV, D = 4, 2, 8
-METHODS = [
-    causal(),
-    sliding_window(window=4),
-    lm_infinite(2, 5),
-    lm_infinite(3, 4, limit_distance=11),
-    sinks(2, 4),
-    sinks(1, 3, renumber=False),
-    self_extend(2, 4),
-    self_extend(3, 5),
-    # LM-Infinite's top-k middle keys (layer 0 runs it; the middle reaches k keys after some steps)
-    LMInfinite(2, 4, top_k=2, top_k_from_layer=0, top_k_insert_at=3),
-    LMInfinite(1, 3, limit_distance=2, top_k=3, top_k_from_layer=0, top_k_insert_at=5),
-    LMInfinite(2, 4, top_k=2, top_k_from_layer=1),  # not in this layer: plain Λ over a cache of every key
-]
-
-
-def test_grid_has_every_method_with_a_rule():
-    ruled = {n for n, cls in ATTENTION_METHODS.items() if n != "swat"}
-    assert {m.name for m in METHODS} == ruled
+# every registered method's examples with a decode rule (not SWAT): windows of a few keys, and
+# LM-Infinite's top-k middle keys in layer 0 (the middle reaches k keys after some steps) and
+# from layer 1 (not in this layer: plain Λ over a cache of every key)
+METHODS = [m for m in examples() if m.decode_rule() is not None]
 
 
 class _Attn(nn.Module):
@@ -49,7 +34,7 @@ class _Attn(nn.Module):
             lin.weight.data = torch.randn(lin.weight.shape, generator=g, dtype=torch.float64) * 0.3
 
 
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 def test_decode_steps_equal_attend(method):
     g = torch.Generator().manual_seed(7)
     hidden = 12

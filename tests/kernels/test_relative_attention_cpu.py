@@ -10,21 +10,15 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.kernels.cpu import paged_relative_attention_cpu, unavailable
-from lcx.methods import ATTENTION_METHODS, causal, lm_infinite, self_extend, sinks, sliding_window, swat
+from lcx.methods import causal, examples, lm_infinite, method_id
 from lcx.methods.last_query import RelativeKeys
 from lcx.rope import compute_inv_freq
 from lcx.testing import assert_within_budget, poison_
 
-METHODS = [
-    causal(),
-    lm_infinite(3, 5),
-    lm_infinite(2, 4, limit_distance=9),  # cap past the window: the call's Tk sets every query's distance
-    lm_infinite(0, 4),
-    sinks(2, 7),
-    sinks(2, 7, renumber=False),
-    sliding_window(window=6),
-    self_extend(2, 4),
-]
+# every registered method's examples whose queries are plain softmax over keys at given relative
+# positions (`RelativeKeys`: not SWAT's sigmoid, not LM-Infinite's score-dependent top-k)
+METHODS = [m for m in examples() if m.query_keys(torch.arange(2)[None], 1) is not None]
+FIRST_OF_EACH = [m for i, m in enumerate(METHODS) if all(p.name != m.name for p in METHODS[:i])]
 DECODE = [(1, 1), (3, 5), (7, 13), (2, 56)]  # (B, K)
 PREFILL = [(1, 1, 1), (2, 17, 17), (3, 29, 6), (2, 64, 64), (1, 9, 2)]  # (B, Tk, Tq)
 HEADS = [(4, 2), (6, 1), (4, 4)]  # (H, Hkv)
@@ -38,11 +32,6 @@ pytestmark = pytest.mark.skipif(not _TOOLCHAIN, reason="no C++ compiler or ninja
 
 def test_builds_where_a_toolchain_exists():
     assert unavailable() is None
-
-
-def test_grid_covers_every_softmax_method():
-    assert {m.name for m in METHODS} == set(ATTENTION_METHODS) - {"swat"}
-    assert RelativeKeys.build(swat(4), Rotary(torch.ones(2), None, 1.0), n_keys=3) is None  # sigmoid: no keys
 
 
 def _case(B, Tk, Tq, H, Hkv, D, r, seed, gaps):
@@ -77,7 +66,7 @@ def _check(method, B, Tk, Tq, H, Hkv, D, r, dtype, gaps):
     assert out[untouched].isnan().all()  # only the queries' rows are written
 
 
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
 def test_smoke_equals_attend(B, Tk, Tq, method):
     """The default tier's share of the grids below (which run with `-m slow`): every method,
@@ -86,7 +75,7 @@ def test_smoke_equals_attend(B, Tk, Tq, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("D,r", DIMS, ids=str)
 @pytest.mark.parametrize("H,Hkv", HEADS, ids=str)
 @pytest.mark.parametrize("B,K", DECODE, ids=str)
@@ -95,7 +84,7 @@ def test_decode_equals_attend(B, K, H, Hkv, D, r, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("D,r", DIMS, ids=str)
 @pytest.mark.parametrize("H,Hkv", HEADS[:2], ids=str)
 @pytest.mark.parametrize("B,Tk,Tq", PREFILL, ids=str)
@@ -104,7 +93,7 @@ def test_prefill_equals_attend(B, Tk, Tq, H, Hkv, D, r, method):
 
 
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
-@pytest.mark.parametrize("method", METHODS[:2], ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", FIRST_OF_EACH, ids=method_id)
 @pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
 def test_low_precision_smoke(B, Tk, Tq, method, dtype):
     _check(method, B, Tk, Tq, 4, 2, 40, 16, dtype, gaps=Tq == 1)
@@ -112,7 +101,7 @@ def test_low_precision_smoke(B, Tk, Tq, method, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
-@pytest.mark.parametrize("method", METHODS[2:], ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in FIRST_OF_EACH], ids=method_id)
 @pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
 def test_low_precision(B, Tk, Tq, method, dtype):
     _check(method, B, Tk, Tq, 4, 2, 40, 16, dtype, gaps=Tq == 1)

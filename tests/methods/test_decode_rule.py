@@ -4,36 +4,27 @@
 import pytest
 import torch
 
-from lcx.methods import ATTENTION_METHODS, causal, lm_infinite, self_extend, sinks, sliding_window, swat
-from lcx.methods.spec import DecodeRule
+from lcx.methods import examples, lm_infinite, method_id, sinks
+from lcx.methods.base import DecodeRule
 
-# every registered method, small parameters; odd lengths around each window edge
-METHODS = [
-    causal(),
-    lm_infinite(3, 5),
-    lm_infinite(2, 4, limit_distance=3),
-    lm_infinite(2, 4, limit_distance=9),  # cap past G + L - 1: still exact (the rule sees a full history)
-    lm_infinite(0, 4),
-    sliding_window(window=4),
-    sliding_window(window=1),
-    sinks(2, 3),
-    sinks(2, 3, renumber=False),
-    sinks(0, 5),
-    self_extend(2, 4),
-    self_extend(3, 5),
-    swat(4),
-]
-N_KEYS = [1, 2, 3, 4, 5, 6, 7, 9, 13, 31]
+N_KEYS = [1, 2, 3, 4, 5, 6, 7, 9, 13, 31]  # odd lengths around each example's window edge
 
 
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+def _last_query_keys(method, n_keys=N_KEYS[-1]):
+    return method.last_query_keys(torch.arange(n_keys)[None])
+
+
+# every registered method's examples with a rule that `last_query_keys` pins (LM-Infinite's
+# top-k rule is pinned against `attend` by tests/engine/test_kv_store.py), and those without one
+RULED = [m for m in examples() if m.decode_rule() is not None and _last_query_keys(m) is not None]
+UNRULED = [m for m in examples() if m.decode_rule() is None]
+
+
+@pytest.mark.parametrize("method", RULED, ids=method_id)
 @pytest.mark.parametrize("n_keys", N_KEYS)
 def test_rule_equals_last_query_keys(method, n_keys):
     rule = method.decode_rule()
-    if rule is None:
-        assert method.name == "swat"
-        return
-    want = method.last_query_keys(torch.arange(n_keys)[None])
+    want = _last_query_keys(method, n_keys)
     vis_want = torch.ones(n_keys, dtype=torch.bool) if want.visible is None else want.visible[0]
     rel_want = want.key_positions[0].to(torch.float64) - (n_keys - 1)
     vis, rel = rule.relative_positions(n_keys)
@@ -41,8 +32,12 @@ def test_rule_equals_last_query_keys(method, n_keys):
     assert torch.equal(rel[vis], rel_want[vis_want])
 
 
-def test_every_registered_method_is_in_the_grid():
-    assert {m.name for m in METHODS} == set(ATTENTION_METHODS)
+@pytest.mark.parametrize("method", UNRULED, ids=method_id)
+def test_no_rule_only_where_not_plain_softmax(method):
+    """A method without a rule (the engine decodes it through `attend`) is one whose last query
+    is not plain softmax over rotated keys (SWAT's sigmoid)."""
+    assert _last_query_keys(method) is None
+    assert method.query_keys(torch.arange(5)[None], 2) is None
 
 
 def test_lm_infinite_rule_by_hand():

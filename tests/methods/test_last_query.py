@@ -4,24 +4,17 @@ import pytest
 import torch
 
 from lcx.attention import Rotary
-from lcx.methods import causal, lm_infinite, self_extend, sinks, sliding_window, swat
+from lcx.methods import causal, examples, lm_infinite, method_id, swat
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys, attend_last_query
 from lcx.rope import compute_inv_freq
 from lcx.testing import assert_within_budget
 
-METHODS = [
-    causal(),
-    lm_infinite(3, 5),
-    lm_infinite(2, 4, limit_distance=3),
-    lm_infinite(0, 4),
-    sliding_window(window=4),
-    sinks(2, 3),
-    sinks(2, 3, renumber=False),
-    sinks(0, 5),
-    self_extend(2, 4),
-    swat(4),  # sigmoid: no plan, attend_last_query falls back to attend
-]
 B, H, HKV, D = 3, 4, 2, 8
+# every registered method's examples (`lcx.methods.registry.examples`); methods whose last query
+# is not plain softmax (SWAT's sigmoid, LM-Infinite's top-k) fall back to `attend`
+METHODS = examples()
+# those whose every query is plain softmax over keys rotated to given positions
+QUERY_KEY_METHODS = [m for m in METHODS if m.query_keys(torch.arange(2)[None], 1) is not None]
 
 
 def _positions(kind: str, n_keys: int) -> torch.Tensor | None:
@@ -34,7 +27,7 @@ def _positions(kind: str, n_keys: int) -> torch.Tensor | None:
     return steps.cumsum(-1)
 
 
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("n_keys", [1, 2, 5, 7, 13])
 @pytest.mark.parametrize("pos_kind,af", [("arange", 1.0), ("gaps", 1.0), ("gaps", 1.3)])
 def test_last_query_equals_attend(method, n_keys, pos_kind, af):
@@ -44,10 +37,10 @@ def test_last_query_equals_attend(method, n_keys, pos_kind, af):
     v = torch.randn(B, n_keys, HKV, D, generator=g, dtype=torch.float64)
     inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
     rotary = Rotary(inv_freq, _positions(pos_kind, n_keys), af)
-    exact = method.attend(q, k, v, rotary=rotary, scale=0.4)
+    exact = method.attend(q, k, v, rotary=rotary, scale=0.4, layer_idx=0)
     f32 = [t.float() for t in (q, k, v)]
-    ref_lowp = method.attend(*f32, rotary=rotary, scale=0.4)
-    actual = attend_last_query(method, *f32, rotary=rotary, scale=0.4)
+    ref_lowp = method.attend(*f32, rotary=rotary, scale=0.4, layer_idx=0)
+    actual = attend_last_query(method, *f32, rotary=rotary, scale=0.4, layer_idx=0)
     assert actual.dtype == torch.float32
     assert_within_budget(actual, ref_lowp, exact, what=method.describe())
 
@@ -67,12 +60,6 @@ def test_rejects_several_queries():
                           rotary=Rotary(torch.ones(1)))
 
 
-def test_grid_covers_every_registered_method():
-    from lcx.methods import ATTENTION_METHODS
-
-    assert {m.name for m in METHODS} == set(ATTENTION_METHODS)
-
-
 def _attend_relative(q, k, v, keys: RelativeKeys, scale):
     """Plain torch over `RelativeKeys`: each (query, key) pair rotated by its own table row."""
     idx = keys.index.clamp(min=0)  # [Bd, Tq, Tk]
@@ -90,7 +77,7 @@ def _attend_relative(q, k, v, keys: RelativeKeys, scale):
     return torch.einsum("bthk,bkhd->bthd", s.softmax(-1), vv)
 
 
-@pytest.mark.parametrize("method", METHODS[:-1], ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", QUERY_KEY_METHODS, ids=method_id)
 @pytest.mark.parametrize("n_keys,n_queries", [(1, 1), (7, 7), (13, 4), (13, 1)])
 def test_query_keys_reproduce_attend_for_every_query(method, n_keys, n_queries):
     """`AttentionMethod.query_keys` (through `RelativeKeys`): every query of a prefill or chunk
