@@ -7,9 +7,9 @@
 
 - `lcx.methods.base`: `AttentionMethod` (each method's `attend(q, k, v, rotary=...)` on
   UNROTATED q/k, its decode rule, `cache_window` for bounded caches, `examples` for the tests).
-- `lcx.methods.<name>`: one module per method (its dataclass, validation, reference, factory):
-  `causal`, `lm_infinite`, `sliding_window`, `sinks` (with `lcx.methods.streaming`, StreamingLLM's
-  renumbered positions over a whole sequence), `self_extend`, `swat`.
+- `lcx.methods.<name>`: one module per method (its dataclass, validation, reference, factory),
+  named by its registry key (`lcx.methods.lm_infinite`, ...); `lcx.methods.streaming` holds
+  StreamingLLM's renumbered positions over a whole sequence (`sinks`).
 - `lcx.methods.registry`: `ATTENTION_METHODS`, the only list of them; `method_from_dict`;
   `examples()`, the cases every test grid over methods is generated from. Everything the registry
   imports from a method's module is exported here.
