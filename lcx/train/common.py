@@ -1,22 +1,15 @@
 """What lcx's training loops share (`lcx train lm` / `stream` / `retrieval` through `lcx.train.lm`,
-and the modular-addition study `lcx.studies.modadd`): the learning-rate schedule, AdamW's
-parameter groups and strict config dicts. Each caller keeps its own hyperparameters; only the
+and the modular-addition study `lcx.studies.modadd`): the learning-rate schedule and AdamW's
+parameter groups (strict config dicts: `lcx.configs.strict_from_dict`). Each caller keeps its own hyperparameters; only the
 formulas live here, so a fix reaches every loop.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from typing import Iterable
 
 import torch
-
-from ..configs import strict_from_dict
-
-
-def config_from_dict(cls, d: Mapping[str, Any]):
-    """`cls(**d)` for a config dataclass, rejecting unknown keys by name (`lcx.configs`)."""
-    return strict_from_dict(cls, d)
 
 
 def warmup_cosine_lr(step: int, *, lr: float, steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -45,4 +38,4 @@ def adamw_decay_matrices(model: torch.nn.Module, *, lr: float, weight_decay: flo
     )
 
 
-__all__ = ["adamw_decay_matrices", "config_from_dict", "warmup_cosine_lr"]
+__all__ = ["adamw_decay_matrices", "warmup_cosine_lr"]

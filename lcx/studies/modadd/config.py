@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from lcx.configs import strict_from_dict as _from_dict
 from lcx.data.modadd import OOD_TEMPLATES, SHIFT_OFFSETS, render
-from lcx.train.common import config_from_dict as _from_dict
 
 from .model import POSITION_ENCODINGS, EncoderConfig
 from .recipes import INTERVENTIONS, TEMPLATE_POOLS, Recipe, _check_int, recipe_by_name

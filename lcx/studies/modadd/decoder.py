@@ -17,9 +17,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from lcx.configs import strict_from_dict as _from_dict
 from lcx.data.io import atomic_write_json, environment
 from lcx.data.modadd import CANONICAL, MODULUS, OOD_TEMPLATES, PAD_ID, SHIFT_OFFSETS, encode_chars, render, split_pairs
-from lcx.train.common import config_from_dict as _from_dict
 
 from .config import RunConfig
 from .data import sample_texts

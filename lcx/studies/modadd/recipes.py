@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from lcx.configs import strict_from_dict as _from_dict
 from lcx.data.modadd import NL_TRAIN_TEMPLATES, TRAIN_TEMPLATES
-from lcx.train.common import config_from_dict as _from_dict
 
 
 def _check_int(name: str, v: Any, minimum: int) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from lcx.train.common import config_from_dict
+from lcx.configs import strict_from_dict
 
 from .corpora import CORPORA
 from .variants import ATTENTION_VARIANTS, WINDOWED_VARIANTS
@@ -76,7 +76,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        return config_from_dict(cls, d)
+        return strict_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
-        return config_from_dict(cls, d)
+        return strict_from_dict(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
