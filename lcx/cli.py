@@ -42,7 +42,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "PIE code editing on stdlib code: recompute vs PIE vs stale cache, accuracy with CIs and cost"
      " -> results/pie_code_edit.json"),
     (("bench", "kernels"), "lcx.bench.kernels",
-     "time the GPU kernels (CUDA events, roofline), write results/kernels/<gpu>.json; --check for regressions"),
+     "time the GPU kernels (triton do_bench, roofline), write results/kernels/<gpu>.json; --check for regressions"),
     (("bench", "attention"), "lcx.bench.attention",
      "Λ-mask / LM-Infinite attention per backend vs dense causal SDPA on CPU (time, peak memory)"
      " -> results/attention_cpu.{json,png}"),
