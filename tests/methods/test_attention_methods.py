@@ -1,6 +1,7 @@
 """lcx.methods across methods: methods as data, the attention patch on HF models, bounded KV cache
-decoding. Each method's own definition is pinned in its own file (test_sinks.py, test_self_extend.py,
-test_swat.py, test_lm_infinite_topk.py); the grids over every method are listed in test_registry.py.
+decoding. Each method's own definition is pinned in its own file (test_sinks.py,
+test_self_extend.py, test_swat_attention.py, test_lm_infinite_topk.py); the grids over every
+method are listed in test_registry.py.
 
 Smoke tier on 2 CPU cores: tiny random Llamas (`lcx.models.tiny`), sequences of tens of tokens,
 windows of a few tokens so every path (window full, evictions, capped globals) is exercised.
