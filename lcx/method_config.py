@@ -111,8 +111,8 @@ class MethodConfig:
     @classmethod
     def from_dict(cls, d: "Mapping[str, Any] | MethodConfig | RopeSpec | None") -> "MethodConfig":
         """Nested `{"rope": ..., "attention": ..., "backend": ..., "decode_backend": ...}` or a
-        flat HF-style rope dict (`{"rope_type": "yarn", "factor": 4}`); unknown keys raise.
-        The attention dict may carry its own `backend` / `decode_backend` (the engine's form)."""
+        flat HF-style rope dict (`{"rope_type": "yarn", "factor": 4}`); unknown keys raise
+        (the backends are top-level keys, never inside the attention dict)."""
         if d is None:
             return cls()
         if isinstance(d, MethodConfig):
@@ -129,14 +129,10 @@ class MethodConfig:
             hint = " (RoPE keys go under 'rope')" if set(unknown) & ROPE_KEYS else ""
             raise ValueError(f"unknown method config key(s) {unknown}{hint}; accepted: {list(NESTED_KEYS)}")
         attention = d.get("attention")
-        if isinstance(attention, Mapping):
-            attention = dict(attention)
-            for key in ("backend", "decode_backend"):
-                if key in attention:
-                    inner = attention.pop(key)
-                    if d.get(key) is not None and d[key] != inner:
-                        raise ValueError(f"{key} given twice: {d[key]!r} and attention.{key}={inner!r}")
-                    d[key] = inner
+        inner = sorted(set(attention) & {"backend", "decode_backend"}) if isinstance(attention, Mapping) else []
+        if inner:
+            raise ValueError(f"{', '.join(inner)} inside 'attention': the backends are keys of the method config, "
+                             f"beside 'attention' ({{\"attention\": {{...}}, \"{inner[0]}\": ...}})")
         return cls(rope=d.get("rope"), attention=attention, backend=d.get("backend"),
                    decode_backend=d.get("decode_backend"))
 
@@ -236,13 +232,18 @@ class MethodConfig:
         return None if self.rope is None else RopeSpec.for_model(self.rope, model_config)
 
     def context_len(self, model_config: Any) -> int | None:
-        """The context this config implies: L x factor for a RoPE factor (L: the spec's
-        original_max_position_embeddings, else the model's max_position_embeddings); None when
-        nothing here changes the model's length."""
-        if self.rope is None or self.rope.get("factor") is None:
+        """The context this config implies for a model: L x factor for a RoPE spec with a factor
+        (the spec resolved against the model: L is its original_max_position_embeddings, else
+        the model's max_position_embeddings); None when nothing here changes the model's length.
+        The one place lcx computes it (the engine's default `max_model_len`, `lcx serve`, the
+        vLLM plugin's `max_model_len`)."""
+        if self.rope is None:
             return None
-        L = self.rope.get("original_max_position_embeddings") or getattr(model_config, "max_position_embeddings", None)
-        return int(L * self.rope["factor"]) if L else None
+        spec = self.rope_spec(model_config)
+        if spec.factor is None:
+            return None
+        L = spec.original_max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
+        return int(L * spec.factor) if L else None
 
     @property
     def kv_window(self) -> tuple[int, int] | None:
@@ -447,14 +448,13 @@ def add_method_arguments(parser: argparse.ArgumentParser, *, json_flag: str | No
                                  "the flags add to it (a part given both ways is refused)")
 
 
-def split_method_args(args: argparse.Namespace) -> tuple[MethodConfig, dict[str, Any]]:
-    """(the config the flags of `add_method_arguments` describe, the JSON's keys that are not
-    MethodConfig keys — e.g. other engine methods — for the caller to check). A part given both
-    as flags and in the JSON is refused."""
+def method_config_from_args(args: argparse.Namespace) -> MethodConfig:
+    """The config the flags of `add_method_arguments` describe: the JSON of `--methods` (unknown
+    keys raise), with the flags' parts added to it. A part given both as flags and in the JSON
+    is refused."""
     from .rope.cli import spec_dict_from_args
 
-    d: dict[str, Any] = {}
-    other: dict[str, Any] = {}
+    cfg = MethodConfig()
     text = getattr(args, "method_json", None)
     if text:
         try:
@@ -463,38 +463,29 @@ def split_method_args(args: argparse.Namespace) -> tuple[MethodConfig, dict[str,
             raise ValueError(f"--methods is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError(f"--methods must be a JSON object, got {text!r}")
-        if not (d and set(d) <= _FLAT_ROPE_KEYS):  # a flat rope dict stays whole
-            other = {k: d.pop(k) for k in list(d) if k not in NESTED_KEYS}
-        d = MethodConfig.from_dict(d).to_dict()
+        cfg = MethodConfig.from_dict(d)
+    parts: dict[str, Any] = {}
     rope = spec_dict_from_args(args)
     if rope is not None:
-        if "rope" in d:
+        if cfg.rope is not None:
             raise ValueError("a RoPE spec was given both with --rope flags and in --methods; give one")
-        d["rope"] = rope
+        parts["rope"] = rope
     params = {k[len("attn__"):]: v for k, v in vars(args).items() if k.startswith("attn__") and v is not None}
     if args.attention is not None:
-        if "attention" in d:
+        if cfg.attention is not None:
             raise ValueError("an attention method was given both with --attention and in --methods; give one")
         unknown = sorted(set(params) - attention_keys(args.attention))
         if unknown:
             raise ValueError(f"--attention {args.attention} takes no "
                              f"{', '.join('--' + u.replace('_', '-') for u in unknown)}")
-        d["attention"] = {"type": args.attention, **params}
+        parts["attention"] = {"type": args.attention, **params}
     elif params:
         raise ValueError(f"attention parameters {sorted(params)} given without --attention TYPE")
     for flag, field in (("attn_backend", "backend"), ("attn_decode_backend", "decode_backend")):
         if getattr(args, flag, None) is not None:
-            d[field] = getattr(args, flag)
-    return MethodConfig.from_dict(d), other
-
-
-def method_config_from_args(args: argparse.Namespace) -> MethodConfig:
-    """The config the flags of `add_method_arguments` describe; other JSON keys raise."""
-    cfg, other = split_method_args(args)
-    if other:
-        raise ValueError(f"unknown method config key(s) {sorted(other)}; accepted: {list(NESTED_KEYS)}")
-    return cfg
+            parts[field] = getattr(args, flag)
+    return dataclasses.replace(cfg, **parts) if parts else cfg
 
 
 __all__ = ["Applied", "MethodConfig", "add_method_arguments", "attention_keys",
-           "method_config_from_args", "parse_flat", "split_method_args", "patch", "patched", "unpatch"]
+           "method_config_from_args", "parse_flat", "patch", "patched", "unpatch"]
