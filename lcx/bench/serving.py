@@ -148,6 +148,35 @@ class Server:
         return r.json() if r.status_code == 200 else None
 
 
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by process `pid` and its live descendants (vLLM's
+    API server, engine core and workers), from /proc; None where /proc is missing (not Linux)."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        procs: dict[int, tuple[int, float]] = {}  # pid -> (ppid, cpu s)
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            except OSError:  # exited meanwhile
+                continue
+            procs[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    except (OSError, ValueError, AttributeError):
+        return None
+    if pid not in procs:
+        return None
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in procs.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(procs[q][1] for q in tree)
+
+
 def run_load(url: str, prompts: list[list[int]], args) -> dict:
     """`clients` threads x `requests` sequential completions; returns latencies and wall time.
     Request i (in the order they are sent) takes `prompts[i % len(prompts)]`."""
@@ -231,7 +260,11 @@ def bench_configs(specs: list[tuple[str, int, dict | None | bool]], loads: list[
             for j, load in enumerate(loads):
                 for k in range(len(load.servers)):
                     i = load.servers[(k + r) % len(load.servers)]
-                    runs[j][i].append(run_load(servers[i].url, load.prompts(r), load.args))
+                    cpu0 = tree_cpu_s(servers[i].proc.pid)
+                    run = run_load(servers[i].url, load.prompts(r), load.args)
+                    cpu1 = tree_cpu_s(servers[i].proc.pid)
+                    run["cpu_s"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
+                    runs[j][i].append(run)
             if loadavg is not None:
                 loadavg.append(os.getloadavg()[0])
         stats = [srv.stats() for srv in servers]
@@ -249,10 +282,15 @@ def _summary(name: str, max_batch: int, vllm_methods, runs: list[dict], s0: dict
     else:
         engine = {"engine": "builtin"}
     tps = [r["generated_tokens"] / r["wall_s"] for r in runs]
+    # per CPU second of the server's processes: what the server cost, whatever the neighbours took
+    cpu = [r["cpu_s"] for r in runs]
+    tpc = [r["generated_tokens"] / c for r, c in zip(runs, cpu)] if all(c for c in cpu) else None
     total_tps = [r["generated_tokens"] * (1 + args.prompt_len / args.gen_len) / r["wall_s"] for r in runs]
     return {
         "name": name, **engine, "max_batch": max_batch,
         "gen_tokens_per_s": statistics.median(tps), "gen_tokens_per_s_runs": tps,
+        **({} if tpc is None else {"gen_tokens_per_cpu_s": statistics.median(tpc), "gen_tokens_per_cpu_s_runs": tpc,
+                                   "server_cpu_s_runs": cpu}),
         "total_tokens_per_s": statistics.median(total_tps),
         "requests_per_s": statistics.median(len(r["latencies_s"]) / r["wall_s"] for r in runs),
         "latency_p50_s": _percentile(lat, 0.5), "latency_p99_s": _percentile(lat, 0.99),
@@ -270,10 +308,10 @@ def _summary(name: str, max_batch: int, vllm_methods, runs: list[dict], s0: dict
     }
 
 
-def paired_ratio(row: dict, base: dict) -> tuple[float, list[float]]:
-    """Median over repeats of row / base throughput, repeat by repeat (interleaved runs), and the
-    per-repeat ratios."""
-    per = [a / b for a, b in zip(row["gen_tokens_per_s_runs"], base["gen_tokens_per_s_runs"])]
+def paired_ratio(row: dict, base: dict, field: str = "gen_tokens_per_s_runs") -> tuple[float, list[float]]:
+    """Median over repeats of row / base throughput (`field`: per wall second, or per server CPU
+    second), repeat by repeat (interleaved runs), and the per-repeat ratios."""
+    per = [a / b for a, b in zip(row[field], base[field])]
     return statistics.median(per), per
 
 
@@ -322,9 +360,16 @@ def _ratios(by_name: dict, pairs: list[tuple[str, str, str]]) -> dict:
     ratios, per_repeat = {}, {}
     for row, base, key in pairs:
         ratios[key], per_repeat[key] = paired_ratio(by_name[row], by_name[base])
-    # the noise of each ratio: the range of its per-repeat values
-    return {**ratios, "ratios_per_repeat": per_repeat,
-            "ratios_range": {key: [min(v), max(v)] for key, v in per_repeat.items()}}
+    out = {**ratios, "ratios_per_repeat": per_repeat,
+           # the noise of each ratio: the range of its per-repeat values
+           "ratios_range": {key: [min(v), max(v)] for key, v in per_repeat.items()}}
+    field = "gen_tokens_per_cpu_s_runs"
+    if all(field in by_name[n] for row, base, _ in pairs for n in (row, base)):
+        cpu = {key: paired_ratio(by_name[row], by_name[base], field) for row, base, key in pairs}
+        out["ratios_per_cpu_s"] = {key: m for key, (m, _) in cpu.items()}
+        out["ratios_per_cpu_s_per_repeat"] = {key: per for key, (_, per) in cpu.items()}
+        out["ratios_per_cpu_s_range"] = {key: [min(per), max(per)] for key, (_, per) in cpu.items()}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -416,7 +461,10 @@ def run(args: argparse.Namespace) -> int:
             "in the same repeat (ratios_per_repeat lists them).",
             "max_batch_1 is the same server and scheduler with --max-batch 1: requests are decoded one "
             "at a time (FIFO), the no-batching baseline.",
-            "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so.",
+            "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so. "
+            "gen_tokens_per_cpu_s / ratios_per_cpu_s: generated tokens per CPU second (user + system, /proc) of "
+            "the server's process tree during its own load (the benchmark's client threads not included): the "
+            "server's cost, which the neighbours' load disturbs far less than wall time.",
         ],
     }
     write_record(args.out, description=DESCRIPTION, config=config, results=configs, quiet=True,
@@ -439,7 +487,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{c['latency_p50_s']:>7.3f} {c['latency_p99_s']:>7.3f} {c.get('engine_max_batch_size', '-'):>9} "
                   f"{busy}")
         for k, (lo, hi) in rat["ratios_range"].items():
-            print(f"{k}: {rat[k]:.2f}x (per repeat {lo:.2f}-{hi:.2f}x)")
+            line = f"{k}: {rat[k]:.2f}x (per repeat {lo:.2f}-{hi:.2f}x)"
+            if k in rat.get("ratios_per_cpu_s", {}):
+                clo, chi = rat["ratios_per_cpu_s_range"][k]
+                line += f"; per server CPU second {rat['ratios_per_cpu_s'][k]:.2f}x ({clo:.2f}-{chi:.2f}x)"
+            print(line)
     print(f"-> {args.out}")
     return 0
 
