@@ -68,7 +68,7 @@ def test_wheel_contains_mapped_packages_and_no_generic_top_level(tmp_path):
 
 
 # The GPU machines receive the whole working tree with each call, 64 MiB at most together with
-# what a call carries (scripts/gpu_session.sh; README, "Layout"). The tracked tree keeps to half
+# what a call carries (scripts/gpu_session.sh; docs/contributing.md, "Layout"). The tracked tree keeps to half
 # of it, so a call can also carry lm-eval's wheels (~18 MB) or a model: the bundled models are
 # stored compressed (lcx.models.loading), large per-sample records gzipped, plots as palette PNGs.
 DEVICE_PAYLOAD_BUDGET = 32 * 2**20

@@ -1,7 +1,7 @@
 """`lcx.methods.registry`: the one list of attention methods, the examples every test grid over
-methods is generated from, and the README's worked example for adding a method (checked here:
-the files it lists are the only library files that name the method, and a method registered
-without editing any test shows up in every grid the README names)."""
+methods is generated from, and docs/contributing.md's worked example for adding a method (checked
+here: the files it lists are the only library files that name the method, and a method registered
+without editing any test shows up in every grid the example names)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lcx.methods import ATTENTION_METHODS, AttentionMethod, examples, method_fro
 
 REPO = Path(lcx.__file__).resolve().parents[1]
 LIBRARY = ("lcx", "serve", "kernels", "eval_tasks")  # the code a method may have to be added to
-# The README's example method: what its worked example lists must be the whole change.
+# The example method of docs/contributing.md: what its worked example lists must be the whole change.
 EXAMPLE = ATTENTION_METHODS["self_extend"]
 # Every test generated from `examples()`: "file::test" -> a test id fragment of the method's cases.
 GRIDS = (
@@ -38,7 +38,7 @@ GRIDS = (
 
 
 def _readme_example() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "contributing.md").read_text()
     start = text.index("**Worked example: adding an attention method.**")
     return text[start:text.index("\n\n", text.index("Everything else follows from the registry", start))]
 
@@ -75,7 +75,7 @@ def test_examples_are_every_methods_examples_with_distinct_ids():
     assert method_id(lcx.methods.lm_infinite(2, 4, limit_distance=9)) == "lm_infinite(n_global=2,n_local=4,limit_distance=9)"
 
 
-# ------------------------------------------------------------------------------ the README's worked example
+# ------------------------------------------------------------------ the worked example (docs/contributing.md)
 
 
 def _names_in_code(path: Path, names: set[str], literals: set[str]) -> list[int]:
@@ -90,11 +90,11 @@ def _names_in_code(path: Path, names: set[str], literals: set[str]) -> list[int]
 
 
 def test_worked_example_lists_every_file_that_names_the_method():
-    """The README's worked example is the whole change: in the library, only the files (and
+    """The worked example (docs/contributing.md) is the whole change: in the library, only the files (and
     folders) it lists name the example method in code."""
     listed = set(re.findall(r"`((?:lcx|serve|kernels|eval_tasks|tests)/[\w/]*(?:\.py|/))`", _readme_example()))
     for p in listed:
-        assert (REPO / p).exists(), f"the README's worked example lists {p}, which does not exist"
+        assert (REPO / p).exists(), f"the worked example lists {p}, which does not exist"
     names = {EXAMPLE.__name__, EXAMPLE.name, *(n for n in lcx.methods.registry.__all__
                                                if getattr(getattr(lcx.methods, n), "__module__", None) == EXAMPLE.__module__)}
     naming = {
@@ -104,7 +104,7 @@ def test_worked_example_lists_every_file_that_names_the_method():
         if _names_in_code(p, names, {EXAMPLE.name})
     }
     unlisted = sorted(p for p in naming if p not in listed and not any(p.startswith(d) for d in listed if d.endswith("/")))
-    assert not unlisted, f"{EXAMPLE.name} is named in {unlisted}, which the README's worked example does not list"
+    assert not unlisted, f"{EXAMPLE.name} is named in {unlisted}, which the worked example does not list"
     module = f"lcx/methods/{EXAMPLE.name}.py"
     assert module in listed and module in naming
     # "two lines in lcx/methods/registry.py": its import and its entry
@@ -114,7 +114,7 @@ def test_worked_example_lists_every_file_that_names_the_method():
 def test_worked_example_names_every_generated_grid():
     text = _readme_example()
     for grid in GRIDS:
-        assert grid.split("::")[0].split("/")[-1] in text, f"the README's worked example does not name {grid}"
+        assert grid.split("::")[0].split("/")[-1] in text, f"the worked example does not name {grid}"
 
 
 # A method added without touching any test: registered by a pytest plugin before the test modules

@@ -479,7 +479,7 @@ COMMITTED_DECODER = ROOT / "results" / "modadd" / "decoder"
 @pytest.mark.slow
 @pytest.mark.skipif(not (COMMITTED_DECODER / "config.json").is_file(), reason="no committed decoder export")
 def test_lm_eval_cli_on_the_committed_decoder(tmp_path):
-    """The literal command of the README on the committed export; its accuracy on the first
+    """The literal command of docs/studies.md on the committed export; its accuracy on the first
     20 held-out pairs equals the trainer's check (which counts far above chance for a trained model)."""
     exe = Path(sys.executable).with_name("lm_eval")
     args = [str(exe) if exe.exists() else "lm_eval", "--model", "lcx", "--model_args",
