@@ -72,9 +72,26 @@ _GROUP_HELP = {
 }
 
 
+# Packages that are not in the wheel (pyproject.toml): experiments on the library, run from a
+# source checkout.
+SOURCE_ONLY = ("lcx.bench", "lcx.studies")
+
+
+class SourceOnlyCommand(RuntimeError):
+    """A command whose code ships only in a source checkout, run from an installed wheel."""
+
+
 def _lazy_command(parser: argparse.ArgumentParser, module: str) -> None:
     """Attach a module's arguments. Imported here, i.e. only when this command is chosen."""
-    mod = import_module(module)
+    try:
+        mod = import_module(module)
+    except ModuleNotFoundError as e:
+        if module.startswith(SOURCE_ONLY) and e.name is not None and e.name.startswith(SOURCE_ONLY):
+            raise SourceOnlyCommand(
+                f"{module} is not installed: `lcx bench` and the studies run from a source checkout of lcx "
+                "(git clone ...; bash scripts/setup.sh, which installs it editable); the wheel ships the "
+                "library, the engine, the server, the lm-eval tasks and `lcx report`") from None
+        raise
     mod.add_arguments(parser)
     parser.set_defaults(_run=mod.run)
 
@@ -110,7 +127,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)
+    except SourceOnlyCommand as e:
+        print(f"lcx: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)
     if run is None:

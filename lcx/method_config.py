@@ -20,7 +20,7 @@ in the same formats:
         logits = model(ids).logits
     cfg.to_dict() == MethodConfig.from_flat(cfg.to_flat()).to_dict()   # formats round-trip
 
-`backend=None` means the default of `lcx.methods.patch_attention` (`blockwise`, which also
+`backend=None` means the default of `lcx.hf.attention_patch.patch_attention` (`blockwise`, which also
 trains); inference front ends ask for `INFERENCE_BACKEND` (`flash`, the fastest exact CPU route)
 through `with_default_backend` (lm-eval's `lcx` model, `lcx eval ppl`, `lcx report`), which
 leaves it out for a method flash cannot run (SWAT's sigmoid).

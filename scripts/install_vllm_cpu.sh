@@ -27,7 +27,7 @@
 #   * At run time: VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP=127.0.0.1, a private TMPDIR and
 #     VLLM_CACHE_ROOT (`lcx serve --engine vllm` and tests/serve/test_vllm.py set these).
 #
-# Cost, measured on a fresh 2-core machine right after scripts/setup.sh: see README
+# Cost, measured on a fresh 2-core machine right after scripts/setup.sh: see docs/vllm.md
 # ("Serving with vLLM"). Idempotent: a second run checks the installed versions (imports vllm)
 # and exits in a few seconds.
 #

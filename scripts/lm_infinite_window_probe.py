@@ -79,7 +79,8 @@ def check_rows(T: int, n_local: int, n_rand: int, seed: int) -> list[int]:
 def run_one(model, tok, ids, answer, exp, check, log):
     from lcx.hf.rope_patch import rope_basis
     from lcx.method_config import INFERENCE_BACKEND
-    from lcx.methods import attention_patched, lm_infinite
+    from lcx.hf.attention_patch import attention_patched
+    from lcx.methods import lm_infinite
 
     kind, _, spec = exp.partition(":")
     parts = [int(x) for x in spec.split(":")]

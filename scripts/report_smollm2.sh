@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M extrapolation report on CPU (README's showcase): 4k, 8k and 16k tokens around
+# The SmolLM2-135M extrapolation report on CPU (docs/report.md's showcase): 4k, 8k and 16k tokens around
 # its 8k training context, seven methods. Hours on 2 cores; resumable: rerun the same command
 # after an interruption and it continues the interrupted run (lcx report's cells).
 #   bash scripts/report_smollm2.sh [THREADS [EXTRA lcx report FLAGS]]

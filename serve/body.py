@@ -28,7 +28,7 @@ body goes through three stages, each bounded by the one before:
    (lists up to `max_items` get it; longer ones were refused by stage 1). Only then does pydantic
    validate (strict) what is left, which is small.
 
-The limits (`Limits`) are the server's, documented in README ("Serving") and in /openapi.json.
+The limits (`Limits`) are the server's, documented in docs/serving.md ("Limits") and in /openapi.json.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Shape:
 
 def _too_large(what: str, got: int, limit: int, hint: str = "") -> APIError:
     return APIError(413, f"the request body holds {got}+ {what}; this server accepts at most {limit}{hint} "
-                    "(a valid request needs far fewer; see README 'Serving: limits')", code="request_too_large")
+                    "(a valid request needs far fewer; see lcx's docs/serving.md, 'Limits')", code="request_too_large")
 
 
 class Scanner:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lcx
+import lcx.hf.attention_patch
 from lcx import presets
 from lcx.method_config import MethodConfig, add_method_arguments, method_config_from_args, parse_flat
 from lcx.models.tiny import tiny_llama
@@ -146,7 +147,7 @@ def test_apply_is_one_patch_and_restores_what_was_there():
     plain = model(ids).logits
     d = {"rope": {"rope_type": "yarn", "factor": 2}, "attention": {"type": "lm_infinite", "n_global": 2, "n_local": 16}}
     with lcx.patched(model, {"rope_type": "yarn", "factor": 2}):  # the RoPE-only form still works
-        with lcx.methods.attention_patched(model, lcx.methods.lm_infinite(2, 16)):
+        with lcx.hf.attention_patch.attention_patched(model, lcx.methods.lm_infinite(2, 16)):
             want = model(ids).logits
         rope_only = model(ids).logits
         with lcx.patched(model, d):
@@ -157,7 +158,7 @@ def test_apply_is_one_patch_and_restores_what_was_there():
     torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
     lcx.unpatch(model)  # RoPE and attention
     torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
-    assert lcx.methods.current_attention(model) is None
+    assert lcx.hf.attention_patch.current_attention(model) is None
 
 
 # ------------------------------------------------------------------ presets

@@ -31,9 +31,16 @@ def _source_packages() -> set[str]:
 
 
 def test_every_package_is_listed_in_pyproject():
+    """Every package ships, except the source-only experiments (`lcx.cli.SOURCE_ONLY`: lcx.bench,
+    lcx.studies), which the wheel leaves out."""
+    from lcx.cli import SOURCE_ONLY
+
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
-    missing = _source_packages() - listed
+    source_only = {p for p in _source_packages() if p.startswith(SOURCE_ONLY)}
+    assert source_only >= {"lcx.bench", "lcx.studies", "lcx.studies.modadd"}
+    missing = _source_packages() - listed - source_only
     assert not missing, f"add to [tool.setuptools].packages in pyproject.toml: {sorted(missing)}"
+    assert not listed & source_only, f"source-only packages listed for the wheel: {sorted(listed & source_only)}"
     assert _pyproject()["tool"]["setuptools"]["package-dir"] == {"lcx": "lcx", **MAPPED}
 
 
@@ -57,6 +64,8 @@ def test_wheel_contains_mapped_packages_and_no_generic_top_level(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for pkg in MAPPED:
         assert f"{pkg.replace('.', '/')}/__init__.py" in names
+    # the experiments stay in the source checkout (lcx.cli.SOURCE_ONLY)
+    assert not [n for n in names if n.startswith(("lcx/bench/", "lcx/studies/"))]
     tops = {n.split("/")[0] for n in names}
     # The only top-level file besides lcx/ is the lm-eval start-up hook (a .pth must sit in
     # site-packages itself; it imports lcx._lmeval_hook lazily, see eval_tasks/README.md).
@@ -86,3 +95,24 @@ def test_tracked_tree_fits_the_gpu_machines_payload():
     assert total <= DEVICE_PAYLOAD_BUDGET, (
         f"tracked files take {total / 2**20:.2f} MiB, over the {DEVICE_PAYLOAD_BUDGET / 2**20:.0f} MiB a GPU call "
         f"can carry; largest: {[f'{f.relative_to(ROOT)} {sizes[f] / 2**20:.1f} MiB' for f in largest]}")
+
+
+def test_source_only_command_from_a_wheel_names_the_problem(monkeypatch, capsys):
+    """`lcx bench ...` where lcx.bench is not installed (a wheel): exit 2 and one line saying
+    where the command lives, not a traceback."""
+    import importlib
+
+    from lcx import cli
+
+    real = importlib.import_module
+
+    def without_bench(name, *a, **k):
+        if name.startswith("lcx.bench"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(cli, "import_module", without_bench)
+    assert cli.main(["bench", "decode", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "lcx: error: lcx.bench.decode is not installed" in err and "source checkout" in err
+    assert cli.main(["models"]) == 0  # other commands are unaffected

@@ -3,7 +3,7 @@
     attention_cuda(q [B, 1, H, D], k [B, Tk, Hkv, D], v [B, Tk, Hkv, D], spec, *,
                    q_offset=None, rotary=None, return_lse=False)
 
-It serves the bounded-cache decode call (`lcx.methods.bounded_cache`): one query token per
+It serves the bounded-cache decode call (`lcx.hf.bounded_cache`): one query token per
 row, keys UNROTATED with their true positions in `rotary.positions`, rotated inside the
 kernel; every visible key and value is read once (GQA heads share the read). Methods:
 LM-Infinite (`AttentionSpec.lm_infinite`, global keys at the capped distance), and softmax

@@ -1,4 +1,6 @@
-"""Benchmarks run from the CLI (`lcx bench <name>`, or `python -m lcx.bench.<name>`).
+"""Benchmarks run from the CLI (`lcx bench <name>`, or `python -m lcx.bench.<name>`), from a
+source checkout: the wheel leaves lcx/bench out (pyproject.toml; `lcx.cli.SOURCE_ONLY`), and
+nothing in the library imports it.
 
 Each module declares its command with `lcx.bench.harness.Benchmark` (`BENCH`: name, description,
 default `--out`, which of `--threads`/`--seed`/`--no-plot` it takes) and keeps only what is its own:

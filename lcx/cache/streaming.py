@@ -97,7 +97,7 @@ class StreamingSession:
     of the source. See the module docstring for the semantics of each mode.
 
     This is the reference wait-k streaming decoder, a decode loop of its own beside
-    `lcx.engine.Engine` and `lcx.engine.reference.greedy_decode_ref`, because neither can express
+    `lcx.engine.Engine` and `lcx.hf.generate.greedy_decode_ref`, because neither can express
     it: reads and writes interleave (the policy, not a token count, decides when the next target
     token is written), source and target live in two `PositionedKVCache`s with their own position
     groups (target input j at phi + j whatever the source length, which the engine's "position =

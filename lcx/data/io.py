@@ -82,7 +82,7 @@ def _write_gzip(tmp: str, data: bytes) -> None:
 def json_path(path: str | os.PathLike) -> Path:
     """`path` itself, or its gzipped sibling `path.gz` when only that exists: the large
     per-sample records under results/ are stored gzipped (the repository must fit a GPU call's
-    payload, README), and every command that names `X.json` finds `X.json.gz`."""
+    payload, docs/contributing.md), and every command that names `X.json` finds `X.json.gz`."""
     path = Path(path)
     gz = path.with_name(path.name + ".gz")
     return gz if not path.exists() and gz.exists() else path
@@ -134,7 +134,7 @@ def atomic_savefig(fig, path: str | os.PathLike, **kwargs) -> Path:
 def quantize_png(path: str | os.PathLike) -> None:
     """Rewrite an opaque PNG in place as a 256-colour palette PNG (median cut), which is how
     the plots under results/ are stored: matplotlib's lines, text and antialiasing need far fewer
-    colours, and the repository travels whole to GPU machines (a 64 MiB payload, README)."""
+    colours, and the repository travels whole to GPU machines (a 64 MiB payload, docs/contributing.md)."""
     from PIL import Image
 
     with Image.open(path) as im:

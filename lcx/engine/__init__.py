@@ -74,7 +74,6 @@ from .core import Engine
 from .kv import CacheLayout, DecodeStep, KVStore
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
 from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
-from .reference import greedy_decode_ref
 
 __all__ = [
     "CacheLayout",
@@ -92,5 +91,4 @@ __all__ = [
     "SamplingParams",
     "StepEvent",
     "TokenLogprob",
-    "greedy_decode_ref",
 ]

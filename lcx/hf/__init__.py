@@ -16,11 +16,27 @@
   loaded: the `"lcx_swat"` attention and mask functions registered with transformers, and
   `from_pretrained_kwargs`. Building a SWAT model is `lcx.models.swat`.
 
-Callers use the public entry points `lcx.patch` / `lcx.patched` / `lcx.unpatch` (a whole
-`MethodConfig`) and `lcx.methods.patch_attention` & co. Only `lcx.hf.models` is imported with the package: the
-other modules import `lcx.attention`, `lcx.methods` or transformers, so import them by name.
+- `lcx.hf.bounded_cache`: `BoundedKVCache` (a transformers `Cache` that keeps only the keys a
+  bounded method can still see, before RoPE) and `greedy_generate` over any such cache;
+  `lcx.hf.generate`: `greedy_decode_ref`, the one-token-per-forward greedy loop they run (the
+  reference `lcx.engine` is tested against).
+
+Layers: `lcx.hf` imports `lcx.rope`, `lcx.attention` and `lcx.methods` (the math), never the
+packages above it (`lcx.cache`, `lcx.method_config`, `lcx.models`, `lcx.engine`;
+tests/test_layers.py). Callers use the public entry points `lcx.patch` / `lcx.patched` /
+`lcx.unpatch` (a whole `MethodConfig`) or `patch_attention` & co. here.
 """
 
+from .attention_patch import (
+    ATTN_IMPLEMENTATION,
+    attention_patched,
+    current_attention,
+    current_patch,
+    patch_attention,
+    unpatch_attention,
+)
+from .bounded_cache import BoundedKVCache, GenerationResult, cache_len, cache_nbytes, greedy_generate
+from .generate import greedy_decode_ref
 from .models import (
     ATTENTION_MODEL_TYPES,
     MODEL_TYPES,
@@ -32,5 +48,7 @@ from .models import (
     rotary,
 )
 
-__all__ = ["ATTENTION_MODEL_TYPES", "MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "attention_layers",
-           "check_model_type", "decoder", "head_dim_of", "rotary"]
+__all__ = ["ATTENTION_MODEL_TYPES", "ATTN_IMPLEMENTATION", "BoundedKVCache", "GenerationResult", "MODEL_TYPES",
+           "SUPPORTED_MODEL_TYPES", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
+           "check_model_type", "current_attention", "current_patch", "decoder", "greedy_decode_ref", "greedy_generate",
+           "head_dim_of", "patch_attention", "rotary", "unpatch_attention"]

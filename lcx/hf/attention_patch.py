@@ -27,7 +27,7 @@ Semantics stated once:
 - **Positions.** With a `DynamicCache` (or no cache), key j of the Tk returned by the cache has
   position `position_ids[:, 0] - (Tk - Tq) + j`: the cache is the contiguous history of the
   sequence. `position_ids` must be contiguous in each row (no padding, no packing; raises
-  otherwise). With `lcx.methods.BoundedKVCache` the cache itself records each slot's position.
+  otherwise). With `lcx.hf.BoundedKVCache` the cache itself records each slot's position.
 - **Queries are the last Tq keys** (`lcx.masks` convention) for prefill, chunked prefill and
   decode alike.
 - **Padded / ragged batches** (what `lcx.engine` runs): pass `lcx_key_positions` `[B, Tk]` (long)
@@ -65,6 +65,7 @@ from lcx.methods.base import AttentionMethod
 from lcx.methods.registry import method_from_dict
 
 from .models import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # noqa: F401  (lcx.hf.MODEL_TYPES)
+from .bounded_cache import BoundedKVCache
 from .models import attention_layers, check_model_type, decoder
 from .rope_patch import rope_basis
 
@@ -98,7 +99,7 @@ class _ModuleState:
 def _unpatched_attention_function(module, query, key, value, attention_mask, **kwargs):
     raise RuntimeError(
         f"config._attn_implementation is {ATTN_IMPLEMENTATION!r} but this attention module is not "
-        "patched by lcx.methods.patch_attention (its forward is the stock one); call patch_attention "
+        "patched by lcx.hf.attention_patch.patch_attention (its forward is the stock one); call patch_attention "
         "on the model, or set another attn_implementation")
 
 
@@ -158,7 +159,6 @@ def lcx_attention_forward(
     step = kwargs.get("lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
         return step(self, hidden_states, position_embeddings), None
-    from lcx.methods.bounded_cache import BoundedKVCache
 
     st: _ModuleState = getattr(self, _STATE)
     if attention_mask is not None:

@@ -47,9 +47,10 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..engine.reference import greedy_decode_ref
-from .base import AttentionMethod
-from .registry import method_from_dict
+from lcx.methods.base import AttentionMethod
+from lcx.methods.registry import method_from_dict
+
+from .generate import greedy_decode_ref
 
 
 def kept_slots(pos: torch.Tensor, next_position: torch.Tensor | int, n_first: int, n_recent: int) -> torch.Tensor:
@@ -148,7 +149,7 @@ class BoundedKVCache(Cache):
         if lcx_method != self.method:
             raise ValueError(
                 f"BoundedKVCache({self.method.describe()}) is filled by "
-                + ("a model not patched with lcx.methods.patch_attention (its keys would be rotated, "
+                + ("a model not patched with lcx.hf.attention_patch.patch_attention (its keys would be rotated, "
                    "and nothing would rotate them at read time)" if lcx_method is None
                    else f"a model running {lcx_method.describe()}"))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -222,7 +223,7 @@ def greedy_generate(
     record_cache_bytes: bool = False,
 ) -> GenerationResult:
     """Greedy decoding of `max_new_tokens` after `input_ids [B, T]`, one token per forward, over a
-    transformers `Cache`: the reference decode loop (`lcx.engine.reference.greedy_decode_ref`).
+    transformers `Cache`: the reference decode loop (`lcx.hf.generate.greedy_decode_ref`).
 
     Why it exists beside `lcx.engine.Engine` (lcx's decode loop, fast: keys rotated once, per-method
     decode rules): it decodes over the cache object given, running each method's own `attend` on

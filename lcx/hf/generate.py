@@ -3,7 +3,7 @@
 `Engine` is lcx's decode loop (batching, padding, per-row bounded caches, sampling, stop rules,
 detokenization). This is the small loop beside it, for two jobs the engine cannot do:
 
-- **the reference the engine is checked against.** `lcx.methods.greedy_generate` runs it over a
+- **the reference the engine is checked against.** `lcx.hf.greedy_generate` runs it over a
   transformers `Cache` (`BoundedKVCache` or a full `DynamicCache`), one batch of unpadded rows;
   the engine's greedy tokens equal it for every bounded attention method and for a SWAT model
   (tests/engine/test_engine_attention.py: `test_engine_batch_equals_bounded_cache_rows`,

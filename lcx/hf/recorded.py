@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from lcx.attention import BACKENDS
+from lcx.methods.base import AttentionMethod
+from lcx.methods.registry import ATTENTION_METHODS, method_from_dict
 
 CONFIG_KEY = "lcx_attention"
 _BACKEND_KEYS = ("backend", "decode_backend")
@@ -38,7 +40,7 @@ class RecordedMethod:
     """The attention method a model's config records, and the `lcx.attention` backends of its
     calls (None: the default), named as `lcx.MethodConfig`'s fields."""
 
-    attention: Any  # lcx.methods.AttentionMethod
+    attention: AttentionMethod
     backend: str | None = None
     decode_backend: str | None = None
 
@@ -77,8 +79,6 @@ def _parse_cached(key: tuple) -> Any:
 
 
 def _parse(d: dict[str, Any]) -> RecordedMethod:
-    from lcx.methods.registry import ATTENTION_METHODS, method_from_dict  # TEMP until bounded_cache leaves methods/
-
     kind = d.get("type")
     if kind not in ATTENTION_METHODS:
         raise ValueError(f"config.{CONFIG_KEY} type {kind!r} is not an lcx attention method; "
@@ -98,8 +98,6 @@ def record_method(config: Any, method: Any, *, backend: str | None = None,
                   decode_backend: str | None = None) -> dict[str, Any]:
     """Write `method` (an `lcx.methods` method or its dict) and its backends into
     `config.lcx_attention` (validated first); returns the record."""
-    from lcx.methods.registry import method_from_dict  # TEMP until bounded_cache leaves methods/
-
     record = RecordedMethod(method_from_dict(method), backend, decode_backend).to_dict()
     setattr(config, CONFIG_KEY, record)
     return record

@@ -43,7 +43,7 @@ not a softmax over rotated keys (SWAT's sigmoid with a distance bias) has no rul
 Positions are a token's index in its sequence (0, 1, ...); the rule equals `last_query_keys` on
 a contiguous history (tests/methods/test_decode_rule.py) and so `attend`.
 
-Bounded cache (`lcx.methods.bounded_cache`): a method that only ever looks at the first
+Bounded cache (`lcx.hf.bounded_cache`): a method that only ever looks at the first
 `n_first` keys and the last `n_recent` keys (the query included) can decode with a cache of
 `n_first + n_recent - 1` keys per layer. What each method computes on that compressed cache
 equals what it computes on the full cache (see `bounded_cache` for the argument, and the

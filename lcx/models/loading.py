@@ -25,7 +25,7 @@ Loaded models may memory-map the cache's safetensors file, so entries are only e
 
 Compressed weights. An HF directory may store its weights as `model.safetensors.xz` (any file
 `X.xz` stands for `X`; standard xz, `xz -d` opens it). The bundled models do: the repository
-travels whole to a GPU machine, whose calls carry 64 MiB (README, "Layout"), and xz with a
+travels whole to a GPU machine, whose calls carry 64 MiB (docs/contributing.md, "What may travel to a GPU"), and xz with a
 2-byte literal alignment stores bfloat16/float16 weights in ~70/85% of their bytes, losslessly.
 Such a directory is unpacked once, the same way as a GGUF entry, into
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from lcx.cache.kv import PositionedKVCache
 from lcx.cache.pie import EDIT_STRATEGIES, Edit, apply_edits, update_cache
-from lcx.engine.reference import greedy_decode_ref
+from lcx.hf.generate import greedy_decode_ref
 from lcx.stats import Z95, paired_difference, wilson_interval  # noqa: F401 (re-exported)
 
 EDIT_KINDS = ("insertion", "deletion", "multi")
@@ -225,7 +225,7 @@ def greedy_line(model: nn.Module, tokenizer: Any, cache: PositionedKVCache, next
     tokens generated)`, stopping once that line is complete, at EOS, or after `max_new_tokens`.
     Mutates `cache` (appends every decoded token but the last).
 
-    The loop is `lcx.engine.reference.greedy_decode_ref` over the cache itself, not
+    The loop is `lcx.hf.generate.greedy_decode_ref` over the cache itself, not
     `lcx.engine.Engine`: what this eval measures is decoding *from the edited cache* each
     strategy produced (PIE's re-rotated keys, `conflict`'s stale ones), and the engine only
     builds its cache by prefilling token ids, which would be `recompute` for every strategy.

@@ -38,7 +38,7 @@ The step's plan (which keys each request reads, from which blocks; built from th
 metadata only) is built once per step by the first layer and shared by every layer, as are the
 rotation tables. Decode rows (one query) of the rotated layout, and its banded prefill rows, are
 one call for the whole batch (compressed caches of different lengths padded with invisible keys); the unrotated layout groups
-them by compressed length (`lcx.methods.bounded_cache`: the first n_first and last n_recent keys,
+them by compressed length (`lcx.hf.bounded_cache`: the first n_first and last n_recent keys,
 rotated by their true positions or, for StreamingLLM's renumbering, by their slot in the
 compressed set). Prefills with equal numbers of queries and keys are one call over their whole
 caches.
@@ -86,7 +86,7 @@ from lcx.attention import Rotary
 from lcx.attention.rotary import table_dtype
 from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
-from lcx.methods.bounded_cache import kept_slots
+from lcx.hf.bounded_cache import kept_slots
 from lcx.kernels.cpu import compact_index, paged_relative_attention_cpu
 from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES, load_extension
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys
@@ -97,7 +97,7 @@ _log = logging.getLogger(__name__)
 
 class _MethodAttention:
     """What a switched layer's impl runs: `forward` and `do_kv_cache_update` are bound onto the
-    impl instance (as `lcx.methods.patch_attention` does for HF layers); `lcx_method`,
+    impl instance (as `lcx.hf.attention_patch.patch_attention` does for HF layers); `lcx_method`,
     `lcx_rotated`, `lcx_inv_freq`, `lcx_attention_factor`, `lcx_backend` are set on it by
     `switch_to_method`."""
 

@@ -12,9 +12,9 @@ from lcx.engine import (
     Engine,
     EngineConfig,
     SamplingParams,
-    greedy_decode_ref,
 )
-from lcx.methods import greedy_generate
+from lcx.hf.bounded_cache import greedy_generate
+from lcx.hf.generate import greedy_decode_ref
 from lcx.models.tiny import tiny_llama
 from lcx.rope import ROPE_TYPES, RopeSpec
 

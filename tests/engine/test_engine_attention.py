@@ -1,7 +1,7 @@
 """Attention methods in `lcx.engine`: a padded, continuously batched engine with per-row bounded
 caches decodes exactly what one unpadded row with `BoundedKVCache` decodes (float64 model, greedy),
 and its cache stays bounded while the requests run past the window. The unpadded row is the
-reference decode loop (`lcx.methods.greedy_generate`, i.e. `lcx.engine.reference.greedy_decode_ref`
+reference decode loop (`lcx.hf.greedy_generate`, i.e. `lcx.hf.generate.greedy_decode_ref`
 over a transformers `Cache`)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from lcx.engine import Engine, EngineConfig, SamplingParams
-from lcx.methods import BoundedKVCache, attention_patched, examples, greedy_generate, method_from_dict, method_id
+from lcx.hf.attention_patch import attention_patched
+from lcx.hf.bounded_cache import BoundedKVCache, greedy_generate
+from lcx.methods import examples, method_from_dict, method_id
 from lcx.models.tiny import tiny_llama
 
 GEN = 40
@@ -53,7 +55,7 @@ def _reference(model, method, prompt):
 def _method_engine(model, tok, params):
     """`(engine, method, prompts, want)`: an engine running the method of `params`, its prompts and
     each prompt's reference tokens; the model's attention patch is removed on exit."""
-    from lcx.methods import unpatch_attention
+    from lcx.hf.attention_patch import unpatch_attention
 
     method = method_from_dict(params)
     prompts = _prompts(tok)
@@ -134,7 +136,7 @@ def test_served_lm_infinite_concurrent_requests(model64):
     import httpx
     import uvicorn
 
-    from lcx.methods import unpatch_attention
+    from lcx.hf.attention_patch import unpatch_attention
     from lcx.serve.app import create_app
 
     model, tok = model64
@@ -218,7 +220,7 @@ def test_engine_takes_a_swat_models_recorded_method():
     assert model.config._attn_implementation == "lcx_swat"  # runs as loaded, not patched
     asked = Engine(model, tok, EngineConfig(methods={"attention": {"type": "sliding_window", "window": 5}}))
     assert asked.methods.attention == sliding_window(window=5)
-    from lcx.methods import unpatch_attention
+    from lcx.hf.attention_patch import unpatch_attention
 
     unpatch_attention(model)
     assert recorded_method(tiny_llama(seed=0)[0]) is None  # stock attention
@@ -228,7 +230,7 @@ def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
     """`decode_backend` (e.g. the decode-only "cuda" kernel on a GPU) runs the Tq = 1 calls;
     prefill stays on `backend`. Same tokens with flash as the decode backend."""
     import lcx.attention.backends as backends_mod
-    from lcx.methods import unpatch_attention
+    from lcx.hf.attention_patch import unpatch_attention
 
     model, tok = model64
     params = LM_INFINITE

@@ -286,7 +286,8 @@ def test_lcx_model_applies_lm_infinite(tiny_model_dir):
 
     import lcx
     from lcx.lmeval_model import LcxLM
-    from lcx.methods import attention_patched, lm_infinite
+    from lcx.hf.attention_patch import attention_patched
+    from lcx.methods import lm_infinite
 
     lm = LcxLM(pretrained=str(tiny_model_dir), attention="lm_infinite", n_global=2, n_local=16,
                rope_type="yarn", factor=2)

@@ -250,7 +250,7 @@ def test_kernel_split_k_decode(spec_name, num_splits):
 
 @pytest.mark.parametrize("positions", ["bounded", "per_row"])
 def test_kernel_decode_bounded_cache_call(positions):
-    """The call `lcx.methods.bounded_cache` makes: Tq = 1 on the kept G + L keys, UNROTATED,
+    """The call `lcx.hf.bounded_cache` makes: Tq = 1 on the kept G + L keys, UNROTATED,
     with their true positions; equals LM-Infinite on the full sequence at its last token."""
     _skip_unless_triton()
     G, L, N, H, Hkv, D = 4, 32, 300, 4, 2, 32
@@ -278,7 +278,9 @@ def test_kernel_bounded_cache_generation_in_a_model():
     (prefill, then Tq = 1 calls on G + L unrotated HF-cache views) gives the same greedy tokens
     as the reference backend with the full cache."""
     _skip_unless_triton()
-    from lcx.methods import BoundedKVCache, attention_patched, greedy_generate, lm_infinite
+    from lcx.hf.attention_patch import attention_patched
+    from lcx.hf.bounded_cache import BoundedKVCache, greedy_generate
+    from lcx.methods import lm_infinite
     from lcx.models.tiny import tiny_llama
 
     m, _ = tiny_llama(seed=2)

@@ -15,24 +15,9 @@ import pytest
 import torch
 
 from lcx.attention import Rotary, lambda_attention_ref
-from lcx.methods import (
-    ATTN_IMPLEMENTATION,
-    BoundedKVCache,
-    attention_patched,
-    cache_len,
-    causal,
-    current_attention,
-    examples,
-    greedy_generate,
-    lm_infinite,
-    method_from_dict,
-    method_id,
-    patch_attention,
-    sinks,
-    sliding_window,
-    swat,
-    unpatch_attention,
-)
+from lcx.hf.attention_patch import attention_patched, ATTN_IMPLEMENTATION, current_attention, patch_attention, unpatch_attention
+from lcx.hf.bounded_cache import BoundedKVCache, cache_len, greedy_generate
+from lcx.methods import causal, examples, lm_infinite, method_from_dict, method_id, sinks, sliding_window, swat
 from lcx.methods.registry import ATTENTION_METHODS, UNROTATED_METHODS
 
 # ------------------------------------------------------------------------------ grids

@@ -217,7 +217,7 @@ def test_patched_model_layers_equal_reference():
     """On a tiny float64 Llama (2 layers): per layer, the patched output equals o_proj of the
     reference, with top-k from layer 1 (needs the HF adapter to pass `layer_idx`)."""
     from lcx.hf.rope_patch import rope_basis
-    from lcx.methods import attention_patched
+    from lcx.hf.attention_patch import attention_patched
     from lcx.models.tiny import tiny_llama
 
     m, _ = tiny_llama(seed=1)

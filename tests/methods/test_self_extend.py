@@ -11,7 +11,8 @@ import torch
 from lcx.attention import Rotary
 from lcx.attention.reference import attention_ref_spec
 from lcx.attention.rotary import rotate_qk
-from lcx.methods import attention_patched, causal
+from lcx.hf.attention_patch import attention_patched
+from lcx.methods import causal
 from lcx.rope import RopeSpec, compute_inv_freq
 
 
@@ -94,6 +95,6 @@ def test_self_extend_on_a_model(model64):
     out = engine.generate([ids[0].tolist()], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert out[0].token_ids == want[40:]
     assert engine.methods.kv_window is None  # every key stays visible
-    from lcx.methods import unpatch_attention
+    from lcx.hf.attention_patch import unpatch_attention
 
     unpatch_attention(m)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lcx.attention import Rotary
-from lcx.methods import attention_patched, method_from_dict, swat, unpatch_attention
+from lcx.hf.attention_patch import attention_patched, unpatch_attention
+from lcx.methods import method_from_dict, swat
 from lcx.rope import RopeSpec, compute_inv_freq
 
 

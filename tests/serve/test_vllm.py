@@ -120,7 +120,7 @@ def _lcx_hf_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -
     """Prompt logprobs of the HF model patched with lcx.hf.rope_patch (rope) and lcx.methods (attention)."""
     from transformers import AutoModelForCausalLM
 
-    from lcx.methods import attention_patched
+    from lcx.hf.attention_patch import attention_patched
     from lcx.hf.rope_patch import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -280,7 +280,7 @@ def _lcx_greedy_ids(model_dir: Path, methods: dict, ids: list[int], n: int) -> l
     """n greedy tokens of the lcx-patched HF model, recomputing the whole sequence each step."""
     from transformers import AutoModelForCausalLM
 
-    from lcx.methods import attention_patched
+    from lcx.hf.attention_patch import attention_patched
     from lcx.hf.rope_patch import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

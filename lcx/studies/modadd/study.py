@@ -11,7 +11,7 @@ run files alone.
 `STUDY_PRESETS` are the committed studies (`lcx train modadd --study --config NAME`): `default`
 is the paper's grid (`config.STUDY_CONFIGS` x 3 seeds), each other one asks one question about
 the full recipe (the comment above it); every `budget_note` is written into the study's
-`study_config.json`. What each found is in the README's "Modular-addition study" section, and
+`study_config.json`. What each found is in docs/studies.md ("Modular-addition study"), and
 its files are in `results/modadd/` (`default`) or `results/modadd/<name>/`.
 """
 
