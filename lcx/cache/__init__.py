@@ -7,8 +7,12 @@
 
 Semantics (cache layout, keys after RoPE, what a position is after an edit) are stated in
 `lcx.cache.kv` and `lcx.cache.pie`.
+
+`lcx.cache.gpe`: wait-k streaming generation with group position encoding (`stream_generate`);
+not StreamingLLM, which is the `sinks` attention method (`lcx.methods.streaming`).
 """
 
+from .gpe import StreamingConfig, StreamingSession, StreamResult, stream_generate
 from .kv import ForwardCost, PositionedKVCache, forward_flops
 from .pie import (
     EDIT_STRATEGIES,
@@ -21,7 +25,6 @@ from .pie import (
     update_cache,
 )
 from .rerotate import REROTATE_BACKENDS, rerotate, rerotate_ref
-from .streaming import StreamingConfig, StreamingSession, StreamResult, stream_generate
 
 __all__ = [
     "EDIT_STRATEGIES",

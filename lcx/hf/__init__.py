@@ -1,9 +1,11 @@
 """The Hugging Face adapter: everything lcx knows about transformers models, in one package.
 
-- `lcx.hf.models`: the supported model types with their capabilities (`MODEL_TYPES`), and where
-  a `*ForCausalLM` keeps its decoder stack, its rotary module and its attention layers
-  (`decoder`, `rotary`, `attention_layers`, `head_dim_of`). Every module that touches an HF
-  model's insides (the patches below, the KV-cache tools `lcx.cache.kv`, the engine) asks here.
+- `lcx.hf.models`: the supported model types with their capabilities (`MODEL_TYPES`: those the
+  RoPE patch and the engine take, `ROPE_MODEL_TYPES`, and those the attention patch takes,
+  `ATTENTION_MODEL_TYPES`), and where a `*ForCausalLM` keeps its decoder stack, its rotary
+  module and its attention layers (`decoder`, `rotary`, `attention_layers`, `head_dim_of`).
+  Every module that touches an HF model's insides (the patches below, the KV-cache tools
+  `lcx.cache.kv`, the engine) asks here.
 - `lcx.hf.rope_patch`: the RoPE patch (`patch`, `unpatch`, `patched`, `current_spec`,
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec.
 - `lcx.hf.attention_patch`: the attention patch (`patch_attention`, `unpatch_attention`,
@@ -40,7 +42,7 @@ from .generate import greedy_decode_ref
 from .models import (
     ATTENTION_MODEL_TYPES,
     MODEL_TYPES,
-    SUPPORTED_MODEL_TYPES,
+    ROPE_MODEL_TYPES,
     attention_layers,
     check_model_type,
     decoder,
@@ -49,6 +51,6 @@ from .models import (
 )
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTN_IMPLEMENTATION", "BoundedKVCache", "GenerationResult", "MODEL_TYPES",
-           "SUPPORTED_MODEL_TYPES", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
+           "ROPE_MODEL_TYPES", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
            "check_model_type", "current_attention", "current_patch", "decoder", "greedy_decode_ref", "greedy_generate",
            "head_dim_of", "patch_attention", "rotary", "unpatch_attention"]

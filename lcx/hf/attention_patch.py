@@ -64,7 +64,6 @@ from lcx.attention import BACKENDS, Rotary
 from lcx.methods.base import AttentionMethod
 from lcx.methods.registry import method_from_dict
 
-from .models import ATTENTION_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # noqa: F401  (lcx.hf.MODEL_TYPES)
 from .bounded_cache import BoundedKVCache
 from .models import attention_layers, check_model_type, decoder
 from .rope_patch import rope_basis
@@ -363,6 +362,6 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
             patch_attention(model, prev.method, backend=prev.backend, decode_backend=prev.decode_backend)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "attention_patched", "current_attention", "current_patch",
+__all__ = ["ATTN_IMPLEMENTATION", "attention_patched", "current_attention", "current_patch",
            "has_decode_hook", "install_decode_hook", "lcx_attention_forward", "patch_attention", "register",
            "unpatch_attention"]

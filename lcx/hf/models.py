@@ -26,7 +26,8 @@ MODEL_TYPES: dict[str, dict[str, bool]] = {
     "qwen2": {"attention_methods": True},
     "qwen3": {"attention_methods": False},
 }
-SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)  # the RoPE patch and the engine
+# The types the RoPE patch and the engine take (every type), and those the attention patch takes.
+ROPE_MODEL_TYPES = tuple(MODEL_TYPES)
 ATTENTION_MODEL_TYPES = tuple(t for t, caps in MODEL_TYPES.items() if caps["attention_methods"])
 
 _ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")

@@ -5,8 +5,8 @@
 """
 
 from .loading import (
-    PRESETS,
-    Preset,
+    MODELS,
+    ModelPreset,
     cache_root,
     gguf_cache_dir,
     is_gguf_cached,
@@ -17,8 +17,8 @@ from .loading import (
 from .tiny import save_tiny_llama, tiny_config, tiny_llama
 
 __all__ = [
-    "PRESETS",
-    "Preset",
+    "MODELS",
+    "ModelPreset",
     "cache_root",
     "gguf_cache_dir",
     "is_gguf_cached",

@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list() -> int:
-    from .loading import PRESETS, cache_root, gguf_cache_dir, is_gguf_cached
+    from .loading import MODELS, cache_root, gguf_cache_dir, is_gguf_cached
 
-    for p in PRESETS.values():
+    for p in MODELS.values():
         path = p.path()
         present = p.is_present()
         print(f"{p.name}  [{p.format}]  {'present' if present else 'MISSING'}")

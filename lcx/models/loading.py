@@ -70,11 +70,11 @@ XZ_LZMA2_OPTIONS = {"preset": 9, "lc": 3, "lp": 1, "pb": 1}
 
 
 # --------------------------------------------------------------------------------------------
-# Presets
+# Model presets (`MODELS`; method presets are `lcx.presets.PRESETS`)
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Preset:
+class ModelPreset:
     """A named model source. `locate()` gives the expected path, or None if it cannot be known
     (e.g. the package that ships the file is not installed)."""
 
@@ -121,10 +121,10 @@ def _asset(name: str):
     return lambda: Path(str(resources.files("lcx") / "assets" / name))
 
 
-PRESETS: dict[str, Preset] = {
+MODELS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        Preset(
+        ModelPreset(
             name="smollm2-135m",
             format="gguf",
             description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantized to float32; "
@@ -133,7 +133,7 @@ PRESETS: dict[str, Preset] = {
                        "GGUF; --no-deps because its runtime deps are not needed).",
             locate=_locate_smollm2,
         ),
-        Preset(
+        ModelPreset(
             name="tiny-5m",
             format="hf",
             description="lcx's bundled ~5M-parameter Llama trained on Shakespeare + KJV Bible",
@@ -141,7 +141,7 @@ PRESETS: dict[str, Preset] = {
                        "lcx/assets/tiny-llama-5m/.",
             locate=_asset("tiny-llama-5m"),
         ),
-        Preset(
+        ModelPreset(
             name="tiny-ret-5m",
             format="hf",
             description="lcx's bundled 5.2M-parameter Llama that retrieves: 4 layers, untied embeddings, "
@@ -151,7 +151,7 @@ PRESETS: dict[str, Preset] = {
                        "core), which writes lcx/assets/tiny-retrieval-5m/.",
             locate=_asset("tiny-retrieval-5m"),
         ),
-        Preset(
+        ModelPreset(
             name="tiny-swat-5m",
             format="hf",
             description="lcx's bundled ~5M SWAT Llama (sigmoid attention, 128-key window, balanced "
@@ -173,7 +173,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
     """Load `(model, tokenizer)` offline, in eval mode, from a path or a preset name.
 
     Args:
-        name_or_path: an HF directory (with config.json), a `.gguf` file, or a key of `PRESETS`.
+        name_or_path: an HF directory (with config.json), a `.gguf` file, or a key of `MODELS`.
             An existing path takes precedence over a preset with the same name.
         dtype: parameter dtype (`torch.float32`, or a name such as `"bfloat16"`). GGUF weights
             are dequantized to float32 and cast from there.
@@ -218,8 +218,8 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         raise ValueError(f"{str(p)!r} is a file but not a .gguf file; pass a .gguf file, a Hugging "
                          f"Face model directory or a preset ({_preset_list()})")
     name = str(name_or_path)
-    if name in PRESETS:
-        preset = PRESETS[name]
+    if name in MODELS:
+        preset = MODELS[name]
         path = preset.resolve()
         return preset.format, unpacked_dir(path) if preset.format == "hf" else path
     raise ValueError(f"{name!r} is neither an existing path nor a model preset; presets: "
@@ -513,7 +513,7 @@ def _check_tokenizer_round_trip(tok: Any, saved: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _preset_list() -> str:
-    return ", ".join(sorted(PRESETS))
+    return ", ".join(sorted(MODELS))
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

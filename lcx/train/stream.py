@@ -7,7 +7,7 @@ dict[source[i ^ 1]], so target word 0 needs source word 1 and wait-k must be >= 
 One word = one token = one streaming unit.
 
 Models: tiny Llamas (`lcx.train.lm.build_model`, 0.40M parameters) trained in batch mode with the
-wait-k mask of `lcx.cache.streaming.group_layout` (source 0..S-1, target phi..), AdamW with the
+wait-k mask of `lcx.cache.gpe.group_layout` (source 0..S-1, target phi..), AdamW with the
 `lcx.train.lm` schedule (`lr_at`) and optimizer groups; two models, phi = `--phi` (default 0, GPE)
 and phi = S, the sentence's length (the classic sequential layout: target right behind the whole source). Each is then
 evaluated in streaming mode (`stream_generate`, greedy) with (a) interleaved positions (target
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lcx.cache.streaming import StreamingConfig, group_layout, stream_generate, wait_k_visible
+from lcx.cache.gpe import StreamingConfig, group_layout, stream_generate, wait_k_visible
 from lcx.data.io import atomic_savefig, atomic_write_json, environment
 from lcx.train.lm import ModelConfig, TrainConfig, build_model, lr_at
 from lcx.train.lm.loop import _optimizer

@@ -1,7 +1,7 @@
 """vLLM model classes that run lcx methods (imported by vLLM through the ModelRegistry only).
 
 `LcxLlamaForCausalLM` is vLLM's `LlamaForCausalLM` (same weights, same kernels) whose layers
-take their rotary embedding from lcx (`LcxRotaryEmbedding`) and whose attention layers get the
+take their rotary embedding from lcx (`VllmRotaryEmbedding`) and whose attention layers get the
 sliding window of an lcx `sliding_window` method from the HF config (see `.config`). The methods
 come from the config attribute `lcx_methods`, written by `lcx.serve.vllm_plugin.hf_overrides`.
 """
@@ -20,7 +20,7 @@ from .config import VllmMethods
 from .method_attention import method_for_rank, switch_to_method
 
 
-class LcxRotaryEmbedding(RotaryEmbedding):
+class VllmRotaryEmbedding(RotaryEmbedding):
     """vLLM's rotary embedding (its kernels, GPT-NeoX layout) with an lcx RoPE basis.
 
     The cos/sin cache is `[max_position, rotary_dim]` = `cat(cos, sin)` of half width each,
@@ -81,9 +81,9 @@ class LcxLlamaAttention(LlamaAttention):
         spec = methods.rope or RopeSpec.for_model({}, config)
         # Cover every position vLLM may schedule (max_model_len can exceed the config's length).
         max_len = get_current_vllm_config().model_config.max_model_len
-        self.rotary_emb = LcxRotaryEmbedding(spec, self.head_dim,
-                                             max(self.max_position_embeddings, int(max_len)),
-                                             torch.get_default_dtype())
+        self.rotary_emb = VllmRotaryEmbedding(spec, self.head_dim,
+                                              max(self.max_position_embeddings, int(max_len)),
+                                              torch.get_default_dtype())
 
 
 class LcxLlamaDecoderLayer(LlamaDecoderLayer):

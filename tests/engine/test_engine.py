@@ -216,9 +216,9 @@ def test_seeded_sampling_is_batch_independent(model64):
 
 @pytest.fixture(scope="module")
 def tiny5m():
-    from lcx.models import PRESETS
+    from lcx.models import MODELS
 
-    if not PRESETS["tiny-5m"].is_present():
+    if not MODELS["tiny-5m"].is_present():
         pytest.skip("the bundled tiny-5m model is not present")
     return Engine.from_pretrained("tiny-5m")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lcx
-from lcx.hf import SUPPORTED_MODEL_TYPES
+from lcx.hf import ROPE_MODEL_TYPES
 from lcx.hf.rope_patch import current_spec, patch, patched, unpatch
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq
 
@@ -51,7 +51,7 @@ SPECS = {
     "longrope": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
                  "long_factor": [1.0 + 1.5 * i for i in range(8)]},
 }
-HF_GRID = [(mt, name) for mt in SUPPORTED_MODEL_TYPES for name in SPECS]
+HF_GRID = [(mt, name) for mt in ROPE_MODEL_TYPES for name in SPECS]
 
 
 @pytest.mark.parametrize("model_type,name", HF_GRID, ids=[f"{m}-{n}" for m, n in HF_GRID])

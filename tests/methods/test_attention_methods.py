@@ -331,8 +331,9 @@ def test_unrotated_keys_where_distances_move(name):
 
 
 def test_model_types_are_one_table():
-    from lcx.hf import ATTENTION_MODEL_TYPES, MODEL_TYPES, SUPPORTED_MODEL_TYPES, attention_patch
+    from lcx.hf import ATTENTION_MODEL_TYPES, MODEL_TYPES, ROPE_MODEL_TYPES, attention_patch
 
-    assert SUPPORTED_MODEL_TYPES == tuple(MODEL_TYPES)
-    assert attention_patch.SUPPORTED_MODEL_TYPES == ATTENTION_MODEL_TYPES
-    assert "qwen3" in SUPPORTED_MODEL_TYPES and "qwen3" not in ATTENTION_MODEL_TYPES  # q/k norms before RoPE
+    assert ROPE_MODEL_TYPES == tuple(MODEL_TYPES)
+    assert set(ATTENTION_MODEL_TYPES) == {t for t, caps in MODEL_TYPES.items() if caps["attention_methods"]}
+    assert not hasattr(attention_patch, "SUPPORTED_MODEL_TYPES")  # one name per meaning, no alias
+    assert "qwen3" in ROPE_MODEL_TYPES and "qwen3" not in ATTENTION_MODEL_TYPES  # q/k norms before RoPE

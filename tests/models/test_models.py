@@ -17,7 +17,7 @@ import torch
 import lcx
 from lcx.cli import main as lcx_main
 from lcx.models import (
-    PRESETS,
+    MODELS,
     gguf_cache_dir,
     is_gguf_cached,
     load_model,
@@ -139,7 +139,7 @@ def test_unknown_preset_names_itself_and_the_presets():
     with pytest.raises(ValueError) as e:
         load_model("no-such-model-xyz")
     assert "no-such-model-xyz" in str(e.value)
-    for name in PRESETS:
+    for name in MODELS:
         assert name in str(e.value)
 
 
@@ -165,7 +165,7 @@ def test_non_gguf_file_raises(tmp_path):
 
 
 def test_tiny_5m_preset_resolves_inside_the_package():
-    preset = PRESETS["tiny-5m"]
+    preset = MODELS["tiny-5m"]
     assert preset.path() == Path(lcx.__file__).parent / "assets" / "tiny-llama-5m"
     if preset.is_present():
         model, _ = load_model("tiny-5m")
@@ -178,7 +178,7 @@ def test_tiny_5m_preset_resolves_inside_the_package():
 def test_cli_lists_presets(capsys):
     assert lcx_main(["models"]) == 0
     out = capsys.readouterr().out
-    for name, preset in PRESETS.items():
+    for name, preset in MODELS.items():
         assert name in out
         assert ("present" if preset.is_present() else "MISSING") in out
 
@@ -217,7 +217,7 @@ def smollm2_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_cache):
     """`(model, tokenizer, first_load_seconds)`, loaded with an empty cache."""
-    gguf = PRESETS["smollm2-135m"].resolve()
+    gguf = MODELS["smollm2-135m"].resolve()
     assert not is_gguf_cached(gguf)
     t0 = time.perf_counter()
     model, tok = load_model("smollm2-135m")
@@ -242,8 +242,8 @@ def test_smollm2_architecture(smollm2, smollm2_cache):
     assert getattr(c, "quantization_config", None) is None  # a plain float32 checkpoint now
     assert not model.training
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert is_gguf_cached(PRESETS["smollm2-135m"].resolve())
-    assert gguf_cache_dir(PRESETS["smollm2-135m"].resolve()).parent.parent == smollm2_cache
+    assert is_gguf_cached(MODELS["smollm2-135m"].resolve())
+    assert gguf_cache_dir(MODELS["smollm2-135m"].resolve()).parent.parent == smollm2_cache
 
 
 @needs_smollm2
@@ -296,7 +296,7 @@ def test_smollm2_second_load_hits_the_cache(smollm2):
 def test_smollm2_damaged_cache_is_rebuilt(smollm2):
     """Runs last: it rebuilds the module's cache entry (~20 s)."""
     model, tok, _ = smollm2
-    gguf = PRESETS["smollm2-135m"].resolve()
+    gguf = MODELS["smollm2-135m"].resolve()
     entry = gguf_cache_dir(gguf)
     # A crashed build leaves only a .tmp-* sibling, which must never be mistaken for an entry.
     crashed = entry.parent / f".tmp-{entry.name}-crashed"
@@ -325,9 +325,9 @@ def test_export_casts_weights_and_keeps_the_tokenizer(tmp_path):
 
     from lcx.models import load_model
     from lcx.models.cli import export_model
-    from lcx.models.loading import PRESETS
+    from lcx.models.loading import MODELS
 
-    src = PRESETS["tiny-5m"].path()  # stored compressed (bfloat16): export unpacks it
+    src = MODELS["tiny-5m"].path()  # stored compressed (bfloat16): export unpacks it
     export_model(str(src), str(tmp_path / "m16"), "float16")
     assert (tmp_path / "m16" / "train_config.json").read_text() == (src / "train_config.json").read_text()
     size16 = (tmp_path / "m16" / "model.safetensors").stat().st_size
@@ -391,10 +391,10 @@ def test_bundled_models_load_in_float32_from_compressed_weights():
     import torch
 
     from lcx.models import load_model
-    from lcx.models.loading import PRESETS, is_compressed
+    from lcx.models.loading import MODELS, is_compressed
 
     for name in ("tiny-5m", "tiny-ret-5m", "tiny-swat-5m"):
-        assert is_compressed(PRESETS[name].path()), name
+        assert is_compressed(MODELS[name].path()), name
     model, _ = load_model("tiny-5m")
     p = next(model.parameters())
     assert p.dtype == torch.float32

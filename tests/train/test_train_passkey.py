@@ -34,9 +34,9 @@ TINY_SEQ = 300  # byte tokenizer: scaffold + key + eos is 254 bytes
 def tok():
     from transformers import AutoTokenizer
 
-    from lcx.models import PRESETS
+    from lcx.models import MODELS
 
-    return AutoTokenizer.from_pretrained(PRESETS["tiny-5m"].resolve(), local_files_only=True)
+    return AutoTokenizer.from_pretrained(MODELS["tiny-5m"].resolve(), local_files_only=True)
 
 
 def _ids(tok, text):

@@ -103,7 +103,7 @@ class StreamingSession:
     groups (target input j at phi + j whatever the source length, which the engine's "position =
     index in the request" rules out), and `interleaved` mode moves the target cache behind new
     source. Its group-mode logits equal one batched forward under `group_layout`
-    (`group_forward_logits`; tests/cache/test_streaming.py: `test_group_streaming_matches_batch_forward`),
+    (`group_forward_logits`; tests/cache/test_gpe.py: `test_group_streaming_matches_batch_forward`),
     the layout `lcx train stream` trains with.
     """
 

@@ -1,12 +1,12 @@
-"""Streaming generation with group position encoding (lcx.cache.streaming)."""
+"""Streaming generation with group position encoding (lcx.cache.gpe)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lcx.cache.streaming import (StreamingConfig, group_forward_logits, group_layout, stream_generate,
-                                 wait_k_visible)
+from lcx.cache.gpe import (StreamingConfig, group_forward_logits, group_layout, stream_generate,
+                           wait_k_visible)
 from lcx.models.tiny import tiny_llama
 
 # (chunk lengths, wait_k, pe_cache_length): odd chunk sizes, k = 1 and k past the source length.
@@ -56,7 +56,7 @@ def test_group_streaming_matches_batch_forward(model, lengths, k, phi):
 def test_source_never_attends_to_target(model):
     chunks = _chunks((2, 1, 3, 1))
     cfg = StreamingConfig(wait_k=1, mode="group")
-    from lcx.cache.streaming import StreamingSession
+    from lcx.cache.gpe import StreamingSession
 
     keys = []
     for forced in ([10, 11, 12, 13], [200, 150, 5, 99]):
