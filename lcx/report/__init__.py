@@ -1,0 +1,86 @@
+"""`lcx report`: one command from install to an extrapolation report.
+
+    lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256), ~10 min on 2 CPU cores
+    lcx report --model smollm2-135m --lengths 2048,4096,8192 --methods vanilla,yarn,lm_infinite
+    lcx report --quick --out /tmp/r              # plumbing check in a minute or two
+
+For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe
+truncation, LM-Infinite (also with the paper's top-k middle keys), sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT;
+a preset with sibling models, like SWAT's, runs on the model's sibling trained with the method,
+e.g. tiny-5m -> tiny-swat-5m, and is skipped for a model without one) it measures, beyond the
+model's training context L0:
+
+- passkey accuracy by context length x needle depth and perplexity by context length, through
+  lm-eval's `simple_evaluate` on the lcx tasks `passkey` and `lcx_ppl` with the `lcx` lm-eval
+  model (`lcx.lmeval_model.LcxLM`, the same model class as `lm_eval --model lcx`);
+- decoding speed (tokens/s after a prompt of L tokens) and KV-cache memory by context length,
+  through `lcx.engine.Engine` with the method as an engine method (`rope` / `attention`), i.e.
+  the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).
+
+No method is re-implemented here: each is a `{"rope": ..., "attention": ...}` config handed to
+those two components (`lcx.presets`); a sibling model runs the method its config records. Defaults scale with the model: RoPE factor s =
+max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local = L0, windows L0.
+
+Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
+number; `passkey_intervals`: each passkey cell's correct count k, prompts n and Wilson 95%
+interval, recomputed from the stored per-prompt results at every render), `passkey_heatmap.png`
+(k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars),
+`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one JSON per (method, measurement, length), written
+atomically as it finishes, plus `cells/run.json`, the run they belong to.
+
+Measure, not replay. A cell records its settings and a fingerprint of what produced its numbers:
+the source of the modules that compute them (`NUMERICS_MODULES`, per measurement), the model's
+files, and the environment (python, torch, transformers, lm-eval, tokenizers, device). A
+`lcx report` whose last run in `--out` finished starts a new run and recomputes every cell. Only
+an interrupted run with the same settings is resumed, and of its completed cells only those whose
+own fingerprint is unchanged are kept: the modules of that cell's measurement, the models, the
+environment (an engine change re-measures the decode cells, not the lm-eval ones). What was reused
+and why is printed, and recorded in report.json. `--reuse` also
+keeps cells of finished runs whose settings and fingerprint match (e.g. to redraw plots);
+`--fresh` recomputes everything. The cell order is length-major (every method at the shortest
+length first), so an interrupted sweep already has complete tables at the shorter lengths.
+"""
+
+
+from __future__ import annotations
+
+from .cells import (
+    CELL_VERSION,
+    NUMERICS_MODULES,
+    cell_fingerprint,
+    cell_settings,
+    code_fingerprint,
+    env_fingerprint,
+    load_cell,
+    model_fingerprint,
+    plan_run,
+    run_fingerprint,
+)
+from .cli import QUICK, add_arguments, run
+from .config import (
+    CELL_KINDS,
+    DEFAULT_METHODS,
+    PPL_METRIC,
+    ReportConfig,
+    model_context,
+    model_hf_config,
+    run_settings,
+)
+from .measure import (
+    CELL_RUNNERS,
+    DECODE_TIMING,
+    _prompt_ids,
+    run_decode_cell,
+    run_lmeval_cell,
+)
+from .render import (
+    format_interval,
+    markdown,
+    passkey_counts,
+    passkey_interval,
+    passkey_intervals,
+    plot_report,
+)
+from .run import run_report
+
+__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "_prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "plan_run", "plot_report", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings"]

@@ -1,0 +1,103 @@
+"""`lcx report`'s command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..presets import PRESETS
+from .config import DEFAULT_METHODS, ReportConfig
+from .render import markdown
+from .run import run_report
+
+# CLI
+# ============================================================================================
+
+QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8)
+
+
+def _depths(s: str) -> int | tuple[float, ...]:
+    try:
+        return int(s) if "," not in s and "." not in s else tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a grid size or comma-separated fractions, got {s!r}") from None
+
+
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    doc = sys.modules[__package__].__doc__  # the package docstring: what the report does
+    p.description = doc.split("\n\n")[0] + "\n\n" + doc.split("\n\n", 2)[2].split("Output")[0]
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="comma-separated subset of: " + ", ".join(PRESETS) + " (default: all)")
+    p.add_argument("--lengths", type=_int_list, default=None,
+                   help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
+    p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths)")
+    p.add_argument("--depths", type=_depths, default=ReportConfig.depths,
+                   help="needle depths per length: a grid size over [0, 1] (default: %(default)s) or "
+                        "comma-separated fractions, e.g. 0.1,0.37,0.63,0.9")
+    p.add_argument("--samples-per-depth", type=int, default=ReportConfig.samples_per_depth)
+    p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs, help="held-out documents for perplexity")
+    p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
+    p.add_argument("--seed", type=int, default=0)
+    from ..threads import add_threads_argument
+
+    add_threads_argument(p)
+    p.add_argument("--device", default=ReportConfig.device, help="cpu or cuda[:N] (default: %(default)s)")
+    p.add_argument("--dtype", default=ReportConfig.dtype, choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: %(default)s)")
+    p.add_argument("--attn-backend", default=ReportConfig.attn_backend,
+                   help="lcx.attention backend of the attention methods' prefill and decode (default: "
+                        "%(default)s: torch's fused flash kernels composed into the windowed mask; e.g. "
+                        "triton on a GPU, blockwise, sdpa)")
+    p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
+    p.add_argument("--fresh", action="store_true",
+                   help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
+                        "with the same settings and code; a finished one is measured again)")
+    p.add_argument("--keep-other-code", action="store_true",
+                   help="keep stored cells (of the interrupted run; with --reuse/--render, any matching ones) even "
+                        "if the lcx code that measured them differs from this checkout's -- for a change you know "
+                        "does not touch the numbers (a refactor, a new preset) in a sweep too long to redo. Settings, "
+                        "models and environment must still match; the report lists every such cell and the modules "
+                        "that differ (report.json: cells_kept_with_other_code)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep stored cells of any earlier run whose settings and code/model/environment "
+                        "fingerprint match (e.g. to redraw plots)")
+    p.add_argument("--render", action="store_true",
+                   help="measure nothing: write the report from the stored matching cells (a sweep's progress)")
+    p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    extra = dict(QUICK) if args.quick else {}
+    try:
+        cfg = ReportConfig(
+            model=args.model, methods=tuple(m for m in args.methods.split(",") if m), lengths=args.lengths,
+            decode_lengths=args.decode_lengths,
+            depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,
+            ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),
+            seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend)
+    except ValueError as e:
+        print(f"lcx report: {e}", file=sys.stderr)
+        return 2
+    from ..threads import resolve_threads
+
+    resolve_threads(args.threads)
+    if args.render and (args.fresh or args.reuse):
+        print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)
+        return 2
+    record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
+                        keep_other_code=args.keep_other_code)
+    print(markdown(record).split("## Methods")[0])
+    print(f"wrote {args.out / 'README.md'}, report.json and 4 PNGs")
+    return 0

@@ -1,0 +1,108 @@
+"""`lcx report`'s settings: `ReportConfig`, the default methods (the presets marked for the report),
+and what a method runs on (`run_settings`, the model's own context)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..method_config import INFERENCE_BACKEND
+from ..presets import PRESETS, PresetRun
+
+DEFAULT_METHODS = tuple(name for name, p in PRESETS.items() if p.in_report)  # a new preset runs by default
+PPL_METRIC = "word_perplexity"
+CELL_KINDS = ("lmeval", "decode")
+
+
+# ============================================================================================
+# Config
+# ============================================================================================
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """What `lcx report` measures. Lengths default to L0 x (1, 2, 4, 8) of the model's context L0."""
+
+    model: str = "tiny-ret-5m"
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    lengths: tuple[int, ...] | None = None
+    depths: int | tuple[float, ...] = 5  # a grid size over [0, 1], or explicit fractions
+    samples_per_depth: int = 2  # keys per (depth, length): 10 passkey prompts per cell by default
+    ppl_docs: int = 4
+    decode_lengths: tuple[int, ...] | None = None
+    decode_tokens: int = 32
+    seed: int = 0
+    device: str = "cpu"  # where the model runs ("cuda" for the GPU report)
+    dtype: str = "float32"  # the model's parameter dtype (float32, bfloat16, float16)
+    attn_backend: str = INFERENCE_BACKEND  # lcx.attention backend of the attention methods (prefill and decode)
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in PRESETS]
+        if unknown:
+            raise ValueError(f"unknown report method(s) {unknown}; known: {list(PRESETS)}")
+        if not self.methods:
+            raise ValueError("methods must name at least one method")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        from ..attention import BACKENDS
+
+        if self.attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend {self.attn_backend!r} is not an lcx.attention backend; "
+                             f"known: {sorted(BACKENDS)}")
+        for name in ("lengths", "decode_lengths"):
+            v = getattr(self, name)
+            if v is not None and (not v or any(not isinstance(x, int) or x < 16 for x in v)):
+                raise ValueError(f"{name} must be integers >= 16, got {v!r}")
+        if isinstance(self.depths, (list, tuple)):
+            d = tuple(self.depths)
+            if not d or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in d):
+                raise ValueError(f"depths must be a grid size or fractions in [0, 1], got {self.depths!r}")
+            object.__setattr__(self, "depths", tuple(sorted({float(x) for x in d})))
+        for name, lo in (("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2)) + (
+                (("depths", 1),) if not isinstance(self.depths, tuple) else ()):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+    def resolved(self, context: int) -> "ReportConfig":
+        lengths = self.lengths or tuple(context * m for m in (1, 2, 4, 8))
+        return dataclasses.replace(self, lengths=tuple(sorted(lengths)),
+                                   decode_lengths=tuple(sorted(self.decode_lengths or lengths)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+# ============================================================================================
+# Methods: name -> config of the components that run them
+# ============================================================================================
+
+def run_settings(run: PresetRun, model: str) -> dict[str, Any]:
+    """What a cell records of its method: the config's RoPE and attention, and the model it runs
+    on when that is not the report's (a preset's sibling, e.g. SWAT's trained model)."""
+    d = run.config.to_dict()
+    return {"rope": d.get("rope"), "attention": d.get("attention"), "model": run.model if run.model != model else None}
+
+
+def model_hf_config(model: str) -> dict[str, Any]:
+    """The model's config.json (no weights loaded when possible)."""
+    from ..models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
+
+    kind, path = resolve_source(model)
+    if kind == "gguf":
+        if not is_gguf_cached(path):
+            load_model(path)  # builds lcx's dequantization cache once
+        path = gguf_cache_dir(path)
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def model_context(model: str) -> int:
+    """The model's `max_position_embeddings`, from its config."""
+    return int(model_hf_config(model)["max_position_embeddings"])
+
+
+# ============================================================================================

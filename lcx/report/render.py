@@ -1,0 +1,246 @@
+"""`lcx report`'s tables and plots from report.json: Wilson intervals for every passkey cell,
+`plot_report`, `markdown`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .config import CELL_KINDS, PPL_METRIC
+
+# Plots and Markdown
+# ============================================================================================
+
+def _cell(record: dict[str, Any], name: str, kind: str, L: Any) -> dict[str, Any] | None:
+    return record["results"].get(name, {}).get(kind, {}).get(str(L))
+
+
+def _get(record: dict[str, Any], name: str, kind: str, L: Any, *keys: str) -> float:
+    """A number of a cell, NaN where the cell was not measured (a report rendered mid-run)."""
+    v: Any = _cell(record, name, kind, L)
+    for k in keys:
+        if v is None:
+            break
+        v = v.get(k)
+    return float("nan") if v is None else float(v)
+
+
+def passkey_counts(cell: dict[str, Any] | None, depth: str | None = None) -> tuple[int, int] | None:
+    """(correct, prompts) of a passkey cell (of its prompts at `depth`, a "%.3f" key of
+    passkey_by_depth, if given), from its per-prompt results; a cell stored without them falls
+    back to accuracy x prompts. None: not measured."""
+    if not cell:
+        return None
+    smp = cell.get("passkey_samples")
+    if smp:
+        if depth is not None:
+            smp = [x for x in smp if f"{x['depth']:.3f}" == depth]
+        return (round(sum(float(x["correct"]) for x in smp)), len(smp)) if smp else None
+    if depth is not None:
+        return None
+    n, acc = cell.get("passkey_docs"), cell.get("passkey")
+    return (round(acc * n), n) if n and acc is not None else None
+
+
+def passkey_interval(cell: dict[str, Any] | None) -> dict[str, Any] | None:
+    """{"k", "n", "acc", "lo", "hi"}: a passkey cell's accuracy k/n with its Wilson 95% interval."""
+    from ..stats import wilson_interval
+
+    c = passkey_counts(cell)
+    if c is None or c[1] == 0:
+        return None
+    (k, n), (lo, hi) = c, wilson_interval(*c)
+    return {"k": k, "n": n, "acc": k / n, "lo": lo, "hi": hi}
+
+
+def passkey_intervals(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """method -> length -> `passkey_interval` of every measured passkey cell."""
+    return {name: {str(L): iv for L in record["config"]["lengths"]
+                   if (iv := passkey_interval(_cell(record, name, "lmeval", L))) is not None}
+            for name in record["results"]}
+
+
+def format_interval(iv: dict[str, Any] | None) -> str:
+    """`0.75 [0.30, 0.95] n=4` (accuracy, Wilson 95% interval, prompts); — when not measured."""
+    return "—" if iv is None else f"{iv['acc']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}] n={iv['n']}"
+
+
+def plot_report(record: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..data.io import atomic_savefig
+
+    res, ctx = record["results"], record["config"]["context"]
+    names = list(res)
+    lengths = [int(L) for L in record["config"]["lengths"]]
+    ncol = min(4, len(names))
+    nrow = math.ceil(len(names) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.1 * ncol, 2.6 * nrow), squeeze=False, constrained_layout=True)
+    im = None
+    for ax, name in zip(axes.flat, names):
+        depths = sorted({d for L in lengths for d in (_cell(record, name, "lmeval", L) or {}).get("passkey_by_depth", {})},
+                        key=float)
+        grid = [[_get(record, name, "lmeval", L, "passkey_by_depth", d) for L in lengths] for d in depths]
+        if depths:
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for (r, d), (c, L) in ((rd, cl) for rd in enumerate(depths) for cl in enumerate(lengths)):
+                kn = passkey_counts(_cell(record, name, "lmeval", L), d)
+                if kn is not None:  # k/n: the prompts behind each colour
+                    ax.text(c, r, f"{kn[0]}/{kn[1]}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{float(d):.0%}" for d in depths], fontsize=7)
+        if ctx in lengths:
+            ax.axvline(lengths.index(ctx) + 0.5, color="k", lw=1, ls="--")
+        ax.set_title(name, fontsize=9)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.6, label="passkey accuracy")
+    fig.suptitle(f"passkey accuracy: needle depth x context length ({record['config']['model']}, "
+                 f"trained context {ctx}, dashed; k/n correct per cell)", fontsize=10)
+    atomic_savefig(fig, out / "passkey_heatmap.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), constrained_layout=True)
+    ivs = passkey_intervals(record)
+    for i, name in enumerate(names):
+        pts = [(L, ivs[name][str(L)]) for L in lengths if str(L) in ivs.get(name, {})]
+        if not pts:
+            continue
+        xs = [L * 2 ** (0.2 * (i - (len(names) - 1) / 2) / max(1, len(names) - 1)) for L, _ in pts]  # dodge
+        acc = [iv["acc"] for _, iv in pts]
+        err = [[a - iv["lo"] for a, (_, iv) in zip(acc, pts)], [iv["hi"] - a for a, (_, iv) in zip(acc, pts)]]
+        ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name,
+                    ls="-" if i < 10 else "--", color=f"C{i % 10}")
+    ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(L) for L in lengths])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("passkey accuracy (Wilson 95% interval)")
+    ns = sorted({iv["n"] for m in ivs.values() for iv in m.values()})
+    ax.set_title(f"passkey accuracy by context length · {record['config']['model']} · n = "
+                 f"{', '.join(map(str, ns)) or '—'} prompts per point", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    atomic_savefig(fig, out / "passkey_by_length.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    for i, name in enumerate(names):
+        ax.plot(lengths, [_get(record, name, "lmeval", L, "ppl", PPL_METRIC) for L in lengths], marker="o",
+                label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
+    ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"{PPL_METRIC.replace('_', ' ')} (lcx_ppl, lower is better)")
+    ax.set_title(f"perplexity by context length · {record['config']['model']}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    atomic_savefig(fig, out / "ppl_by_length.png", dpi=110)
+    plt.close(fig)
+
+    dl = [int(L) for L in record["config"]["decode_lengths"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for i, name in enumerate(names):
+        style = dict(marker="o", label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
+        a1.plot(dl, [_get(record, name, "decode", L, "tokens_per_s") for L in dl], **style)
+        a2.plot(dl, [_get(record, name, "decode", L, "kv_cache_mb") for L in dl], **style)
+    for a, label in ((a1, "decode tokens / s"), (a2, "KV cache (MB, peak)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("prompt length (tokens)")
+        a.set_ylabel(label)
+        a.axvline(ctx, color="k", lw=1, ls=":")
+    if any(math.isfinite(x) and x > 0 for n in names for L in dl for x in [_get(record, n, "decode", L, "kv_cache_mb")]):
+        a2.set_yscale("log")  # (a report rendered before any decode cell has nothing to log-scale)
+    a1.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"decoding with lcx.engine after a prompt of L tokens · {record['config']['model']}", fontsize=10)
+    atomic_savefig(fig, out / "decode_by_length.png", dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _other_code_note(record: dict[str, Any]) -> str:
+    oc = record.get("cells_kept_with_other_code") or {}
+    if not oc:
+        return ""
+    mods = sorted({m for c in oc.values() for m in c["modules"]})
+    return (f" Kept with `--keep-other-code`: {len(oc)} cell(s) measured by lcx code that differs from this "
+            f"checkout's in {', '.join(f'`{m}`' for m in mods)} (listed in report.json).")
+
+
+def markdown(record: dict[str, Any]) -> str:
+    c, res = record["config"], record["results"]
+    lengths, dl = c["lengths"], c["decode_lengths"]
+    env = record["environment"]
+    n_pk = max([(_cell(record, n, "lmeval", L) or {}).get("passkey_docs", 0) for n in res for L in lengths] or [0])
+    done = sum(1 for n in res for k in CELL_KINDS for _ in res[n][k])
+    status = ("" if done == record.get("cells_total", done) else
+              f" **Partial: {done} of {record['cells_total']} cells measured so far** (— = not yet).")
+    lines = [f"# lcx report · {c['model']}", "",
+             f"Trained context L0 = {c['context']}; lengths {lengths}; RoPE factor s = {c['rope_factor']:g} "
+             + (f"(max length / L0). Rendered by `lcx report --render` from {record['cells_reused']} of "
+                f"{record.get('cells_total', '?')} stored cells (each cell's run id and wall time are in cells/)."
+                if record.get("run_id") == "render" else
+                f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
+                f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
+                f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).") + status
+             + _other_code_note(record), "",
+             f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
+             f"{c['samples_per_depth']} keys)", "",
+             "Each cell: accuracy [Wilson 95% interval] n=prompts. Two methods differ only where their "
+             "intervals say so (the same prompts run for every method; non-overlapping intervals are a "
+             "conservative test).", "",
+             "| method | " + " | ".join(str(L) for L in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(format_interval(passkey_interval(_cell(record, name, "lmeval", L)))
+                                                 for L in lengths) + " |")
+    lines += ["", "![passkey accuracy by length](passkey_by_length.png)", "",
+              "![passkey heatmap](passkey_heatmap.png)", "",
+              f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: {c['ppl_docs']} windows of held-out text per length)", "",
+              "| method | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "ppl", PPL_METRIC), ".1f")
+                                                 for L in lengths) + " |")
+    lines += ["", "![perplexity by length](ppl_by_length.png)", "",
+              f"## Decoding ({c['decode_tokens']} greedy tokens after a prompt of L tokens, lcx.engine, batch 1)", "",
+              "| method | " + " | ".join(f"{L} tok/s" for L in dl) + " | " + " | ".join(f"{L} KV MB" for L in dl) + " |",
+              "|---|" + "---:|" * (2 * len(dl))]
+    def tps(name: str, L: Any) -> str:
+        x, base = _get(record, name, "decode", L, "tokens_per_s"), _get(record, "vanilla", "decode", L, "tokens_per_s")
+        ratio = f" ({x / base:.2f}×)" if "vanilla" in res and math.isfinite(x) and math.isfinite(base) and base else ""
+        return _fmt(x, ".1f") + ratio
+
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(tps(name, L) for L in dl) + " | "
+                     + " | ".join(_fmt(_get(record, name, "decode", L, "kv_cache_mb"), ".2f") for L in dl) + " |")
+    timing = {(_cell(record, n, "decode", L) or {}).get("timing") for n in res for L in dl} - {None}
+    lines += ["", "tok/s (× vanilla at the same length); each cell measured on its own, one after another, "
+              f"timed by {' / '.join(sorted(timing)) or 'wall clock'}: compare ratios with the noise of one "
+              "run in mind (`lcx bench decode` interleaves the methods for a controlled comparison).", "",
+              "![decoding by length](decode_by_length.png)", "", "## Methods (resolved)", ""]
+    for name, m in c["methods_resolved"].items():
+        lines.append(f"- **{name}**: `{json.dumps({k: v for k, v in m.items() if v})}`")
+    for name, why in c["methods_skipped"].items():
+        lines.append(f"- **{name}**: skipped — {why}")
+    wall = {n: sum((_cell(record, n, k, L) or {}).get("wall_s", 0) for k in ("lmeval",) for L in lengths) for n in res}
+    lines += ["", "## Settings and environment", "", "```json",
+              json.dumps({k: v for k, v in c.items() if k not in ("methods_resolved", "methods_skipped")}, indent=1),
+              "```", "",
+              f"torch {env.get('torch')}, transformers {env.get('transformers')}, python {env.get('python')}, "
+              f"{env.get('cpu_count', '?')} CPUs; git {record['git'].get('sha', '?')[:12]}"
+              f"{' (dirty)' if record['git'].get('dirty') else ''}. lm-eval seconds per method (all lengths): "
+              + ", ".join(f"{n} {w:.0f}" for n, w in wall.items()) + ".",
+              "Timings come from whatever machine ran the report; compare methods within one report.", ""]
+    return "\n".join(lines)
+
+
+# ============================================================================================

@@ -1,0 +1,135 @@
+"""`run_report`: the cells of a report in length-major order, measured or reused, written as they
+finish, then report.json, the plots and README.md."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..presets import PresetRun
+from ..presets import resolve as resolve_preset
+from .cells import (
+    _cell_path,
+    _diff,
+    cell_fingerprint,
+    cell_settings,
+    load_cell,
+    plan_run,
+    run_fingerprint,
+)
+from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
+from .measure import CELL_RUNNERS
+from .render import _other_code_note, markdown, passkey_intervals, plot_report
+
+# The run
+# ============================================================================================
+
+def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
+               keep_other_code: bool = False, progress: bool = True,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
+    module docstring), then write the report. `render=True` measures nothing: it writes the
+    report from the stored cells whose settings and fingerprint match (missing ones show as —),
+    e.g. to publish a long sweep's progress."""
+    from tqdm.auto import tqdm
+
+    from ..data.io import atomic_write_json, environment, git_info
+
+    t_start = time.perf_counter()
+    hf_config = model_hf_config(cfg.model)
+    context, n_layers = int(hf_config["max_position_embeddings"]), hf_config.get("num_hidden_layers")
+    cfg = cfg.resolved(context)
+    factor = max(cfg.lengths) / context
+    runs: dict[str, PresetRun] = {}
+    skipped: dict[str, str] = {}
+    for name in cfg.methods:
+        r = resolve_preset(name, cfg.model, L0=context, factor=max(1.0, factor), n_layers=n_layers)
+        if isinstance(r, str):
+            skipped[name] = r
+            log(f"skipping {name}: {r}")
+        else:
+            runs[name] = r
+    fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model != cfg.model])
+    if render:
+        run_id, keep, why = "render", None, "--render: stored cells with matching settings and fingerprint"
+    else:
+        run_id, keep, why = plan_run(out, cfg, fingerprint, fresh=fresh, reuse=reuse)
+    log(f"lcx report: {why}")
+    manifest = {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "finished": False,
+                "config": cfg.to_dict(), "fingerprint": fingerprint,
+                "kept_runs": sorted(keep - {run_id}) if keep else []}
+    if not render:
+        atomic_write_json(out / "cells" / "run.json", manifest)
+    cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in CELL_KINDS} for name in runs}
+    todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
+            for kind in CELL_KINDS if L in (cfg.lengths if kind == "lmeval" else cfg.decode_lengths)]
+    bar = tqdm(todo, desc="report cells", unit="cell", disable=not progress)
+    reused: list[str] = []
+    other_code: dict[str, dict[str, Any]] = {}  # kept cells measured by other code (--keep-other-code)
+    measured_s = 0.0
+    for name, kind, L in bar:
+        bar.set_postfix_str(f"{name}/{kind}/{L}")
+        settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
+        path = _cell_path(out, name, kind, L)
+        stored = (load_cell(path, settings, fingerprint, keep, other_code=keep_other_code)
+                  if keep is None or keep else None)
+        if stored is not None:
+            cells[name][kind][str(L)] = stored["result"]
+            reused.append(f"{name}/{kind}/{L}")
+            code_diff = _diff(cell_fingerprint(stored["fingerprint"], kind)["code"],
+                              cell_fingerprint(fingerprint, kind)["code"])
+            if code_diff:
+                other_code[f"{name}/{kind}/{L}"] = {"run_id": stored.get("run_id"), "modules": code_diff}
+            if stored.get("run_id") != run_id and stored.get("run_id") not in manifest["kept_runs"]:
+                manifest["kept_runs"].append(stored["run_id"])
+                if not render:  # a resumed run keeps what this one kept
+                    atomic_write_json(out / "cells" / "run.json", manifest)
+            continue
+        if render:
+            continue
+        t0 = time.perf_counter()
+        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L)
+        dt = time.perf_counter() - t0
+        measured_s += dt
+        atomic_write_json(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
+                                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
+                                 "result": result})
+        cells[name][kind][str(L)] = result
+        if kind == "lmeval":
+            bar.write(f"  {name} @ {L}: passkey {result['passkey']:.2f}, {PPL_METRIC} "
+                      f"{result['ppl'][PPL_METRIC]:.1f} ({dt:.0f} s)")
+        else:
+            bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
+                      f"({dt:.0f} s)")
+    if reused:
+        log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
+            f"{len(todo) - len(reused)}")
+    if other_code:
+        log("lcx report:" + _other_code_note({"cells_kept_with_other_code": other_code}))
+    if not render:
+        atomic_write_json(out / "cells" / "run.json", {**manifest, "finished": True,
+                                                       "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    record = {
+        "description": "lcx report: context-extension methods beyond the training context",
+        "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
+                   "methods_resolved": {n: run_settings(r, cfg.model) for n, r in runs.items()}, "methods_skipped": skipped,
+                   "tasks": ["passkey", "lcx_ppl"], "ppl_metric": PPL_METRIC},
+        "environment": environment(), "git": git_info(Path(__file__).resolve().parents[2]),
+        "fingerprint": fingerprint, "run_id": run_id,
+        "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
+        "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
+        "cells_kept_with_other_code": other_code,
+        "results": cells,
+    }
+    record["passkey_intervals"] = passkey_intervals(record)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", record)
+    plot_report(record, out)
+    from ..data.io import atomic_write_text
+
+    atomic_write_text(out / "README.md", markdown(record))
+    return record
+
+
+# ============================================================================================
