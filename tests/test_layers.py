@@ -160,3 +160,11 @@ def test_the_checker_finds_a_cycle():
     assert cycles({"m1": {"m2"}, "m2": {"m3"}, "m3": {"m1"}, "m4": {"m1"}}) == [["m1", "m2", "m3"]]
     graph = import_graph()
     assert "lcx.hf.attention_patch" in graph and "lcx.methods.registry" in graph["lcx.hf.attention_patch"]
+
+
+def test_test_module_names_are_unique():
+    """tests/ has no packages: two test files with one basename stop pytest from collecting."""
+    seen: dict[str, str] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        other = seen.setdefault(path.name, str(path.relative_to(ROOT)))
+        assert other == str(path.relative_to(ROOT)), f"{path.relative_to(ROOT)} and {other} share a basename"

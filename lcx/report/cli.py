@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated subset of: " + ", ".join(PRESETS) + " (default: all)")
+                   help="comma-separated subset of: " + ", ".join(PRESETS) + " (default: "
+                        + ", ".join(DEFAULT_METHODS) + ")")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
     p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths)")

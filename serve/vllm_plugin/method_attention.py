@@ -15,7 +15,7 @@ Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class 
   without top-k, sinks, Self-Extend).
   The layer runs its rotary embedding as plain vLLM does (lcx's cos/sin table, `.model`), so q
   and k arrive rotated at their true positions and the paged cache holds keys rotated ONCE, when
-  written. A decode step follows the method's rule (`lcx.methods.spec`, "Decode rule"): one
+  written. A decode step follows the method's rule (`lcx.methods.base`, "Decode rule"): one
   softmax over the window branch (the last `window` keys, read as they are: the query is already
   rotated at p_q) and the side branch (LM-Infinite's G global keys, the S sinks, Self-Extend's
   grouped keys), where a side key cached at a(R(p_k))k is re-rotated by
