@@ -123,7 +123,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     """`lcx serve --engine vllm`: vLLM's OpenAI server (a subprocess in the vLLM venv) with lcx's
     plugin and the methods, until it exits or this process is interrupted.
 
-    The methods are validated here (`VllmMethods`, before vLLM starts), turned into vLLM's
+    The methods are checked here (`check_vllm_methods`, before vLLM starts), turned into vLLM's
     `--hf-overrides` (`lcx.serve.vllm_plugin.hf_overrides`) and run by the plugin's model class.
     vLLM-on-CPU's environment (VLLM_TARGET_DEVICE=cpu, VLLM_HOST_IP, a private TMPDIR and
     VLLM_CACHE_ROOT) comes from `lcx.serve.vllm_plugin.launch.vllm_env`; the private directory

@@ -19,7 +19,7 @@ See `.config` for what runs where (LM-Infinite and StreamingLLM: `.method_attent
 
 from __future__ import annotations
 
-from .config import ARCHITECTURES, LCX_KEY, UNROTATED_METHODS, VllmMethods, hf_overrides, rope_context_len
+from .config import ARCHITECTURES, LCX_KEY, UNROTATED_METHODS, check_vllm_methods, hf_overrides, methods_from_hf_config
 
 _MODEL_CLASSES = {"LcxLlamaForCausalLM": "lcx.serve.vllm_plugin.model:LcxLlamaForCausalLM"}
 
@@ -35,5 +35,5 @@ def register() -> None:
             ModelRegistry.register_model(arch, target)
 
 
-__all__ = ["ARCHITECTURES", "LCX_KEY", "UNROTATED_METHODS", "VllmMethods", "hf_overrides",
-           "register", "rope_context_len"]
+__all__ = ["ARCHITECTURES", "LCX_KEY", "UNROTATED_METHODS", "check_vllm_methods", "hf_overrides",
+           "methods_from_hf_config", "register"]

@@ -27,21 +27,21 @@ DESCRIPTION = ("print vLLM arguments that run lcx methods: lm-eval `--model vllm
 
 def vllm_arguments(model: str, methods: Any, *, max_model_len: int | None = None,
                    dtype: str = "float32") -> tuple[str, dict[str, Any], Any]:
-    """(model directory, vLLM keyword arguments, the validated `VllmMethods`) that run `methods`
+    """(model directory, vLLM keyword arguments, the checked `lcx.MethodConfig`) that run `methods`
     (an `lcx.MethodConfig` or its dict) on `model` (a preset name or a Hugging Face directory).
     The keyword arguments are `hf_overrides`, `dtype` and, when known, `max_model_len`."""
     from transformers import AutoConfig
 
     from lcx.models import resolve_source
 
-    from . import VllmMethods, hf_overrides, rope_context_len
+    from . import check_vllm_methods, hf_overrides
 
     fmt, model_dir = resolve_source(model)
     if fmt != "hf":
         raise ValueError(f"vLLM needs a Hugging Face model directory; {model!r} is {fmt}")
     hf_config = AutoConfig.from_pretrained(model_dir)
-    vm = VllmMethods.from_dict(methods, hf_config)
-    max_len = max_model_len or rope_context_len(hf_config, vm)
+    vm = check_vllm_methods(methods, hf_config)
+    max_len = max_model_len or vm.context_len(hf_config)
     kwargs: dict[str, Any] = {"hf_overrides": hf_overrides(hf_config, vm, max_model_len=max_len), "dtype": dtype}
     if max_len:
         kwargs["max_model_len"] = int(max_len)

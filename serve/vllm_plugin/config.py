@@ -2,7 +2,8 @@
 
 No vLLM import here: `lcx serve --engine vllm` (which runs in the base environment) uses this
 module to validate methods and write vLLM's arguments; the model class in `.model` (loaded inside
-vLLM) parses the same dict back with `VllmMethods.from_hf_config`.
+vLLM) parses the same dict back with `methods_from_hf_config` (one `lcx.MethodConfig`, checked
+for vLLM by `check_vllm_methods`).
 
 Method configuration: an `lcx.MethodConfig` (the same JSON as `lcx serve --methods` and
 `lcx.engine.EngineConfig.methods`):
@@ -34,7 +35,6 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
@@ -54,97 +54,81 @@ ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
 NATIVE_METHODS = ("causal", "sliding_window")
 
 
-@dataclass(frozen=True)
-class VllmMethods:
-    """The lcx methods a vLLM model runs: a resolved RoPE spec and an attention method (or None)."""
-
-    rope: RopeSpec | None = None
-    attention: AttentionMethod | None = None
-
-    def __post_init__(self) -> None:
-        if self.rope is not None:
-            if self.rope.rope_theta is None:
-                raise ValueError("the RoPE spec must be resolved against the model (rope_theta unset); "
-                                 "use VllmMethods.from_dict(methods, hf_config)")
-            if self.rope.is_length_dependent:
-                raise ValueError(
-                    f"rope_type={self.rope.rope_type!r} is length-dependent (lcx recomputes its basis per "
-                    "forward length); vLLM keeps one cos/sin cache, so it is not supported with --engine vllm")
-
-    @classmethod
-    def from_dict(cls, methods: Mapping[str, Any] | MethodConfig | None, hf_config: Any = None) -> "VllmMethods":
-        """Validate an `lcx.MethodConfig` (or its dict) for vLLM; a partial RoPE spec is resolved
-        against `hf_config`. vLLM's refusals on top of MethodConfig's own checks: lcx attention
-        backends (vLLM runs its own kernels) and length-dependent RoPE types."""
-        if isinstance(methods, Mapping):
-            unknown = sorted(set(methods) - set(NESTED_KEYS))
-            if unknown and not set(methods) <= _FLAT_ROPE_KEYS:
-                raise ValueError(f"unknown vLLM method key(s) {unknown}; accepted: {list(METHOD_KEYS)}")
-        cfg = MethodConfig.from_dict(methods)
-        if cfg.backend is not None or cfg.decode_backend is not None:
-            raise ValueError("backend / decode_backend choose lcx.attention backends for lcx's own engine; "
-                             "inside vLLM the attention runs on vLLM's kernels: leave them out")
-        rope = None
-        if cfg.rope is not None:
-            rope = cfg.rope_spec(hf_config) if hf_config is not None else RopeSpec.from_dict(cfg.rope)
-        attention = cfg.attention
-        if attention is not None and attention.name == "causal":
-            attention = None  # the unpatched model
-        return cls(rope=rope, attention=attention)
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "VllmMethods":
-        """The methods recorded in a (vLLM-loaded) HF config by `hf_overrides`, checked against it."""
-        methods = cls.from_dict(getattr(hf_config, LCX_KEY, None) or {})
-        w = methods.sliding_window
-        got_w = getattr(hf_config, "sliding_window", None)
-        layer_types = getattr(hf_config, "layer_types", None)
-        if w is not None and (got_w != w or not layer_types or set(layer_types) != {"sliding_attention"}):
-            raise ValueError(f"{LCX_KEY} asks for sliding_window(window={w}) but the config has sliding_window="
-                             f"{got_w}, layer_types={layer_types}; build vLLM's hf_overrides with "
-                             "lcx.serve.vllm_plugin.hf_overrides")
-        return methods
-
-    @property
-    def sliding_window(self) -> int | None:
-        """The window vLLM's own attention kernels run (lcx's sliding_window method only)."""
-        return self.attention.window if self.attention is not None and self.attention.name == "sliding_window" \
-            else None
-
-    @property
-    def runs_lcx_attention(self) -> bool:
-        """True when the layers run the lcx method themselves (`.method_attention`), not vLLM's kernels."""
-        return self.attention is not None and self.attention.name not in NATIVE_METHODS
-
-    @property
-    def keys_rotated(self) -> bool:
-        """True when such layers cache keys rotated at their true positions (the method has a
-        `decode_rule`: LM-Infinite without top-k, sinks, Self-Extend), False when unrotated (SWAT,
-        LM-Infinite with top-k) or when vLLM's kernels run the attention."""
-        from .method_attention import rotated_rule  # torch only; no vLLM import
-
-        return self.runs_lcx_attention and rotated_rule(self.attention) is not None
-
-    @property
-    def needs_unrotated(self) -> bool:
-        """True when the layers skip vLLM's rotary and cache unrotated keys (`.method_attention`)."""
-        return self.runs_lcx_attention and not self.keys_rotated
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.rope is not None:
-            out["rope"] = self.rope.to_dict()
-        if self.attention is not None:
-            out["attention"] = self.attention.to_dict()
-        return out
-
-    def describe(self) -> str:
-        parts = [self.rope.describe() if self.rope else "rope=model",
-                 self.attention.describe() if self.attention else "attention=causal"]
-        return ", ".join(parts)
+def check_vllm_methods(methods: Mapping[str, Any] | MethodConfig | None, hf_config: Any = None) -> MethodConfig:
+    """The `lcx.MethodConfig` a vLLM model runs, checked for vLLM: its RoPE spec resolved against
+    `hf_config` (a partial spec means "x this model"), `causal` folded to the unpatched model.
+    vLLM's refusals on top of MethodConfig's own checks (`ValueError` naming them): keys other
+    than rope/attention, lcx attention backends (vLLM runs its own kernels), length-dependent
+    RoPE types (vLLM keeps one cos/sin cache)."""
+    if isinstance(methods, Mapping):
+        unknown = sorted(set(methods) - set(NESTED_KEYS))
+        if unknown and not set(methods) <= _FLAT_ROPE_KEYS:
+            raise ValueError(f"unknown vLLM method key(s) {unknown}; accepted: {list(METHOD_KEYS)}")
+    cfg = MethodConfig.from_dict(methods)
+    if cfg.backend is not None or cfg.decode_backend is not None:
+        raise ValueError("backend / decode_backend choose lcx.attention backends for lcx's own engine; "
+                         "inside vLLM the attention runs on vLLM's kernels: leave them out")
+    rope = None
+    if cfg.rope is not None:
+        spec = cfg.rope_spec(hf_config) if hf_config is not None else RopeSpec.from_dict(cfg.rope)
+        if spec.rope_theta is None:
+            raise ValueError("the RoPE spec must be resolved against the model (rope_theta unset); "
+                             "pass the model's HF config")
+        if spec.is_length_dependent:
+            raise ValueError(
+                f"rope_type={spec.rope_type!r} is length-dependent (lcx recomputes its basis per "
+                "forward length); vLLM keeps one cos/sin cache, so it is not supported with --engine vllm")
+        rope = spec.to_dict()
+    attention = cfg.attention
+    if attention is not None and attention.name == "causal":
+        attention = None  # the unpatched model
+    return MethodConfig(rope=rope, attention=attention)
 
 
-def hf_overrides(hf_config: Any, methods: Mapping[str, Any] | VllmMethods | None,
+def methods_from_hf_config(hf_config: Any) -> MethodConfig:
+    """The methods recorded in a (vLLM-loaded) HF config by `hf_overrides`, checked against it."""
+    methods = check_vllm_methods(getattr(hf_config, LCX_KEY, None) or {})
+    w = sliding_window(methods)
+    got_w = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if w is not None and (got_w != w or not layer_types or set(layer_types) != {"sliding_attention"}):
+        raise ValueError(f"{LCX_KEY} asks for sliding_window(window={w}) but the config has sliding_window="
+                         f"{got_w}, layer_types={layer_types}; build vLLM's hf_overrides with "
+                         "lcx.serve.vllm_plugin.hf_overrides")
+    return methods
+
+
+def rope_spec(methods: MethodConfig) -> RopeSpec | None:
+    """The (resolved) RoPE spec of checked methods, or None for the model's own."""
+    return None if methods.rope is None else RopeSpec.from_dict(methods.rope)
+
+
+def sliding_window(methods: MethodConfig) -> int | None:
+    """The window vLLM's own attention kernels run (lcx's sliding_window method only)."""
+    a = methods.attention
+    return a.window if a is not None and a.name == "sliding_window" else None
+
+
+def runs_lcx_attention(methods: MethodConfig) -> bool:
+    """True when the layers run the lcx method themselves (`.method_attention`), not vLLM's kernels."""
+    return methods.attention is not None and methods.attention.name not in NATIVE_METHODS
+
+
+def keys_rotated(methods: MethodConfig) -> bool:
+    """True when such layers cache keys rotated at their true positions (the method has a
+    `decode_rule`: LM-Infinite without top-k, sinks, Self-Extend), False when unrotated (SWAT,
+    LM-Infinite with top-k) or when vLLM's kernels run the attention."""
+    from .method_attention import rotated_rule  # torch only; no vLLM import
+
+    return runs_lcx_attention(methods) and rotated_rule(methods.attention) is not None
+
+
+def needs_unrotated(methods: MethodConfig) -> bool:
+    """True when the layers skip vLLM's rotary and cache unrotated keys (`.method_attention`)."""
+    return runs_lcx_attention(methods) and not keys_rotated(methods)
+
+
+def hf_overrides(hf_config: Any, methods: Mapping[str, Any] | MethodConfig | None,
                  max_model_len: int | None = None) -> dict[str, Any]:
     """vLLM's `hf_overrides` (JSON-able) that run `methods` on the model whose HF config is given.
 
@@ -159,26 +143,17 @@ def hf_overrides(hf_config: Any, methods: Mapping[str, Any] | VllmMethods | None
     lcx_archs = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
     if not lcx_archs:
         raise ValueError(f"the vLLM plugin supports architectures {sorted(ARCHITECTURES)}; the model has {archs}")
-    if not isinstance(methods, VllmMethods):
-        methods = VllmMethods.from_dict(methods, hf_config)
+    methods = check_vllm_methods(methods, hf_config)
     out: dict[str, Any] = {"architectures": lcx_archs[:1], LCX_KEY: methods.to_dict()}
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_model_len is not None and (max_pos is None or max_model_len > max_pos):
         out["max_position_embeddings"] = int(max_model_len)
-    if methods.sliding_window is not None:
-        out["sliding_window"] = methods.sliding_window
+    if sliding_window(methods) is not None:
+        out["sliding_window"] = sliding_window(methods)
         out["layer_types"] = ["sliding_attention"] * int(hf_config.num_hidden_layers)
     return out
 
 
-def rope_context_len(hf_config: Any, methods: VllmMethods) -> int | None:
-    """The context a RoPE method extends the model to (L * factor), as lcx's engine computes it."""
-    spec = methods.rope
-    if spec is None or spec.factor is None:
-        return None
-    L = spec.original_max_position_embeddings or getattr(hf_config, "max_position_embeddings", None)
-    return int(L * spec.factor) if L else None
-
-
-__all__ = ["ARCHITECTURES", "LCX_KEY", "NATIVE_METHODS", "UNROTATED_METHODS", "VllmMethods", "hf_overrides",
-           "rope_context_len"]
+__all__ = ["ARCHITECTURES", "LCX_KEY", "NATIVE_METHODS", "UNROTATED_METHODS", "check_vllm_methods", "hf_overrides",
+           "keys_rotated", "methods_from_hf_config", "needs_unrotated", "rope_spec", "runs_lcx_attention",
+           "sliding_window"]

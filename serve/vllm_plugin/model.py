@@ -16,7 +16,7 @@ from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, 
 
 from lcx.rope import RopeSpec, compute_inv_freq, rope_cos_sin
 
-from .config import VllmMethods
+from .config import keys_rotated, methods_from_hf_config, needs_unrotated, rope_spec, runs_lcx_attention
 from .method_attention import method_for_rank, switch_to_method
 
 
@@ -54,14 +54,14 @@ class LcxLlamaAttention(LlamaAttention):
 
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
-        methods = VllmMethods.from_hf_config(config)
-        self.lcx_unrotated = methods.needs_unrotated
-        if methods.runs_lcx_attention:
-            spec = methods.rope or RopeSpec.for_model({}, config)
+        methods = methods_from_hf_config(config)
+        self.lcx_unrotated = needs_unrotated(methods)
+        if runs_lcx_attention(methods):
+            spec = rope_spec(methods) or RopeSpec.for_model({}, config)
             inv_freq, attention_factor = compute_inv_freq(spec, self.head_dim, None)
             method = method_for_rank(methods.attention, self.total_num_heads, self.num_heads,
                                      get_tensor_model_parallel_rank())
-            switch_to_method(self.attn, method, inv_freq, attention_factor, rotated=methods.keys_rotated)
+            switch_to_method(self.attn, method, inv_freq, attention_factor, rotated=keys_rotated(methods))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self.lcx_unrotated:
@@ -73,12 +73,12 @@ class LcxLlamaAttention(LlamaAttention):
         return output
 
     def _init_rotary_emb(self, config, quant_config) -> None:
-        methods = VllmMethods.from_hf_config(config)
-        if methods.rope is None and not methods.keys_rotated:
+        methods = methods_from_hf_config(config)
+        if methods.rope is None and not keys_rotated(methods):
             return super()._init_rotary_emb(config, quant_config)
         # lcx's table also for the model's own RoPE under a rotated-key method: the cached keys
         # then carry exactly the rotation the method's re-rotation tables assume.
-        spec = methods.rope or RopeSpec.for_model({}, config)
+        spec = rope_spec(methods) or RopeSpec.for_model({}, config)
         # Cover every position vLLM may schedule (max_model_len can exceed the config's length).
         max_len = get_current_vllm_config().model_config.max_model_len
         self.rotary_emb = VllmRotaryEmbedding(spec, self.head_dim,
@@ -99,6 +99,6 @@ class LcxLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         # Validate once, before any layer is built: a bad config fails with lcx's message.
         self.lcx_methods = None
-        methods = VllmMethods.from_hf_config(vllm_config.model_config.hf_config)
+        methods = methods_from_hf_config(vllm_config.model_config.hf_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=LcxLlamaDecoderLayer)
         self.lcx_methods = methods

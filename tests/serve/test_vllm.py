@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lcx.serve.vllm_plugin import VllmMethods
+from lcx.serve.vllm_plugin import check_vllm_methods
 from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python, vllm_env
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
@@ -234,7 +234,7 @@ def test_tensor_parallel_2_equals_tp1(name, model_dir, prompts, vllm_plain, vllm
 ])
 def test_unsupported_methods_refused(methods, match):
     with pytest.raises(ValueError, match=match):
-        VllmMethods.from_dict(methods, type("C", (), {"rope_parameters": {"rope_theta": 1e4},
+        check_vllm_methods(methods, type("C", (), {"rope_parameters": {"rope_theta": 1e4},
                                                        "max_position_embeddings": 256})())
 
 

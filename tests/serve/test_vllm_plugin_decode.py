@@ -262,20 +262,21 @@ def test_methods_vllm_kernels_lack_take_the_lcx_path():
     """Only causal and sliding_window run on vLLM's own kernels; SWAT (sigmoid + ALiBi) and the
     position-changing methods run through `.method_attention`, never silently as softmax."""
     from lcx.methods import ATTENTION_METHODS, UNROTATED_METHODS
-    from lcx.serve.vllm_plugin.config import NATIVE_METHODS, VllmMethods
+    from lcx.method_config import MethodConfig
+    from lcx.serve.vllm_plugin.config import NATIVE_METHODS, keys_rotated, needs_unrotated, runs_lcx_attention
 
     assert set(UNROTATED_METHODS) <= set(ATTENTION_METHODS) - set(NATIVE_METHODS)
-    assert VllmMethods(attention=swat(16)).runs_lcx_attention
-    assert VllmMethods(attention=self_extend(2, 8)).runs_lcx_attention
-    assert not VllmMethods(attention=sliding_window(window=16)).runs_lcx_attention
-    assert not VllmMethods().runs_lcx_attention
+    assert runs_lcx_attention(MethodConfig(attention=swat(16)))
+    assert runs_lcx_attention(MethodConfig(attention=self_extend(2, 8)))
+    assert not runs_lcx_attention(MethodConfig(attention=sliding_window(window=16)))
+    assert not runs_lcx_attention(MethodConfig())
     # keys cached after RoPE for every method with a decode rule; unrotated for the others
-    assert VllmMethods(attention=lm_infinite(4, 16)).keys_rotated
-    assert VllmMethods(attention=sinks(4, 16)).keys_rotated
-    assert VllmMethods(attention=self_extend(2, 8)).keys_rotated
-    assert VllmMethods(attention=swat(16)).needs_unrotated
-    assert VllmMethods(attention=lm_infinite(4, 16, top_k=2)).needs_unrotated
-    assert not VllmMethods(attention=sliding_window(window=16)).keys_rotated
+    assert keys_rotated(MethodConfig(attention=lm_infinite(4, 16)))
+    assert keys_rotated(MethodConfig(attention=sinks(4, 16)))
+    assert keys_rotated(MethodConfig(attention=self_extend(2, 8)))
+    assert needs_unrotated(MethodConfig(attention=swat(16)))
+    assert needs_unrotated(MethodConfig(attention=lm_infinite(4, 16, top_k=2)))
+    assert not keys_rotated(MethodConfig(attention=sliding_window(window=16)))
 
 
 def test_tensor_parallel_rank_keeps_each_heads_parameters():
