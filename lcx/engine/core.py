@@ -78,12 +78,12 @@ class Engine:
         methods = config.methods
         context = methods.context_len(model.config)  # before the patch changes the model's rope
         methods.apply(model)
-        recorded = methods.attention is None and recorded_method(model) is not None
+        own = recorded_method(model) if methods.attention is None else None
+        recorded = own is not None
         if recorded:
             # none asked for: the model's own attention method, when its config records one (a
             # model trained with it, e.g. SWAT), bounded like one asked for (not applied: the
             # model already runs it, per row on `lcx_key_positions` like a patched model)
-            own = recorded_method(model)
             methods = dataclasses.replace(methods, attention=own.attention, backend=own.backend,
                                           decode_backend=own.decode_backend)
         # what the engine runs: the config applied, plus the attention method the model records

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
-from lcx.methods import UNROTATED_METHODS, AttentionMethod
+from lcx.methods import UNROTATED_METHODS
 from lcx.rope import RopeSpec
 
 LCX_KEY = "lcx_methods"  # the HF-config attribute (set through hf_overrides) holding the methods
