@@ -118,6 +118,37 @@ def linger_close(transport: Any) -> None:
     check()
 
 
+class _LingerOnClose:
+    """Stands for a connection's transport in uvicorn's request cycle when the answer comes before
+    the whole body was read: the answer carries `Connection: close` (a keep-alive client must not
+    send its next request on a connection the server is about to reset), and uvicorn's close at
+    the end of it becomes `linger_close`, run on the next turn of the loop (after uvicorn's own
+    end-of-response bookkeeping, which resumes reading). Everything else goes to the transport."""
+
+    def __init__(self, transport: Any):
+        self._transport = transport
+        self.closing = False
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(linger_close, self._transport)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def _linger_on_close(receive: Any, transport: Any) -> _LingerOnClose | None:
+    """Put a `_LingerOnClose` in place of `transport` in uvicorn's request cycle (the object whose
+    method `receive` is); None where the cycle has no such attribute (another server)."""
+    cycle = getattr(receive, "__self__", None)
+    if getattr(cycle, "transport", None) is not transport:
+        return None
+    proxy = _LingerOnClose(transport)
+    cycle.transport = proxy
+    return proxy
+
+
 def error_response(request: Request, err: APIError) -> JSONResponse:
     note_error(request.scope, err)
     return JSONResponse(err.body(), status_code=err.status)
@@ -152,6 +183,7 @@ class Gate:
         complete = gone = failed = False
         transport = server_transport(receive)
         body_read = not _has_body(scope)
+        lingering: _LingerOnClose | None = None
 
         async def receive_and_track() -> dict[str, Any]:
             nonlocal body_read
@@ -161,12 +193,17 @@ class Gate:
             return message
 
         async def send_with_id(message: dict[str, Any]) -> None:
-            nonlocal status, complete
+            nonlocal status, complete, lingering
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-                if not body_read and transport is None:
-                    headers.append((b"connection", b"close"))  # the server closes it (no linger)
+                if not body_read:
+                    # An answer before the whole body (refused, 401, 404, ...): the connection
+                    # closes after it without the rest being read (linger_close, where uvicorn's
+                    # transport is reachable; else the server's own close).
+                    headers.append((b"connection", b"close"))
+                    if transport is not None:
+                        lingering = _linger_on_close(receive, transport)
                 message = dict(message, headers=headers)
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
@@ -198,11 +235,11 @@ class Gate:
             await send_error(APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error",
                                       code="internal_error"))
         finally:
-            if not body_read and transport is not None and complete:
-                # An answer before the whole body (refused, 401, 404, ...): close the connection
-                # without reading the rest. Not with `Connection: close`: uvicorn would close at
-                # once, and a close with unread data resets the connection, possibly before the
-                # client has the answer.
+            if not body_read and transport is not None and complete and not (lingering and lingering.closing):
+                # An early answer uvicorn did not close (its cycle without the proxy): close the
+                # connection without reading the rest of the body. Never uvicorn's plain close: a
+                # close with unread data resets the connection, possibly before the client has
+                # the answer.
                 linger_close(transport)
             if failed:
                 self.stats.error(500, "internal_error")
