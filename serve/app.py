@@ -60,6 +60,7 @@ from .chat_template import AUTO
 from .context import DEFAULT_BODY_TIMEOUT_S, ServerContext
 from .gate import Gate, error_response
 from .openapi import install_openapi
+from .pacing import DEFAULT_SHARE
 from .protocol import APIError
 from .routes import ROUTERS
 from .scheduler import Scheduler
@@ -68,15 +69,17 @@ from .scheduler import Scheduler
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                batch_window_s: float = 0.01, scheduler: Scheduler | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               max_stop: int = DEFAULT_MAX_STOP, chat_template: str | None = AUTO) -> FastAPI:
+               max_stop: int = DEFAULT_MAX_STOP, chat_template: str | None = AUTO,
+               loop_share: float = DEFAULT_SHARE) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`. The scheduler's worker thread and the CPU
     thread pool start with the app (lifespan) and stop with it. `max_body_bytes`: the largest
     request body accepted (413 above); `body_timeout_s`: the time a body may take to arrive (408
     after); `max_stop`: stop strings per request; `chat_template`: "auto" (the tokenizer's, else
-    lcx's default), "none" (the tokenizer's only) or a Jinja template (`lcx.serve.chat_template`)."""
+    lcx's default), "none" (the tokenizer's only) or a Jinja template (`lcx.serve.chat_template`);
+    `loop_share`: the event loop's most share of CPU time while the engine works (`lcx.serve.pacing`)."""
     ctx = ServerContext(engine, scheduler or Scheduler(engine, batch_window_s=batch_window_s),
                         model_name=model_name, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
-                        max_stop=max_stop, chat_template=chat_template)
+                        max_stop=max_stop, chat_template=chat_template, loop_share=loop_share)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

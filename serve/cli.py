@@ -27,6 +27,7 @@ from lcx.method_config import add_method_arguments, method_config_from_args
 from lcx.threads import add_threads_argument, resolve_threads
 
 from .body import DEFAULT_MAX_BODY_BYTES
+from .pacing import DEFAULT_SHARE
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -56,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "connection is closed (default: %(default)s)")
     parser.add_argument("--max-stop", type=int, default=4,
                         help="most stop strings per request (OpenAI's and vLLM's limit is 4; default: %(default)s)")
+    parser.add_argument("--loop-share", type=float, default=DEFAULT_SHARE, metavar="F",
+                        help="while the engine is generating, the event loop's most share of CPU time; past it "
+                             "the loop waits (connections queue in the kernel) so that a flood of requests cannot "
+                             "starve generation of the GIL (lcx.serve.pacing); 1 = no cap (default: %(default)s)")
     parser.add_argument("--chat-template", default="auto", metavar="auto|none|FILE|TEMPLATE",
                         help="the chat template: auto = the tokenizer's, else lcx's default (role-prefixed lines, "
                              "lcx.serve.chat_template); none = the tokenizer's only; or a Jinja file or template, "
@@ -105,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--body-timeout-s must be > 0, got {args.body_timeout_s}")
     if args.max_stop < 1:
         raise ValueError(f"--max-stop must be >= 1, got {args.max_stop}")
+    if not 0 < args.loop_share <= 1:
+        raise ValueError(f"--loop-share must be in (0, 1], got {args.loop_share}")
     from .chat_template import read_chat_template
 
     chat_template = read_chat_template(args.chat_template)
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
                      max_body_bytes=max_body, body_timeout_s=args.body_timeout_s, max_stop=args.max_stop,
+                     loop_share=args.loop_share,
                      chat_template=chat_template)
     print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
           f"max_batch {config.max_batch}, methods: {config.methods.describe()})", file=sys.stderr, flush=True)
@@ -141,7 +149,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
-    for dest in ("max_body_mb", "body_timeout_s", "max_stop", "chat_template"):
+    for dest in ("max_body_mb", "body_timeout_s", "max_stop", "loop_share", "chat_template"):
         if getattr(args, dest) != parser_default(args, dest):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "

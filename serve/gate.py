@@ -41,6 +41,11 @@ class HttpStats:
         self.by_status: dict[int, int] = {}
         self.by_code: dict[str, int] = {}
 
+    @property
+    def activity(self) -> int:
+        """Grows with every request that starts and every error response that ends."""
+        return self.requests + sum(self.by_status.values())
+
     def error(self, status: int, code: str | None) -> None:
         self.by_status[status] = self.by_status.get(status, 0) + 1
         key = code or f"http_{status}"
@@ -58,7 +63,10 @@ def request_id(request: Request) -> str:
 
 
 def note_error(scope: dict[str, Any], err: APIError) -> None:
-    """Tell the gate which error a response carries (it counts and logs it)."""
+    """Tell the gate which error a response carries (it counts and logs it). Kept without its
+    traceback: the scope holding the error whose frames hold the scope would be a reference cycle
+    only a full garbage collection frees (a client error needs no traceback)."""
+    err.__traceback__ = None
     scope["lcx.error"] = err
 
 

@@ -2,12 +2,12 @@
 
 - schemathesis fuzzes every route of the served /openapi.json: never a 5xx, and every answer
   (status, content type, body) conforms to the document;
-- load and abuse: while a steady client measures its latency, other clients (two processes)
-  send the bodies of issue #34 (10M token ids, 7.5M strings, 1M stop strings, /detokenize of 10M
-  ids, deep nesting, bodies that never finish) back to back; every one is answered 400/408/413;
-  the steady client's p99 stays within 2x its solo p99 (measured just before and just after the
-  storm, so that the shared machine's drift falls on both sides) and the server's RSS comes back
-  within 10% after the storm.
+- load and abuse: while a steady client measures its latency, other clients (two processes,
+  raw sockets) send the bodies of issue #34 (10M token ids, 7.5M strings, 1M stop strings,
+  /detokenize of 10M ids, deep nesting, bodies that never finish) back to back; every one is
+  answered 400/408/413; the steady client's p99 stays within 3x its solo p99 (measured just
+  before and just after the storm, so that the shared machine's drift falls on both sides),
+  xfail above the issue's 2x, and the server's RSS comes back within 10% after the storm.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 FUZZ_MAX_MODEL_LEN = 32  # bounds the work of any generated request
 FUZZ_EXAMPLES = 60  # per operation
-STEADY_REQUESTS = 150  # per phase: p99 is then the 149th of 150, not the slowest
+STEADY_REQUESTS = 300  # per phase: p99 is then the 297th of 300, not the slowest
 STORM_MAX_S = 120  # the abusers stop when the steady client is done, or after this
 
 
@@ -71,7 +71,7 @@ def test_openapi_fuzz_never_5xx_and_conforms(case):
 
 # ================================================================================ load and abuse
 ABUSER = r'''
-import select, socket, sys, time, httpx
+import select, socket, sys, time
 url, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
 bodies = [  # built by repetition: instant, so the abusers' own CPU does not load the machine
     ("/v1/completions", b'{"prompt": [' + b"11," * 9_999_999 + b"11]}"),
@@ -80,22 +80,34 @@ bodies = [  # built by repetition: instant, so the abusers' own CPU does not loa
     ("/detokenize", b'{"tokens": [' + b"11," * 9_999_999 + b"11]}"),
     ("/v1/completions", b'{"prompt": ' + b"[" * 60000 + b"]" * 60000 + b"}"),
 ]
+# Raw sockets, as a hostile client would write it: an HTTP client library (httpx) spends ~2.5 ms
+# of CPU per 30 MB body it is refused, several times the server's work, and on a 2-core machine
+# that would measure the abusers rather than the server.
+requests = [(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(body)}\r\n\r\n").encode() + body for path, body in bodies]
 print("ready", flush=True)
 host, port = url.removeprefix("http://").split(":")
 hung, sent, i = [], 0, 0
-# one client, as an SDK holds it (httpx.post would build an SSL context per call: ~20 ms of this
-# machine's 2 cores per body, which would measure the abusers' CPU rather than the server's)
-with httpx.Client(timeout=60) as client:
-    while time.monotonic() < until and not select.select([sys.stdin], [], [], 0)[0]:  # until stdin closes
-        path, body = bodies[i % len(bodies)]
-        i += 1
-        r = client.post(url + path, content=body, headers={"Content-Type": "application/json"})
-        assert r.status_code in (400, 413), (path, r.status_code, r.text[:200])
-        sent += 1
-        if i % 3 == 0:  # a client that never finishes its body
-            s = socket.create_connection((host, int(port)))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n{\"prompt\": [1,")
-            hung.append(s)
+while time.monotonic() < until and not select.select([sys.stdin], [], [], 0)[0]:  # until stdin closes
+    request = requests[i % len(requests)]
+    i += 1
+    with socket.create_connection((host, int(port))) as s:
+        try:
+            s.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):  # refused and closed while still sending
+            pass
+        head = b""
+        try:
+            while b"\r\n" not in head and (chunk := s.recv(4096)):
+                head += chunk
+        except ConnectionResetError:
+            pass
+    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.1 413")), (i, head[:200])
+    sent += 1
+    if i % 3 == 0:  # a client that never finishes its body
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n{\"prompt\": [1,")
+        hung.append(s)
 for s in hung:  # each is answered 408 once the body timeout has passed
     s.settimeout(60)
     head = s.recv(64)
@@ -162,10 +174,12 @@ def test_load_and_abuse(tmp_path):
                f"RSS {rss_before >> 20} -> {rss_after >> 20} MB")
     print(summary)
     assert rss_after <= 1.1 * rss_before, summary
+    assert w <= 3 * s, summary  # main: 5.6-14x against these raw-socket abusers (no pacer, GC stalls)
     if w > 2 * s:
-        # Known gap (issue #34 item 5), now the machine's: a hostile 30 MB body costs the server
-        # ~2-6 ms of CPU (refused at its first 16 KB, the rest left unread; it was ~100 ms), yet
-        # on 2 shared cores under load 9-26 the abusing processes alone, sending to a stub server
-        # that answers at once, slowed this client as much (p99 2.2-3.8x alone, vs 2.2-3.2x
-        # against lcx; /tmp probe, see the commit).
+        # Issue #34 item 5 asks for 2x. Against abusers that cost the machine ~0.8 ms a body (raw
+        # sockets: ~800 bodies/s and ~2,700 slow bodies open at once on loopback) the server now
+        # holds 1.7-2.4x here (quiet 2-core machine; was 5.6-14x): the event loop is capped at 30%
+        # of CPU while the engine works (lcx.serve.pacing), its garbage no longer needs full
+        # collections. What is left is the engine sharing the GIL with a busy loop; the fix is
+        # the engine in its own process (as vLLM's V1 engine core), not done yet.
         pytest.xfail(summary)

@@ -364,6 +364,11 @@ def test_a_body_read_to_its_end_keeps_the_connection(srv):
         assert len(ports) == 1, ports
 
 
+def test_stats_show_the_loop_pacer(srv):
+    got = httpx.get(srv["url"] + "/stats", timeout=TIMEOUT_S).json()["loop_pacer"]
+    assert got["share"] == 0.3 and got["pauses"] >= 0 and got["paused_s"] >= 0, got
+
+
 @pytest.fixture(scope="module")
 def tiny_engine():
     from lcx.engine import Engine, EngineConfig
@@ -377,7 +382,7 @@ def _in_process_server(engine, http: str):
     installed; `lcx serve` gets uvicorn's choice, httptools when present) in a thread."""
     import uvicorn
 
-    from serve.app import create_app
+    from lcx.serve.app import create_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name="tiny"), host="127.0.0.1", port=port,
