@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lcx.cache.gpe import StreamingConfig, group_layout, stream_generate, wait_k_visible
 from lcx.data.io import atomic_savefig, atomic_write_json, environment
 from lcx.train.lm import ModelConfig, TrainConfig, build_model, lr_at
-from lcx.train.lm.loop import _optimizer
+from lcx.train.lm.loop import make_optimizer
 
 PAD, START, EOS, N_SPECIAL = 0, 1, 2, 3
 
@@ -74,7 +74,7 @@ def train_model(tc: TrainConfig, lengths, V: int, k: int, phi: int | None, dicti
     mc = tc.model
     Smax = lengths[1]
     model = build_model(mc, seed=seed, bos_token_id=START, eos_token_id=EOS, pad_token_id=PAD)
-    opt = _optimizer(model, tc)
+    opt = make_optimizer(model, tc)
     g = torch.Generator().manual_seed(seed + 1)
     losses, t0 = [], time.perf_counter()
     model.train()

@@ -53,7 +53,8 @@ class TrainResult:
     log: dict[str, Any]
 
 
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW as `train` builds it from `cfg` (weight decay on matrices only); `lcx.train.stream` uses it too."""
     return adamw_decay_matrices(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
 
 
@@ -175,7 +176,7 @@ def train(
                 if retrieval is not None and "copy" in retrieval.formats else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n_params = sum(p.numel() for p in model.parameters())
-    opt = _optimizer(model, cfg)
+    opt = make_optimizer(model, cfg)
     log: dict[str, Any] = {
         "config": cfg.to_dict(), "n_params": n_params, "train_tokens": int(train_stream.numel()),
         "val_tokens_scored": int(val[:, 1:].numel()), "step": [], "loss": [], "lr": [], "val": [],
