@@ -157,6 +157,7 @@ class ServerContext:
         self.pacer.stop()
         if self._tidy_task is not None:
             self._tidy_task.cancel()
+        gc.unfreeze()  # an app embedded in a longer process (tests, notebooks) leaves it as it was
         self.sched.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
