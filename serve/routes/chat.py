@@ -51,7 +51,7 @@ def chat_jobs(c: ServerContext, req: ChatCompletionRequest) -> tuple[list[Job], 
              **post_doc(ChatCompletionRequest, stream=True))
 async def chat(request: Request, c: ServerContext = Depends(ctx)):
     req: ChatCompletionRequest = await c.parse(ChatCompletionRequest, request)
-    jobs, k = await c.cpu(chat_jobs, c, req)
+    jobs, k = await c.cpu(chat_jobs, c, req, inline=c.small_request(request))
     head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=c.model_name)
 
     if not req.stream:
@@ -63,7 +63,8 @@ async def chat(request: Request, c: ServerContext = Depends(ctx)):
                 logprobs=c.chat_logprobs(j.logprobs, k) if req.logprobs else None,
                 finish_reason=j.finish_reason) for j in jobs])
 
-        return await c.json_response(await c.cpu(response))
+        small = c.small_result(request, jobs)
+        return await c.json_response(await c.cpu(response, inline=small), inline=small)
 
     def on_event(j: Job, ev: StepEvent) -> Iterator[ChatCompletionChunk]:
         if ev.text or ev.token_ids or ev.finished:

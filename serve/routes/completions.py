@@ -54,7 +54,7 @@ def completion_jobs(c: ServerContext, req: CompletionRequest) -> list[Job]:
 @router.post("/v1/completions", response_model=CompletionResponse, **post_doc(CompletionRequest, stream=True))
 async def completions(request: Request, c: ServerContext = Depends(ctx)):
     req: CompletionRequest = await c.parse(CompletionRequest, request)
-    jobs = await c.cpu(completion_jobs, c, req)
+    jobs = await c.cpu(completion_jobs, c, req, inline=c.small_request(request))
     head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=c.model_name)
 
     def echo_part(j: Job) -> tuple[str, CompletionLogprobs | None]:
@@ -80,7 +80,8 @@ async def completions(request: Request, c: ServerContext = Depends(ctx)):
                                             finish_reason=j.finish_reason))
             return CompletionResponse(**head, choices=out, usage=usage(jobs))
 
-        return await c.json_response(await c.cpu(response))
+        small = c.small_result(request, jobs)
+        return await c.json_response(await c.cpu(response, inline=small), inline=small)
 
     def on_event(j: Job, ev: StepEvent) -> Iterator[CompletionResponse]:
         if not j.started:
