@@ -178,7 +178,7 @@ def test_load_and_abuse(tmp_path):
     if w > 2 * s:
         # Issue #34 item 5 asks for 2x. Against abusers that cost the machine ~0.8 ms a body (raw
         # sockets: ~800 bodies/s and ~2,700 slow bodies open at once on loopback) the server now
-        # holds 1.7-2.4x here (quiet 2-core machine; was 5.6-14x): the event loop is capped at 30%
+        # holds 1.6-2.4x here (quiet 2-core machine; was 5.6-14x): the event loop is capped at 30%
         # of CPU while the engine works (lcx.serve.pacing), its garbage no longer needs full
         # collections. What is left is the engine sharing the GIL with a busy loop; the fix is
         # the engine in its own process (as vLLM's V1 engine core), not done yet.
