@@ -119,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
                      max_body_bytes=max_body, body_timeout_s=args.body_timeout_s, max_stop=args.max_stop,
-                     loop_share=args.loop_share,
-                     chat_template=chat_template)
+                     loop_share=args.loop_share, chat_template=chat_template)
     print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
           f"max_batch {config.max_batch}, methods: {config.methods.describe()})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)

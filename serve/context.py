@@ -49,7 +49,7 @@ log = logging.getLogger("lcx.serve")
 PROMPT_CHARS_MARGIN = 2
 CPU_WORKERS = 2  # parsing / tokenization / rendering threads
 INLINE_BYTES = 16 << 10  # bodies under this are parsed and tokenized on the event loop (`ServerContext.cpu`)
-INLINE_TOKENS = 256  # ... and their responses rendered there when they generated at most this many tokens
+INLINE_TOKENS = 256  # ... and their responses rendered there when they hold at most this many tokens
 TIDY_QUIET_S = 1.0  # `_tidy_after_bursts`: a second without a new request ...
 TIDY_MIN_REQUESTS = 256  # ... after at least this many since the last tidy
 DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive within this (`lcx serve --body-timeout-s`)
@@ -271,10 +271,12 @@ class ServerContext:
         tokenization are cheaper than a thread hop."""
         return getattr(request.state, "lcx_body_bytes", INLINE_BYTES) < INLINE_BYTES
 
-    def small_result(self, request: Request, jobs: Sequence[Any]) -> bool:
-        """A small request whose jobs generated at most INLINE_TOKENS tokens in all: rendering its
-        response is cheaper than a thread hop."""
-        return self.small_request(request) and sum(len(j.token_ids) for j in jobs) <= INLINE_TOKENS
+    def small_result(self, request: Request, jobs: Sequence[Job]) -> bool:
+        """A small request whose jobs hold at most INLINE_TOKENS tokens in all, prompts included
+        (an echo with prompt logprobs renders every prompt token): rendering its response is
+        cheaper than a thread hop."""
+        return (self.small_request(request)
+                and sum(len(j.prompt_ids) + len(j.token_ids) for j in jobs) <= INLINE_TOKENS)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:

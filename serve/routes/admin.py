@@ -51,7 +51,8 @@ async def health_head(c: ServerContext = Depends(ctx)) -> Response:
 
 
 @router.get("/stats", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
-                                       "description": "scheduler, engine, HTTP and event-loop pacer counters"}, **errors(401)})
+                                       "description": "scheduler, engine, HTTP and event-loop pacer counters"},
+                                 **errors(401)})
 async def stats(c: ServerContext = Depends(ctx)) -> JSONResponse:
     return JSONResponse(dict(c.sched.snapshot(), http=c.stats.to_dict(), loop_pacer=c.pacer.to_dict(),
-                                     tidied_after_bursts=c.tidied))
+                             tidied_after_bursts=c.tidied))
