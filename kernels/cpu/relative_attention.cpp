@@ -29,8 +29,15 @@
 // References: `LastQueryPlan.attend` and `AttentionMethod.attend` (tests/kernels/test_relative_attention_cpu.py).
 //
 // Threads: one task per (request, query, kv head) through at::parallel_for (torch's intra-op pool).
-// Accumulation in float32 whatever the storage dtype (float32, float16, bfloat16); the dot
-// products are vectorised (`omp simd` reductions, -fopenmp-simd: no OpenMP runtime involved).
+// Accumulation in float32 whatever the storage dtype (float32, float16, bfloat16). A task runs
+// three passes over its keys: scores (each dot product in 16 partial sums added as a tree, not a
+// serial 16-add chain per key; the cache row a few entries ahead prefetched, key and value, since
+// a step's keys are spread over many blocks), the unnormalised probabilities (one vectorised
+// exp per head: `exp_nonpositive`, elementwise), and the weighted values head by head, the
+// accumulator in registers where head_dim is 64 or 128. Every per-key quantity is computed the
+// same way wherever the key sits in the call and the sums run in entry order, so a compacted call
+// gives the same bits as the full one. Vectorised with `omp simd` (-fopenmp-simd: no OpenMP
+// runtime; -fno-trapping-math lets the exp loop vectorise, results unchanged).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -38,6 +45,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -45,6 +54,71 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// q . k over D channels in 16 partial sums (one wide register) added as a tree: no serial
+// 16-add chain per key (what a reduction(+) loop compiles to without -ffast-math), and the same
+// bits for a key wherever it sits in a call (a compacted call and a full one agree exactly).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float part[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) part[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i + l < D; ++l) part[l] += a[i + l] * b[i + l];
+#pragma omp simd
+  for (int l = 0; l < 8; ++l) part[l] += part[l + 8];
+#pragma omp simd
+  for (int l = 0; l < 4; ++l) part[l] += part[l + 4];
+  return (part[0] + part[2]) + (part[1] + part[3]);
+}
+
+// exp(x) for x <= 0 (a score minus the row's max), elementwise and branch-free so that `omp simd`
+// vectorises it and a lane gives the same bits as the scalar loop (Cephes expf: x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-6 polynomial, 2^n from the exponent bits; ~1 ulp). Below -87.3 (and
+// -inf) it returns ~1e-38, never 0 or NaN: callers skip invisible keys themselves.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// sum_c p[c] * value(c) over the visible entries (key_row[c] >= 0), in entry order, into acc [D];
+// returns sum_c p[c]. DT: D known at compile time (the accumulator lives in registers), 0: D.
+template <int DT, typename scalar_t>
+inline float weighted_values(const float* __restrict p, const int64_t* __restrict key_row, int64_t Kc,
+                             const scalar_t* __restrict kv_ptr, int64_t kvs, int64_t D, float* __restrict acc) {
+  constexpr int64_t kLocal = DT > 0 ? DT : 1;
+  float local[kLocal];
+  float* a = DT > 0 ? local : acc;
+  const int64_t width = DT > 0 ? DT : D;
+  for (int64_t i = 0; i < width; ++i) a[i] = 0.f;
+  float total = 0.f;
+  for (int64_t c = 0; c < Kc; ++c) {
+    if (key_row[c] < 0) continue;  // the same keys are visible to every head of the group
+    const scalar_t* val = kv_ptr + key_row[c] * kvs + D;
+    const float pc = p[c];
+    total += pc;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) a[i] += pc * static_cast<float>(val[i]);
+  }
+  if constexpr (DT > 0) {
+    for (int64_t i = 0; i < DT; ++i) acc[i] = local[i];
+  }
+  return total;
+}
 
 template <typename scalar_t>
 void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
@@ -70,6 +144,8 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t kvs = kv.stride(0);
   const float fscale = static_cast<float>(scale);
+  const int64_t row_bytes = 2 * D * static_cast<int64_t>(sizeof(scalar_t));
+  constexpr int64_t kAhead = 4;
 
   // Rows of the tables that are the identity (relative rotation 0, unit scale): keys read through
   // them need no rotation. A cache of keys rotated at their true positions reads its window keys
@@ -106,18 +182,33 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         key_row[c] = -1;
         const int64_t u = idx[c];
         const int64_t k = compact ? col[c] : c;
-        if (u < 0 || k < 0) continue;  // not visible (or a compacted row's padding)
+        if (u < 0 || k < 0) {  // not visible (or a compacted row's padding)
+          for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;
+          continue;
+        }
         if (u >= U || k >= K) {  // checked where read, not by a separate pass
           bad = true;
+          for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;
           continue;
         }
         const int64_t kr_row = key_rows[k * Hkv];
         if (kr_row < 0 || kr_row >= R) {
           bad = true;
+          for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;
           continue;
         }
         key_row[c] = kr_row;
         const scalar_t* key = kv_ptr + kr_row * kvs;
+        if (c + kAhead < Kc) {  // the row (key and value) kAhead entries on: its cache lines arrive meanwhile
+          const int64_t ka = compact ? col[c + kAhead] : c + kAhead;
+          if (ka >= 0 && ka < K) {
+            const int64_t ra = key_rows[ka * Hkv];
+            if (ra >= 0 && ra < R) {
+              const char* line = reinterpret_cast<const char*>(kv_ptr + ra * kvs);
+              for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(line + b);
+            }
+          }
+        }
         const float* kp = kr.data();  // the key as the query sees it
         if (identity[u]) {
           if constexpr (std::is_same_v<scalar_t, float>) {
@@ -138,24 +229,22 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         }
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) dot += qj[i] * kp[i];
-          s[j * Kc + c] = dot * fscale;
+          s[j * Kc + c] = dot(qj, kp, D) * fscale;
           mx[j] = std::max(mx[j], s[j * Kc + c]);
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(total.begin(), total.end(), 0.f);
-      for (int64_t c = 0; c < Kc; ++c) {
-        if (key_row[c] < 0) continue;  // the same keys are visible to every head of the group
-        const scalar_t* val = kv_ptr + key_row[c] * kvs + D;
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = std::exp(s[j * Kc + c] - mx[j]);
-          total[j] += p;
-          float* a = acc.data() + j * D;
+      for (int64_t j = 0; j < group; ++j) {  // probabilities, unnormalised: one vectorised pass per head
+        float* sj = s.data() + j * Kc;
+        const float m = mx[j];
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += p * static_cast<float>(val[i]);
+        for (int64_t c = 0; c < Kc; ++c) sj[c] = exp_nonpositive(sj[c] - m);
+      }
+      for (int64_t j = 0; j < group; ++j) {  // head by head: its accumulator stays in registers
+        float* a = acc.data() + j * D;
+        switch (D) {
+          case 64: total[j] = weighted_values<64>(s.data() + j * Kc, key_row.data(), Kc, kv_ptr, kvs, D, a); break;
+          case 128: total[j] = weighted_values<128>(s.data() + j * Kc, key_row.data(), Kc, kv_ptr, kvs, D, a); break;
+          default: total[j] = weighted_values<0>(s.data() + j * Kc, key_row.data(), Kc, kv_ptr, kvs, D, a);
         }
       }
       for (int64_t j = 0; j < group; ++j) {

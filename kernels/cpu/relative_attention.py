@@ -47,7 +47,7 @@ ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
     "AVX2": ["-mavx2", "-mfma"],
 }
-_BASE_FLAGS = ["-O3", "-fopenmp-simd"]  # -fopenmp-simd: `omp simd` reductions vectorised, no OpenMP runtime
+_BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]  # `omp simd` loops vectorised, no OpenMP runtime
 
 
 def isa() -> str:

@@ -79,6 +79,7 @@ import logging
 import types
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -213,12 +214,16 @@ def _delta_keys(visible: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
     """`RelativeKeys` that re-rotate keys cached rotated at their true positions by `delta`
     `[Bd, Tq, Tk]` float64 (the method's position - the true one; 0: read as cached), where
     `visible`; unit scale (the attention factor is already in the cached keys and the query)."""
-    uniq, inverse = torch.unique(delta[visible], return_inverse=True)
-    cos, sin = rope_cos_sin(uniq, inv_freq, 1.0, torch.float32)  # [U, r]: elementwise per position
-    index = torch.full(delta.shape, -1, dtype=torch.long)
-    index[visible] = inverse
+    vis = visible.numpy()
+    d = delta.numpy()
+    moved = vis & (d != 0)  # most visible keys are read as cached: table row 0, the identity
+    uniq, inverse = np.unique(d[moved], return_inverse=True)
+    cos, sin = rope_cos_sin(torch.from_numpy(np.concatenate(([0.0], uniq))), inv_freq, 1.0,
+                            torch.float32)  # [U, r]: elementwise per position; row 0 cos 1, sin 0
+    index = np.where(vis, 0, -1)
+    index[moved] = 1 + inverse.reshape(-1)
     h = cos.shape[-1] // 2
-    return RelativeKeys(index, cos[:, :h].contiguous(), sin[:, :h].contiguous())
+    return RelativeKeys(torch.from_numpy(index), cos[:, :h].contiguous(), sin[:, :h].contiguous())
 
 
 @dataclass(frozen=True)
@@ -253,8 +258,8 @@ class _RuleDecode:
 
 
 def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 req: torch.Tensor, method: AttentionMethod, block_size: int) -> _RuleDecode:
-    """The rows under `method.decode_rule()` of the requests `req [R]` (module docstring): each
+                 req: list[int], method: AttentionMethod, block_size: int) -> _RuleDecode:
+    """The rows under `method.decode_rule()` of the requests `req` (module docstring): each
     decode request's query, and every query of a prefill / chunk request when the rule holds for
     prefill queries too (`rule_covers_prefill`): its query at position p is read as the last
     query of a history of p + 1 keys.
@@ -262,35 +267,44 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     A row with n keys (the query the last, p_q = n - 1) reads its window keys
     p_q - window < p_k <= p_q and its side keys p_k <= p_q - window (among the first `side`);
     with a bounded rule (window and side both set) that is at most side + window keys: the
-    first min(side, n - window) and the last window."""
+    first min(side, n - window) and the last window.
+
+    Index arithmetic in numpy on views of the metadata (a step's plan is a few dozen ops on
+    arrays of ~B x K entries: torch's per-op dispatch would cost more than the attention of a
+    short batch); the rule's position maps run as torch ops on float64 views."""
     rule = rotated_rule(method)
-    start = query_start_loc.long()[req]
-    n_q = query_start_loc.long()[req + 1] - start  # [R] queries of each request this step
-    first = torch.repeat_interleave(n_q.cumsum(0) - n_q, n_q)  # [B] each row's request's first row
-    t = torch.arange(first.shape[0]) - first  # [B] the row's query index inside its request
-    rows = torch.repeat_interleave(start, n_q) + t  # [B] token rows of `query` / `output`
-    n = (torch.repeat_interleave(seq_lens.long()[req] - n_q, n_q) + t + 1)[:, None]  # [B, 1] keys each row sees
-    req = torch.repeat_interleave(req, n_q)  # [B] each row's request
-    B = req.shape[0]
+    qsl = query_start_loc.numpy().astype(np.int64, copy=False)
+    req_a = np.asarray(req, dtype=np.int64)
+    start = qsl[req_a]
+    n_q = qsl[req_a + 1] - start  # [R] queries of each request this step
+    first = np.repeat(np.cumsum(n_q) - n_q, n_q)  # [B] each row's request's first row
+    t = np.arange(first.shape[0]) - first  # [B] the row's query index inside its request
+    rows = np.repeat(start, n_q) + t  # [B] token rows of `query` / `output`
+    n = (np.repeat(seq_lens.numpy().astype(np.int64)[req_a] - n_q, n_q) + t + 1)[:, None]  # [B, 1] keys each row sees
+    row_req = np.repeat(req_a, n_q)  # [B] each row's request
+    B = row_req.shape[0]
     W, S = rule.window, rule.side
     if W is None or S is None:  # every key may be read (Self-Extend's grouped keys)
-        idx = torch.arange(int(n.max())).expand(B, -1)
+        idx = np.broadcast_to(np.arange(int(n.max())), (B, int(n.max())))
     else:
-        j = torch.arange(min(int(n.max()), S + W))[None]
-        idx = torch.where(j < S, j, j + (n - (S + W)).clamp(min=0))  # [B, K]: [0, S) then the last W
+        j = np.arange(min(int(n.max()), S + W))[None]
+        idx = np.where(j < S, j, j + np.maximum(n - (S + W), 0))  # [B, K]: [0, S) then the last W
     valid = idx < n
     p_q = n - 1
-    in_window = torch.ones_like(valid) if W is None else idx > p_q - W
-    side = ~in_window & (True if S is None else idx < S)
+    in_window = np.ones_like(valid) if W is None else idx > p_q - W
+    side = ~in_window if S is None else ~in_window & (idx < S)
     visible = valid & (in_window | side)
-    delta = torch.zeros(idx.shape, dtype=torch.float64)
+    delta = np.zeros(idx.shape, dtype=np.float64)
     if rule.has_side:
-        pk, pq = idx.to(torch.float64), p_q.to(torch.float64)
-        moved = (rule.side_key(pk) - pk) - (rule.side_query(pq) - pq)  # [B, K]
-        delta = torch.where(side & visible, moved, delta)
-    idx = idx.masked_fill(~valid, 0)  # padding reads a real slot (never used: invisible)
-    blocks = block_table.long()[req[:, None], idx // block_size]
-    return _RuleDecode(rows, blocks, idx % block_size, visible, delta)
+        moved_rows = side & visible
+        if moved_rows.any():
+            pk = torch.from_numpy(idx[moved_rows].astype(np.float64))
+            pq = torch.from_numpy(np.broadcast_to(p_q, idx.shape)[moved_rows].astype(np.float64))
+            delta[moved_rows] = ((rule.side_key(pk) - pk) - (rule.side_query(pq) - pq)).numpy()
+    idx = np.where(valid, idx, 0)  # padding reads a real slot (never used: invisible)
+    blocks = block_table.numpy().astype(np.int64)[row_req[:, None], idx // block_size]
+    return _RuleDecode(torch.from_numpy(rows), torch.from_numpy(blocks), torch.from_numpy(idx % block_size),
+                       torch.from_numpy(visible), torch.from_numpy(delta))
 
 
 @dataclass(frozen=True)
@@ -384,8 +398,11 @@ def _step_plan(attn_metadata, method: AttentionMethod, block_size: int, rotated:
 
 def _cache_rows(blocks: torch.Tensor, offsets: torch.Tensor, cache_shape) -> torch.Tensor:
     """Row indices `[..., Hkv]` into the cache viewed as `[num_blocks * Hkv * block_size, 2D]` of the
-    slots (blocks, offsets) `[...]`, every kv head."""
+    slots (blocks, offsets) `[...]`, every kv head (int64, contiguous)."""
     _, hkv, block_size, _ = cache_shape
+    if blocks.device.type == "cpu":  # numpy: one fused expression, no per-op dispatch
+        b, o = blocks.numpy().astype(np.int64, copy=False), offsets.numpy().astype(np.int64, copy=False)
+        return torch.from_numpy(np.ascontiguousarray((b[..., None] * hkv + np.arange(hkv)) * block_size + o[..., None]))
     heads = torch.arange(hkv, device=blocks.device)
     return ((blocks[..., None] * hkv + heads) * block_size) + offsets[..., None]
 
@@ -436,7 +453,7 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
             multi.append(i)
     rule_decode = None
     if rule_rows:
-        rule_decode = _rule_decode(query_start_loc, seq_lens, block_table, torch.tensor(rule_rows), method,
+        rule_decode = _rule_decode(query_start_loc, seq_lens, block_table, rule_rows, method,
                                    block_size)
     groups = []
     for k_len, reqs in sorted(decode.items()):
