@@ -210,20 +210,69 @@ def _memo_basis(store: list, kind: str, inv_freq: torch.Tensor, dtype: torch.dty
     return value
 
 
+class _RotationRows:
+    """cos / sin rows (half width, float32, unit scale) of rotations by the given positions, kept
+    across steps: a step's deltas are mostly the previous step's (LM-Infinite's globals move by
+    one position per step once past the cap, sinks' not at all), and float64 cos/sin of a few
+    dozen positions costs more than the rest of the step's plan. Rows come from `rope_cos_sin`
+    itself (the same bits as computing them afresh); at most `limit` positions are kept."""
+
+    def __init__(self, inv_freq: torch.Tensor, limit: int = 1 << 16):
+        self.inv_freq, self.limit = inv_freq.detach().clone(), limit
+        self.row: dict[float, int] = {}
+        h = inv_freq.shape[-1]
+        self.cos, self.sin = np.empty((0, h), np.float32), np.empty((0, h), np.float32)
+
+    def __call__(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions [U]` float64 -> cos, sin `[U, r/2]`."""
+        new = [p for p in positions.tolist() if p not in self.row]
+        if new:
+            if len(self.row) + len(new) > self.limit:
+                self.row, self.cos, self.sin = {}, self.cos[:0], self.sin[:0]
+                new = positions.tolist()
+            cos, sin = rope_cos_sin(torch.tensor(new, dtype=torch.float64), self.inv_freq, 1.0, torch.float32)
+            h = cos.shape[-1] // 2
+            base = len(self.row)
+            self.row.update((p, base + i) for i, p in enumerate(new))
+            self.cos = np.concatenate((self.cos, cos[:, :h].numpy()))
+            self.sin = np.concatenate((self.sin, sin[:, :h].numpy()))
+        rows = np.fromiter((self.row[p] for p in positions.tolist()), np.int64, positions.shape[0])
+        return torch.from_numpy(self.cos[rows]), torch.from_numpy(self.sin[rows])
+
+
+_ROTATION_ROWS: dict[bytes, _RotationRows] = {}  # inv_freq's bytes -> its rows (a few bases per model)
+
+
+def _rotation_rows(inv_freq: torch.Tensor) -> _RotationRows:
+    key = inv_freq.detach().cpu().to(torch.float64).numpy().tobytes()
+    rows = _ROTATION_ROWS.get(key)
+    if rows is None:
+        if len(_ROTATION_ROWS) >= 64:  # a process serving many models: start again
+            _ROTATION_ROWS.clear()
+        rows = _ROTATION_ROWS[key] = _RotationRows(inv_freq)
+    return rows
+
+
 def _delta_keys(visible: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> RelativeKeys:
     """`RelativeKeys` that re-rotate keys cached rotated at their true positions by `delta`
     `[Bd, Tq, Tk]` float64 (the method's position - the true one; 0: read as cached), where
-    `visible`; unit scale (the attention factor is already in the cached keys and the query)."""
+    `visible`; unit scale (the attention factor is already in the cached keys and the query).
+    Table row 0 is the identity (most visible keys are read as cached), rows 1.. the distinct
+    non-zero deltas."""
     vis = visible.numpy()
     d = delta.numpy()
-    moved = vis & (d != 0)  # most visible keys are read as cached: table row 0, the identity
-    uniq, inverse = np.unique(d[moved], return_inverse=True)
-    cos, sin = rope_cos_sin(torch.from_numpy(np.concatenate(([0.0], uniq))), inv_freq, 1.0,
-                            torch.float32)  # [U, r]: elementwise per position; row 0 cos 1, sin 0
+    moved = vis & (d != 0)
+    values = d[moved]
+    uniq = np.sort(values)
+    if uniq.size:
+        keep = np.empty(uniq.shape, dtype=bool)
+        keep[0] = True
+        np.not_equal(uniq[1:], uniq[:-1], out=keep[1:])
+        uniq = uniq[keep]
+    cos, sin = _rotation_rows(inv_freq)(np.concatenate(([0.0], uniq)))  # [U, r/2]; row 0: cos 1, sin 0
     index = np.where(vis, 0, -1)
-    index[moved] = 1 + inverse.reshape(-1)
-    h = cos.shape[-1] // 2
-    return RelativeKeys(torch.from_numpy(index), cos[:, :h].contiguous(), sin[:, :h].contiguous())
+    index[moved] = 1 + np.searchsorted(uniq, values)
+    return RelativeKeys(torch.from_numpy(index), cos, sin)
 
 
 @dataclass(frozen=True)
@@ -297,12 +346,13 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     delta = np.zeros(idx.shape, dtype=np.float64)
     if rule.has_side:
         moved_rows = side & visible
-        if moved_rows.any():
-            pk = torch.from_numpy(idx[moved_rows].astype(np.float64))
-            pq = torch.from_numpy(np.broadcast_to(p_q, idx.shape)[moved_rows].astype(np.float64))
-            delta[moved_rows] = ((rule.side_key(pk) - pk) - (rule.side_query(pq) - pq)).numpy()
+        if moved_rows.any():  # delta = a(p_k) - b(p_q), both maps memoised per method
+            maps = _rule_maps(method)
+            a = maps.key_shift(int(n.max()) if S is None else min(int(n.max()), S))  # side keys are among these
+            delta = np.where(moved_rows, a[np.minimum(idx, a.shape[0] - 1)] - maps.query_shift(p_q[:, 0])[:, None], 0.0)
     idx = np.where(valid, idx, 0)  # padding reads a real slot (never used: invisible)
-    blocks = block_table.numpy().astype(np.int64)[row_req[:, None], idx // block_size]
+    table = block_table.numpy()
+    blocks = np.take(table.reshape(-1), row_req[:, None] * table.shape[1] + idx // block_size).astype(np.int64)
     return _RuleDecode(torch.from_numpy(rows), torch.from_numpy(blocks), torch.from_numpy(idx % block_size),
                        torch.from_numpy(visible), torch.from_numpy(delta))
 
@@ -402,7 +452,8 @@ def _cache_rows(blocks: torch.Tensor, offsets: torch.Tensor, cache_shape) -> tor
     _, hkv, block_size, _ = cache_shape
     if blocks.device.type == "cpu":  # numpy: one fused expression, no per-op dispatch
         b, o = blocks.numpy().astype(np.int64, copy=False), offsets.numpy().astype(np.int64, copy=False)
-        return torch.from_numpy(np.ascontiguousarray((b[..., None] * hkv + np.arange(hkv)) * block_size + o[..., None]))
+        first = b * (hkv * block_size) + o  # head 0's row; head g's is g * block_size further
+        return torch.from_numpy(first[..., None] + np.arange(0, hkv * block_size, block_size))
     heads = torch.arange(hkv, device=blocks.device)
     return ((blocks[..., None] * hkv + heads) * block_size) + offsets[..., None]
 
@@ -528,6 +579,42 @@ def attention_kernel() -> str:
         return "cpp"
     _log.warning("lcx: the C++ attention kernel is unavailable (%s); attention runs on torch ops", reason)
     return "torch"
+
+
+class _RuleMaps:
+    """A rotated rule's position maps as shifts, memoised across steps: a(p) = side_key(p) - p
+    for key positions 0..m-1, b(p) = side_query(p) - p per query position. A side key's
+    re-rotation is a(p_k) - b(p_q); the maps are torch ops on float64 (the rule's own
+    functions, `lcx.methods.base.DecodeRule`), evaluated here once per new position instead of
+    on every step's [B, K] array (torch's per-op cost inside vLLM's worker is several us)."""
+
+    def __init__(self, rule):
+        self.rule = rule
+        self.a = np.empty(0, dtype=np.float64)
+        self.b: dict[int, float] = {}
+
+    def key_shift(self, m: int) -> np.ndarray:
+        """a(0..m-1) `[m]` (a longer prefix may be returned)."""
+        if self.a.shape[0] < m:
+            p = torch.arange(max(m, 2 * self.a.shape[0]), dtype=torch.float64)
+            self.a = (self.rule.side_key(p) - p).numpy()
+        return self.a
+
+    def query_shift(self, positions: np.ndarray) -> np.ndarray:
+        """b(p) for integer positions `[B]`."""
+        ps = positions.tolist()
+        new = sorted({p for p in ps if p not in self.b})
+        if new:
+            if len(self.b) > (1 << 20):
+                self.b.clear()
+            q = torch.tensor(new, dtype=torch.float64)
+            self.b.update(zip(new, (self.rule.side_query(q) - q).tolist()))
+        return np.fromiter((self.b[p] for p in ps), np.float64, len(ps))
+
+
+@functools.lru_cache(maxsize=64)
+def _rule_maps(method: AttentionMethod) -> _RuleMaps:
+    return _RuleMaps(rotated_rule(method))
 
 
 def rotated_rule(method: AttentionMethod):
