@@ -38,7 +38,8 @@ The step's plan (which keys each request reads, from which blocks; built from th
 metadata only) is built once per step by the first layer and shared by every layer, as are the
 rotation tables; its index arithmetic runs in numpy, and the float64 cos/sin rows of the deltas
 and the rule's position maps are kept across steps (`_RotationRows`, `_RuleMaps`): at the
-default serving lengths a step's plan costs about as much as a layer's attention. Decode rows (one query) of the rotated layout, and its banded prefill rows, are
+default serving lengths (tiny-5m, 16 requests) the plan costs ~0.27 ms per step, half of its 5
+layers' attention calls. Decode rows (one query) of the rotated layout, and its banded prefill rows, are
 one call for the whole batch (compressed caches of different lengths padded with invisible keys); the unrotated layout groups
 them by compressed length (`lcx.hf.bounded_cache`: the first n_first and last n_recent keys,
 rotated by their true positions or, for StreamingLLM's renumbering, by their slot in the
