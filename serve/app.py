@@ -39,9 +39,12 @@ ids, the API key, counting and logging errors), `context` (`ServerContext`: the 
 CPU pool and the plumbing every route shares), `routes/` (one router per concern: completions,
 chat, tokenizer, admin). This module only assembles them.
 
-Every request goes through the `Scheduler` (one worker thread, continuous batching). A request the
-engine fails gets a 500 error object (or, mid-stream, an `error` event before `[DONE]`) and other
-requests go on. Every error response (and every disconnect) is counted in /stats and logged with
+Every request goes through a scheduler (continuous batching): by default here the `Scheduler`, one
+worker thread of this process; `lcx serve` passes an `EngineProcess` instead (`scheduler=`, with
+its `EngineView` as `engine`), which runs the same loop in a process of its own so that the event
+loop and the engine do not share a GIL (`lcx.serve.engine_process`). A request the engine fails
+gets a 500 error object (or, mid-stream, an `error` event before `[DONE]`) and other requests go
+on; if the engine process dies, requests in flight and new ones get 503 and /health answers 503. Every error response (and every disconnect) is counted in /stats and logged with
 the request's id, which each response carries in `X-Request-Id` (a client's own, if it sends a
 short one, else a fresh one).
 """
@@ -58,6 +61,7 @@ from lcx.engine import Engine
 from .body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP
 from .chat_template import AUTO
 from .context import DEFAULT_BODY_TIMEOUT_S, ServerContext
+from .engine_process import EngineProcess, EngineView
 from .gate import Gate, error_response
 from .openapi import install_openapi
 from .pacing import DEFAULT_SHARE
@@ -66,13 +70,14 @@ from .routes import ROUTERS
 from .scheduler import Scheduler
 
 
-def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
-               batch_window_s: float = 0.01, scheduler: Scheduler | None = None,
+def create_app(engine: Engine | EngineView, *, model_name: str, api_key: str | None = None,
+               batch_window_s: float = 0.01, scheduler: Scheduler | EngineProcess | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                max_stop: int = DEFAULT_MAX_STOP, chat_template: str | None = AUTO,
                loop_share: float = DEFAULT_SHARE) -> FastAPI:
-    """The FastAPI app serving `engine` as `model_name`. The scheduler's worker thread and the CPU
-    thread pool start with the app (lifespan) and stop with it. `max_body_bytes`: the largest
+    """The FastAPI app serving `engine` as `model_name`. The scheduler (by default a `Scheduler` over
+    `engine` in a worker thread; or `scheduler`, e.g. a started `EngineProcess` with its `engine`
+    view) and the CPU thread pool start with the app (lifespan) and stop with it. `max_body_bytes`: the largest
     request body accepted (413 above); `body_timeout_s`: the time a body may take to arrive (408
     after); `max_stop`: stop strings per request; `chat_template`: "auto" (the tokenizer's, else
     lcx's default), "none" (the tokenizer's only) or a Jinja template (`lcx.serve.chat_template`);

@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=10.0,
                         help="when idle, wait this long after a request arrives to batch others with it "
                              "(default: %(default)s)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine in its own process (the server process does HTTP, parsing, "
+                             "tokenization and rendering; the engine process holds the model and steps it, with "
+                             "its own GIL, so a flood of requests cannot slow generation down; lcx.serve."
+                             "engine_process); --no-engine-process: in a thread of the server process "
+                             "(default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="device (default: %(default)s)")
     add_threads_argument(parser)
@@ -93,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    resolve_threads(args.threads)
-    # The engine thread, the event loop and the CPU pool share the GIL. With the default 5 ms
-    # switch interval the engine waits up to 5 ms each time it wants the GIL back while the event
-    # loop reads a large body: decoding slowed ~5x under a storm of 30 MB bodies (issue #34).
+    threads = resolve_threads(args.threads)
+    # The event loop, the CPU pool and the engine thread (or, with --engine-process, the thread
+    # that hands the engine's events to the loop) share the GIL. With the default 5 ms switch
+    # interval the engine waited up to 5 ms each time it wanted the GIL back while the event loop
+    # read a large body: decoding slowed ~5x under a storm of 30 MB bodies (issue #34).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Validate everything that is cheap before loading the model.
     config = EngineConfig(max_model_len=args.max_model_len, max_batch=args.max_batch,
@@ -115,14 +122,30 @@ def run(args: argparse.Namespace) -> int:
     from .chat_template import read_chat_template
 
     chat_template = read_chat_template(args.chat_template)
-    engine = Engine.from_pretrained(args.model, config, dtype=args.dtype, device=args.device)
-    name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
-                     max_body_bytes=max_body, body_timeout_s=args.body_timeout_s, max_stop=args.max_stop,
-                     loop_share=args.loop_share, chat_template=chat_template)
-    print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
-          f"max_batch {config.max_batch}, methods: {config.methods.describe()})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+    batch_window_s = args.batch_window_ms / 1000
+    scheduler = None
+    if args.engine_process:
+        from .engine_process import EngineProcess, EngineRecipe
+
+        recipe = EngineRecipe(args.model, config, dtype=args.dtype, device=args.device, threads=threads,
+                              log_level=args.log_level)
+        scheduler = EngineProcess(recipe, batch_window_s=batch_window_s).start()
+        engine = scheduler.engine
+    else:
+        engine = Engine.from_pretrained(args.model, config, dtype=args.dtype, device=args.device)
+    try:
+        name = args.served_model_name or args.model
+        app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=batch_window_s,
+                         scheduler=scheduler, max_body_bytes=max_body, body_timeout_s=args.body_timeout_s,
+                         max_stop=args.max_stop, loop_share=args.loop_share, chat_template=chat_template)
+        where = f"engine process {scheduler.pid}" if scheduler is not None else "engine thread"
+        print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
+              f"max_batch {config.max_batch}, methods: {config.methods.describe()}, {where})",
+              file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+    finally:
+        if scheduler is not None:
+            scheduler.stop()  # the app's shutdown stopped it, unless uvicorn failed before (a port in use)
     return 0
 
 
@@ -148,7 +171,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
-    for dest in ("max_body_mb", "body_timeout_s", "max_stop", "loop_share", "chat_template"):
+    for dest in ("max_body_mb", "body_timeout_s", "max_stop", "loop_share", "chat_template", "engine_process"):
         if getattr(args, dest) != parser_default(args, dest):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "

@@ -25,6 +25,7 @@ from lcx.engine import INT64_MAX, INT64_MIN, ContextLengthError, Engine, Samplin
 
 from .body import TRIM_BYTES, Limits, Scanner, cap_mmap_threshold, parse_body, release_memory
 from .chat_template import DEFAULT_CHAT_TEMPLATE, resolve_chat_template
+from .engine_process import EngineDeadError, EngineProcess, EngineView, error_type_name
 from .gate import ClientGone, HttpStats, request_id
 from .pacing import DEFAULT_SHARE, LoopPacer
 from .protocol import (
@@ -105,8 +106,12 @@ def usage(jobs: Sequence[Job]) -> Usage:
 
 
 def engine_error(ev: StepEvent) -> APIError:
+    """The error a request the engine failed gets: 503 when the engine is gone (its process died
+    or the server is stopping: the request could not run, another try may), else 500."""
     e = ev.error
-    return APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}", type="server_error",
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_unavailable")
+    return APIError(500, f"the engine failed on this request: {error_type_name(e)}: {e}", type="server_error",
                     code="engine_error")
 
 
@@ -118,7 +123,8 @@ def sse(obj: BaseModel | dict[str, Any]) -> str:
 class ServerContext:
     """The state the routes share (`app.state.ctx`) and the plumbing they build on."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler, *, model_name: str, max_body_bytes: int,
+    def __init__(self, engine: Engine | EngineView, scheduler: Scheduler | EngineProcess, *, model_name: str,
+                 max_body_bytes: int,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_stop: int | None = None,
                  chat_template: str | None = DEFAULT_CHAT_TEMPLATE, loop_share: float = DEFAULT_SHARE):
         if max_body_bytes < 1:
@@ -391,8 +397,15 @@ class ServerContext:
             for idx in open_:
                 sched.abort(rids[idx])
 
+    def check_engine(self) -> None:
+        """503 before anything is queued while the engine is not running (its process died)."""
+        if not self.sched.alive:
+            raise APIError(503, "the engine is not running (see /health and the server's log); the request was "
+                           "not queued", type="server_error", code="engine_unavailable")
+
     async def run_all(self, jobs: Sequence[Job], request: Request) -> None:
         """Run `jobs` to completion (each job collects its events)."""
+        self.check_engine()
         async with contextlib.aclosing(self.events(jobs, request)) as stream:
             async for job, ev in stream:
                 if ev.finish_reason == "error":
@@ -408,6 +421,7 @@ class ServerContext:
         error object and [DONE] (jobs still open are aborted by `events`); then the chunk
         `usage_chunk(usage)` makes, when given, and [DONE]. A client that leaves ends it at once."""
         rid = request_id(request)
+        self.check_engine()
 
         async def body() -> AsyncIterator[str]:
             for c in first:

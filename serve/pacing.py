@@ -11,6 +11,12 @@ time passed, and if the loop used more than `share` of it, it blocks the loop in
 `max_pause_s`. Work the loop did not get to waits in the kernel (connections in the accept
 queue, bytes in socket buffers) where it costs nothing. While the engine is idle the pacer does
 nothing and the loop runs at full speed. It works with any event loop (asyncio's, uvloop).
+
+With the engine in its own process (`lcx serve`'s default, `lcx.serve.engine_process`) the loop
+no longer shares a GIL with the engine's torch ops, only with the reader thread that hands each
+step's events to the loop (once per step), but it still shares the machine's cores with the
+engine process: the pacer keeps a flood from taking the engine's CPU time. `engine_busy` is then
+`EngineProcess.has_work` (requests submitted and not finished).
 """
 
 from __future__ import annotations

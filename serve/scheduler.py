@@ -13,6 +13,9 @@ every submitted request ends with exactly one finished event (stop, length, abor
 A failure confined to one request is isolated by the engine (`Engine.step`). If `step` itself
 raises (a bug), every request in flight gets an error event, the engine's batch is reset, and
 the worker keeps serving.
+
+The same loop runs inside the engine process (`lcx.serve.engine_process`), where the
+`after_iteration` hook sends each iteration's events to the server process in one message.
 """
 
 from __future__ import annotations
@@ -32,11 +35,16 @@ Sink = Callable[[StepEvent], None]
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, batch_window_s: float = 0.01):
+    def __init__(self, engine: Engine, *, batch_window_s: float = 0.01,
+                 after_iteration: Callable[["Scheduler"], None] | None = None):
+        """`after_iteration(self)`: called on the worker thread after each turn of its loop (inbox
+        drained, one step run, events delivered), e.g. to send what the sinks collected as one
+        message."""
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         self.engine = engine
         self.batch_window_s = batch_window_s
+        self.after_iteration = after_iteration
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._ids = itertools.count()
@@ -61,11 +69,13 @@ class Scheduler:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------------ thread-safe API
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: str | None = None) -> str:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, tag: str | None = None,
+               *, request_id: str | None = None) -> str:
         """Queue a request (validate it first with `engine.validate`); `sink` gets its events on the
         worker thread, the last one with `finished=True`. Returns the request id, `r<n>` or
-        `r<n>-<tag>` (the server tags it with the HTTP request id, so engine logs name it)."""
-        rid = f"r{next(self._ids)}" + (f"-{tag}" if tag else "")
+        `r<n>-<tag>` (the server tags it with the HTTP request id, so engine logs name it), or
+        `request_id` when given (the engine process keeps the id its server side chose)."""
+        rid = request_id or f"r{next(self._ids)}" + (f"-{tag}" if tag else "")
         self._inbox.put(("add", (rid, list(prompt_ids), params, sink)))
         return rid
 
@@ -108,34 +118,43 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._turn()
+            if self.after_iteration is not None:
+                try:
+                    self.after_iteration(self)
+                except Exception:  # noqa: BLE001 - never kill the worker
+                    log.exception("after_iteration failed")
+
+    def _turn(self) -> None:
+        """One turn of the loop: take the inbox (waiting for work when idle), run one step."""
+        if not self.engine.has_work():
+            self._drain(0.5)
             if not self.engine.has_work():
-                self._drain(0.5)
-                if not self.engine.has_work():
-                    continue
-                # Batching window: collect what arrives together before the first prefill.
-                deadline = time.monotonic() + self.batch_window_s
-                while (left := deadline - time.monotonic()) > 0:
-                    self._drain(left)
-            else:
-                self._drain(None)
-            try:
-                events = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - a bug in the engine: fail what is in flight, go on
-                log.exception("engine step failed; failing %d in-flight request(s)", len(self._sinks))
-                self.counters["worker_failures"] += 1
-                self.engine.reset()
-                for rid in list(self._sinks):
-                    self._deliver(StepEvent(rid, finished=True, finish_reason="error", error=e))
-                continue
-            running = self.engine.num_running
-            if running != self._last_batch:
-                log.info("batch size %d -> %d (waiting %d)", self._last_batch, running, self.engine.num_waiting)
-                self._last_batch = running
-            if self.engine.stats.max_batch_size > 1:
-                self.counters["batches_over_1"] = sum(
-                    v for k, v in self.engine.stats.batch_size_hist.items() if k > 1)
-            for ev in events:
-                self._deliver(ev)
+                return
+            # Batching window: collect what arrives together before the first prefill.
+            deadline = time.monotonic() + self.batch_window_s
+            while (left := deadline - time.monotonic()) > 0:
+                self._drain(left)
+        else:
+            self._drain(None)
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a bug in the engine: fail what is in flight, go on
+            log.exception("engine step failed; failing %d in-flight request(s)", len(self._sinks))
+            self.counters["worker_failures"] += 1
+            self.engine.reset()
+            for rid in list(self._sinks):
+                self._deliver(StepEvent(rid, finished=True, finish_reason="error", error=e))
+            return
+        running = self.engine.num_running
+        if running != self._last_batch:
+            log.info("batch size %d -> %d (waiting %d)", self._last_batch, running, self.engine.num_waiting)
+            self._last_batch = running
+        if self.engine.stats.max_batch_size > 1:
+            self.counters["batches_over_1"] = sum(
+                v for k, v in self.engine.stats.batch_size_hist.items() if k > 1)
+        for ev in events:
+            self._deliver(ev)
 
     def _deliver(self, ev: StepEvent) -> None:
         sink = self._sinks.get(ev.request_id)
