@@ -30,6 +30,10 @@ type name and message. `stop` asks the child to finish, then terminates and kill
 not within the timeout. The child exits by itself when the server process goes away (its pipe
 closes), so a killed server leaves no engine behind. The child ignores SIGINT: Ctrl-C reaches
 the whole process group, and the server shuts the engine down itself, after the last response.
+
+The child is started with multiprocessing's "spawn" (no forked torch or thread state), which
+re-imports the parent's main module: a script that starts an `EngineProcess` itself needs the
+usual `if __name__ == "__main__":` guard (`lcx serve`, `python -m lcx.cli` and pytest have it).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ _ERRORS = {
     413: "body larger than the server's limit, or holding more values than any valid request",
     415: "Content-Type other than application/json",
     500: "the engine failed on this request (a server bug)",
+    503: "the engine is not running (its process died): requests in flight and new ones get this; see /health",
 }
 
 
@@ -33,9 +34,10 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
-def post_doc(body: type[BaseModel], *, stream: bool = False) -> dict[str, Any]:
+def post_doc(body: type[BaseModel], *, stream: bool = False, generates: bool = False) -> dict[str, Any]:
     """The route-decorator keywords documenting a POST route whose handler validates `body` itself:
-    the request body, the error responses and (`stream`) the text/event-stream alternative."""
+    the request body, the error responses (`generates`: the route runs the engine, so 503 when
+    its process is gone) and (`stream`) the text/event-stream alternative."""
     if body not in _BODY_MODELS:
         _BODY_MODELS.append(body)
     ok: dict[str, Any] = {"description": "the response"}
@@ -47,7 +49,7 @@ def post_doc(body: type[BaseModel], *, stream: bool = False) -> dict[str, Any]:
     return {
         "openapi_extra": {"requestBody": {
             "required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=body.__name__)}}}}},
-        "responses": {200: ok, **errors(400, 401, 404, 408, 413, 415, 500)},
+        "responses": {200: ok, **errors(400, 401, 404, 408, 413, 415, 500, *((503,) if generates else ()))},
     }
 
 

@@ -48,7 +48,7 @@ def chat_jobs(c: ServerContext, req: ChatCompletionRequest) -> tuple[list[Job], 
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-             **post_doc(ChatCompletionRequest, stream=True))
+             **post_doc(ChatCompletionRequest, stream=True, generates=True))
 async def chat(request: Request, c: ServerContext = Depends(ctx)):
     req: ChatCompletionRequest = await c.parse(ChatCompletionRequest, request)
     jobs, k = await c.cpu(chat_jobs, c, req, inline=c.small_request(request))

@@ -51,7 +51,7 @@ def completion_jobs(c: ServerContext, req: CompletionRequest) -> list[Job]:
     return jobs
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, **post_doc(CompletionRequest, stream=True))
+@router.post("/v1/completions", response_model=CompletionResponse, **post_doc(CompletionRequest, stream=True, generates=True))
 async def completions(request: Request, c: ServerContext = Depends(ctx)):
     req: CompletionRequest = await c.parse(CompletionRequest, request)
     jobs = await c.cpu(completion_jobs, c, req, inline=c.small_request(request))
