@@ -180,21 +180,17 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
       std::fill(mx.begin(), mx.end(), kNegInf);
       for (int64_t c = 0; c < Kc; ++c) {
         key_row[c] = -1;
+        for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;  // until scored below
         const int64_t u = idx[c];
         const int64_t k = compact ? col[c] : c;
-        if (u < 0 || k < 0) {  // not visible (or a compacted row's padding)
-          for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;
-          continue;
-        }
+        if (u < 0 || k < 0) continue;  // not visible (or a compacted row's padding)
         if (u >= U || k >= K) {  // checked where read, not by a separate pass
           bad = true;
-          for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;
           continue;
         }
         const int64_t kr_row = key_rows[k * Hkv];
         if (kr_row < 0 || kr_row >= R) {
           bad = true;
-          for (int64_t j = 0; j < group; ++j) s[j * Kc + c] = kNegInf;
           continue;
         }
         key_row[c] = kr_row;

@@ -266,12 +266,7 @@ def _delta_keys(visible: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
     d = delta.numpy()
     moved = vis & (d != 0)
     values = d[moved]
-    uniq = np.sort(values)
-    if uniq.size:
-        keep = np.empty(uniq.shape, dtype=bool)
-        keep[0] = True
-        np.not_equal(uniq[1:], uniq[:-1], out=keep[1:])
-        uniq = uniq[keep]
+    uniq = np.unique(values)
     cos, sin = _rotation_rows(inv_freq)(np.concatenate(([0.0], uniq)))  # [U, r/2]; row 0: cos 1, sin 0
     index = np.where(vis, 0, -1)
     index[moved] = 1 + np.searchsorted(uniq, values)
@@ -323,7 +318,7 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
 
     Index arithmetic in numpy on views of the metadata (a step's plan is a few dozen ops on
     arrays of ~B x K entries: torch's per-op dispatch would cost more than the attention of a
-    short batch); the rule's position maps run as torch ops on float64 views."""
+    short batch); the rule's position maps are evaluated once per new position (`_RuleMaps`)."""
     rule = rotated_rule(method)
     qsl = query_start_loc.numpy().astype(np.int64, copy=False)
     req_a = np.asarray(req, dtype=np.int64)
