@@ -344,6 +344,115 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   });
 }
 
+// The vLLM plugin's step plan of the rotated layout under a method's window + side decode rule
+// (`lcx.serve.vllm_plugin.method_attention._rule_decode`, whose numpy code is the reference and
+// states the rule): every query row of the requests `req` reads its side keys (the first `side`
+// positions outside its window; side < 0: all of them) and its window keys (p_q - window < p_k
+// <= p_q; window < 0: every key), padded to the longest row with invisible keys. A side key
+// moves by delta = a[p_k] - b[p_q] (float64 shift tables of the rule's key / query maps); window
+// keys and padding by 0. One pass over the B x K entries instead of ~40 numpy ops: the plan is
+// rebuilt every step, so its fixed cost is paid per generated token.
+// Returns rows [B], blocks, offsets [B, K] (int64), visible [B, K] (bool), delta [B, K]
+// (float64), cache_rows [B, K, hkv] (the rows of `paged_relative_attention`'s kv for a cache
+// [num_blocks, hkv, block_size, 2D]), index [B, 1, K] (-1 invisible, 0 read as cached, 1 + u for
+// the u-th of the distinct non-zero deltas) and those deltas [U], ascending.
+struct IntView {  // an int32 or int64 tensor's elements as int64
+  const int32_t* p32 = nullptr;
+  const int64_t* p64 = nullptr;
+  explicit IntView(const torch::Tensor& t) {
+    if (t.scalar_type() == torch::kInt32) p32 = t.data_ptr<int32_t>(); else p64 = t.data_ptr<int64_t>();
+  }
+  int64_t operator[](int64_t i) const { return p32 ? static_cast<int64_t>(p32[i]) : p64[i]; }
+};
+
+std::vector<torch::Tensor> rule_plan(const torch::Tensor& query_start_loc, const torch::Tensor& seq_lens,
+                                     const torch::Tensor& block_table, const torch::Tensor& req, int64_t window,
+                                     int64_t side, const torch::Tensor& key_shift, const torch::Tensor& query_shift,
+                                     int64_t block_size, int64_t hkv) {
+  for (const torch::Tensor* t : {&query_start_loc, &seq_lens, &block_table, &req}) {
+    TORCH_CHECK((t->scalar_type() == torch::kInt32 || t->scalar_type() == torch::kInt64) && t->is_contiguous() &&
+                    t->device().is_cpu(), "contiguous int32 / int64 CPU index tensors");
+  }
+  TORCH_CHECK(block_table.dim() == 2 && block_size >= 1 && hkv >= 1, "block_table [n, blocks], block_size, hkv >= 1");
+  TORCH_CHECK(key_shift.scalar_type() == torch::kFloat64 && query_shift.scalar_type() == torch::kFloat64 &&
+                  key_shift.is_contiguous() && query_shift.is_contiguous(), "contiguous float64 shift tables");
+  const int64_t R = req.size(0), n_blocks = block_table.size(1);
+  const IntView qsl(query_start_loc), lens(seq_lens), table(block_table), reqs(req);
+  std::vector<int64_t> start(R), n_q(R), req_i(R);
+  int64_t B = 0, n_max = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = reqs[r];
+    TORCH_CHECK(i >= 0 && i + 1 < query_start_loc.size(0) && i < seq_lens.size(0), "request index out of range");
+    req_i[r] = i;
+    start[r] = qsl[i];
+    n_q[r] = qsl[i + 1] - start[r];
+    TORCH_CHECK(n_q[r] >= 0 && lens[i] >= n_q[r], "a request has fewer keys than queries");
+    if (n_q[r] > 0) n_max = std::max(n_max, lens[i]);
+    B += n_q[r];
+  }
+  const bool bounded = window >= 0 && side >= 0;
+  const int64_t K = bounded ? std::min(n_max, side + window) : n_max;
+  const bool moves = side != 0;
+  if (moves) {
+    TORCH_CHECK(key_shift.size(0) >= std::min(n_max, side < 0 ? n_max : side) && query_shift.size(0) >= n_max,
+                "shift tables shorter than the step's positions");
+  }
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  torch::Tensor rows = torch::empty({B}, i64), blocks = torch::empty({B, K}, i64), offsets = torch::empty({B, K}, i64);
+  torch::Tensor visible = torch::empty({B, K}, torch::TensorOptions().dtype(torch::kBool));
+  torch::Tensor delta = torch::zeros({B, K}, torch::TensorOptions().dtype(torch::kFloat64));
+  torch::Tensor cache_rows = torch::empty({B, K, hkv}, i64), index = torch::empty({B, 1, K}, i64);
+  int64_t* rw = rows.data_ptr<int64_t>();
+  int64_t* bl = blocks.data_ptr<int64_t>();
+  int64_t* of = offsets.data_ptr<int64_t>();
+  bool* vis = visible.data_ptr<bool>();
+  double* dl = delta.data_ptr<double>();
+  int64_t* cr = cache_rows.data_ptr<int64_t>();
+  int64_t* ix = index.data_ptr<int64_t>();
+  const double* a = key_shift.data_ptr<double>();
+  const double* bq = query_shift.data_ptr<double>();
+  const int64_t n_a = key_shift.size(0);
+  std::vector<double> moved;
+  int64_t row = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t keys_before = lens[req_i[r]] - n_q[r];
+    for (int64_t t = 0; t < n_q[r]; ++t, ++row) {
+      rw[row] = start[r] + t;
+      const int64_t n = keys_before + t + 1, p_q = n - 1;  // keys this row sees; the query is the last
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t e = row * K + j;
+        const int64_t idx = bounded && j >= side ? j + std::max<int64_t>(n - (side + window), 0) : j;
+        const bool valid = idx < n;
+        const bool in_window = window < 0 || idx > p_q - window;
+        const bool is_side = !in_window && (side < 0 || idx < side);
+        const bool v = valid && (in_window || is_side);
+        vis[e] = v;
+        ix[e] = v ? 0 : -1;
+        if (moves && v && is_side) {
+          const double d = a[std::min(idx, n_a - 1)] - bq[p_q];
+          dl[e] = d;
+          if (d != 0.0) moved.push_back(d);
+        }
+        const int64_t k = valid ? idx : 0;  // padding reads a real slot (never used: invisible)
+        const int64_t blk = table[req_i[r] * n_blocks + std::min(k / block_size, n_blocks - 1)];
+        bl[e] = blk;
+        of[e] = k % block_size;
+        for (int64_t g = 0; g < hkv; ++g) cr[e * hkv + g] = (blk * hkv + g) * block_size + k % block_size;
+      }
+    }
+  }
+  std::sort(moved.begin(), moved.end());
+  moved.erase(std::unique(moved.begin(), moved.end()), moved.end());
+  if (!moved.empty()) {
+    for (int64_t e = 0; e < B * K; ++e) {
+      if (ix[e] == 0 && dl[e] != 0.0) ix[e] = 1 + (std::lower_bound(moved.begin(), moved.end(), dl[e]) - moved.begin());
+    }
+  }
+  torch::Tensor uniq = torch::empty({static_cast<int64_t>(moved.size())}, torch::TensorOptions().dtype(torch::kFloat64));
+  std::copy(moved.begin(), moved.end(), uniq.data_ptr<double>());
+  return {rows, blocks, offsets, visible, delta, cache_rows, index, uniq};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -353,4 +462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax attention with per-(query, key) relative positions over a paged cache (CPU)", py::arg("query"),
         py::arg("kv"), py::arg("rows"), py::arg("q_rows"), py::arg("index"), py::arg("cols"), py::arg("cos"), py::arg("sin"),
         py::arg("scale"), py::arg("out"));
+  m.def("rule_plan", &rule_plan, "the vLLM plugin's rotated-layout step plan under a window + side rule (CPU)",
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"), py::arg("req"), py::arg("window"),
+        py::arg("side"), py::arg("key_shift"), py::arg("query_shift"), py::arg("block_size"), py::arg("hkv"));
 }

@@ -1,6 +1,6 @@
 """`lcx bench serving`: throughput and latency of `lcx serve` (and vLLM) under a fixed concurrent load.
 
-    lcx bench serving                        # tiny-5m, 16 clients x 4 requests, 5 repeats -> results/serving_cpu.json
+    lcx bench serving                        # tiny-5m, 16 clients x 16 requests, 5 repeats -> results/serving_cpu.json
     lcx bench serving --model smollm2-135m --clients 8 --gen-len 64
     lcx bench serving --clients 2 --requests 1 --repeats 1 --vllm no --out /tmp/s.json   # smoke
     lcx bench serving --long-prompt-len 0    # without the long-prompt load
@@ -19,7 +19,7 @@ the repeats it finished) and prints a table.
 Long-prompt load (`--long-prompt-len`, default 2048; 0: off): in the same run, each repeat also
 loads every vLLM server (plain and plugin rows; the built-in server's model context is the
 model's own) with prompts of that length, `--long-gen-len` generated tokens, the same clients
-and requests, and a different random prompt for every request (so vLLM's prefix cache cannot
+and `--long-requests` requests each, and a different random prompt for every request (so vLLM's prefix cache cannot
 serve the prompt: every request's prefill is paid, as with real long documents). With the
 default 48-key windows, 2048 tokens are ~37x the keys a query of the LM-Infinite / sinks rows
 sees; those are the rows where a bounded method should be cheaper than full attention. The
@@ -83,6 +83,7 @@ class Config:
     vllm_methods: str  # the JSON of --vllm-methods, as given
     long_prompt_len: int
     long_gen_len: int
+    long_requests: int
 
 
 def _free_port() -> int:
@@ -352,7 +353,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     BENCH.add_arguments(ap)  # --out, --threads (the servers'), the epilog
     ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=4, help="requests per client per repeat")
+    ap.add_argument("--requests", type=int, default=16,
+                    help="requests per client per repeat (default: %(default)s: ~4 s of plain vLLM per repeat with "
+                         "the default lengths; at 4 requests a repeat lasted ~1 s and its ratios scattered +-10%%)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--long-prompt-len", type=int, default=2048,
@@ -360,6 +363,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "request (0: off; default: %(default)s)")
     ap.add_argument("--long-gen-len", type=int, default=32,
                     help="generated tokens per request of the long-prompt load (default: %(default)s)")
+    ap.add_argument("--long-requests", type=int, default=4,
+                    help="requests per client per repeat of the long-prompt load (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per server (default: %(default)s)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--vllm", choices=["auto", "yes", "no"], default="auto",
@@ -396,8 +401,10 @@ def _ratios(by_name: dict, pairs: list[tuple[str, str, str]]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.clients, args.requests, args.repeats, args.prompt_len, args.gen_len, args.long_gen_len) < 1:
-        raise ValueError("--clients, --requests, --repeats, --prompt-len, --gen-len and --long-gen-len must be >= 1")
+    if min(args.clients, args.requests, args.repeats, args.prompt_len, args.gen_len, args.long_gen_len,
+           args.long_requests) < 1:
+        raise ValueError("--clients, --requests, --repeats, --prompt-len, --gen-len, --long-gen-len and "
+                         "--long-requests must be >= 1")
     if args.long_prompt_len < 0:
         raise ValueError("--long-prompt-len must be >= 0 (0: no long-prompt load)")
     args.threads = BENCH.resolve_threads(args, apply=False)  # the servers' (`auto` measured here, once)
@@ -432,8 +439,8 @@ def run(args: argparse.Namespace) -> int:
     long_args = None
     if use_vllm and args.long_prompt_len:
         long_args = argparse.Namespace(**{**vars(args), "prompt_len": args.long_prompt_len,
-                                          "gen_len": args.long_gen_len})
-        n_req = args.clients * args.requests
+                                          "gen_len": args.long_gen_len, "requests": args.long_requests})
+        n_req = args.clients * args.long_requests
         vocab = len(tok)
         # repeat r's prompts (r = -1: warm-up); the same for every server, never twice on one
         loads.append(Load("long_prompt", lambda r: _random_prompts(n_req, args.long_prompt_len, vocab, seed=1000 + r),
@@ -446,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
     load_during: list[float] = []  # 1-minute load average after each repeat
     rec = BENCH.start(args, Config(args.model, args.clients, args.requests, args.prompt_len, args.gen_len,
                                    args.repeats, args.threads, args.dtype, args.vllm, args.vllm_methods,
-                                   args.long_prompt_len, args.long_gen_len),
+                                   args.long_prompt_len, args.long_gen_len, args.long_requests),
                       environment={"loadavg_before": load_before, "loadavg_after_each_repeat": load_during,
                                    "loadavg_after": None, "device": "cpu"})
 

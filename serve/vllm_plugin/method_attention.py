@@ -132,10 +132,11 @@ class _MethodAttention:
             return output
         num_blocks, hkv, block_size, two_d = kv_cache.shape
         d = two_d // 2
-        plan = _step_plan(attn_metadata, self.lcx_method, block_size, self.lcx_rotated)
-        flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
         fused = (self.lcx_kernel == "cpp" and query.dtype == kv_cache.dtype == output.dtype
                  and query.dtype in FUSED_DTYPES)
+        plan = _step_plan(attn_metadata, self.lcx_method, block_size, self.lcx_rotated,
+                          tuple(kv_cache.shape) if fused else None)
+        flat = kv_cache.view(-1, two_d)  # rows (block, head, offset): index_select gathers fast
         if plan.rule_decode is not None:  # rotated layout: every decode (+ banded prefill) row in one call
             _rule_decode_attend(self, plan.rule_decode, query, flat, kv_cache.shape, output, fused)
         for g in plan.decode_groups:  # one batched call per group of equally long compressed caches
@@ -289,9 +290,15 @@ class _RuleDecode:
     delta: torch.Tensor  # [B, K] float64: re-rotation of each cached key (0: window keys, padding)
     shared: list = field(default_factory=list, compare=False)  # see `_memo_basis`
     row_index: dict = field(default_factory=dict, compare=False)  # cache shape -> `_cache_rows` [B, K, Hkv]
+    # the C++ planner's `index [B, 1, K]` and distinct non-zero deltas `[U]` (None: from `delta`)
+    moved: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
 
     def relative_keys(self, inv_freq: torch.Tensor, dtype: torch.dtype) -> RelativeKeys:
         """The C++ kernel's tables: `index [B, 1, K]`, unit-scale cos/sin of the distinct deltas."""
+        if self.moved is not None:
+            index, uniq = self.moved
+            return _memo_basis(self.shared, "keys", inv_freq, dtype, lambda: RelativeKeys(
+                index, *_rotation_rows(inv_freq)(np.concatenate(([0.0], uniq.numpy())))))
         return _memo_basis(self.shared, "keys", inv_freq, dtype, lambda: _delta_keys(
             self.visible[:, None], self.delta[:, None], inv_freq))
 
@@ -305,7 +312,7 @@ class _RuleDecode:
 
 
 def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 req: list[int], method: AttentionMethod, block_size: int) -> _RuleDecode:
+                 req: list[int], method: AttentionMethod, block_size: int, cache_shape=None) -> _RuleDecode:
     """The rows under `method.decode_rule()` of the requests `req` (module docstring): each
     decode request's query, and every query of a prefill / chunk request when the rule holds for
     prefill queries too (`rule_covers_prefill`): its query at position p is read as the last
@@ -318,8 +325,14 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
 
     Index arithmetic in numpy on views of the metadata (a step's plan is a few dozen ops on
     arrays of ~B x K entries: torch's per-op dispatch would cost more than the attention of a
-    short batch); the rule's position maps are evaluated once per new position (`_RuleMaps`)."""
+    short batch); the rule's position maps are evaluated once per new position (`_RuleMaps`).
+    With `cache_shape` (the C++ kernel runs the step), the same plan comes from one call of the
+    extension's `rule_plan` (this code is its reference: tests/serve/test_vllm_plugin_decode.py),
+    with the cache rows for that shape and the kernel's index."""
     rule = rotated_rule(method)
+    if cache_shape is not None:
+        return _rule_decode_cpp(query_start_loc, seq_lens, block_table, req, method, rule, block_size,
+                                tuple(cache_shape))
     qsl = query_start_loc.numpy().astype(np.int64, copy=False)
     req_a = np.asarray(req, dtype=np.int64)
     start = qsl[req_a]
@@ -347,12 +360,34 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
         if moved_rows.any():  # delta = a(p_k) - b(p_q), both maps memoised per method
             maps = _rule_maps(method)
             a = maps.key_shift(int(n.max()) if S is None else min(int(n.max()), S))  # side keys are among these
-            delta = np.where(moved_rows, a[np.minimum(idx, a.shape[0] - 1)] - maps.query_shift(p_q[:, 0])[:, None], 0.0)
+            b = maps.query_shift(int(n.max()))
+            delta = np.where(moved_rows, a[np.minimum(idx, a.shape[0] - 1)] - b[p_q], 0.0)
     idx = np.where(valid, idx, 0)  # padding reads a real slot (never used: invisible)
     table = block_table.numpy()
     blocks = np.take(table.reshape(-1), row_req[:, None] * table.shape[1] + idx // block_size).astype(np.int64)
     return _RuleDecode(torch.from_numpy(rows), torch.from_numpy(blocks), torch.from_numpy(idx % block_size),
                        torch.from_numpy(visible), torch.from_numpy(delta))
+
+
+def _rule_decode_cpp(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                     req: list[int], method: AttentionMethod, rule, block_size: int, cache_shape) -> _RuleDecode:
+    """`_rule_decode` by the C++ extension's `rule_plan` (one call), for a cache of `cache_shape`."""
+    W = -1 if rule.window is None else rule.window
+    S = -1 if rule.side is None else rule.side
+    a = b = _NO_SHIFT
+    if rule.has_side:
+        n_max = int(seq_lens.numpy().max()) if seq_lens.numel() else 0  # covers every row's keys
+        maps = _rule_maps(method)
+        a = torch.from_numpy(maps.key_shift(n_max if rule.side is None else min(n_max, rule.side)))
+        b = torch.from_numpy(maps.query_shift(n_max))
+    rows, blocks, offsets, visible, delta, cache_rows, index, uniq = load_extension().rule_plan(
+        query_start_loc.contiguous(), seq_lens.contiguous(), block_table.contiguous(),
+        torch.tensor(req, dtype=torch.int64), W, S, a, b, block_size, cache_shape[1])
+    return _RuleDecode(rows, blocks, offsets, visible, delta, row_index={cache_shape: cache_rows},
+                       moved=(index, uniq))
+
+
+_NO_SHIFT = torch.zeros(0, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -428,15 +463,18 @@ class _StepPlan:
 _PLAN_ATTR = "_lcx_step_plan"
 
 
-def _step_plan(attn_metadata, method: AttentionMethod, block_size: int, rotated: bool = False) -> _StepPlan:
+def _step_plan(attn_metadata, method: AttentionMethod, block_size: int, rotated: bool = False,
+               cpp_cache_shape=None) -> _StepPlan:
     """The step's plan, built by the first layer and cached on the metadata object (vLLM passes
-    the same one to every layer of a KV-cache group in a step, and a new one the next step)."""
-    key = (method, block_size, rotated)
+    the same one to every layer of a KV-cache group in a step, and a new one the next step).
+    `cpp_cache_shape`: the cache's shape where the C++ kernel runs the step (the rotated
+    layout's plan then comes from the C++ planner, see `_rule_decode`)."""
+    key = (method, block_size, rotated, cpp_cache_shape)
     cached = getattr(attn_metadata, _PLAN_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     plan = _build_plan(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
-                       method, block_size, rotated)
+                       method, block_size, rotated, cpp_cache_shape)
     try:
         setattr(attn_metadata, _PLAN_ATTR, (key, plan))
     except AttributeError:  # a metadata class with __slots__: every layer rebuilds the plan
@@ -475,7 +513,7 @@ def _bounded(method: AttentionMethod) -> bool:
 
 
 def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                method: AttentionMethod, block_size: int, rotated: bool = False) -> _StepPlan:
+                method: AttentionMethod, block_size: int, rotated: bool = False, cpp_cache_shape=None) -> _StepPlan:
     """Split the step's requests into decode rows and multi-query requests.
 
     Rotated layout: every decode row goes to one `_RuleDecode`. Unrotated layout: decode rows
@@ -503,7 +541,7 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     rule_decode = None
     if rule_rows:
         rule_decode = _rule_decode(query_start_loc, seq_lens, block_table, rule_rows, method,
-                                   block_size)
+                                   block_size, cpp_cache_shape)
     groups = []
     for k_len, reqs in sorted(decode.items()):
         req = torch.tensor(reqs, dtype=torch.long)
@@ -581,15 +619,16 @@ def attention_kernel() -> str:
 
 class _RuleMaps:
     """A rotated rule's position maps as shifts, memoised across steps: a(p) = side_key(p) - p
-    for key positions 0..m-1, b(p) = side_query(p) - p per query position. A side key's
-    re-rotation is a(p_k) - b(p_q); the maps are torch ops on float64 (the rule's own
-    functions, `lcx.methods.base.DecodeRule`), evaluated here once per new position instead of
-    on every step's [B, K] array (torch's per-op cost inside vLLM's worker is several us)."""
+    for key positions, b(p) = side_query(p) - p for query positions, both as tables over
+    0..m-1 (grown by doubling). A side key's re-rotation is a(p_k) - b(p_q); the maps are torch
+    ops on float64 (the rule's own elementwise functions, `lcx.methods.base.DecodeRule`),
+    evaluated here once per position instead of on every step's [B, K] array (torch's per-op
+    cost inside vLLM's worker is several us)."""
 
     def __init__(self, rule):
         self.rule = rule
         self.a = np.empty(0, dtype=np.float64)
-        self.b: dict[int, float] = {}
+        self.b = np.empty(0, dtype=np.float64)
 
     def key_shift(self, m: int) -> np.ndarray:
         """a(0..m-1) `[m]` (a longer prefix may be returned)."""
@@ -598,16 +637,12 @@ class _RuleMaps:
             self.a = (self.rule.side_key(p) - p).numpy()
         return self.a
 
-    def query_shift(self, positions: np.ndarray) -> np.ndarray:
-        """b(p) for integer positions `[B]`."""
-        ps = positions.tolist()
-        new = sorted({p for p in ps if p not in self.b})
-        if new:
-            if len(self.b) > (1 << 20):
-                self.b.clear()
-            q = torch.tensor(new, dtype=torch.float64)
-            self.b.update(zip(new, (self.rule.side_query(q) - q).tolist()))
-        return np.fromiter((self.b[p] for p in ps), np.float64, len(ps))
+    def query_shift(self, m: int) -> np.ndarray:
+        """b(0..m-1) `[m]` (a longer prefix may be returned)."""
+        if self.b.shape[0] < m:
+            p = torch.arange(max(m, 2 * self.b.shape[0]), dtype=torch.float64)
+            self.b = (self.rule.side_query(p) - p).numpy()
+        return self.b
 
 
 @functools.lru_cache(maxsize=64)

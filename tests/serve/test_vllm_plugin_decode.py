@@ -214,6 +214,39 @@ def test_rotated_plan_by_hand():
     assert plan.multi_query == (6, 7, 9, 10) and plan.rule_decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 29]
 
 
+@pytest.mark.parametrize("name", ROTATED)
+@pytest.mark.parametrize("int64", [False, True], ids=["int32-meta", "int64-meta"])
+def test_cpp_rule_plan_equals_numpy_plan(name, int64):
+    """The C++ planner (`rule_plan`, used where the C++ kernel runs the step) gives the numpy
+    plan's every field bit for bit: rows, slots, visibility, deltas, the cache rows of the
+    cache's shape and the kernel's index and rotation tables; on STEP (decode rows of every
+    length, prefills and chunks) and on a step of decode rows only, int32 (vLLM's) or int64
+    metadata."""
+    assert attention_kernel() == "cpp"
+    method = METHODS[name]
+    cache, meta, _, _, _ = _step()
+    shape = tuple(cache.shape)
+    metas = [meta]
+    decode = [r for r, (_, q) in enumerate(STEP) if q == 1]  # decode rows only: a steady-state step
+    qsl = torch.arange(len(decode) + 1, dtype=torch.int32)
+    metas.append(types.SimpleNamespace(query_start_loc=qsl, seq_lens=meta.seq_lens[decode],
+                                       block_table=meta.block_table[decode]))
+    for m in metas:
+        if int64:
+            m = types.SimpleNamespace(**{k: v.long() for k, v in vars(m).items()})
+        ref = _build_plan(m.query_start_loc, m.seq_lens, m.block_table, method, BLOCK, True)
+        got = _build_plan(m.query_start_loc, m.seq_lens, m.block_table, method, BLOCK, True, shape)
+        assert ref.multi_query == got.multi_query
+        a, b = ref.rule_decode, got.rule_decode
+        assert b.moved is not None and a.moved is None  # the C++ planner ran, the reference did not
+        for f in ("rows", "blocks", "offsets", "visible", "delta"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: {f}"
+        assert torch.equal(a.cache_rows(shape), b.cache_rows(shape))
+        ka, kb = a.relative_keys(INV_FREQ, torch.float32), b.relative_keys(INV_FREQ, torch.float32)
+        assert torch.equal(ka.index, kb.index) and torch.equal(ka.cos, kb.cos) and torch.equal(ka.sin, kb.sin)
+
+
 @pytest.mark.parametrize("name", list(METHODS))
 def test_rule_covers_prefill_only_where_query_keys_agree(name):
     """`rule_covers_prefill` (prefill queries planned under the decode rule) is True exactly for
