@@ -5,8 +5,8 @@
 # Self-Extend -> results/report/smollm2-135m-n16/. About 15-25 h of one CPU core in all: it is
 # run across sessions, a length at a time, most informative first (16k, then 8k, then 12k);
 # every finished (method, length) cell is kept and reused (--reuse), so rerun the same command
-# after an interruption. Decode cells are not this sweep's business (a 16-token placeholder
-# length; `lcx bench decode` and the main SmolLM2 report measure decoding).
+# after an interruption. No decode cells (--decode-lengths none): `lcx bench decode` and the main
+# SmolLM2 report measure decoding.
 #   bash scripts/report_smollm2_n16.sh [LENGTHS [EXTRA lcx report FLAGS]]   (LENGTHS must include 16384:
 #   the RoPE factor and the perplexity windows follow the longest length)
 #   bash scripts/report_smollm2_n16.sh 16384            # (default) the 16k cells
@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths 16 \
+exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths none \
   --methods lm_infinite_topk,lm_infinite,self_extend,vanilla,yarn,dynamic,sinks \
-  --depths 8 --samples-per-depth 2 --ppl-docs 4 --decode-tokens 16 --threads 1 \
+  --depths 8 --samples-per-depth 2 --ppl-docs 4 --threads 1 \
   --reuse --keep-other-code --out results/report/smollm2-135m-n16 "${@:2}"

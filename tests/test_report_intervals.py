@@ -65,3 +65,27 @@ def test_tables_plots_and_record_carry_intervals(tmp_path):
     for f in ("passkey_heatmap.png", "passkey_by_length.png", "ppl_by_length.png", "decode_by_length.png"):
         assert (tmp_path / f).stat().st_size > 0
     assert all(math.isfinite(v) for m in ivs.values() for iv in m.values() for v in (iv["lo"], iv["hi"]))
+
+
+def test_no_decode_lengths_means_no_decode_cells_section_or_plot(tmp_path):
+    """`--decode-lengths none` (a passkey/perplexity sweep): the config keeps () through
+    `resolved` (None still means the passkey lengths), the report has no decoding section and
+    writes no decoding plot."""
+    from lcx.report.cli import _int_list
+    from lcx.report.config import ReportConfig
+
+    assert _int_list("none") == () and _int_list("16,32") == (16, 32)
+    assert ReportConfig(lengths=(256, 512), decode_lengths=()).resolved(256).decode_lengths == ()
+    assert ReportConfig(lengths=(256, 512)).resolved(256).decode_lengths == (256, 512)
+    with pytest.raises(ValueError, match="lengths"):
+        ReportConfig(lengths=())
+    a = {"passkey": 0.75, "passkey_docs": 4, "passkey_samples": _samples([1, 1, 0, 1], [0, 0, 1, 1]),
+         "passkey_by_depth": {"0.000": 1.0, "1.000": 0.5}, "ppl": {"word_perplexity": 10.0}}
+    rec = _record({"vanilla": {"lmeval": {"256": a, "512": a}, "decode": {}}})
+    rec["config"]["decode_lengths"] = []
+    md = markdown(rec)
+    assert "## Decoding" not in md and "decode_by_length.png" not in md and "## Methods (resolved)" in md
+    plot_report(rec, tmp_path)
+    assert (tmp_path / "ppl_by_length.png").exists() and not (tmp_path / "decode_by_length.png").exists()
+    rec["config"]["decode_lengths"] = [256]
+    assert "## Decoding" in markdown(rec)

@@ -26,6 +26,8 @@ def _depths(s: str) -> int | tuple[float, ...]:
 
 
 def _int_list(s: str) -> tuple[int, ...]:
+    if s.strip().lower() == "none":  # --decode-lengths none: no decode cells
+        return ()
     try:
         return tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
@@ -42,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         + ", ".join(DEFAULT_METHODS) + ")")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
-    p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths)")
+    p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths; none: no decode cells, e.g. for a "
+                        "passkey/perplexity sweep)")
     p.add_argument("--depths", type=_depths, default=ReportConfig.depths,
                    help="needle depths per length: a grid size over [0, 1] (default: %(default)s) or "
                         "comma-separated fractions, e.g. 0.1,0.37,0.63,0.9")

@@ -31,7 +31,7 @@ class ReportConfig:
     depths: int | tuple[float, ...] = 5  # a grid size over [0, 1], or explicit fractions
     samples_per_depth: int = 2  # keys per (depth, length): 10 passkey prompts per cell by default
     ppl_docs: int = 4
-    decode_lengths: tuple[int, ...] | None = None
+    decode_lengths: tuple[int, ...] | None = None  # None: the passkey lengths; (): no decode cells
     decode_tokens: int = 32
     seed: int = 0
     device: str = "cpu"  # where the model runs ("cuda" for the GPU report)
@@ -55,7 +55,7 @@ class ReportConfig:
                              f"known: {sorted(BACKENDS)}")
         for name in ("lengths", "decode_lengths"):
             v = getattr(self, name)
-            if v is not None and (not v or any(not isinstance(x, int) or x < 16 for x in v)):
+            if v is not None and ((not v and name == "lengths") or any(not isinstance(x, int) or x < 16 for x in v)):
                 raise ValueError(f"{name} must be integers >= 16, got {v!r}")
         if isinstance(self.depths, (list, tuple)):
             d = tuple(self.depths)
@@ -71,7 +71,8 @@ class ReportConfig:
     def resolved(self, context: int) -> "ReportConfig":
         lengths = self.lengths or tuple(context * m for m in (1, 2, 4, 8))
         return dataclasses.replace(self, lengths=tuple(sorted(lengths)),
-                                   decode_lengths=tuple(sorted(self.decode_lengths or lengths)))
+                                   decode_lengths=tuple(sorted(lengths if self.decode_lengths is None
+                                                               else self.decode_lengths)))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

@@ -145,6 +145,8 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
     dl = [int(L) for L in record["config"]["decode_lengths"]]
+    if not dl:  # --decode-lengths none
+        return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for i, name in enumerate(names):
         style = dict(marker="o", label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
@@ -174,6 +176,28 @@ def _other_code_note(record: dict[str, Any]) -> str:
     mods = sorted({m for c in oc.values() for m in c["modules"]})
     return (f" Kept with `--keep-other-code`: {len(oc)} cell(s) measured by lcx code that differs from this "
             f"checkout's in {', '.join(f'`{m}`' for m in mods)} (listed in report.json).")
+
+
+def _decode_section(record: dict[str, Any], dl: list) -> list[str]:
+    """The README's decoding table (cells of kind "decode" at prompt lengths `dl`)."""
+    c, res = record["config"], record["results"]
+    lines = [f"## Decoding ({c['decode_tokens']} greedy tokens after a prompt of L tokens, lcx.engine, batch 1)", "",
+             "| method | " + " | ".join(f"{L} tok/s" for L in dl) + " | " + " | ".join(f"{L} KV MB" for L in dl) + " |",
+             "|---|" + "---:|" * (2 * len(dl))]
+
+    def tps(name: str, L: Any) -> str:
+        x, base = _get(record, name, "decode", L, "tokens_per_s"), _get(record, "vanilla", "decode", L, "tokens_per_s")
+        ratio = f" ({x / base:.2f}×)" if "vanilla" in res and math.isfinite(x) and math.isfinite(base) and base else ""
+        return _fmt(x, ".1f") + ratio
+
+    for name in res:
+        lines.append(f"| {name} | " + " | ".join(tps(name, L) for L in dl) + " | "
+                     + " | ".join(_fmt(_get(record, name, "decode", L, "kv_cache_mb"), ".2f") for L in dl) + " |")
+    timing = {(_cell(record, n, "decode", L) or {}).get("timing") for n in res for L in dl} - {None}
+    return lines + ["", "tok/s (× vanilla at the same length); each cell measured on its own, one after another, "
+                    f"timed by {' / '.join(sorted(timing)) or 'wall clock'}: compare ratios with the noise of one "
+                    "run in mind (`lcx bench decode` interleaves the methods for a controlled comparison).", "",
+                    "![decoding by length](decode_by_length.png)", ""]
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -210,23 +234,10 @@ def markdown(record: dict[str, Any]) -> str:
     for name in res:
         lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "ppl", PPL_METRIC), ".1f")
                                                  for L in lengths) + " |")
-    lines += ["", "![perplexity by length](ppl_by_length.png)", "",
-              f"## Decoding ({c['decode_tokens']} greedy tokens after a prompt of L tokens, lcx.engine, batch 1)", "",
-              "| method | " + " | ".join(f"{L} tok/s" for L in dl) + " | " + " | ".join(f"{L} KV MB" for L in dl) + " |",
-              "|---|" + "---:|" * (2 * len(dl))]
-    def tps(name: str, L: Any) -> str:
-        x, base = _get(record, name, "decode", L, "tokens_per_s"), _get(record, "vanilla", "decode", L, "tokens_per_s")
-        ratio = f" ({x / base:.2f}×)" if "vanilla" in res and math.isfinite(x) and math.isfinite(base) and base else ""
-        return _fmt(x, ".1f") + ratio
-
-    for name in res:
-        lines.append(f"| {name} | " + " | ".join(tps(name, L) for L in dl) + " | "
-                     + " | ".join(_fmt(_get(record, name, "decode", L, "kv_cache_mb"), ".2f") for L in dl) + " |")
-    timing = {(_cell(record, n, "decode", L) or {}).get("timing") for n in res for L in dl} - {None}
-    lines += ["", "tok/s (× vanilla at the same length); each cell measured on its own, one after another, "
-              f"timed by {' / '.join(sorted(timing)) or 'wall clock'}: compare ratios with the noise of one "
-              "run in mind (`lcx bench decode` interleaves the methods for a controlled comparison).", "",
-              "![decoding by length](decode_by_length.png)", "", "## Methods (resolved)", ""]
+    lines += ["", "![perplexity by length](ppl_by_length.png)", ""]
+    if dl:
+        lines += _decode_section(record, dl)
+    lines += ["## Methods (resolved)", ""]
     for name, m in c["methods_resolved"].items():
         lines.append(f"- **{name}**: `{json.dumps({k: v for k, v in m.items() if v})}`")
     for name, why in c["methods_skipped"].items():
