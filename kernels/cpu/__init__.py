@@ -4,7 +4,9 @@
   relative rotations (`paged_relative_attention_cpu`): gather, relative rotation (skipped for
   identity rows) and masked softmax fused; the vLLM plugin's decode and prefill for LM-Infinite,
   StreamingLLM sinks and Self-Extend (keys cached after RoPE, only moved keys re-rotated) and on
-  unrotated caches.
+  unrotated caches. The same extension holds `write_kv` (the plugin's cache write) and
+  `rule_plan` (the plugin's per-step plan of the rotated layout, equal to its numpy reference
+  `lcx.serve.vllm_plugin.method_attention._rule_decode`).
 
 Compiled on first use by `torch.utils.cpp_extension.load` (cached); importing this package
 compiles nothing.
