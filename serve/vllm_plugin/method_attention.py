@@ -36,10 +36,11 @@ Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class 
 
 The step's plan (which keys each request reads, from which blocks; built from the step's
 metadata only) is built once per step by the first layer and shared by every layer, as are the
-rotation tables; its index arithmetic runs in numpy, and the float64 cos/sin rows of the deltas
-and the rule's position maps are kept across steps (`_RotationRows`, `_RuleMaps`): at the
-default serving lengths (tiny-5m, 16 requests) the plan costs ~0.27 ms per step, half of its 5
-layers' attention calls. Decode rows (one query) of the rotated layout, and its banded prefill rows, are
+rotation tables. Where the C++ kernel runs the step, the rotated layout's plan is one call of
+the extension's `rule_plan` (~45 µs per step for 16 staggered requests); elsewhere the same
+plan comes from numpy index arithmetic (`_rule_decode`, the C++ planner's reference). The
+float64 cos/sin rows of the deltas and the rule's position maps are kept across steps
+(`_RotationRows`, `_RuleMaps`). Decode rows (one query) of the rotated layout, and its banded prefill rows, are
 one call for the whole batch (compressed caches of different lengths padded with invisible keys); the unrotated layout groups
 them by compressed length (`lcx.hf.bounded_cache`: the first n_first and last n_recent keys,
 rotated by their true positions or, for StreamingLLM's renumbering, by their slot in the
