@@ -11,6 +11,9 @@
 #   the RoPE factor and the perplexity windows follow the longest length)
 #   bash scripts/report_smollm2_n16.sh 16384            # (default) the 16k cells
 #   bash scripts/report_smollm2_n16.sh 8192,12288,16384 --render   # tables from what is measured
+#   bash scripts/report_smollm2_n16.sh 8192,16384 --methods vanilla,self_extend  # a second process on the
+#       other core: extra flags override (the last --methods wins); give the two processes disjoint
+#       cells (here: methods whose 16k cells exist), cells run length by length, shortest first
 # Cells are fingerprinted by the library versions: run it with the environment the existing
 # cells name (transformers 5.23 from scripts/setup.sh, not the 5.19 vLLM's install pins).
 set -euo pipefail
