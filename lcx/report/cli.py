@@ -103,5 +103,6 @@ def run(args: argparse.Namespace) -> int:
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
                         keep_other_code=args.keep_other_code)
     print(markdown(record).split("## Methods")[0])
-    print(f"wrote {args.out / 'README.md'}, report.json and 4 PNGs")
+    n_png = 4 if record["config"]["decode_lengths"] else 3  # the decoding plot only with decode lengths
+    print(f"wrote {args.out / 'README.md'}, report.json and {n_png} PNGs")
     return 0
