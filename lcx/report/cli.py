@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         + ", ".join(DEFAULT_METHODS) + ")")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
-    p.add_argument("--decode-lengths", type=_int_list, default=None, help="prompt lengths for decoding (default: --lengths; none: no decode cells, e.g. for a "
+    p.add_argument("--decode-lengths", type=_int_list, default=None,
+                   help="prompt lengths for decoding (default: --lengths; none: no decode cells, e.g. for a "
                         "passkey/perplexity sweep)")
     p.add_argument("--depths", type=_depths, default=ReportConfig.depths,
                    help="needle depths per length: a grid size over [0, 1] (default: %(default)s) or "
@@ -103,6 +104,5 @@ def run(args: argparse.Namespace) -> int:
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
                         keep_other_code=args.keep_other_code)
     print(markdown(record).split("## Methods")[0])
-    n_png = 4 if record["config"]["decode_lengths"] else 3  # the decoding plot only with decode lengths
-    print(f"wrote {args.out / 'README.md'}, report.json and {n_png} PNGs")
+    print(f"wrote {args.out / 'README.md'}, report.json and the plots")
     return 0
