@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def dense_lambda_rows(q, k, v, rows, inv_freq, af, n_global, n_local, limit, sca
     """Dense float64 Λ attention of query rows `rows` (key index = position): q `[T, H, D]`,
     k/v `[T, Hkv, D]` unrotated -> `[len(rows), H, D]`. Local keys i - n_local < j <= i at true
     distance; global keys j < n_global outside the window at distance min(limit, T - 1)."""
-    T, H, D = q.shape
+    T, H, _ = q.shape
     rep = H // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     pos = torch.arange(T)
@@ -76,9 +77,9 @@ def check_rows(T: int, n_local: int, n_rand: int, seed: int) -> list[int]:
 
 
 def run_one(model, tok, ids, answer, exp, check, log):
+    from lcx.hf.attention_patch import attention_patched
     from lcx.hf.rope_patch import rope_basis
     from lcx.method_config import INFERENCE_BACKEND
-    from lcx.hf.attention_patch import attention_patched
     from lcx.methods import lm_infinite
 
     kind, _, spec = exp.partition(":")
@@ -154,8 +155,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     resolve_threads(a.threads)
-    import lcx
     from lcx.eval_tasks.passkey.data import make_docs
+
+    import lcx
+    from lcx.data.io import atomic_write_json, git_info
 
     model, tok = lcx.load_model(a.model)
     model.eval()
@@ -169,12 +172,17 @@ def main() -> int:
     print(json.dumps(info))
     prev = json.loads(a.out.read_text()) if a.out.exists() else {"runs": []}
     runs = [r for r in prev["runs"] if not (r["info"] == info and r["exp"] in a.exp)]
+    command = "python scripts/lm_infinite_window_probe.py " + " ".join(sys.argv[1:])
+
+    def save() -> None:  # atomically; keeps what earlier invocations wrote (summary, commands)
+        atomic_write_json(a.out, {**prev, "description": __doc__.split("\n\n")[0], "runs": runs})
+
     states = {}
     for exp in a.exp:
         rec, h = run_one(model, tok, ids, answer, exp, a.check, print)
         states[exp] = h
-        runs.append({"info": info, **rec})
-        a.out.write_text(json.dumps({"description": __doc__.split("\n\n")[0], "runs": runs}, indent=1))
+        runs.append({"info": info, **rec, "command": command, "git": git_info()})
+        save()
     names = list(states)
     for i, x in enumerate(names):  # last prompt token's input to each layer: cosine between runs
         for y in names[i + 1:]:
@@ -183,7 +191,7 @@ def main() -> int:
             for r in runs:
                 if r["info"] == info and r["exp"] == x:
                     r.setdefault("last_token_cos", {})[y] = [round(float(c), 5) for c in cos]
-    a.out.write_text(json.dumps({"description": __doc__.split("\n\n")[0], "runs": runs}, indent=1))
+    save()
     return 0
 
 

@@ -89,3 +89,46 @@ def test_no_decode_lengths_means_no_decode_cells_section_or_plot(tmp_path):
     assert (tmp_path / "ppl_by_length.png").exists() and not (tmp_path / "decode_by_length.png").exists()
     rec["config"]["decode_lengths"] = [256]
     assert "## Decoding" in markdown(rec)
+
+
+def test_paired_tests_match_prompts_by_depth_and_key_and_orient_each_pair():
+    """`passkey_paired` pairs prompts by (depth, key), not by list order; the README's tables read a
+    pair in either orientation (a - b, prompts only a : only b) and give the exact McNemar p."""
+    from lcx.report import passkey_paired
+
+    depths = [0.0] * 8 + [1.0] * 8
+    van = _samples([0] * 16, depths)
+    se = _samples([1] * 9 + [0] * 7, depths)
+    se = se[::-1]  # stored in another order: pairing must follow (depth, key)
+    mixed = _samples([1, 0] * 8, depths)
+    cell = lambda s: {"passkey_docs": len(s), "passkey_samples": s, "ppl": {"word_perplexity": 1.0}}  # noqa: E731
+    rec = _record({"vanilla": {"lmeval": {"256": cell(van), "512": cell(van)}, "decode": {}},
+                   "self_extend": {"lmeval": {"512": cell(se)}, "decode": {}},
+                   "yarn": {"lmeval": {"512": cell(mixed)}, "decode": {}},
+                   "old": {"lmeval": {"512": {"passkey": 0.5, "passkey_docs": 16}}, "decode": {}}})  # no samples
+    paired = passkey_paired(rec)
+    assert "256" not in paired  # one method measured there: no pair
+    by = {(p["a"], p["b"]): p for p in paired["512"]}
+    assert set(by) == {("vanilla", "self_extend"), ("vanilla", "yarn"), ("self_extend", "yarn")}
+    p = by[("vanilla", "self_extend")]
+    assert (p["n"], p["x_only"], p["y_only"]) == (16, 0, 9)
+    assert p["mcnemar_p"] == pytest.approx(2 / 2 ** 9)  # 9 vs 0 discordant: 2 * 0.5^9
+    q = by[("self_extend", "yarn")]  # se right on keys 0..8 (depths 0 x8, 1 x1); yarn on even keys
+    assert (q["x_only"], q["y_only"], q["both"]) == (4, 3, 5)
+    rec["passkey_paired"] = paired
+    md = markdown(rec)
+    assert "## Paired tests on the same prompts" in md
+    assert "| self_extend | — | +0.56 [" in md and "9:0 p=0.004 |" in md  # oriented as method - vanilla
+    assert "| old | — | — |" in md
+    assert "At 512 tokens, every pair" in md and "| vanilla |  | 0:9 (0.004) | 0:8 (0.008) |" in md
+    alone = _record({"vanilla": {"lmeval": {"256": cell(van)}, "decode": {}}})
+    assert passkey_paired(alone) == {} and "## Paired tests" not in markdown(alone)
+
+
+def test_a_render_before_any_lm_eval_cell_draws_its_plots(tmp_path):
+    """`lcx report --render` mid-run, when only decode cells exist: the perplexity plot has nothing
+    to log-scale and must still be written (matplotlib raises on a log axis without data)."""
+    rec = _record({"vanilla": {"lmeval": {}, "decode": {"256": {"tokens_per_s": 10.0, "kv_cache_mb": 1.0}}}})
+    plot_report(rec, tmp_path)
+    assert (tmp_path / "ppl_by_length.png").stat().st_size > 0
+    assert "| vanilla | — | — |" in markdown(rec)

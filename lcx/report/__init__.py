@@ -1,6 +1,6 @@
 """`lcx report`: one command from install to an extrapolation report.
 
-    lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256), ~10 min on 2 CPU cores
+    lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256), ~25 min on 2 CPU cores
     lcx report --model smollm2-135m --lengths 2048,4096,8192 --methods vanilla,yarn,lm_infinite
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
@@ -23,7 +23,9 @@ max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local =
 
 Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
 number; `passkey_intervals`: each passkey cell's correct count k, prompts n and Wilson 95%
-interval, recomputed from the stored per-prompt results at every render), `passkey_heatmap.png`
+interval, recomputed from the stored per-prompt results at every render; `passkey_paired`: every
+pair of methods compared prompt by prompt at each length, the paired difference with its interval
+and the exact McNemar p), `passkey_heatmap.png`
 (k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars),
 `ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one JSON per (method, measurement, length), written
 atomically as it finishes, plus `cells/run.json`, the run they belong to.
@@ -79,8 +81,9 @@ from .render import (
     passkey_counts,
     passkey_interval,
     passkey_intervals,
+    passkey_paired,
     plot_report,
 )
 from .run import run_report
 
-__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "_prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "plan_run", "plot_report", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings"]
+__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "_prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings"]

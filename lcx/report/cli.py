@@ -50,7 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=_depths, default=ReportConfig.depths,
                    help="needle depths per length: a grid size over [0, 1] (default: %(default)s) or "
                         "comma-separated fractions, e.g. 0.1,0.37,0.63,0.9")
-    p.add_argument("--samples-per-depth", type=int, default=ReportConfig.samples_per_depth)
+    p.add_argument("--samples-per-depth", type=int, default=ReportConfig.samples_per_depth,
+                   help="passkey keys per (depth, length); prompts per cell = depths x this "
+                        "(default: %(default)s, i.e. 30 prompts per cell with the default 6 depths)")
     p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs, help="held-out documents for perplexity")
     p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
     p.add_argument("--seed", type=int, default=0)

@@ -28,8 +28,10 @@ class ReportConfig:
     model: str = "tiny-ret-5m"
     methods: tuple[str, ...] = DEFAULT_METHODS
     lengths: tuple[int, ...] | None = None
-    depths: int | tuple[float, ...] = 5  # a grid size over [0, 1], or explicit fractions
-    samples_per_depth: int = 2  # keys per (depth, length): 10 passkey prompts per cell by default
+    depths: int | tuple[float, ...] = 6  # a grid size over [0, 1], or explicit fractions
+    # keys per (depth, length): 30 passkey prompts per cell by default, enough for a Wilson interval
+    # of about +-0.15 and for paired tests to separate methods (the committed report's setting)
+    samples_per_depth: int = 5
     ppl_docs: int = 4
     decode_lengths: tuple[int, ...] | None = None  # None: the passkey lengths; (): no decode cells
     decode_tokens: int = 32

@@ -1,5 +1,5 @@
 """`lcx report`'s tables and plots from report.json: Wilson intervals for every passkey cell,
-`plot_report`, `markdown`."""
+paired tests between methods on the same prompts, `plot_report`, `markdown`."""
 
 from __future__ import annotations
 
@@ -60,6 +60,95 @@ def passkey_intervals(record: dict[str, Any]) -> dict[str, dict[str, dict[str, A
     return {name: {str(L): iv for L in record["config"]["lengths"]
                    if (iv := passkey_interval(_cell(record, name, "lmeval", L))) is not None}
             for name in record["results"]}
+
+
+def _outcomes(cell: dict[str, Any] | None) -> dict[tuple[str, str], bool] | None:
+    """(depth "%.3f", key) -> correct, per prompt of a passkey cell; None without per-prompt results."""
+    smp = (cell or {}).get("passkey_samples")
+    return {(f"{x['depth']:.3f}", str(x["key"])): bool(x["correct"]) for x in smp} if smp else None
+
+
+def passkey_paired(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """length -> every pair (a, b) of methods (record order, a first) whose passkey cells at that
+    length hold per-prompt results: `lcx.stats.paired_difference` over the prompts both ran,
+    matched by (depth, key) — a - b with Newcombe's paired 95% interval, `x_only` / `y_only` the
+    prompts only a / only b retrieved, and the exact McNemar p. Every method runs the same
+    prompts, so this is the test that uses the pairing (two Wilson intervals ignore it)."""
+    from ..stats import paired_difference
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for L in record["config"]["lengths"]:
+        got = [(n, o) for n in record["results"] if (o := _outcomes(_cell(record, n, "lmeval", L)))]
+        pairs = []
+        for i, (a, x) in enumerate(got):
+            for b, y in got[i + 1:]:
+                keys = sorted(set(x) & set(y))
+                if keys:
+                    pairs.append({"a": a, "b": b, **paired_difference([x[k] for k in keys], [y[k] for k in keys])})
+        if pairs:
+            out[str(L)] = pairs
+    return out
+
+
+def _oriented(pairs: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | None:
+    """The pair (a, b) of `passkey_paired` rows as a - b (flipped when stored as (b, a))."""
+    for p in pairs:
+        if (p["a"], p["b"]) == (a, b):
+            return p
+        if (p["a"], p["b"]) == (b, a):
+            ci = p["ci95"]
+            return {**p, "a": a, "b": b, "x_only": p["y_only"], "y_only": p["x_only"],
+                    "diff": None if p["diff"] is None else -p["diff"], "ci95": None if ci is None else [-ci[1], -ci[0]]}
+    return None
+
+
+def _signed(x: float) -> str:
+    return f"{round(x, 2) + 0.0:+.2f}"  # (+ 0.0: no "-0.00")
+
+
+def _p(p: float | None) -> str:
+    return "—" if p is None else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _paired_section(record: dict[str, Any]) -> list[str]:
+    """The README's paired tests: every method against vanilla at every length, and every pair at
+    the longest length (rows win : columns win, p)."""
+    paired = record.get("passkey_paired") or passkey_paired(record)
+    if not paired:
+        return []
+    names = list(record["results"])
+    lengths = [str(L) for L in record["config"]["lengths"]]
+    lines = ["## Paired tests on the same prompts", "",
+             "Every method answers the same passkey prompts, so two methods are compared prompt by prompt: "
+             "a − b [Newcombe's paired 95% interval], prompts only a : only b retrieved, exact two-sided "
+             "McNemar p (`lcx.stats.paired_difference`; every pair at every length is in report.json, "
+             "`passkey_paired`). Many pairs are tested: one p just under 0.05 is weak evidence on its own.", ""]
+    if "vanilla" in names and len(names) > 1:
+        lines += ["| method − vanilla | " + " | ".join(lengths) + " |", "|---|" + "---:|" * len(lengths)]
+        for n in names:
+            if n == "vanilla":
+                continue
+            row = []
+            for L in lengths:
+                q = _oriented(paired.get(L, []), n, "vanilla")
+                row.append("—" if q is None or q["diff"] is None else
+                           f"{_signed(q['diff'])} [{_signed(q['ci95'][0])}, {_signed(q['ci95'][1])}] "
+                           f"{q['x_only']}:{q['y_only']} p{'' if _p(q['mcnemar_p'])[0] == '<' else '='}{_p(q['mcnemar_p'])}")
+            lines.append(f"| {n} | " + " | ".join(row) + " |")
+        lines.append("")
+    L = next((L for L in reversed(lengths) if paired.get(L)), None)
+    if L is not None:
+        cols = [n for n in names if any(n in (p["a"], p["b"]) for p in paired[L])]
+        lines += [f"At {L} tokens, every pair (row only : column only, p):", "",
+                  "| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        for r in cols:
+            cells = []
+            for c in cols:
+                q = None if r == c else _oriented(paired[L], r, c)
+                cells.append("" if q is None else f"{q['x_only']}:{q['y_only']} ({_p(q['mcnemar_p'])})")
+            lines.append(f"| {r} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def format_interval(iv: dict[str, Any] | None) -> str:
@@ -131,12 +220,13 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    ppl = {name: [_get(record, name, "lmeval", L, "ppl", PPL_METRIC) for L in lengths] for name in names}
     for i, name in enumerate(names):
-        ax.plot(lengths, [_get(record, name, "lmeval", L, "ppl", PPL_METRIC) for L in lengths], marker="o",
-                label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
+        ax.plot(lengths, ppl[name], marker="o", label=name, ls="-" if i < 10 else "--", color=f"C{i % 10}")
     ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if any(math.isfinite(x) and x > 0 for ys in ppl.values() for x in ys):
+        ax.set_yscale("log")  # (nothing to log-scale before the first lm-eval cell)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(f"{PPL_METRIC.replace('_', ' ')} (lcx_ppl, lower is better)")
     ax.set_title(f"perplexity by context length · {record['config']['model']}", fontsize=10)
@@ -219,9 +309,9 @@ def markdown(record: dict[str, Any]) -> str:
              + _other_code_note(record), "",
              f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
              f"{c['samples_per_depth']} keys)", "",
-             "Each cell: accuracy [Wilson 95% interval] n=prompts. Two methods differ only where their "
-             "intervals say so (the same prompts run for every method; non-overlapping intervals are a "
-             "conservative test).", "",
+             "Each cell: accuracy [Wilson 95% interval] n=prompts. Non-overlapping intervals are a "
+             "conservative test of a difference; the same prompts run for every method, and the paired "
+             "tests below use that.", "",
              "| method | " + " | ".join(str(L) for L in lengths) + " |",
              "|---|" + "---:|" * len(lengths)]
     for name in res:
@@ -235,6 +325,7 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "ppl", PPL_METRIC), ".1f")
                                                  for L in lengths) + " |")
     lines += ["", "![perplexity by length](ppl_by_length.png)", ""]
+    lines += _paired_section(record)
     if dl:
         lines += _decode_section(record, dl)
     lines += ["## Methods (resolved)", ""]

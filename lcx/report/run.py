@@ -20,7 +20,7 @@ from .cells import (
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
 from .measure import CELL_RUNNERS
-from .render import _other_code_note, markdown, passkey_intervals, plot_report
+from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
 
 # The run
 # ============================================================================================
@@ -123,6 +123,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "results": cells,
     }
     record["passkey_intervals"] = passkey_intervals(record)
+    record["passkey_paired"] = passkey_paired(record)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", record)
     plot_report(record, out)
