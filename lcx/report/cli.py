@@ -53,9 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-depth", type=int, default=ReportConfig.samples_per_depth,
                    help="passkey keys per (depth, length); prompts per cell = depths x this "
                         "(default: %(default)s, i.e. 30 prompts per cell with the default 6 depths)")
-    p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs, help="held-out documents for perplexity")
-    p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppl-docs", type=int, default=ReportConfig.ppl_docs,
+                   help="held-out text windows per length for perplexity (default: %(default)s)")
+    p.add_argument("--decode-tokens", type=int, default=ReportConfig.decode_tokens,
+                   help="greedy tokens generated after the prompt in each decode cell (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=ReportConfig.seed,
+                   help="seed of the passkey keys (every method gets the same prompts; the held-out "
+                        "perplexity windows are fixed) (default: %(default)s)")
     from ..threads import add_threads_argument
 
     add_threads_argument(p)
