@@ -162,12 +162,25 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     """Two methods on a random tiny model: numbers exist and are finite, the files are written;
     a finished run is measured again, an interrupted one resumes with its cells, --reuse keeps
     matching cells, --render measures nothing."""
+    cap = {"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 128, "limit_distance": 64}}
     cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(320, 384),
-                       depths=(0.25, 0.75), samples_per_depth=1, ppl_docs=1, decode_tokens=3)
+                       depths=(0.25, 0.75), samples_per_depth=1, ppl_docs=1, decode_tokens=3,
+                       custom_methods={"lmi_cap": cap})
     lines: list[str] = []
     rec = run_report(cfg, tmp_path, progress=False, log=lines.append)
     assert "swat" in rec["config"]["methods_skipped"] and any("skipping swat" in x for x in lines)
-    assert rec["config"]["lengths"] == [320, 384] and rec["cells_reused"] == 0 and rec["cells_total"] == 8
+    assert rec["config"]["lengths"] == [320, 384] and rec["cells_reused"] == 0 and rec["cells_total"] == 12
+    # a custom method runs on the report's model after the presets, with its config as given
+    assert list(rec["results"]) == ["vanilla", "lm_infinite", "lmi_cap"]
+    assert rec["config"]["methods_resolved"]["lmi_cap"] == {"rope": None, "attention": cap["attention"], "model": None}
+    assert rec["results"]["lmi_cap"]["lmeval"]["384"]["ppl"] != rec["results"]["lm_infinite"]["lmeval"]["384"]["ppl"]
+    assert (tmp_path / "cells" / "lmi_cap.lmeval.384.json").exists()
+    cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(320, 384),
+                       depths=(0.25, 0.75), samples_per_depth=1, ppl_docs=1, decode_tokens=3)
+    for f in (tmp_path / "cells").glob("lmi_cap.*"):
+        f.unlink()
+    rec = run_report(cfg, tmp_path, progress=False, log=lines.append)
+    assert rec["cells_total"] == 8
     for name in ("vanilla", "lm_infinite"):
         r = rec["results"][name]
         assert set(r["lmeval"]) == {"320", "384"} and set(r["decode"]) == {"320", "384"}
@@ -230,3 +243,45 @@ def test_keep_other_code_keeps_cells_whose_only_difference_is_code(tmp_path):
     assert load_cell(p, s, {**new_code, "environment": {"torch": "y"}}, other_code=True) is None
     assert load_cell(p, s, {**new_code, "models": {"m": "9"}}, other_code=True) is None
     assert load_cell(p, {**s, "length": 128}, new_code, other_code=True) is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"custom_methods": {"yarn": {"rope": {"rope_type": "yarn", "factor": 2}}}}, "is a preset's"),
+    ({"custom_methods": {"lm_infinite_plus_yarn": {}}}, "is a preset's"),  # its cell files would collide
+    ({"custom_methods": {"a/b": {}}}, "custom method name 'a/b'"),
+    ({"custom_methods": {"x": {"attention": {"type": "lm_infinite", "n_glob": 1}}}}, "custom method 'x': .*n_glob"),
+    ({"custom_methods": {"x": {"rope": {"rope_type": "nope"}}}}, "custom method 'x'"),
+    ({"methods": (), "custom_methods": {}}, "at least one method"),
+])
+def test_custom_method_errors_name_the_method(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ReportConfig(**kwargs)
+
+
+def test_custom_methods_from_the_command_line():
+    """`--method NAME=CONFIG` takes JSON or lm-eval's flat form, stores the canonical nested dict,
+    and runs after the presets; `--methods none` runs only custom methods; a finished config's
+    to_dict leaves the field out when empty (older interrupted runs still resume)."""
+    import argparse
+
+    from lcx.report.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--methods", "vanilla", "--method",
+                      'cap={"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 64, "limit_distance": 16}}',
+                      "--method", "y4=rope_type=yarn,factor=4"])
+    from lcx.report.cli import _custom_methods
+
+    custom = _custom_methods(a.method)
+    assert custom == {"cap": {"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 64, "limit_distance": 16}},
+                      "y4": {"rope": {"rope_type": "yarn", "factor": 4}}}
+    cfg = ReportConfig(methods=("vanilla",), custom_methods=custom)
+    assert cfg.method_names == ("vanilla", "cap", "y4") and cfg.to_dict()["custom_methods"] == custom
+    assert "custom_methods" not in ReportConfig().to_dict()
+    for bad in ("cap", "cap=", 'cap={"attention": 1', "cap=attention=nope"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--method", bad])
+    with pytest.raises(ValueError, match="given twice"):
+        _custom_methods([("a", {}), ("a", {})])
+    assert p.parse_args(["--methods", "none", "--method", "v={}"]).methods == "none"

@@ -101,7 +101,10 @@ def test_paired_tests_match_prompts_by_depth_and_key_and_orient_each_pair():
     se = _samples([1] * 9 + [0] * 7, depths)
     se = se[::-1]  # stored in another order: pairing must follow (depth, key)
     mixed = _samples([1, 0] * 8, depths)
-    cell = lambda s: {"passkey_docs": len(s), "passkey_samples": s, "ppl": {"word_perplexity": 1.0}}  # noqa: E731
+
+    def cell(s):
+        return {"passkey_docs": len(s), "passkey_samples": s, "ppl": {"word_perplexity": 1.0}}
+
     rec = _record({"vanilla": {"lmeval": {"256": cell(van), "512": cell(van)}, "decode": {}},
                    "self_extend": {"lmeval": {"512": cell(se)}, "decode": {}},
                    "yarn": {"lmeval": {"512": cell(mixed)}, "decode": {}},

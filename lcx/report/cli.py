@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..presets import PRESETS
 from .config import DEFAULT_METHODS, ReportConfig
@@ -16,6 +17,30 @@ from .run import run_report
 # ============================================================================================
 
 QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8)
+
+
+def _custom_method(s: str) -> tuple[str, dict[str, Any]]:
+    """`NAME=CONFIG` -> (NAME, the config's nested dict); CONFIG is JSON (`{...}`) or the flat
+    `k=v,k=v` form of lm-eval's --model_args."""
+    from ..method_config import MethodConfig
+
+    name, eq, conf = s.partition("=")
+    if not eq or not name or not conf:
+        raise argparse.ArgumentTypeError(f"expected NAME=CONFIG, got {s!r}")
+    try:
+        cfg = MethodConfig.from_json(conf) if conf.lstrip().startswith("{") else MethodConfig.from_flat(conf)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{name}: {e}") from None
+    return name, cfg.to_dict()
+
+
+def _custom_methods(pairs: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, conf in pairs:
+        if name in out:
+            raise ValueError(f"--method {name!r} given twice")
+        out[name] = conf
+    return out
 
 
 def _depths(s: str) -> int | tuple[float, ...]:
@@ -42,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma-separated subset of: " + ", ".join(PRESETS) + " (default: "
                         + ", ".join(DEFAULT_METHODS) + ")")
+    p.add_argument("--method", action="append", default=[], metavar="NAME=CONFIG", type=_custom_method,
+                   help="also run a method config of your own under NAME (repeatable), on the report's model "
+                        "with the same prompts: CONFIG is an lcx.MethodConfig as JSON, e.g. "
+                        "'lmi_cap={\"attention\": {\"type\": \"lm_infinite\", \"n_global\": 10, \"n_local\": 8192, "
+                        "\"limit_distance\": 2048}}', or in lm-eval's flat form, e.g. 'yarn4=rope_type=yarn,factor=4'. "
+                        "--methods none runs only these")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
     p.add_argument("--decode-lengths", type=_int_list, default=None,
@@ -93,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     extra = dict(QUICK) if args.quick else {}
     try:
         cfg = ReportConfig(
-            model=args.model, methods=tuple(m for m in args.methods.split(",") if m), lengths=args.lengths,
+            model=args.model, methods=tuple(m for m in args.methods.split(",") if m and args.methods != "none"),
+            custom_methods=_custom_methods(args.method), lengths=args.lengths,
             decode_lengths=args.decode_lengths,
             depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,
             ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),

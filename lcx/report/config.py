@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from ..presets import PRESETS, PresetRun
 DEFAULT_METHODS = tuple(name for name, p in PRESETS.items() if p.in_report)  # a new preset runs by default
 PPL_METRIC = "word_perplexity"
 CELL_KINDS = ("lmeval", "decode")
+METHOD_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a custom method's name is also part of its cell files' names
 
 
 # ============================================================================================
@@ -39,13 +41,29 @@ class ReportConfig:
     device: str = "cpu"  # where the model runs ("cuda" for the GPU report)
     dtype: str = "float32"  # the model's parameter dtype (float32, bfloat16, float16)
     attn_backend: str = INFERENCE_BACKEND  # lcx.attention backend of the attention methods (prefill and decode)
+    # name -> an `lcx.MethodConfig` dict: methods of the user's own (`--method NAME=CONFIG`), run
+    # after the presets on the report's model, with the same prompts, cells and tables
+    custom_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in PRESETS]
         if unknown:
             raise ValueError(f"unknown report method(s) {unknown}; known: {list(PRESETS)}")
-        if not self.methods:
+        if not self.methods and not self.custom_methods:
             raise ValueError("methods must name at least one method")
+        from ..method_config import MethodConfig
+
+        custom = {}
+        for name, conf in dict(self.custom_methods).items():
+            if not isinstance(name, str) or not METHOD_NAME.fullmatch(name):
+                raise ValueError(f"custom method name {name!r}: use letters, digits, '_', '-', '.'")
+            if name in PRESETS or name in {p.replace("+", "_plus_") for p in PRESETS}:
+                raise ValueError(f"custom method name {name!r} is a preset's; name your config differently")
+            try:
+                custom[name] = MethodConfig.from_dict(conf).to_dict()
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"custom method {name!r}: {e}") from None
+        object.__setattr__(self, "custom_methods", custom)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -77,7 +95,15 @@ class ReportConfig:
                                                                else self.decode_lengths)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        if not d["custom_methods"]:  # (as before custom methods existed: an interrupted run still resumes)
+            del d["custom_methods"]
+        return d
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        """Every method the report runs, in its tables' order: the presets, then the custom methods."""
+        return tuple(self.methods) + tuple(self.custom_methods)
 
 
 # ============================================================================================

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..method_config import MethodConfig
 from ..presets import PresetRun
 from ..presets import resolve as resolve_preset
 from .cells import (
@@ -50,6 +51,8 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             log(f"skipping {name}: {r}")
         else:
             runs[name] = r
+    for name, conf in cfg.custom_methods.items():  # the user's own configs, on the report's model
+        runs[name] = PresetRun(name, cfg.model, MethodConfig.from_dict(conf))
     fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model != cfg.model])
     if render:
         run_id, keep, why = "render", None, "--render: stored cells with matching settings and fingerprint"
