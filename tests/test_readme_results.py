@@ -16,7 +16,7 @@ from lcx.report import PPL_METRIC, format_interval, passkey_interval
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # the model named in a column header -> the committed report its numbers come from
-REPORTS = {"tiny-ret-5m": "results/report", "SmolLM2": "results/report/smollm2-135m"}
+REPORTS = {"tiny-ret-5m": "results/report", "SmolLM2": "results/report/smollm2-135m-n16"}
 HEADER = re.compile(r"(?P<model>\S+) (?P<metric>passkey|ppl) (?P<length>\d+)")
 
 
