@@ -6,7 +6,7 @@
   StreamingLLM sinks and Self-Extend (keys cached after RoPE, only moved keys re-rotated) and on
   unrotated caches. The same extension holds `write_kv` (the plugin's cache write) and
   `rule_plan` (the plugin's per-step plan of the rotated layout, equal to its numpy reference
-  `lcx.serve.vllm_plugin.method_attention._rule_decode`).
+  `lcx.serve.vllm_plugin.step_plan._rule_decode`).
 
 Compiled on first use by `torch.utils.cpp_extension.load` (cached); importing this package
 compiles nothing.

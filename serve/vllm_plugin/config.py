@@ -118,7 +118,7 @@ def keys_rotated(methods: MethodConfig) -> bool:
     """True when such layers cache keys rotated at their true positions (the method has a
     `decode_rule`: LM-Infinite without top-k, sinks, Self-Extend), False when unrotated (SWAT,
     LM-Infinite with top-k) or when vLLM's kernels run the attention."""
-    from .method_attention import rotated_rule  # torch only; no vLLM import
+    from .step_plan import rotated_rule  # torch only; no vLLM import
 
     return runs_lcx_attention(methods) and rotated_rule(methods.attention) is not None
 

@@ -22,8 +22,8 @@ import torch
 from lcx.attention import Rotary
 from lcx.methods import LMInfinite, lm_infinite, self_extend, sinks, sliding_window, swat
 from lcx.rope import apply_rotary_ref, rope_cos_sin
-from lcx.serve.vllm_plugin.method_attention import (_MethodAttention, _build_plan, attention_kernel, prefill_backend,
-                                                     rotated_rule, rule_covers_prefill)
+from lcx.serve.vllm_plugin.method_attention import _MethodAttention, attention_kernel, prefill_backend
+from lcx.serve.vllm_plugin.step_plan import _build_plan, rotated_rule, rule_covers_prefill
 from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
@@ -276,12 +276,12 @@ def test_plan_groups_decode_rows_by_compressed_length():
 
 
 def test_plan_is_built_once_per_step_and_shared_by_layers(monkeypatch):
-    import lcx.serve.vllm_plugin.method_attention as ma
+    import lcx.serve.vllm_plugin.step_plan as sp
 
     cache, meta, query, _, _ = _step()
     calls = []
-    real = ma._build_plan
-    monkeypatch.setattr(ma, "_build_plan", lambda *a: calls.append(1) or real(*a))
+    real = sp._build_plan
+    monkeypatch.setattr(sp, "_build_plan", lambda *a: calls.append(1) or real(*a))
     impl = _impl(lm_infinite(3, 10))
     for _ in range(3):  # three layers, one step
         impl.forward(None, query, None, None, cache, meta, torch.empty_like(query))
