@@ -34,7 +34,12 @@ def test_the_loop_share_is_capped_while_the_engine_works():
     share = asyncio.run(_hog(pacer))
     # the cap holds over windows of a few ticks, each pause at most max_pause_s: allow some slack
     assert share < 0.3 + 0.15, share
-    assert pacer.pauses > 0 and pacer.paused_s > 0.3 * RUN_S, pacer.to_dict()
+    # ... and it is the pacer that holds it. How long it must pause depends on the CPU the machine
+    # gives the loop thread (on a loaded machine the kernel preempts it too: a fixed number of
+    # paused seconds is a timing test): the same hog unpaced, just after, says what it would take
+    free = asyncio.run(_hog(LoopPacer(lambda: True, share=1.0)))
+    if free > 0.5:  # unpaced it exceeds the cap: share = free x (1 - paused) needs paused >= 1 - 0.45 / free
+        assert pacer.pauses > 0 and pacer.paused_s > 0.5 * (1 - 0.45 / free) * RUN_S, (pacer.to_dict(), free)
 
 
 def test_no_pause_while_the_engine_is_idle():
