@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated subset of: " + ", ".join(PRESETS) + " (default: "
-                        + ", ".join(DEFAULT_METHODS) + ")")
+                   help="comma-separated presets, a subset of: " + ", ".join(PRESETS) + " (default: "
+                        + ", ".join(DEFAULT_METHODS) + "); none: only the --method configs")
     p.add_argument("--method", action="append", default=[], metavar="NAME=CONFIG", type=_custom_method,
                    help="also run a method config of your own under NAME (repeatable), on the report's model "
                         "with the same prompts: CONFIG is an lcx.MethodConfig as JSON, e.g. "
