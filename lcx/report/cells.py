@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..presets import PresetRun
-from .config import CELL_KINDS, ReportConfig, run_settings
+from .config import CELL_KINDS, ReportConfig, cell_stem, run_settings
 from .measure import DECODE_TIMING
 
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
@@ -114,7 +114,7 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
 
 
 def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
-    return out / "cells" / f"{name.replace('+', '_plus_')}.{kind}.{length}.json"
+    return out / "cells" / f"{cell_stem(name)}.{kind}.{length}.json"
 
 
 def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     extra = dict(QUICK) if args.quick else {}
     try:
         cfg = ReportConfig(
-            model=args.model, methods=tuple(m for m in args.methods.split(",") if m and args.methods != "none"),
+            model=args.model, methods=() if args.methods == "none" else tuple(m for m in args.methods.split(",") if m),
             custom_methods=_custom_methods(args.method), lengths=args.lengths,
             decode_lengths=args.decode_lengths,
             depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,

@@ -19,6 +19,11 @@ CELL_KINDS = ("lmeval", "decode")
 METHOD_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a custom method's name is also part of its cell files' names
 
 
+def cell_stem(name: str) -> str:
+    """A method's name as it stands in its cell files' names (preset names may hold '+')."""
+    return name.replace("+", "_plus_")
+
+
 # ============================================================================================
 # Config
 # ============================================================================================
@@ -57,7 +62,7 @@ class ReportConfig:
         for name, conf in dict(self.custom_methods).items():
             if not isinstance(name, str) or not METHOD_NAME.fullmatch(name):
                 raise ValueError(f"custom method name {name!r}: use letters, digits, '_', '-', '.'")
-            if name in PRESETS or name in {p.replace("+", "_plus_") for p in PRESETS}:
+            if name in PRESETS or name in {cell_stem(p) for p in PRESETS}:  # its cells would be a preset's
                 raise ValueError(f"custom method name {name!r} is a preset's; name your config differently")
             try:
                 custom[name] = MethodConfig.from_dict(conf).to_dict()
@@ -99,11 +104,6 @@ class ReportConfig:
         if not d["custom_methods"]:  # (as before custom methods existed: an interrupted run still resumes)
             del d["custom_methods"]
         return d
-
-    @property
-    def method_names(self) -> tuple[str, ...]:
-        """Every method the report runs, in its tables' order: the presets, then the custom methods."""
-        return tuple(self.methods) + tuple(self.custom_methods)
 
 
 # ============================================================================================

@@ -110,6 +110,12 @@ def _p(p: float | None) -> str:
     return "—" if p is None else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
 
+def _p_is(p: float | None) -> str:
+    """`p=0.004`, `p<0.001`."""
+    text = _p(p)
+    return "p" + text if text.startswith("<") else "p=" + text
+
+
 def _paired_section(record: dict[str, Any]) -> list[str]:
     """The README's paired tests: every method against vanilla at every length, and every pair at
     the longest length (rows win : columns win, p)."""
@@ -133,7 +139,7 @@ def _paired_section(record: dict[str, Any]) -> list[str]:
                 q = _oriented(paired.get(L, []), n, "vanilla")
                 row.append("—" if q is None or q["diff"] is None else
                            f"{_signed(q['diff'])} [{_signed(q['ci95'][0])}, {_signed(q['ci95'][1])}] "
-                           f"{q['x_only']}:{q['y_only']} p{'' if _p(q['mcnemar_p'])[0] == '<' else '='}{_p(q['mcnemar_p'])}")
+                           f"{q['x_only']}:{q['y_only']} {_p_is(q['mcnemar_p'])}")
             lines.append(f"| {n} | " + " | ".join(row) + " |")
         lines.append("")
     L = next((L for L in reversed(lengths) if paired.get(L)), None)
