@@ -29,7 +29,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from ..rope import RopeSpec, compute_inv_freq, rope_angles
+from ..rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rope_angles
 from .models import check_model_type, decoder, head_dim_of
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
@@ -160,7 +160,7 @@ class _ConfigView:
 
 # HF rope types whose basis depends on the sequence length (HF's own rotary module mutates
 # its inv_freq buffer per forward for these): their basis cannot be read off the module.
-_HF_LENGTH_DEPENDENT = ("dynamic", "longrope")
+_HF_LENGTH_DEPENDENT = tuple(name for name, t in ROPE_TYPES.items() if t.length_dependent)
 
 
 def rope_basis(model: nn.Module, seq_len: int | None = None) -> tuple[torch.Tensor, float]:

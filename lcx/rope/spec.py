@@ -140,8 +140,9 @@ class RopeSpec:
 
     @property
     def is_length_dependent(self) -> bool:
-        """True when inv_freq depends on the current sequence length (dynamic NTK, longrope)."""
-        return self.rope_type in ("dynamic", "longrope")
+        """True when inv_freq depends on the current sequence length (`RopeType.length_dependent`:
+        dynamic NTK, longrope)."""
+        return ROPE_TYPES[self.rope_type].length_dependent
 
     def to_dict(self) -> dict[str, Any]:
         """HF-style dict with only the keys that are set (lists for the longrope factors)."""

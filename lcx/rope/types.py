@@ -149,10 +149,13 @@ class RopeType:
     required: frozenset[str] = frozenset()
     optional: frozenset[str] = frozenset()
     in_transformers: bool = True  # parity-tested against transformers' ROPE_INIT_FUNCTIONS
+    # inv_freq depends on the current sequence length (`seq_len`): such a basis changes as a
+    # sequence grows, so keys rotated earlier no longer match it (caches re-rotate or refuse)
+    length_dependent: bool = False
 
 
-def _t(fn: RopeFn, required=(), optional=(), in_transformers=True) -> RopeType:
-    return RopeType(fn, frozenset(required), frozenset(optional), in_transformers)
+def _t(fn: RopeFn, required=(), optional=(), in_transformers=True, length_dependent=False) -> RopeType:
+    return RopeType(fn, frozenset(required), frozenset(optional), in_transformers, length_dependent)
 
 
 _L = "original_max_position_embeddings"
@@ -160,10 +163,11 @@ ROPE_TYPES: dict[str, RopeType] = {
     "default": _t(rope_default),
     "linear": _t(rope_linear, {"factor"}),
     "ntk": _t(rope_ntk, {"factor"}, in_transformers=False),
-    "dynamic": _t(rope_dynamic, {"factor", _L}),
+    "dynamic": _t(rope_dynamic, {"factor", _L}, length_dependent=True),
     "yarn": _t(rope_yarn, {"factor", _L},
                {"beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"}),
     "llama3": _t(rope_llama3, {"factor", _L}, {"low_freq_factor", "high_freq_factor"}),
-    "longrope": _t(rope_longrope, {"short_factor", "long_factor", _L}, {"factor", "attention_factor"}),
+    "longrope": _t(rope_longrope, {"short_factor", "long_factor", _L}, {"factor", "attention_factor"},
+                    length_dependent=True),
     "truncate": _t(rope_truncate, (), {"truncate_length", _L}, in_transformers=False),
 }

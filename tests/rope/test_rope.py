@@ -139,7 +139,7 @@ PARITY_GRID = [
     for d in HEAD_DIMS
     for b in BASES
     for s in FACTORS
-    for seq in ((None, L, 3 * L + 5, 16 * L) if ROPE_TYPES[t].fn.__name__ in ("rope_dynamic", "rope_longrope")
+    for seq in ((None, L, 3 * L + 5, 16 * L) if ROPE_TYPES[t].length_dependent
                 else (None,))
     if not (t == "default" and s != FACTORS[0])
 ]
