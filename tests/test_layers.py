@@ -1,11 +1,8 @@
-"""lcx's packages form layers: no import cycle between packages (`lcx.hf`, `lcx.methods`, ...) or
-between modules, counting every import a module can run (top-level and inside functions; only
-`if TYPE_CHECKING:` blocks are left out, since they never run). An in-function import that
-reaches back up a layer is a cycle here, so it cannot be used to hide one.
-
-The layers, bottom up (a package imports only from those below it):
-rope, masks, attention -> methods -> hf -> cache, method_config -> models, presets -> engine ->
-eval, report, serve, bench, studies, cli.
+"""lcx's packages form layers: each imports only from layers below its own (`LAYERS`, the order
+docs/contributing.md declares), and there is no import cycle between packages (`lcx.hf`,
+`lcx.methods`, ...) or between modules, counting every import a module can run (top-level and
+inside functions; only `if TYPE_CHECKING:` blocks are left out, since they never run). An
+in-function import that reaches back up a layer is a violation here, so it cannot hide one.
 """
 
 from __future__ import annotations
@@ -17,6 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 # installed name -> source folder (pyproject's package-dir)
 PACKAGE_DIRS = {"lcx": ROOT / "lcx", "lcx.kernels": ROOT / "kernels", "lcx.serve": ROOT / "serve",
                 "lcx.eval_tasks": ROOT / "eval_tasks"}
+
+# The layers, bottom up: a package imports only from strictly lower layers. `lcx` itself (its
+# __init__ re-exports lazily from every layer) is outside them. docs/contributing.md states
+# this order in the line that `layers_line()` renders.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("rope", "masks", "data", "configs", "threads", "stats", "testing", "measure"),
+    ("kernels",),
+    ("attention",),
+    ("methods",),
+    ("hf",),
+    ("cache", "method_config"),
+    ("models", "presets"),
+    ("engine", "eval", "_lmeval_hook"),
+    ("eval_tasks", "lmeval_model", "serve", "demo"),
+    ("report", "train"),
+    ("studies",),
+    ("bench", "cli"),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -137,6 +152,49 @@ def _edges_within(graph: dict[str, set[str]], comp: list[str], by_package: bool)
     key = package_of if by_package else (lambda m: m)
     return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
                   if key(m) in members and key(t) in members and key(m) != key(t))
+
+
+def layers_line() -> str:
+    return "Layers, bottom up: " + " < ".join(", ".join(layer) for layer in LAYERS)
+
+
+def layer_of() -> dict[str, int]:
+    return {f"lcx.{name}": i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def layer_violations(pkg_graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Edges a -> b whose target is not in a strictly lower layer (or a package no layer names)."""
+    bad = [f"{p}: in no layer of LAYERS" for p in sorted(set(pkg_graph) | {t for ts in pkg_graph.values() for t in ts})
+           if p not in layers]
+    bad += [f"{a} (layer {layers[a]}) -> {b} (layer {layers[b]})" for a, ts in sorted(pkg_graph.items())
+            for b in sorted(ts) if a in layers and b in layers and layers[b] >= layers[a]]
+    return bad
+
+
+def test_packages_import_only_from_lower_layers():
+    graph = import_graph()
+    bad = layer_violations(package_graph(graph), layer_of())
+    assert not bad, "imports against the declared layers (tests/test_layers.py LAYERS):\n  " + "\n  ".join(bad)
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of(m) for m in import_graph()} - {"lcx"}
+    missing = sorted(p for p in packages if p not in layer_of())
+    assert not missing, f"packages in no layer of LAYERS: {missing}"
+
+
+def test_docs_declare_the_same_layers():
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    assert layers_line() in text, f"docs/contributing.md must state the layers as tests/test_layers.py does:\n{layers_line()}"
+
+
+def test_the_layer_check_finds_an_upward_import():
+    layers = {"lcx.low": 0, "lcx.mid": 1, "lcx.top": 2}
+    assert layer_violations({"lcx.top": {"lcx.mid", "lcx.low"}, "lcx.mid": {"lcx.low"}}, layers) == []
+    assert layer_violations({"lcx.low": {"lcx.top"}}, layers) == ["lcx.low (layer 0) -> lcx.top (layer 2)"]
+    assert layer_violations({"lcx.mid": {"lcx.mid2"}}, {**layers, "lcx.mid2": 1}) == [
+        "lcx.mid (layer 1) -> lcx.mid2 (layer 1)"]
+    assert layer_violations({"lcx.new": {"lcx.low"}}, layers) == ["lcx.new: in no layer of LAYERS"]
 
 
 def test_no_import_cycle_between_packages():
