@@ -67,11 +67,11 @@ class Backend:
         return self.fn(q, k, v, spec, **kw)
 
 
-def _call_info(q, k, v, q_offset, rotary, return_lse) -> CallInfo:
+def call_info(q, k, v, q_offset, rotary, return_lse) -> CallInfo:
     return CallInfo.from_call(q, k, v, q_offset=q_offset, rotary=rotary, return_lse=return_lse)
 
 
-def _refuse(name: str, supports: Supports, spec: AttentionSpec, call: CallInfo) -> None:
+def refuse(name: str, supports: Supports, spec: AttentionSpec, call: CallInfo) -> None:
     reason = supports(spec, call)
     if reason is not None:
         raise NotImplementedError(f"attention backend {name!r} cannot run {spec.name}: {reason}")
@@ -93,7 +93,7 @@ def _sdpa_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | N
 
 def attention_sdpa(q, k, v, spec, *, q_offset=None, rotary=None, return_lse=False):
     off = check_call(q, k, v, spec, q_offset, rotary)
-    _refuse("sdpa", _sdpa_supports, spec, _call_info(q, k, v, off, rotary, return_lse))
+    refuse("sdpa", _sdpa_supports, spec, call_info(q, k, v, off, rotary, return_lse))
     scale, mask, dtype = scale_of(spec, q.shape[-1]), spec.mask, q.dtype
     if spec.lambda_params is not None:
         li = lambda_inputs(q, k, rotary, spec.lambda_params, off)
@@ -287,8 +287,8 @@ def _flex_kernel(q, k, v, *, mask, q_offset, scale, activation, slopes=None, com
 def _flex_impl(q, k, v, spec, *, q_offset, rotary, return_lse, compiled):
     name = "flex_compiled" if compiled else "flex"
     off = check_call(q, k, v, spec, q_offset, rotary)
-    call = _call_info(q, k, v, off, rotary, return_lse)
-    _refuse(name, functools.partial(_flex_supports_impl, compiled=compiled), spec, call)
+    call = call_info(q, k, v, off, rotary, return_lse)
+    refuse(name, functools.partial(_flex_supports_impl, compiled=compiled), spec, call)
     scale, mask = scale_of(spec, q.shape[-1]), spec.mask
     if spec.lambda_params is not None:
         li = lambda_inputs(q, k, rotary, spec.lambda_params, off)
@@ -352,7 +352,7 @@ def attention(
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not known; known: {list(BACKENDS)}")
     off = check_call(q, k, v, spec, q_offset, rotary)
-    call = _call_info(q, k, v, off, rotary, return_lse)
+    call = call_info(q, k, v, off, rotary, return_lse)
     reason = BACKENDS[backend].supports(spec, call)
     if reason is not None:
         msg = f"attention backend {backend!r} cannot run {spec.name}: {reason}"

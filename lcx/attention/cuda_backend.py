@@ -21,7 +21,7 @@ from lcx.kernels.cuda.lambda_decode import DTYPES, HEAD_DIMS, DecodeKeys, decode
 
 from lcx.masks import KeySpan, window_shape
 
-from .backends import Backend, _call_info, _refuse, register_backend
+from .backends import Backend, call_info, refuse, register_backend
 from .spec import AttentionSpec, CallInfo, Rotary, check_call, scale_of
 
 def _mask_shape(spec: AttentionSpec) -> KeySpan | str | None:
@@ -72,7 +72,7 @@ def _cuda_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | N
 def attention_cuda(q, k, v, spec, *, q_offset=None, rotary: Rotary | None = None, return_lse=False):
     """Backend signature (`lcx.attention.backends`); out `[B, 1, H, D]`, lse `[B, H, 1]`."""
     off = check_call(q, k, v, spec, q_offset, rotary)
-    _refuse("cuda", _cuda_supports, spec, _call_info(q, k, v, off, rotary, return_lse))
+    refuse("cuda", _cuda_supports, spec, call_info(q, k, v, off, rotary, return_lse))
     if v.shape[-1] != q.shape[-1]:
         raise NotImplementedError(f"attention backend 'cuda' needs Dv == D, got {v.shape[-1]} != {q.shape[-1]}")
     Tk = k.shape[1]

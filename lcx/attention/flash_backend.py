@@ -53,7 +53,7 @@ import torch
 
 from lcx.masks import window_shape
 
-from .backends import Backend, _call_info, _refuse, register_backend
+from .backends import Backend, call_info, refuse, register_backend
 from .merge import merge_many
 from .rotary import lambda_inputs, rotate_qk
 from .spec import AttentionSpec, CallInfo, check_call, scale_of
@@ -286,7 +286,7 @@ def _flash_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | 
 def attention_flash(q, k, v, spec, *, q_offset=None, rotary=None, return_lse=False):
     """Same signature and semantics as `lcx.attention.attention_ref`; see the module docstring."""
     off = check_call(q, k, v, spec, q_offset, rotary)
-    _refuse("flash", _flash_supports, spec, _call_info(q, k, v, off, rotary, return_lse))
+    refuse("flash", _flash_supports, spec, call_info(q, k, v, off, rotary, return_lse))
     st = mask_structure(spec)
     scale = scale_of(spec, q.shape[-1])
     H = q.shape[2]

@@ -31,7 +31,7 @@ from lcx.masks import MaskMod, causal_mask, lambda_mask, mask_matrix
 from lcx.masks.base import check_count
 
 from .alibi import alibi_bias
-from .rotary import _rotate_to, lambda_inputs, rotate_qk
+from .rotary import rotate_to, lambda_inputs, rotate_qk
 from .spec import AttentionSpec, LambdaParams, Rotary, check_call, scale_of
 
 NEG_INF = float("-inf")
@@ -201,8 +201,8 @@ def lambda_topk_attention_ref(
     visible = visible.expand(B, H, Tq, k.shape[1])
     if hi - lo >= top_k:
         sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        q_near = _rotate_to(q[:, -1:], rotary, top_k_insert_at)  # [B, 1, H, D]
-        k_mid = _rotate_to(k[:, lo:hi], rotary, 0)  # [B, M, Hkv, D]
+        q_near = rotate_to(q[:, -1:], rotary, top_k_insert_at)  # [B, 1, H, D]
+        k_mid = rotate_to(k[:, lo:hi], rotary, 0)  # [B, M, Hkv, D]
         m = gqa_scores(q_near, k_mid).to(s.dtype) * sc  # [B, H, 1, M]
         best = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, m.topk(top_k, dim=-1).indices, True)
         s, visible = s.clone(), visible.clone()

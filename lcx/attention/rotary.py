@@ -47,7 +47,7 @@ def rotate_qk(
     return q_rot, k_rot
 
 
-def _rotate_to(x: torch.Tensor, rotary: Rotary, position: int) -> torch.Tensor:
+def rotate_to(x: torch.Tensor, rotary: Rotary, position: int) -> torch.Tensor:
     """Every token of x `[B, T, H, D]` rotated to the same position."""
     cos, sin = _tables(rotary, torch.tensor([position], device=x.device), x.dtype)  # [1, r]
     T = x.shape[1]
@@ -66,8 +66,8 @@ def lambda_inputs(
 ) -> LambdaInputs:
     q_rot, k_rot = rotate_qk(q, k, rotary, q_offset)
     n_glob = min(lp.n_global, k.shape[1])
-    q_cap = _rotate_to(q, rotary, lp.effective_limit(k.shape[1]))
-    k_glob = _rotate_to(k[:, :n_glob], rotary, 0)
+    q_cap = rotate_to(q, rotary, lp.effective_limit(k.shape[1]))
+    k_glob = rotate_to(k[:, :n_glob], rotary, 0)
     return LambdaInputs(q_rot, k_rot, q_cap, k_glob)
 
 

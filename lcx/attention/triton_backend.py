@@ -22,7 +22,7 @@ import torch
 
 from lcx.masks import window_shape
 
-from .backends import Backend, _call_info, _refuse, register_backend
+from .backends import Backend, call_info, refuse, register_backend
 from .rotary import rotate_qk
 from .spec import AttentionSpec, CallInfo, check_call
 
@@ -58,7 +58,7 @@ def _triton_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str |
 
 def attention_triton(q, k, v, spec, *, q_offset=None, rotary=None, return_lse=False):
     off = check_call(q, k, v, spec, q_offset, rotary)
-    _refuse("triton", _triton_supports, spec, _call_info(q, k, v, off, rotary, return_lse))
+    refuse("triton", _triton_supports, spec, call_info(q, k, v, off, rotary, return_lse))
     if v.shape[-1] > MAX_HEAD_DIM:
         raise NotImplementedError(f"attention backend 'triton' cannot run value head dim {v.shape[-1]} > {MAX_HEAD_DIM}")
     n_global, left = mask_shape(spec.mask)

@@ -37,7 +37,7 @@ from ..hf import decoder as _decoder
 from ..hf import head_dim_of
 from ..hf.rope_patch import rope_basis
 
-def _same_basis(a: tuple[torch.Tensor, float] | None, b: tuple[torch.Tensor, float] | None) -> bool:
+def same_basis(a: tuple[torch.Tensor, float] | None, b: tuple[torch.Tensor, float] | None) -> bool:
     if a is None or b is None:
         return False
     return a[0].shape == b[0].shape and torch.equal(a[0].cpu(), b[0].cpu()) and a[1] == b[1]
@@ -193,7 +193,7 @@ class PositionedKVCache:
             raise ValueError("cannot concatenate caches with and without RoPE applied to keys")
         filled = [p for p in parts if len(p)] or [first]
         basis = filled[0].basis
-        if any(not _same_basis(basis, p.basis) for p in filled[1:]):
+        if any(not same_basis(basis, p.basis) for p in filled[1:]):
             basis = None
         return PositionedKVCache(
             [torch.cat([p.keys[i] for p in parts], dim=2) for i in range(first.num_layers)],
@@ -235,14 +235,14 @@ class PositionedKVCache:
             self.inv_freq = None
         elif len(self) == 0:
             self.inv_freq, self.attention_factor = fwd_basis
-        elif not _same_basis(self.basis, fwd_basis):
+        elif not same_basis(self.basis, fwd_basis):
             self.inv_freq = None  # the cache now mixes bases (length-dependent RoPE type)
         hf = self.to_hf()
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         out = _decoder(model)(input_ids=input_ids.to(dev), position_ids=positions[None].expand(B, n),
                               past_key_values=hf, use_cache=True)
-        _sync(dev)
+        sync_device(dev)
         cost.wall_s = time.perf_counter() - t0
         self.keys = [layer.keys for layer in hf.layers]
         self.values = [layer.values for layer in hf.layers]
@@ -258,7 +258,7 @@ class PositionedKVCache:
         return cost, model.get_output_embeddings()(h[:, -1])
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

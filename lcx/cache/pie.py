@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..hf.rope_patch import rope_basis
-from .kv import ForwardCost, PositionedKVCache, _same_basis, _sync
+from .kv import ForwardCost, PositionedKVCache, same_basis, sync_device
 from .rerotate import rerotate
 
 
@@ -224,11 +224,11 @@ def edit_recompute(model: nn.Module, cache: PositionedKVCache, edits: Sequence[E
     plan = plan_edits(len(cache), edits)
     cost = EditCost("recompute")
     dev = ids_old.device
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     new_ids = torch.tensor([apply_edits(ids_old.tolist(), edits)], dtype=torch.long, device=dev)
     start = plan.first_change
-    if plan.n_new and start > 0 and not _same_basis(cache.basis, _basis_or_none(model, plan.n_new)):
+    if plan.n_new and start > 0 and not same_basis(cache.basis, _basis_or_none(model, plan.n_new)):
         start, cost.details["reencoded_from_zero"] = 0, "the RoPE basis changed with the length (or is unknown)"
     if plan.n_new == plan.n_old == start:  # nothing changed
         out = cache
@@ -236,7 +236,7 @@ def edit_recompute(model: nn.Module, cache: PositionedKVCache, edits: Sequence[E
         out = cache.select(slice(0, start))
         fwd = out.extend(model, new_ids[:, start:], torch.arange(start, plan.n_new, device=dev))
         cost.tokens_encoded, cost.flops = fwd.tokens, fwd.flops
-    _sync(dev)
+    sync_device(dev)
     cost.wall_s = time.perf_counter() - t0
     return EditResult(out, cost)
 
@@ -250,11 +250,11 @@ def _check_pie_basis(model: nn.Module, cache: PositionedKVCache, plan: EditPlan)
                          "so a position delta has no single rotation; use strategy='recompute'")
     hint = ("(length-dependent RoPE type: dynamic NTK beyond L, or longrope across L); "
             "use strategy='recompute'")
-    if plan.n_new and not _same_basis(cache.basis, rope_basis(model, plan.n_new)):  # may raise: unknown basis
+    if plan.n_new and not same_basis(cache.basis, rope_basis(model, plan.n_new)):  # may raise: unknown basis
         raise ValueError(f"pie: the edited length {plan.n_new} has another RoPE basis than the cached "
                          f"keys (written at length {plan.n_old}) {hint}")
     for seg in plan.segments:
-        if seg.is_new and not _same_basis(cache.basis, rope_basis(model, seg.new_start + len(seg))):
+        if seg.is_new and not same_basis(cache.basis, rope_basis(model, seg.new_start + len(seg))):
             raise ValueError(
                 f"pie: encoding the edited span at positions {seg.new_start}..{seg.new_start + len(seg) - 1} "
                 f"uses another RoPE basis than the cached keys {hint}")
@@ -271,7 +271,7 @@ def edit_pie(model: nn.Module, cache: PositionedKVCache, edits: Sequence[Edit], 
     _check_pie_basis(model, cache, plan)
     cost = EditCost("pie")
     dev = cache.token_ids.device
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     old_pos = cache.positions
     new_pos = plan.new_position.to(dev)
@@ -287,7 +287,7 @@ def edit_pie(model: nn.Module, cache: PositionedKVCache, edits: Sequence[Edit], 
         cost.flops += _rotation_flops(cache, cost.rotated_slots)
     cache.positions = torch.where(new_pos >= 0, new_pos, old_pos)  # removed slots are dropped below
     out = _encode_spans(model, plan, cache, cost)
-    _sync(dev)
+    sync_device(dev)
     cost.wall_s = time.perf_counter() - t0
     return EditResult(out, cost)
 
@@ -300,10 +300,10 @@ def edit_conflict(model: nn.Module, cache: PositionedKVCache, edits: Sequence[Ed
     plan = plan_edits(len(cache), edits)
     cost = EditCost("conflict")
     dev = cache.token_ids.device
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     out = _encode_spans(model, plan, cache, cost)
-    _sync(dev)
+    sync_device(dev)
     cost.wall_s = time.perf_counter() - t0
     return EditResult(out, cost)
 

@@ -99,11 +99,11 @@ class AttentionMethod:
         """Unrotated q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> out `[B, Tq, H, Dv]`.
         `layer_idx`: the model layer of the call, for methods that differ per layer (LM-Infinite's
         top-k middle keys); the others ignore it."""
-        return attention(q, k, v, _spec_for(self, scale), backend=backend, rotary=rotary)
+        return attention(q, k, v, spec_for(self, scale), backend=backend, rotary=rotary)
 
     def attention_spec(self, scale: float | None = None) -> AttentionSpec:
         """The `lcx.attention` spec of this method (for methods that are one attention call)."""
-        return _spec_for(self, scale)
+        return spec_for(self, scale)
 
     def _spec(self, scale: float | None) -> AttentionSpec:
         raise NotImplementedError
@@ -258,5 +258,5 @@ class DecodeRule:
 
 
 @functools.lru_cache(maxsize=256)
-def _spec_for(method: AttentionMethod, scale: float | None) -> AttentionSpec:
+def spec_for(method: AttentionMethod, scale: float | None) -> AttentionSpec:
     return method._spec(scale)

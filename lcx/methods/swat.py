@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 from lcx.attention import AttentionSpec, balanced_alibi_slopes
 from lcx.masks.base import check_count
 
-from .base import AttentionMethod, _spec_for
+from .base import AttentionMethod, spec_for
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class SWAT(AttentionMethod):
 
     def attention_spec(self, scale: float | None = None, *, n_heads: int | None = None) -> AttentionSpec:
         """The `lcx.attention` spec (`AttentionSpec.swat`); `n_heads` resolves default slopes."""
-        return _spec_for(self if n_heads is None else self.for_heads(n_heads), scale)
+        return spec_for(self if n_heads is None else self.for_heads(n_heads), scale)
 
     def _spec(self, scale):
         if self.alibi_slopes is None:

@@ -242,7 +242,7 @@ def test_batch_edits_need_batch_one(model):
 
 
 # ----------------------------------------------------------------------------- RoPE types
-def _spec_for(rope_type: str, rotary_half: int) -> dict:
+def spec_for(rope_type: str, rotary_half: int) -> dict:
     """A valid spec for each registry type, built from the keys it requires (a new type with a
     new required key fails here until a default is added)."""
     defaults = {"factor": 2.0, "original_max_position_embeddings": L,
@@ -263,7 +263,7 @@ def test_rerotation_is_exact_in_every_basis(rope_type):
     p = torch.randint(0, 5000, (37,), generator=g)
     delta = torch.randint(-300, 300, (37,), generator=g)
     for seq_len in (L // 2, 4 * L):
-        spec = RopeSpec(rope_theta=1e4, **{k_: v for k_, v in _spec_for(rope_type, 8).items()})
+        spec = RopeSpec(rope_theta=1e4, **{k_: v for k_, v in spec_for(rope_type, 8).items()})
         inv, _ = compute_inv_freq(spec, 16, seq_len)
         cached = rotate_by_positions_ref(k, p, inv)
         moved = rerotate_ref(cached.clone(), delta, inv)
@@ -275,7 +275,7 @@ def test_pie_layer0_exact_for_every_rope_type(model, rope_type):
     """Model level, lengths <= L (every type's basis is then fixed, dynamic included)."""
     old = _ids(40, 7)
     edits = _edits([(5, 5, 3), (20, 24, 0), (30, 31, 2)])
-    with patched(model, _spec_for(rope_type, 8)):
+    with patched(model, spec_for(rope_type, 8)):
         ref = _prefill(model, apply_edits(old, edits))
         pie = update_cache(model, _prefill(model, old), edits, strategy="pie").cache
         conflict = update_cache(model, _prefill(model, old), edits, strategy="conflict").cache
@@ -288,7 +288,7 @@ def test_length_dependent_types_refuse_or_recompute_from_zero(model):
     re-encodes from position 0 (equal to a fresh prefill)."""
     old = _ids(70, 8)  # > L
     edits = _edits([(60, 60, 3)])
-    with patched(model, _spec_for("dynamic", 8)):
+    with patched(model, spec_for("dynamic", 8)):
         base = _prefill(model, old)
         with pytest.raises(ValueError, match="RoPE basis"):
             update_cache(model, base.clone(), edits, strategy="pie")
@@ -302,7 +302,7 @@ def test_longrope_pie_works_above_L_and_refuses_across(model):
     """longrope: one basis per side of L; an edit whose span stays above L is exact, an edit
     whose span sits below L (short basis) in a cache longer than L (long basis) is refused."""
     old = _ids(70, 9)
-    with patched(model, _spec_for("longrope", 8)):
+    with patched(model, spec_for("longrope", 8)):
         near_end = _edits([(60, 61, 3)])
         ref = _prefill(model, apply_edits(old, near_end))
         pie = update_cache(model, _prefill(model, old), near_end, strategy="pie").cache

@@ -26,7 +26,7 @@ from lcx.studies.modadd.decoder import DecoderConfig, decoder_accuracy, train_de
 from lcx.studies.modadd.evaluation import CURVE_SPLITS, PLACE_VALUE_SHIFTS, place_value_errors
 from lcx.studies.modadd.recipes import INTERVENTIONS, Recipe, recipe_by_name
 from lcx.studies.modadd.study import DEFAULT_STUDY, run_study
-from lcx.studies.modadd.training import _optimizer, build_model, loss_fn, symmetric_kl, train_run
+from lcx.studies.modadd.training import make_optimizer, build_model, loss_fn, symmetric_kl, train_run
 
 ROOT = Path(__file__).resolve().parents[2]
 PE_NAMES = sorted(POSITION_ENCODINGS)
@@ -538,7 +538,7 @@ def test_position_decay_false_exempts_only_the_position_table():
     for position_decay in (True, False):
         cfg = RunConfig(recipe="robust", position_decay=position_decay)
         model = build_model(cfg)
-        opt = _optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+        opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
         decayed = {id(p) for p in opt.param_groups[0]["params"]}
         assert opt.param_groups[0]["weight_decay"] == 1.0 and opt.param_groups[1]["weight_decay"] == 0.0
         assert (id(model.pe.table.weight) in decayed) == position_decay
@@ -546,7 +546,7 @@ def test_position_decay_false_exempts_only_the_position_table():
     # no table to exempt: a no-op
     cfg = RunConfig(recipe="robust", position="rope", position_decay=False)
     model = build_model(cfg)
-    opt = _optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
     assert all(p.dim() < 2 for p in opt.param_groups[1]["params"])
     with pytest.raises(ValueError, match="position_decay"):
         RunConfig(position_decay="no")

@@ -13,9 +13,9 @@ import torch
 from lcx.data.io import atomic_write_json, atomic_write_text, environment
 from lcx.data.modadd import MODULUS
 
-from .config import StudyConfig, _same_config, _same_recipe, load_run
+from .config import StudyConfig, same_config, same_recipe, load_run
 from .evaluation import CURVE_SPLITS, PLACE_VALUE_SHIFTS
-from .plots import _label, plot_ablation, plot_learning, plot_shift
+from .plots import row_label, plot_ablation, plot_learning, plot_shift
 
 
 SPLITS = ("id", "pos", "template", "train_id")
@@ -36,8 +36,8 @@ def aggregate(out: str | Path, study: StudyConfig | None = None) -> dict[str, An
     runs = [r for p in sorted((out / "runs").glob("*.json")) if (r := load_run(p)) is not None]
     if study is not None:
         wanted = {c.name: c for c in study.run_configs()}
-        runs = [r for r in runs if r.get("name") in wanted and _same_config(r["config"], wanted[r["name"]])
-                and _same_recipe(r.get("recipe"), wanted[r["name"]])]
+        runs = [r for r in runs if r.get("name") in wanted and same_config(r["config"], wanted[r["name"]])
+                and same_recipe(r.get("recipe"), wanted[r["name"]])]
         order = list(dict.fromkeys((c[0], c[1], c[2]["tag"] if len(c) == 3 else "") for c in study.configs))
     else:
         order = list(dict.fromkeys(_group_key(r) for r in runs))
@@ -95,13 +95,13 @@ def table_markdown(table: Mapping[str, Any]) -> str:
     lines = []
     for r in table["rows"]:
         cells = [f"{100 * r[s]['mean']:.1f} ± {100 * r[s]['std']:.1f}" for s in SPLITS]
-        lines.append(f"| {_label(r)} | {r['position']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row_label(r)} | {r['position']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     text = head + "\n".join(lines) + "\n"
     pv = [r for r in table["rows"] if "place_value_share" in r]
     if pv:
         text += ("\nWrong answers (held-out, offset 0) off by a multiple of 9, i.e. the right digits at the "
                  f"wrong place value (a uniformly wrong answer: {100 * len(PLACE_VALUE_SHIFTS) / (MODULUS - 1):.0f}%): "
-                 + "; ".join(f"{_label(r)} {100 * r['place_value_share']:.0f}%" for r in pv) + ".\n")
+                 + "; ".join(f"{row_label(r)} {100 * r['place_value_share']:.0f}%" for r in pv) + ".\n")
     if table.get("run_seconds"):
         minutes = table["run_seconds"] / 60
         text += (f"\n{table['n_runs']} runs, {minutes:.0f} single-thread run-minutes of training and evaluation "

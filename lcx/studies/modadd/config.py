@@ -18,7 +18,7 @@ from lcx.configs import strict_from_dict as _from_dict
 from lcx.data.modadd import OOD_TEMPLATES, SHIFT_OFFSETS, render
 
 from .model import POSITION_ENCODINGS, EncoderConfig
-from .recipes import INTERVENTIONS, TEMPLATE_POOLS, Recipe, _check_int, recipe_by_name
+from .recipes import INTERVENTIONS, TEMPLATE_POOLS, Recipe, check_int, recipe_by_name
 
 
 EVAL_OFFSETS: tuple[int, ...] = (0, 4, 8, 16, 32, 48, 64, 80, 96, 128)
@@ -75,7 +75,7 @@ class RunConfig:
             object.__setattr__(self, "model", dataclasses.replace(self.model, token_head=True))
         for name, minimum in (("seed", 0), ("split_seed", 0), ("steps", 1), ("batch_size", 2),
                               ("warmup_steps", 0), ("eval_pairs", 1), ("train_pairs", 0), ("eval_every", 0)):
-            _check_int(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum)
         if self.recipe_obj.consistency and self.batch_size % 2:
             raise ValueError(f"batch_size must be even with the consistency loss, got {self.batch_size}")
         if not isinstance(self.tag, str) or not re.fullmatch(r"[A-Za-z0-9_.=-]*", self.tag):
@@ -188,12 +188,12 @@ def load_run(path: Path, cfg: RunConfig | None = None) -> dict[str, Any] | None:
         return None
     if not isinstance(res, dict) or "metrics" not in res or "config" not in res:
         return None
-    if cfg is not None and not (_same_config(res["config"], cfg) and _same_recipe(res.get("recipe"), cfg)):
+    if cfg is not None and not (same_config(res["config"], cfg) and same_recipe(res.get("recipe"), cfg)):
         return None
     return res
 
 
-def _same_recipe(saved: Mapping[str, Any] | None, cfg: RunConfig) -> bool:
+def same_recipe(saved: Mapping[str, Any] | None, cfg: RunConfig) -> bool:
     """The run was trained with what its recipe name means now (a run file stores the resolved
     recipe; fields added since take their defaults), so redefining a recipe reruns its runs."""
     if saved is None:
@@ -204,7 +204,7 @@ def _same_recipe(saved: Mapping[str, Any] | None, cfg: RunConfig) -> bool:
         return False
 
 
-def _same_config(saved: Mapping[str, Any], cfg: RunConfig) -> bool:
+def same_config(saved: Mapping[str, Any], cfg: RunConfig) -> bool:
     """Compared as resolved configs: a key added later with its default still matches."""
     try:
         return RunConfig.from_dict(saved) == cfg

@@ -23,8 +23,8 @@ from lcx.data.modadd import CANONICAL, MODULUS, OOD_TEMPLATES, PAD_ID, SHIFT_OFF
 
 from .config import RunConfig
 from .data import sample_texts
-from .recipes import Recipe, _check_int, recipe_by_name
-from .training import _optimize, _optimizer, lr_at
+from .recipes import Recipe, check_int, recipe_by_name
+from .training import optimize, make_optimizer, lr_at
 
 
 NEWLINE_ID = encode_chars("\n")[0]
@@ -65,7 +65,7 @@ class DecoderConfig:
         for name, minimum in (("seed", 0), ("split_seed", 0), ("steps", 1), ("batch_size", 1), ("warmup_steps", 0),
                               ("eval_pairs", 1), ("hidden_size", 1), ("intermediate_size", 1),
                               ("num_hidden_layers", 1), ("num_attention_heads", 1), ("max_position_embeddings", 1)):
-            _check_int(name, getattr(self, name), minimum)
+            check_int(name, getattr(self, name), minimum)
         if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError(f"hidden_size ({self.hidden_size}) / num_attention_heads ({self.num_attention_heads}) "
                              f"must be an even integer head dim")
@@ -165,7 +165,7 @@ def train_decoder(cfg: DecoderConfig, out: str | Path | None = None, *, progress
     recipe = cfg.recipe_obj
     split = split_pairs(cfg.split_seed)
     model, tok = build_decoder(cfg)
-    opt = _optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
     sched = RunConfig(steps=cfg.steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps)  # lr_at's schedule
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), disable=not progress, desc="decoder", unit="step", dynamic_ncols=True)
@@ -176,7 +176,7 @@ def train_decoder(cfg: DecoderConfig, out: str | Path | None = None, *, progress
         prompts = sample_texts(recipe, pairs, rng, recipe.max_offset_at(step, cfg.steps))
         return decoder_loss(model, *decoder_batch(prompts, [str((a + b) % MODULUS) for a, b in pairs]))[0]
 
-    curve = _optimize(model, opt, bar, lr=lambda step: lr_at(sched, step), loss_at=loss_at,
+    curve = optimize(model, opt, bar, lr=lambda step: lr_at(sched, step), loss_at=loss_at,
                       grad_clip=cfg.grad_clip, name="decoder", log_every=log_every)
     model.eval()
     result = {"config": cfg.to_dict(), "recipe": dataclasses.asdict(recipe),

@@ -14,7 +14,7 @@ from .model import POSITION_ENCODINGS
 from .recipes import INTERVENTIONS, RECIPES, recipe_by_name
 
 
-def _label(row: Mapping[str, Any]) -> str:
+def row_label(row: Mapping[str, Any]) -> str:
     return row["recipe"] + (f" [{row['tag']}]" if row.get("tag") else "")
 
 
@@ -34,7 +34,7 @@ def plot_shift(table: Mapping[str, Any], path: Path) -> None:
         ys = [100 * r["shift"][o]["mean"] for o in r["shift"]]
         es = [100 * r["shift"][o]["std"] for o in r["shift"]]
         ax.errorbar(xs, ys, yerr=es, ls=styles.get(r["recipe"].split("~")[0], "-"), marker="o", ms=3, capsize=2,
-                    color=colors.get(r["position"]), label=f"{_label(r)} / {r['position']}")
+                    color=colors.get(r["position"]), label=f"{row_label(r)} / {r['position']}")
         if recipe_by_name(r["recipe"]).curriculum:
             max_offsets.add(recipe_by_name(r["recipe"]).max_offset)
     for m in max_offsets:
@@ -95,7 +95,7 @@ def plot_learning(table: Mapping[str, Any], path: Path) -> None:
     for ax, (key, title) in zip(axes, panels):
         for i, r in enumerate(rows):
             ax.plot(r["learning"]["step"], [100 * v for v in r["learning"][key]], marker="o", ms=2,
-                    color=f"C{i % 10}", ls="-" if i < 10 else "--", label=f"{_label(r)} / {r['position']}")
+                    color=f"C{i % 10}", ls="-" if i < 10 else "--", label=f"{row_label(r)} / {r['position']}")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

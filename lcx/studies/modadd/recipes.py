@@ -33,7 +33,7 @@ from lcx.configs import strict_from_dict as _from_dict
 from lcx.data.modadd import NL_TRAIN_TEMPLATES, TRAIN_TEMPLATES
 
 
-def _check_int(name: str, v: Any, minimum: int) -> None:
+def check_int(name: str, v: Any, minimum: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
 
@@ -83,7 +83,7 @@ class Recipe:
         for name in INTERVENTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _check_int("max_offset", self.max_offset, 0)
+        check_int("max_offset", self.max_offset, 0)
         if not 0 < self.curriculum_frac <= 1:
             raise ValueError(f"curriculum_frac must be in (0, 1], got {self.curriculum_frac}")
         if not (self.consistency_weight >= 0 and math.isfinite(self.consistency_weight)):

@@ -1,6 +1,6 @@
 """Training of the modular-addition encoder: the loss (cross-entropy, the consistency loss's
 symmetric KL, the optional masked-character loss), AdamW with warmup + cosine decay, and
-`train_run`: one `RunConfig` trained and evaluated. `_optimize` is the step loop the decoder
+`train_run`: one `RunConfig` trained and evaluated. `optimize` is the step loop the decoder
 (`decoder.train_decoder`) shares.
 """
 
@@ -68,14 +68,14 @@ def build_model(cfg: RunConfig) -> ModAddEncoder:
         return ModAddEncoder(cfg.model)
 
 
-def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
                position_decay: bool = True) -> torch.optim.Optimizer:
     table = getattr(getattr(model, "pe", None), "table", None)  # learned positions only
     exempt = () if position_decay or table is None else (table.weight,)
     return adamw_decay_matrices(model, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98), exempt=exempt)
 
 
-def _optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int,
+def optimize(model, opt, bar, *, lr, loss_at, grad_clip: float, name: str, log_every: int,
               after_step=None) -> dict[str, list]:
     """The training loop shared by the encoder runs and the decoder: per step (from `bar`, a
     tqdm over range(steps)) set the lr, backprop `loss_at(step)`, clip, step, then call
@@ -115,7 +115,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
     split = split_pairs(cfg.split_seed)
     train_pairs = split.train[: cfg.train_pairs] if cfg.train_pairs else split.train
     model = build_model(cfg)
-    opt = _optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.position_decay)
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), disable=not progress, desc=desc or cfg.name, unit="step",
                dynamic_ncols=True, leave=False)
@@ -138,7 +138,7 @@ def train_run(cfg: RunConfig, *, progress: bool = True, desc: str | None = None,
                 bar.write(f"{cfg.name} step {step + 1}: " + " ".join(f"{k} {100 * v:.1f}%" for k, v in point.items()))
             eval_s += time.perf_counter() - t
 
-    curve = _optimize(model, opt, bar, lr=lambda step: lr_at(cfg, step), loss_at=loss_at,
+    curve = optimize(model, opt, bar, lr=lambda step: lr_at(cfg, step), loss_at=loss_at,
                       grad_clip=cfg.grad_clip, name=cfg.name, log_every=log_every, after_step=after_step)
     if cfg.eval_every:
         curve["learning"] = learning

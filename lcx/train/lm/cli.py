@@ -21,7 +21,7 @@ from lcx.data.io import atomic_write_json, environment
 
 from .config import AUTOCAST_DTYPES, ModelConfig, TrainConfig
 from .corpora import CODE_CORPORA, CORPORA
-from .loop import _load_state, train
+from .loop import load_state, train
 from .model import file_sha256, init_model_config, resolve_init
 from .variants import ATTENTION_VARIANTS
 
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if not (out / "state.pt").is_file():
             raise FileNotFoundError(f"--resume: no {out / 'state.pt'} (nothing to resume, or the run already finished)")
-        saved = _load_state(out / "state.pt")["config"]
+        saved = load_state(out / "state.pt")["config"]
     cfg = _config_from_args(args, saved)
 
     t0 = time.perf_counter()

@@ -105,7 +105,7 @@ def plot_curve(log: Mapping[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-def _load_state(path: str | os.PathLike) -> dict[str, Any]:
+def load_state(path: str | os.PathLike) -> dict[str, Any]:
     """A resumable state written by `train`. States written before `environment()` stringified
     torch's version hold a `TorchVersion`, which weights_only loading must be told about."""
     with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
@@ -186,7 +186,7 @@ def train(
     if resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume: no {state_path} (nothing to resume, or the run already finished)")
-        state = _load_state(state_path)
+        state = load_state(state_path)
         saved_cfg = TrainConfig.from_dict(state["config"]).to_dict()  # fields added since: their defaults
         if saved_cfg != cfg.to_dict():
             diff = sorted(k for k in cfg.to_dict() if saved_cfg.get(k) != cfg.to_dict()[k])
