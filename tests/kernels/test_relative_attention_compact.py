@@ -10,15 +10,16 @@ import torch
 
 from lcx.attention import Rotary
 from lcx.kernels.cpu import compact_index, paged_relative_attention_cpu
-from lcx.methods import causal, lm_infinite, self_extend, sinks, sliding_window
+from lcx.methods import causal, examples, lm_infinite, method_id
 from lcx.methods.last_query import RelativeKeys
 from lcx.rope import compute_inv_freq
 from lcx.testing import poison_
 
 _TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
 
-METHODS = [lm_infinite(3, 5), lm_infinite(2, 4, limit_distance=9), sinks(2, 7), sliding_window(window=6),
-           self_extend(2, 4), causal()]
+# generated from the registry: every registered method's examples whose queries are plain softmax
+# over keys at given relative positions (what the C++ kernel runs), as in test_relative_attention_cpu.py
+METHODS = [m for m in examples() if m.query_keys(torch.arange(2)[None], 1) is not None]
 PREFILL = [(1, 1, 1), (2, 17, 17), (3, 29, 6), (1, 63, 63)]  # (B, Tk, Tq)
 H, HKV, D, R, N_BLOCKS, BLOCK = 4, 2, 40, 16, 23, 16
 
@@ -44,7 +45,7 @@ def test_lm_infinite_prefill_compacts_to_globals_plus_window():
 
 
 @pytest.mark.skipif(not _TOOLCHAIN, reason="no C++ compiler or ninja: the extension cannot build")
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("B,Tk,Tq", PREFILL, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compacted_call_equals_full_index(B, Tk, Tq, method, dtype):
