@@ -20,14 +20,16 @@ import pytest
 import torch
 
 from lcx.attention import Rotary
-from lcx.methods import LMInfinite, lm_infinite, self_extend, sinks, sliding_window, swat
+from lcx.methods import AttentionMethod, LMInfinite, examples, lm_infinite, method_id, self_extend, sinks, sliding_window, swat
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 from lcx.serve.vllm_plugin.method_attention import _MethodAttention, attention_kernel, prefill_backend
 from lcx.serve.vllm_plugin.step_plan import _build_plan, rotated_rule, rule_covers_prefill
 from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
-METHODS = {
+# Hand-picked cases at the edges of the step's shapes (windows of 6-10 keys against STEP's rows of
+# 1-64 keys: below, at and above G + L) ...
+EDGE_CASES = {
     "lm_infinite_3_10": lm_infinite(3, 10),
     "lm_infinite_limit_over_cap": lm_infinite(2, 6, limit_distance=20),  # not bounded: per-request path
     "sinks_2_9": sinks(2, 9),
@@ -38,6 +40,9 @@ METHODS = {
     # the paper's top-k middle keys, this layer (0) on: unbounded, per-request path, layer_idx needed
     "lm_infinite_topk": LMInfinite(2, 6, top_k=2, top_k_from_layer=0, top_k_insert_at=3),
 }
+# ... and every registered method's examples (`lcx.methods.examples()`): a new method joins every
+# grid of this module with no edit here.
+METHODS = {**EDGE_CASES, **{method_id(m): m for m in examples()}}
 ROTATED = [name for name, m in METHODS.items() if rotated_rule(m) is not None]  # all but SWAT
 ATTENTION_FACTORS = (1.0, 1.25)
 # (cached keys n, queries this step): decode rows of many lengths (below, at and above G + L),
@@ -247,7 +252,7 @@ def test_cpp_rule_plan_equals_numpy_plan(name, int64):
         assert torch.equal(ka.index, kb.index) and torch.equal(ka.cos, kb.cos) and torch.equal(ka.sin, kb.sin)
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", list(EDGE_CASES))
 def test_rule_covers_prefill_only_where_query_keys_agree(name):
     """`rule_covers_prefill` (prefill queries planned under the decode rule) is True exactly for
     the window + side rules whose every prefill query equals `query_keys` of the whole call; by
@@ -255,7 +260,27 @@ def test_rule_covers_prefill_only_where_query_keys_agree(name):
     past its window (the call's Tk sets the cap), Self-Extend (every key), SWAT and top-k (no such
     rule) no."""
     want = {"lm_infinite_3_10": True, "sinks_2_9": True, "sinks_2_9_no_renumber": True, "sliding_window_7": True}
-    assert rule_covers_prefill(METHODS[name]) is want.get(name, False)
+    assert rule_covers_prefill(EDGE_CASES[name]) is want.get(name, False)
+
+
+@pytest.mark.parametrize("method", examples(), ids=method_id)
+def test_rule_covers_prefill_where_queries_see_their_own_prefix(method):
+    """For every registered example: `rule_covers_prefill` holds exactly where the method has a
+    bounded window + side rule without top-k and each query of a call sees what the last query of
+    its own prefix would (the base class's `query_keys`, built prefix by prefix), compared here on
+    a call longer than every window."""
+    rule = rotated_rule(method)
+    windowed = rule is not None and rule.window is not None and rule.side is not None and not rule.top_k
+    pos = torch.arange(41)[None]
+    own, prefix = method.query_keys(pos, 41), AttentionMethod.query_keys(method, pos, 41)
+    same = False
+    if own is not None and prefix is not None:
+        full = torch.ones(own.key_positions.shape, dtype=torch.bool)
+        vis_a = full if own.visible is None else own.visible
+        vis_b = full if prefix.visible is None else prefix.visible
+        # relative positions compared where a key is seen (unseen entries hold padding)
+        same = torch.equal(vis_a, vis_b) and torch.equal(own.key_positions[vis_a], prefix.key_positions[vis_b])
+    assert rule_covers_prefill(method) is (windowed and same)
 
 
 def test_plan_groups_decode_rows_by_compressed_length():
