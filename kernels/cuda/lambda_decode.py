@@ -23,6 +23,8 @@ import torch
 
 from lcx.rope import rope_cos_sin
 
+from ._build import load_cuda_extension
+
 _HERE = Path(__file__).resolve().parent
 CU_SOURCE = _HERE / "lambda_decode.cu"
 HEADER = _HERE / "lambda_decode.h"
@@ -91,16 +93,9 @@ def decode_tables(
     return DecodeTables(kcos.to(**f32).contiguous(), ksin.to(**f32).contiguous(), qtab.to(**f32).contiguous())
 
 
-@functools.lru_cache(maxsize=None)
 def load_extension(verbose: bool = False):
     """Compile (first call; torch caches the build) and import the torch extension. CUDA only."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("lcx.kernels.cuda needs a CUDA build of torch and a GPU "
-                           "(torch.cuda.is_available() is False)")
-    from torch.utils.cpp_extension import load
-
-    return load(name="lcx_lambda_decode_cuda", sources=[str(BINDING_SOURCE), str(CU_SOURCE)],
-                extra_include_paths=[str(_HERE)], extra_cuda_cflags=["-O3"], verbose=verbose)
+    return load_cuda_extension("lcx_lambda_decode_cuda", (BINDING_SOURCE.name, CU_SOURCE.name), verbose)
 
 
 @functools.lru_cache(maxsize=None)

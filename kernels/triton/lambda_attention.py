@@ -43,7 +43,7 @@ Activation: softmax by online softmax; sigmoid (o = sum sigmoid(s) v, lse = log 
 through the same loop on logits logsigmoid(s) with o = acc * exp(m), so nothing overflows.
 Numerics: dots accumulate in float32 (fp32 inputs: IEEE, not TF32); the interpreter gets
 float32 dot operands (it mis-multiplies bf16 `tl.dot`) and rounds to bfloat16 on the bits
-(`_cast`: its own float32 -> bfloat16 conversion truncates, where GPUs round to nearest).
+(`_common.cast_rne`: the interpreter's own float32 -> bfloat16 conversion truncates, where GPUs round to nearest).
 
 Run on CPU tensors with `TRITON_INTERPRET=1` set before triton is first imported (tests).
 """
@@ -51,7 +51,6 @@ Run on CPU tensors with `TRITON_INTERPRET=1` set before triton is first imported
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -60,12 +59,10 @@ import triton.language as tl
 
 from lcx.rope import rope_cos_sin
 
+from ._common import cast_rne, dot, interpreting, load_rows, pow2
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -79,32 +76,6 @@ class FwdConfig:
 
 
 DEFAULT_CONFIG = FwdConfig()
-
-
-@triton.jit
-def _load_rows(base, rows_off, cols, n_cols, stride_d, row_ok):
-    """x[row, c] for c < n_cols, zero elsewhere: [R, C] from row offsets [R] and columns [C]."""
-    return tl.load(base + rows_off[:, None] + cols[None, :] * stride_d,
-                   mask=row_ok[:, None] & (cols[None, :] < n_cols), other=0.0)
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _cast(x, DT: tl.constexpr, EMULATE: tl.constexpr):
-    """x.to(DT) rounding to nearest even. The interpreter truncates float32 -> bfloat16 (numpy
-    has no bfloat16), so under it (EMULATE) the rounding is done on the bits; GPUs round."""
-    if EMULATE:
-        if DT == tl.bfloat16:
-            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True).to(DT)
-    return x.to(DT)
 
 
 @triton.jit
@@ -138,23 +109,23 @@ def _attn_fwd_kernel(
     i = q_offset + t  # mask index of each row's query
     ch = tl.arange(0, BLOCK_H)
     q_rows = b * stride_qb + t.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
-    qa = _load_rows(Q, q_rows, ch, HALF, stride_qd, row_ok)
-    qb = _load_rows(Q + HALF * stride_qd, q_rows, ch, HALF, stride_qd, row_ok)
+    qa = load_rows(Q, q_rows, ch, HALF, stride_qd, row_ok)
+    qb = load_rows(Q + HALF * stride_qd, q_rows, ch, HALF, stride_qd, row_ok)
     if PASS > 0:
-        qp = _load_rows(Q + 2 * HALF * stride_qd, q_rows, tl.arange(0, BLOCK_P), PASS, stride_qd, row_ok)
+        qp = load_rows(Q + 2 * HALF * stride_qd, q_rows, tl.arange(0, BLOCK_P), PASS, stride_qd, row_ok)
     if CAP:  # global branch: every query rotated to the capped distance d
         cc = tl.load(CAP_CS + ch, mask=ch < HALF, other=0.0)[None, :]
         cs = tl.load(CAP_CS + HALF + ch, mask=ch < HALF, other=0.0)[None, :]
         qa_f, qb_f = qa.to(tl.float32), qb.to(tl.float32)
-        qca = _cast(qa_f * cc - qb_f * cs, Q.dtype.element_ty, DOT_F32)
-        qcb = _cast(qb_f * cc + qa_f * cs, Q.dtype.element_ty, DOT_F32)
+        qca = cast_rne(qa_f * cc - qb_f * cs, Q.dtype.element_ty, DOT_F32)
+        qcb = cast_rne(qb_f * cc + qa_f * cs, Q.dtype.element_ty, DOT_F32)
     if ROTARY:  # local branch: query at its own position
         c_rows = b * stride_cb + i.to(tl.int64) * stride_ct
-        cq = _load_rows(COS, c_rows, ch, HALF, 1, row_ok)
-        sq = _load_rows(SIN, c_rows, ch, HALF, 1, row_ok)
+        cq = load_rows(COS, c_rows, ch, HALF, 1, row_ok)
+        sq = load_rows(SIN, c_rows, ch, HALF, 1, row_ok)
         qa_f, qb_f = qa.to(tl.float32), qb.to(tl.float32)
-        qa = _cast(qa_f * cq - qb_f * sq, Q.dtype.element_ty, DOT_F32)
-        qb = _cast(qb_f * cq + qa_f * sq, Q.dtype.element_ty, DOT_F32)
+        qa = cast_rne(qa_f * cq - qb_f * sq, Q.dtype.element_ty, DOT_F32)
+        qb = cast_rne(qb_f * cq + qa_f * sq, Q.dtype.element_ty, DOT_F32)
     if ALIBI:
         slope = tl.load(SLOPES + h, mask=row_ok, other=0.0)
 
@@ -182,28 +153,28 @@ def _attn_fwd_kernel(
         j = start + tl.arange(0, BLOCK_N)
         col_ok = j < hi
         k_rows = b * stride_kb + j.to(tl.int64) * stride_kt + kvh.to(tl.int64) * stride_kh
-        ka = _load_rows(K, k_rows, ch, HALF, stride_kd, col_ok)
-        kb = _load_rows(K + HALF * stride_kd, k_rows, ch, HALF, stride_kd, col_ok)
+        ka = load_rows(K, k_rows, ch, HALF, stride_kd, col_ok)
+        kb = load_rows(K + HALF * stride_kd, k_rows, ch, HALF, stride_kd, col_ok)
         if PASS > 0:
-            kp = _load_rows(K + 2 * HALF * stride_kd, k_rows, tl.arange(0, BLOCK_P), PASS, stride_kd, col_ok)
-            s_pass = _dot(qp, tl.trans(kp), DOT_F32, PRECISION)
+            kp = load_rows(K + 2 * HALF * stride_kd, k_rows, tl.arange(0, BLOCK_P), PASS, stride_kd, col_ok)
+            s_pass = dot(qp, tl.trans(kp), DOT_F32, PRECISION)
         if CAP:
             ka_raw, kb_raw = ka, kb
         if ROTARY:
             ck_rows = b * stride_cb + j.to(tl.int64) * stride_ct
-            ck = _load_rows(COS, ck_rows, ch, HALF, 1, col_ok)
-            sk = _load_rows(SIN, ck_rows, ch, HALF, 1, col_ok)
+            ck = load_rows(COS, ck_rows, ch, HALF, 1, col_ok)
+            sk = load_rows(SIN, ck_rows, ch, HALF, 1, col_ok)
             ka_f, kb_f = ka.to(tl.float32), kb.to(tl.float32)
-            ka = _cast(ka_f * ck - kb_f * sk, K.dtype.element_ty, DOT_F32)
-            kb = _cast(kb_f * ck + ka_f * sk, K.dtype.element_ty, DOT_F32)
-        s = _dot(qa, tl.trans(ka), DOT_F32, PRECISION) + _dot(qb, tl.trans(kb), DOT_F32, PRECISION)
+            ka = cast_rne(ka_f * ck - kb_f * sk, K.dtype.element_ty, DOT_F32)
+            kb = cast_rne(kb_f * ck + ka_f * sk, K.dtype.element_ty, DOT_F32)
+        s = dot(qa, tl.trans(ka), DOT_F32, PRECISION) + dot(qb, tl.trans(kb), DOT_F32, PRECISION)
         if PASS > 0:
             s += s_pass
         d = i[:, None] - j[None, :]
         visible = row_ok[:, None] & col_ok[None, :] & (d >= 0) & ((d <= LEFT) | (j[None, :] < NG))
         if CAP:
             if start < NG:  # only blocks holding global keys pay for the second dot
-                s_g = _dot(qca, tl.trans(ka_raw), DOT_F32, PRECISION) + _dot(qcb, tl.trans(kb_raw), DOT_F32, PRECISION)
+                s_g = dot(qca, tl.trans(ka_raw), DOT_F32, PRECISION) + dot(qcb, tl.trans(kb_raw), DOT_F32, PRECISION)
                 s_g = s_g * k_glob_factor  # R(0) k = attention_factor * k on rotary channels
                 if PASS > 0:
                     s_g += s_pass
@@ -220,8 +191,8 @@ def _attn_fwd_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = b * stride_vb + j.to(tl.int64) * stride_vt + kvh.to(tl.int64) * stride_vh
-        vt = _load_rows(V, v_rows, cv, DV, stride_vd, col_ok)
-        acc = acc * alpha[:, None] + _dot(_cast(p, V.dtype.element_ty, DOT_F32), vt, DOT_F32, PRECISION)
+        vt = load_rows(V, v_rows, cv, DV, stride_vd, col_ok)
+        acc = acc * alpha[:, None] + dot(cast_rne(p, V.dtype.element_ty, DOT_F32), vt, DOT_F32, PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -231,7 +202,7 @@ def _attn_fwd_kernel(
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = m_i + tl.log(l_i)  # -inf for rows without keys
         o_rows = b * stride_ob + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
-        tl.store(OUT + o_rows[:, None] + cv[None, :] * stride_od, _cast(o, OUT.dtype.element_ty, DOT_F32),
+        tl.store(OUT + o_rows[:, None] + cv[None, :] * stride_od, cast_rne(o, OUT.dtype.element_ty, DOT_F32),
                  mask=row_ok[:, None] & (cv[None, :] < DV))
         tl.store(LSE + b * stride_lb + h.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt, lse, mask=row_ok)
     else:  # partials [B*Hkv, S, rows_pad, DV] and [B*Hkv, S, 2, rows_pad]
@@ -281,14 +252,10 @@ def _combine_kernel(
     t = r // GROUP
     h = kvh * GROUP + r % GROUP
     o_rows = b * stride_ob + t.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
-    tl.store(OUT + o_rows[:, None] + cv[None, :] * stride_od, _cast(o, OUT.dtype.element_ty, EMULATE),
+    tl.store(OUT + o_rows[:, None] + cv[None, :] * stride_od, cast_rne(o, OUT.dtype.element_ty, EMULATE),
              mask=row_ok[:, None] & (cv[None, :] < DV))
     tl.store(LSE + b * stride_lb + h.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt,
              m + tl.log(l_tot), mask=row_ok)
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(n, 1)))
 
 
 def _rotary_tables(rotary, half: int, n_keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,10 +360,10 @@ def lambda_attention_triton(
     cfg = config
     n_rows = Tq * group
     # decode: few rows (Tq * GROUP); a 16-row tile (the tl.dot minimum) instead of block_m
-    BLOCK_M, BLOCK_N = min(cfg.block_m, _pow2(n_rows)), cfg.block_n
+    BLOCK_M, BLOCK_N = min(cfg.block_m, pow2(n_rows)), cfg.block_n
     visited = NG + (min(Tk, LEFT + 1) if LEFT >= 0 else 0) + BLOCK_M // group
     S = num_splits or default_num_splits(n_rows, visited, B * Hkv, BLOCK_M, BLOCK_N, dev)
-    BLOCK_DV = _pow2(Dv)
+    BLOCK_DV = pow2(Dv)
     grid_m = triton.cdiv(n_rows, BLOCK_M)
     if S > 1:
         n_pad = grid_m * BLOCK_M
@@ -414,7 +381,7 @@ def lambda_attention_triton(
         *out.stride(), *lse.stride(),
         GROUP=group, HALF=half, PASS=n_pass, DV=Dv,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_H=_pow2(half), BLOCK_P=_pow2(n_pass), BLOCK_DV=BLOCK_DV,
+        BLOCK_H=pow2(half), BLOCK_P=pow2(n_pass), BLOCK_DV=BLOCK_DV,
         ROTARY=rotary is not None, CAP=cap, ALIBI=alibi_slopes is not None,
         SIGMOID=activation == "sigmoid", NUM_SPLITS=S,
         DOT_F32=interp, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -29,14 +29,13 @@ Run on CPU tensors with `TRITON_INTERPRET=1` set before triton is first imported
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from lcx.rope.rotary import check_rerotate_args
+from lcx.rope.rotary import rerotate_operands
+
+from ._common import interpreting
 
 
 @triton.jit
@@ -107,10 +106,6 @@ def _rerotate_kernel(
             tl.store(o_h + (2 * HALF + p) * stride_od, xp, mask=mp)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _launch(k: torch.Tensor, out: torch.Tensor, delta: torch.Tensor, inv_turns: torch.Tensor,
             *, block_t: int | None = None) -> None:
     B, T, H, D = k.shape
@@ -119,14 +114,14 @@ def _launch(k: torch.Tensor, out: torch.Tensor, delta: torch.Tensor, inv_turns: 
     assert inv_turns.dtype == torch.float64 and inv_turns.is_contiguous()
     assert out.shape == k.shape and out.dtype == k.dtype
     assert 2 * half <= D
-    assert k.device.type == "cuda" or _interpreting(), "triton needs CUDA tensors (or TRITON_INTERPRET=1)"
+    assert k.device.type == "cuda" or interpreting(), "triton needs CUDA tensors (or TRITON_INTERPRET=1)"
     n_pass = 0 if out.data_ptr() == k.data_ptr() and out.stride() == k.stride() else D - 2 * half
     BLOCK_F = triton.next_power_of_2(half)
     BLOCK_P = triton.next_power_of_2(max(n_pass, 1))
     # Tile of BLOCK_T x BLOCK_H x BLOCK_F pairs: ~4k elements per program on a GPU (4 warps, a
     # few registers per element); the interpreter runs one numpy op per tile, so it gets big
     # tiles and a small grid.
-    budget = 1 << 16 if _interpreting() else 1 << 12
+    budget = 1 << 16 if interpreting() else 1 << 12
     BLOCK_H = min(triton.next_power_of_2(H), max(1, budget // BLOCK_F))
     if block_t is None:
         block_t = max(1, budget // (BLOCK_H * BLOCK_F))
@@ -150,18 +145,9 @@ def rerotate_triton(k_cache: torch.Tensor, delta_positions: torch.Tensor, inv_fr
     (then `out` receives the result and k_cache is untouched). `block_t` overrides the number
     of slots per program (tests). See the module docstring for tiling and precision.
     """
-    check_rerotate_args(k_cache, delta_positions, inv_freq, out)
-    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"rerotate_triton supports float32/float16/bfloat16 keys, got {k_cache.dtype}")
-    target = k_cache if out is None else out
-    B, T = k_cache.shape[:2]
-    if T == 0 or B == 0:
+    target, delta, inv_turns = rerotate_operands(k_cache, delta_positions, inv_freq, out, kernel="rerotate_triton")
+    if delta is None:
         return target
-    delta = delta_positions.to(device=k_cache.device, dtype=torch.int64)
-    if delta.dim() == 1:
-        delta = delta.expand(B, T)  # stride 0 over the batch: no copy
-    # inv_freq / (2 pi) in float64: the kernel works in turns (see the module docstring)
-    inv_turns = (inv_freq.to(torch.float64) / (2 * math.pi)).contiguous().to(k_cache.device)
     _launch(k_cache, target, delta, inv_turns, block_t=block_t)
     return target
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from lcx.rope import rope_cos_sin
 
-from .lambda_attention import _cast, interpreting
+from ._common import cast_rne, interpreting
 
 
 @triton.jit
@@ -62,8 +62,8 @@ def _rope_kernel(
         if INVERSE:
             y1 = y1 / norm
             y2 = y2 / norm
-        tl.store(o_h + fk * stride_od, _cast(y1, OUT.dtype.element_ty, EMULATE), mask=m)
-        tl.store(o_h + (fk + HALF) * stride_od, _cast(y2, OUT.dtype.element_ty, EMULATE), mask=m)
+        tl.store(o_h + fk * stride_od, cast_rne(y1, OUT.dtype.element_ty, EMULATE), mask=m)
+        tl.store(o_h + (fk + HALF) * stride_od, cast_rne(y2, OUT.dtype.element_ty, EMULATE), mask=m)
         if N_PASS > 0:
             p = tl.arange(0, BLOCK_P)[None, None, :]
             mp = mask_t[:, None, None] & (h < H) & (p < N_PASS)

@@ -34,16 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import cast_rne, dot, interpreting, load_rows, pow2
 from .lambda_attention import (
     DEFAULT_CONFIG,
     MAX_HEAD_DIM,
     SUPPORTED_DTYPES,
     FwdConfig,
-    _cast,
-    _dot,
-    _load_rows,
-    _pow2,
-    interpreting,
     lambda_attention_triton,
 )
 
@@ -52,7 +48,7 @@ from .lambda_attention import (
 def _scores(q, k, i, j, row_ok, col_ok, slope, scale, NG, LEFT,
             ALIBI: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """Logits [BM, BN] (scale, ALiBi) and visibility of queries i [BM] on keys j [BN]."""
-    s = _dot(q, tl.trans(k), DOT_F32, PRECISION) * scale
+    s = dot(q, tl.trans(k), DOT_F32, PRECISION) * scale
     d = i[:, None] - j[None, :]
     if ALIBI:
         s -= slope[:, None] * tl.abs(d).to(tl.float32)
@@ -94,8 +90,8 @@ def _bwd_dkdv_kernel(
     cd = tl.arange(0, BLOCK_D)
     cv = tl.arange(0, BLOCK_DV)
     k_rows = b * stride_kb + j.to(tl.int64) * stride_kt + kvh.to(tl.int64) * stride_kh
-    k = _load_rows(K, k_rows, cd, D, stride_kd, col_ok)
-    v = _load_rows(V, b * stride_vb + j.to(tl.int64) * stride_vt + kvh.to(tl.int64) * stride_vh,
+    k = load_rows(K, k_rows, cd, D, stride_kd, col_ok)
+    v = load_rows(V, b * stride_vb + j.to(tl.int64) * stride_vt + kvh.to(tl.int64) * stride_vh,
                    cv, DV_, stride_vd, col_ok)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -116,27 +112,27 @@ def _bwd_dkdv_kernel(
             t = t0 + tl.arange(0, BLOCK_M)
             row_ok = t < t_end
             q_rows = b * stride_qb + t.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
-            q = _load_rows(Q, q_rows, cd, D, stride_qd, row_ok)
-            do = _load_rows(DO, b * stride_dob + t.to(tl.int64) * stride_dot + h.to(tl.int64) * stride_doh,
+            q = load_rows(Q, q_rows, cd, D, stride_qd, row_ok)
+            do = load_rows(DO, b * stride_dob + t.to(tl.int64) * stride_dot + h.to(tl.int64) * stride_doh,
                             cv, DV_, stride_dod, row_ok)
             l_offs = b * stride_lb + h.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
             lse = tl.load(LSE + l_offs, mask=row_ok, other=0.0)
             s, visible = _scores(q, k, q_offset + t, j, row_ok, col_ok, slope, scale, NG, LEFT,
                                  ALIBI, DOT_F32, PRECISION)
             p = _weights(s, visible, lse, SIGMOID)  # [BM, BN]
-            dv += _dot(tl.trans(_cast(p, DO.dtype.element_ty, DOT_F32)), do, DOT_F32, PRECISION)
-            dp = _dot(do, tl.trans(v), DOT_F32, PRECISION)
+            dv += dot(tl.trans(cast_rne(p, DO.dtype.element_ty, DOT_F32)), do, DOT_F32, PRECISION)
+            dp = dot(do, tl.trans(v), DOT_F32, PRECISION)
             if SIGMOID:
                 ds = dp * p * (1.0 - p)
             else:
                 delta = tl.load(DELTA + l_offs, mask=row_ok, other=0.0)
                 ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(_cast(ds, Q.dtype.element_ty, DOT_F32)), q, DOT_F32, PRECISION)
+            dk += dot(tl.trans(cast_rne(ds, Q.dtype.element_ty, DOT_F32)), q, DOT_F32, PRECISION)
     dk *= scale
     tl.store(DK + b * stride_dkb + j.to(tl.int64)[:, None] * stride_dkt + kvh.to(tl.int64) * stride_dkh
-             + cd[None, :] * stride_dkd, _cast(dk, DK.dtype.element_ty, DOT_F32), mask=col_ok[:, None] & (cd[None, :] < D))
+             + cd[None, :] * stride_dkd, cast_rne(dk, DK.dtype.element_ty, DOT_F32), mask=col_ok[:, None] & (cd[None, :] < D))
     tl.store(DV + b * stride_dvb + j.to(tl.int64)[:, None] * stride_dvt + kvh.to(tl.int64) * stride_dvh
-             + cv[None, :] * stride_dvd, _cast(dv, DV.dtype.element_ty, DOT_F32), mask=col_ok[:, None] & (cv[None, :] < DV_))
+             + cv[None, :] * stride_dvd, cast_rne(dv, DV.dtype.element_ty, DOT_F32), mask=col_ok[:, None] & (cv[None, :] < DV_))
 
 
 @triton.jit
@@ -163,8 +159,8 @@ def _bwd_dq_kernel(
     i = q_offset + t
     cd = tl.arange(0, BLOCK_D)
     cv = tl.arange(0, BLOCK_DV)
-    q = _load_rows(Q, b * stride_qb + t.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh, cd, D, stride_qd, row_ok)
-    do = _load_rows(DO, b * stride_dob + t.to(tl.int64) * stride_dot + h.to(tl.int64) * stride_doh,
+    q = load_rows(Q, b * stride_qb + t.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh, cd, D, stride_qd, row_ok)
+    do = load_rows(DO, b * stride_dob + t.to(tl.int64) * stride_dot + h.to(tl.int64) * stride_doh,
                     cv, DV_, stride_dod, row_ok)
     l_offs = b * stride_lb + h.to(tl.int64) * stride_lh + t.to(tl.int64) * stride_lt
     lse = tl.load(LSE + l_offs, mask=row_ok, other=0.0)
@@ -190,20 +186,20 @@ def _bwd_dq_kernel(
         j = start + tl.arange(0, BLOCK_N)
         col_ok = j < tl.where(is_g, g_end, win_hi)
         k_rows = b * stride_kb + j.to(tl.int64) * stride_kt + kvh.to(tl.int64) * stride_kh
-        k = _load_rows(K, k_rows, cd, D, stride_kd, col_ok)
-        v = _load_rows(V, b * stride_vb + j.to(tl.int64) * stride_vt + kvh.to(tl.int64) * stride_vh,
+        k = load_rows(K, k_rows, cd, D, stride_kd, col_ok)
+        v = load_rows(V, b * stride_vb + j.to(tl.int64) * stride_vt + kvh.to(tl.int64) * stride_vh,
                        cv, DV_, stride_vd, col_ok)
         s, visible = _scores(q, k, i, j, row_ok, col_ok, slope, scale, NG, LEFT, ALIBI, DOT_F32, PRECISION)
         p = _weights(s, visible, lse, SIGMOID)
-        dp = _dot(do, tl.trans(v), DOT_F32, PRECISION)
+        dp = dot(do, tl.trans(v), DOT_F32, PRECISION)
         if SIGMOID:
             ds = dp * p * (1.0 - p)
         else:
             ds = p * (dp - delta[:, None])
-        dq += _dot(_cast(ds, K.dtype.element_ty, DOT_F32), k, DOT_F32, PRECISION)
+        dq += dot(cast_rne(ds, K.dtype.element_ty, DOT_F32), k, DOT_F32, PRECISION)
     dq *= scale
     tl.store(DQ + b * stride_dqb + t.to(tl.int64)[:, None] * stride_dqt + h.to(tl.int64) * stride_dqh
-             + cd[None, :] * stride_dqd, _cast(dq, DQ.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & (cd[None, :] < D))
+             + cd[None, :] * stride_dqd, cast_rne(dq, DQ.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & (cd[None, :] < D))
 
 
 def window_attention_backward(
@@ -233,7 +229,7 @@ def window_attention_backward(
     interp = interpreting()
     common = dict(
         GROUP=H // Hkv, D=D, DV_=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), ALIBI=alibi_slopes is not None, SIGMOID=sigmoid,
+        BLOCK_D=pow2(D), BLOCK_DV=pow2(Dv), ALIBI=alibi_slopes is not None, SIGMOID=sigmoid,
         DOT_F32=interp, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -13,6 +13,8 @@ the high-frequency channels; float64's spacing there is ~2e-9.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .spec import RopeSpec
@@ -142,6 +144,32 @@ def check_rerotate_args(k_cache: torch.Tensor, delta_positions: torch.Tensor, in
                             or out.device != k_cache.device):
         raise ValueError(f"out must match k_cache in shape/dtype/device: {tuple(out.shape)} {out.dtype} "
                          f"{out.device} vs {tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+
+
+def rerotate_operands(k_cache: torch.Tensor, delta_positions: torch.Tensor, inv_freq: torch.Tensor,
+                      out: torch.Tensor | None, *, kernel: str,
+                      dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)):
+    """The re-rotation kernels' shared preamble: validate (`check_rerotate_args`, then the key
+    dtypes `kernel` supports) and prepare what every launcher takes.
+
+    Returns (target, delta [B, T] int64 on the keys' device (a stride-0 expand of a [T] delta:
+    no copy), inv_turns [r/2] float64 = inv_freq / 2 pi, contiguous, on the keys' device: the
+    kernels work in turns). delta and inv_turns are None when there is nothing to rotate
+    (B or T is 0). target is k_cache (in place) unless `out` is given.
+    """
+    check_rerotate_args(k_cache, delta_positions, inv_freq, out)
+    if k_cache.dtype not in dtypes:
+        raise ValueError(f"{kernel} supports {', '.join(str(d).removeprefix('torch.') for d in dtypes)} keys, "
+                         f"got {k_cache.dtype}")
+    target = k_cache if out is None else out
+    B, T = k_cache.shape[:2]
+    if B == 0 or T == 0:
+        return target, None, None
+    delta = delta_positions.to(device=k_cache.device, dtype=torch.int64)
+    if delta.dim() == 1:
+        delta = delta.expand(B, T)
+    inv_turns = (inv_freq.to(torch.float64) / (2 * math.pi)).contiguous().to(k_cache.device)
+    return target, delta, inv_turns
 
 
 def rerotate_ref(k_cache: torch.Tensor, delta_positions: torch.Tensor, inv_freq: torch.Tensor, *,
