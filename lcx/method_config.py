@@ -36,8 +36,7 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .rope import RopeSpec
 from .rope.spec import _IGNORED_HF_KEYS
@@ -95,7 +94,7 @@ class MethodConfig:
 
     def __post_init__(self) -> None:
         if self.rope is not None:
-            object.__setattr__(self, "rope", MappingProxyType(_checked_rope(self.rope)))
+            object.__setattr__(self, "rope", RopeDict(_checked_rope(self.rope)))
         if self.attention is not None:
             from .methods import AttentionMethod, method_from_dict
 
@@ -148,7 +147,7 @@ class MethodConfig:
         """The nested form, None fields left out (`{}` for the model as loaded)."""
         out: dict[str, Any] = {}
         if self.rope is not None:
-            out["rope"] = dict(self.rope)
+            out["rope"] = self.rope.to_dict()
         if self.attention is not None:
             out["attention"] = self.attention.to_dict()
         for key in ("backend", "decode_backend"):
@@ -197,7 +196,7 @@ class MethodConfig:
 
     def to_flat(self) -> dict[str, Any]:
         """The flat form (`from_flat(cfg.to_flat()) == cfg`)."""
-        out: dict[str, Any] = dict(self.rope) if self.rope is not None else {}
+        out: dict[str, Any] = self.rope.to_dict() if self.rope is not None else {}
         if self.attention is not None:
             a = self.attention.to_dict()
             out["attention"] = a.pop("type")
@@ -285,6 +284,44 @@ class MethodConfig:
             patch_attention(model, self.attention, backend=self.backend or DEFAULT_BACKEND,
                             decode_backend=self.decode_backend)
         return handle
+
+
+class RopeDict(Mapping):
+    """`MethodConfig.rope`: a (partial) RoPE spec dict, read-only, hashable and picklable (a plain
+    dict inside; `MappingProxyType`, what it was before, does not pickle, and a config crosses
+    process boundaries: the server's engine process, lm-eval workers). List values (longrope's
+    factors) are kept as tuples, as `RopeSpec` keeps them, so nothing inside can change;
+    `to_dict` gives them back as lists. Equal to a dict with the same items."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: Mapping[str, Any]):
+        object.__setattr__(self, "_d", {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (tuples as lists: the JSON form)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._d.items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a RopeDict is read-only")
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self._d, sort_keys=True, default=repr))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RopeDict, (self._d,))
+
+    def __repr__(self) -> str:
+        return repr(self._d)
 
 
 class _Placeholder:
@@ -487,5 +524,5 @@ def method_config_from_args(args: argparse.Namespace) -> MethodConfig:
     return dataclasses.replace(cfg, **parts) if parts else cfg
 
 
-__all__ = ["Applied", "MethodConfig", "add_method_arguments", "attention_keys",
+__all__ = ["Applied", "MethodConfig", "RopeDict", "add_method_arguments", "attention_keys",
            "method_config_from_args", "parse_flat", "patch", "patched", "unpatch"]

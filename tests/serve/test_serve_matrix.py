@@ -1,0 +1,315 @@
+"""Every method config serves, by construction (issue #44, item 1).
+
+The matrix: method configs generated from the registries × every entry point that takes a
+method. A new RoPE type, attention method or preset joins it with no edit here (a RoPE type
+with a required key this module has no example value for fails `test_every_rope_type_has_an_example`).
+
+Configs (`CASES`, generated at import):
+    rope-<type>       every type of `lcx.rope.ROPE_TYPES` (its required keys from `ROPE_EXAMPLE`,
+                      a factor where it takes one)
+    attention-<name>  every method of `lcx.methods.ATTENTION_METHODS` (its first `examples` entry)
+    rope+attention    the first factor-taking RoPE type with the first bounded attention method
+    preset-<name>     `lcx.presets` (one in the default tier, `REPRESENTATIVE_PRESET`; all in slow)
+    methods-json      rope+attention given as `--methods JSON` instead of flags
+
+Entry points (`ENTRY_POINTS`): `lcx.serve.create_app` over an in-process engine (the cheapest:
+no process start), `lcx serve` (engine process, the default), `lcx serve --no-engine-process`,
+`lm_eval --model lcx`, `lcx eval ppl`, `lcx report --method`; and `lcx serve --engine vllm` in
+the vLLM tier (marker `vllm`). A server must start and answer a greedy completion with the tokens
+of the in-process `lcx.engine.Engine` on the same weights and config (float64 both sides); the
+eval entry points must exit 0 with finite numbers for the config they were given.
+
+Tiers (on 2 shared cores a server start costs 6-25 s, `lm_eval` ~25-40 s):
+    default  every config (presets: REPRESENTATIVE_PRESET) x `create_app`, and every config's
+             pickle round trip (what the engine process's spawn does with it: the defect of
+             issue #44 was a config that did not pickle); `rope+attention` x every CLI entry
+             point, and `methods-json` x `lcx serve`.
+    slow     the complete cross product (every preset too).
+    vllm     every config x `lcx serve --engine vllm` (the ones lcx's vLLM plugin refuses must be
+             refused before vLLM starts, naming why).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from lcx import presets  # noqa: E402
+from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lcx.method_config import MethodConfig  # noqa: E402
+from lcx.methods import ATTENTION_METHODS  # noqa: E402
+from lcx.rope import ROPE_TYPES  # noqa: E402
+
+from _servers import lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
+
+L0 = 128  # the tiny test model's context (tests/conftest.py tiny_model_dir)
+HEAD_DIM = 16
+FACTOR = 2.0
+GEN = 8
+PROMPT_TOKENS = 100  # fits every config's max_model_len (L0 for the vanilla RoPE types)
+TIMEOUT_S = 120
+# example values of the RoPE keys a type may require (a new required key: add its example)
+ROPE_EXAMPLE = {"factor": FACTOR, "original_max_position_embeddings": L0,
+                "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
+                "long_factor": [1.0 + 1.5 * i for i in range(HEAD_DIM // 2)]}
+REPRESENTATIVE_PRESET = "lm_infinite+yarn"
+
+
+def _rope_spec(rope_type: str) -> dict:
+    entry = ROPE_TYPES[rope_type]
+    spec = {"rope_type": rope_type, **{k: ROPE_EXAMPLE[k] for k in sorted(entry.required) if k in ROPE_EXAMPLE}}
+    if "factor" in entry.optional:
+        spec["factor"] = FACTOR
+    return spec
+
+
+def _attention(name: str) -> dict:
+    return {"type": name, **dict(ATTENTION_METHODS[name].examples[0])}
+
+
+def _cases() -> dict[str, tuple[dict, str]]:
+    """id -> (nested config dict, how it is passed: "flags" or "json")."""
+    cases: dict[str, tuple[dict, str]] = {}
+    for t in ROPE_TYPES:
+        cases[f"rope-{t}"] = ({"rope": _rope_spec(t)}, "flags")
+    for name in ATTENTION_METHODS:
+        cases[f"attention-{name}"] = ({"attention": _attention(name)}, "flags")
+    scaled = next(t for t in ROPE_TYPES if "factor" in ROPE_TYPES[t].required | ROPE_TYPES[t].optional)
+    bounded = next(n for n, cls in ATTENTION_METHODS.items()
+                   if any(cls(**e).cache_window is not None for e in cls.examples[:1]))
+    combo = {"rope": _rope_spec(scaled), "attention": _attention(bounded)}
+    cases["rope+attention"] = (combo, "flags")
+    for name, p in presets.PRESETS.items():
+        if p.siblings:  # runs on a sibling model trained with the method: not this tiny model's
+            continue
+        cases[f"preset-{name}"] = (presets.config(name, L0=L0, factor=FACTOR, n_layers=2).to_dict(), "flags")
+    cases["methods-json"] = (combo, "json")
+    return cases
+
+
+CASES = _cases()
+DEFAULT_APP = [c for c in CASES if not c.startswith("preset-") or c == f"preset-{REPRESENTATIVE_PRESET}"]
+ENTRY_POINTS = ("app", "serve", "serve-no-engine-process", "lm_eval", "eval-ppl", "report")
+
+
+def _default(case: str, entry: str) -> bool:
+    """The default tier's part of the matrix (module docstring)."""
+    if entry == "app":
+        return case in DEFAULT_APP
+    return case == "rope+attention" or (entry == "serve" and case == "methods-json")
+
+
+MATRIX = [pytest.param(c, e, id=f"{e}-{c}", marks=() if _default(c, e) else pytest.mark.slow)
+          for e in ENTRY_POINTS for c in CASES]
+
+
+def _flags(d: dict, how: str) -> list[str]:
+    """The method flags of `lcx serve` / `lcx eval ppl` for config `d` (`how`: flags or --methods JSON)."""
+    if how == "json":
+        return ["--methods", json.dumps(d)]
+    from lcx.method_config import add_method_arguments
+
+    import argparse
+    p = argparse.ArgumentParser()
+    add_method_arguments(p)
+    known = {o for a in p._actions for o in a.option_strings}
+    out: list[str] = []
+    rope = dict(d.get("rope") or {})
+    if rope:
+        out += ["--rope", rope.pop("rope_type")]
+        for k, v in rope.items():
+            flag = "--" + k.replace("_", "-")
+            out += [flag, json.dumps(v)] if flag in known else ["--rope-param", f"{k}={json.dumps(v)}"]
+    att = dict(d.get("attention") or {})
+    if att:
+        out += ["--attention", att.pop("type")]
+        for k, v in att.items():
+            out += ["--" + k.replace("_", "-"), json.dumps(v)]
+    for k, flag in (("backend", "--attn-backend"), ("decode_backend", "--attn-decode-backend")):
+        if d.get(k) is not None:
+            out += [flag, d[k]]
+    return out
+
+
+def _env() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def _run(cmd: list[str], log: Path, timeout: float = 600) -> None:
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
+    assert rc == 0, f"{' '.join(cmd)} exited {rc}:\n{log.read_text()[-3000:]}"
+
+
+# ================================================================================ configs
+def test_every_rope_type_has_an_example():
+    for t, entry in ROPE_TYPES.items():
+        missing = sorted(set(entry.required) - set(ROPE_EXAMPLE))
+        assert not missing, f"RoPE type {t!r} requires {missing}: add example values to ROPE_EXAMPLE"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_pickles_equal(case):
+    """The config crosses process boundaries (the engine process, lm-eval workers) intact."""
+    cfg = MethodConfig.from_dict(CASES[case][0])
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back == cfg and hash(back) == hash(cfg) and back.to_dict() == cfg.to_dict()
+    assert EngineConfig(methods=back) == EngineConfig(methods=cfg)
+
+
+# ================================================================================ the matrix
+@pytest.fixture(scope="module")
+def ref_engines(tiny_model_dir):
+    """Config id -> the in-process engine (float64) on the server's weights."""
+    cache: dict[str, Engine] = {}
+
+    def get(case: str) -> Engine:
+        if case not in cache:
+            cache[case] = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(methods=CASES[case][0]),
+                                                 dtype="float64")
+        return cache[case]
+
+    return get
+
+
+def _prompt(eng: Engine) -> list[int]:
+    text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 3
+    return eng.encode(text)[:PROMPT_TOKENS]
+
+
+def _check_server(client, ref: Engine, case: str) -> None:
+    """The server behind `client` answers a greedy completion with `ref`'s tokens and shows the
+    config in its model card."""
+    ids = _prompt(ref)
+    want = ref.generate([ids], SamplingParams(max_tokens=GEN, ignore_eos=True))[0]
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": GEN, "temperature": 0,
+                                             "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [ref.token_str(t) for t in want.token_ids], case
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] >= PROMPT_TOKENS + GEN
+    asked = MethodConfig.from_dict(CASES[case][0]).to_dict()
+    if "attention" in asked:
+        assert card["lcx_methods"]["attention"] == asked["attention"]
+    if "rope" in asked:
+        assert card["lcx_methods"]["rope"]["rope_type"] == asked["rope"]["rope_type"]
+
+
+@pytest.mark.parametrize("case,entry", MATRIX)
+def test_method_config_runs_through_entry_point(case, entry, tiny_model_dir, ref_engines, tmp_path):
+    d, how = CASES[case]
+    log = tmp_path / f"{entry}.log"
+    model = str(tiny_model_dir)
+    if entry == "app":
+        from fastapi.testclient import TestClient
+
+        from lcx.serve.app import create_app
+
+        eng = Engine.from_pretrained(model, EngineConfig(methods=d), dtype="float64")
+        with TestClient(create_app(eng, model_name="m", batch_window_s=0)) as client:
+            _check_server(client, ref_engines(case), case)
+        return
+    if entry.startswith("serve"):
+        extra = ["--no-engine-process"] if entry == "serve-no-engine-process" else []
+        with lcx_serve(model, log, "--dtype", "float64", "--threads", "1", "--batch-window-ms", "0", *extra,
+                       *_flags(d, how)) as (url, proc):
+            wait_healthy(url, proc, log)
+            with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
+                _check_server(client, ref_engines(case), case)
+        return
+    if entry == "eval-ppl":
+        out = tmp_path / "ppl.json"
+        _run([sys.executable, "-m", "lcx.cli", "eval", "ppl", "--model", model, "--lengths", "64",
+              "--max-tokens", "128", "--threads", "1", "--no-progress", "--out", str(out), *_flags(d, how)], log)
+        text = out.read_text()
+        nlls = [float(x) for x in _numbers(json.loads(text), "nll")]
+        assert nlls and all(math.isfinite(x) for x in nlls), text[:500]
+        return
+    if entry == "report":
+        out = tmp_path / "report"
+        spec = json.dumps(d) if how == "json" else MethodConfig.from_dict(d).to_model_args()
+        _run([sys.executable, "-m", "lcx.cli", "report", "--model", model, "--methods", "none",
+              "--method", f"m={spec}", "--lengths", "320", "--decode-lengths", "none", "--depths", "1",
+              "--samples-per-depth", "1", "--ppl-docs", "1", "--threads", "1", "--out", str(out)], log)
+        rep = json.loads((out / "report.json").read_text())
+        assert "m" in json.dumps(rep), rep
+        return
+    if entry == "lm_eval":
+        out = tmp_path / "lm_eval"
+        args = ",".join(filter(None, [f"pretrained={model}", "dtype=float64",
+                                      MethodConfig.from_dict(d).to_model_args()]))
+        _run([sys.executable, "-m", "lm_eval", "--model", "lcx", "--model_args", args, "--tasks", "lcx_ppl",
+              "--metadata", json.dumps({"max_seq_lengths": [64]}), "--limit", "1", "--output_path", str(out)], log)
+        res = json.loads(next(out.rglob("results_*.json")).read_text())
+        bpb = res["results"]["lcx_ppl"]["bits_per_byte_64,none"]
+        assert math.isfinite(bpb) and bpb > 0, res["results"]
+        return
+    raise AssertionError(entry)
+
+
+def _numbers(obj, key: str):
+    """Every value under `key` anywhere in a JSON object."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == key and isinstance(v, (int, float)):
+                yield v
+            else:
+                yield from _numbers(v, key)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v, key)
+
+
+# ================================================================================ vLLM tier
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", list(CASES))
+def test_method_config_runs_through_vllm(case, tmp_path):
+    """`lcx serve --engine vllm` with every config: the plugin's configs start and answer with the
+    in-process engine's greedy tokens (tiny-5m, head_dim 64 as vLLM's CPU attention needs, float32);
+    a config the plugin refuses is refused before vLLM starts, naming why."""
+    from lcx.serve.vllm_plugin import check_vllm_methods
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+
+    try:
+        vllm_python()
+    except VllmNotInstalled as e:
+        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(e))
+    from lcx.models import load_model
+
+    d, how = CASES[case]
+    model, tok = load_model("tiny-5m")
+    try:
+        check_vllm_methods(d, model.config)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    log = tmp_path / "vllm.log"
+    if refused is not None:
+        cmd = [sys.executable, "-m", "lcx.cli", "serve", "--engine", "vllm", "--model", "tiny-5m", *_flags(d, how)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+        assert r.returncode != 0 and refused.split(";")[0][:40] in r.stderr, r.stderr[-2000:]
+        return
+    ref = Engine(model, tok, EngineConfig(methods=d, max_model_len=1024))
+    with lcx_serve("tiny-5m", log, "--engine", "vllm", "--max-model-len", "1024", *_flags(d, how),
+                   stop_timeout_s=60) as (url, proc):
+        wait_healthy(url, proc, log, timeout_s=600)
+        ids = _prompt(ref)
+        want = ref.generate([ids], SamplingParams(max_tokens=GEN, ignore_eos=True))[0]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-5m", "prompt": ids, "max_tokens": GEN,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text, case
