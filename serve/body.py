@@ -75,7 +75,8 @@ TRIM_BYTES = 1 << 20  # after a body at least this large, freed heap memory goes
 # prompt a little too long gets its field's own error (400 context_length_exceeded, in characters).
 JSON_BYTES_PER_CHAR = 12
 MIN_MAX_STRING_BYTES = 1 << 20
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]", re.ASCII)  # a \uD800-\uDBFF escape: check its pair
+# a \uD800-\uDFFF escape (high or low surrogate): check that it is one half of a pair
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]", re.ASCII)
 # bytes.translate table: brackets -> 1, every other byte -> 0
 _MARKS = bytes(int(c in b"[]{}") for c in range(256))
 
@@ -309,7 +310,7 @@ def _check_sampling(raw: dict[str, Any], limits: Limits) -> None:
     for s in (stop if isinstance(stop, list) else [stop]):
         if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
             raise bad_request(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed", "stop",
-                              "too_many_items")
+                              "invalid_value")
     _check_len(raw, "stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids")
     _check_len(raw, "logit_bias", MAX_LOGIT_BIAS, "entries", " (OpenAI's limit)")
 

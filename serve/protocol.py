@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from lcx.engine import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
@@ -59,39 +59,54 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False
+class _NullIsDefault(_Strict):
+    """A request whose fields OpenAI (or vLLM, for its extensions) types as nullable: `null` means
+    the field's default (the openai client sends `null` for `None`, and vLLM accepts it). Such a
+    field is declared `X | None` with its default, so /openapi.json states that null is accepted;
+    after validation it holds the default, never None, unless None is its default."""
+
+    @model_validator(mode="after")
+    def _null_is_default(self):
+        for name, f in type(self).model_fields.items():
+            if getattr(self, name) is None and f.default is not None:
+                object.__setattr__(self, name, f.default)
+        return self
+
+
+class StreamOptions(_NullIsDefault):
+    include_usage: bool | None = False
 
 
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-class _Common(_Strict):
-    """Fields shared by both completion endpoints."""
+class _Common(_NullIsDefault):
+    """Fields shared by both completion endpoints (null: the default, for every field OpenAI or
+    vLLM types as nullable)."""
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); optional")
-    temperature: float = Field(1.0, ge=0, description="0: greedy; OpenAI's default 1 samples")
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_PROMPTS, description=f"choices per prompt; prompts x n <= {MAX_PROMPTS}")
-    stream: bool = False
+    temperature: float | None = Field(1.0, ge=0, description="0: greedy; OpenAI's default 1 samples")
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=MAX_PROMPTS, description=f"choices per prompt; prompts x n <= {MAX_PROMPTS}")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Union[StopString, list[StopString], None] = Field(
         None, description="at most 4 stop strings (the server's `--max-stop`), each at most "
                           f"{MAX_STOP_CHARS} characters")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="choice i uses seed + i")
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
                                                 description="accepted only empty (not supported)")
     # vLLM extensions (VLLM_SAMPLING)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
-                                      description="1: off")
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    repetition_penalty: float | None = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                             description="1: off")
     min_tokens: int = Field(0, ge=0)
 
     def check_unsupported(self) -> None:
@@ -127,7 +142,7 @@ class CompletionRequest(_Common):
                     "list at most max_model_len ids)")
     max_tokens: int | None = Field(None, ge=0, description="default 16; 0 only with echo (scores the prompt)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = Field(None, ge=1, description="only n (or 1)")
     suffix: str | None = Field(None, description="accepted only empty (not supported)")
 
@@ -179,7 +194,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
@@ -216,11 +231,11 @@ def validation_error(e: ValidationError) -> APIError:
     if not loc and first["type"] in ("model_type", "model_attributes_type", "dict_type"):
         return bad_request("the request body must be a JSON object", None, "invalid_type")
     param = loc[0] if loc else None
-    if param == "prompt":
+    if param == "prompt" and first["type"] != "extra_forbidden":
         return bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                            "token-id lists, and not empty", "prompt", "invalid_type")
     if first["type"] == "missing":
-        return bad_request(f"missing required field {param!r}", param, "missing_field")
+        return bad_request(f"missing required field {'.'.join(loc)!r}", param, "missing_field")
     if first["type"] == "extra_forbidden":
         return bad_request(f"unknown field {'.'.join(loc)!r} (the lcx server rejects fields it does not implement; "
                            f"of vLLM's extensions it implements {', '.join(VLLM_SAMPLING)})", param, "unknown_field")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pickle
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def test_every_format_round_trips(d):
     assert MethodConfig.from_flat(cfg.to_flat()) == cfg
     assert MethodConfig.from_flat(cfg.to_model_args()) == cfg
     assert hash(MethodConfig.from_dict(d)) == hash(cfg)
+    back = pickle.loads(pickle.dumps(cfg))  # crosses processes (lcx serve's engine process): issue #44
+    assert back == cfg and hash(back) == hash(cfg) and back.to_dict() == d
 
 
 def test_flat_rope_dict_is_accepted():
@@ -205,3 +208,16 @@ def test_bench_prefill_runs_presets_against_vanilla(tmp_path):
     assert res["vanilla"]["speedup_vs_vanilla"] == 1.0 and all(r["cpu_s"] > 0 for r in res.values())
     assert res["lm_infinite"]["config"] == {"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 256},
                                             "backend": "flash"}
+
+
+def test_rope_spec_is_read_only_plain_data():
+    """`cfg.rope` cannot change after validation, and holds no proxy objects (it pickles)."""
+    src = {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    cfg = MethodConfig.from_dict({"rope": src})
+    src["short_factor"].append(9.0)  # the caller's dict and lists are not shared
+    with pytest.raises(TypeError):
+        cfg.rope["factor"] = 3.0
+    with pytest.raises(AttributeError):
+        cfg.rope.short_factor = 1
+    assert cfg.rope["short_factor"] == (1.0,) * 8 and cfg.to_dict()["rope"]["short_factor"] == [1.0] * 8
+    assert cfg.rope == {"rope_type": "longrope", "factor": 2.0, "short_factor": (1.0,) * 8, "long_factor": (2.0,) * 8}

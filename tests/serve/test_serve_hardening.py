@@ -285,6 +285,25 @@ BAD = [
     ("detokenize-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens", None),
     ("tokenize-both", "/tokenize", {"prompt": "x", "messages": CHAT}, 400, "prompt", None),
     ("tokenize-extra", "/tokenize", {"prompt": "x", "bogus": 1}, 400, "bogus", "unknown_field"),
+    # lone UTF-16 surrogates, low (\uDC00-\uDFFF) and high, everywhere text enters (issue #44: a low one gave 500)
+    ("lone-low-surrogate", "/v1/completions", b'{"prompt": "\\udc00"}', 400, None, "invalid_json"),
+    ("lone-high-surrogate-at-end", "/v1/completions", b'{"prompt": "a\\ud800"}', 400, None, "invalid_json"),
+    ("surrogates-reversed", "/v1/completions", b'{"prompt": "\\udfff\\ud800"}', 400, None, "invalid_json"),
+    ("chat-lone-low-surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\uDC00"}]}', 400, None, "invalid_json"),
+    ("stop-lone-low-surrogate", "/v1/completions", b'{"prompt": "x", "stop": ["\\udc01"]}', 400, None,
+     "invalid_json"),
+    ("key-lone-low-surrogate", "/v1/completions", b'{"prompt": "x", "\\udc00": 1}', 400, None, "invalid_json"),
+    ("tokenize-lone-low-surrogate", "/tokenize", b'{"prompt": "\\udc00"}', 400, None, "invalid_json"),
+    ("tokenize-messages-lone-low-surrogate", "/tokenize",
+     b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, None, "invalid_json"),
+    # the smaller error texts of issue #44
+    ("chat-message-without-role", "/v1/chat/completions", {"messages": [{}]}, 400, "messages", "missing_field"),
+    ("chat-stray-prompt", "/v1/chat/completions", {"messages": CHAT, "prompt": "x"}, 400, "prompt",
+     "unknown_field"),
+    ("stop-1025-chars", "/v1/completions", {"prompt": "x", "stop": ["s" * 1025]}, 400, "stop", "invalid_value"),
+    ("stop-1025-chars-alone", "/v1/chat/completions", {"messages": CHAT, "stop": "s" * 1025}, 400, "stop",
+     "invalid_value"),
 ]
 
 
@@ -300,6 +319,47 @@ def test_bad_input_is_a_4xx_naming_the_field(srv, path, body, status, param, cod
         assert err["code"] == code, err
     if param is not None:
         assert param in err["message"] or err["code"] in ("invalid_type", "unknown_field", "context_length_exceeded")
+
+
+def test_error_texts_name_the_nested_field(srv):
+    """`messages: [{}]` names `messages.0.role` (not a missing `messages`); a stray `prompt` in chat is
+    an unknown field, not a prompt-format error; a long stop string is too long, not too many."""
+    err = _post(srv, "/v1/chat/completions", {"messages": [CHAT[0], {}]}).json()["error"]
+    assert "'messages.1.role'" in err["message"], err
+    err = _post(srv, "/v1/chat/completions", {"messages": CHAT, "prompt": "x"}).json()["error"]
+    assert err["message"].startswith("unknown field 'prompt'"), err
+    err = _post(srv, "/v1/completions", {"prompt": "x", "stop": "s" * 1025}).json()["error"]
+    assert "1025 characters" in err["message"] and err["code"] != "too_many_items", err
+
+
+# Every field OpenAI (or vLLM, for its extensions) types as nullable: null means its default.
+NULLABLE = {
+    "/v1/completions": ("temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+                        "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "logprobs", "echo",
+                        "best_of", "suffix", "top_k", "min_p", "repetition_penalty", "stop_token_ids"),
+    "/v1/chat/completions": ("temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+                             "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens",
+                             "max_completion_tokens", "logprobs", "top_logprobs", "top_k", "min_p",
+                             "repetition_penalty", "stop_token_ids", "chat_template_kwargs"),
+}
+
+
+@pytest.mark.parametrize("path", list(NULLABLE))
+def test_null_means_the_default(srv, path):
+    """The openai client sends null for None (issue #44: temperature/top_p/n/... null gave 400)."""
+    base = {"prompt": "still here"} if path == "/v1/completions" else {"messages": CHAT}
+    base = {**base, "max_tokens": GEN, "seed": 7}
+    want = _post(srv, path, base)
+    assert want.status_code == 200, want.text
+    nulls = {k: None for k in NULLABLE[path] if k not in base}
+    got = _post(srv, path, {**base, **nulls})
+    assert got.status_code == 200, got.text
+    text = "text" if path == "/v1/completions" else "message"
+    assert [c[text] for c in got.json()["choices"]] == [c[text] for c in want.json()["choices"]]
+    # seed / max_tokens null: the defaults (a random seed; 16 tokens for completions)
+    limit = {"max_tokens": None} if path == "/v1/completions" else {"max_completion_tokens": None}
+    got = _post(srv, path, {**base, "seed": None, "temperature": None, **limit})
+    assert got.status_code == 200, got.text
 
 
 def test_boundary_values_are_served(srv):
