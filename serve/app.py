@@ -74,17 +74,20 @@ def create_app(engine: Engine | EngineView, *, model_name: str, api_key: str | N
                batch_window_s: float = 0.01, scheduler: Scheduler | EngineProcess | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                max_stop: int = DEFAULT_MAX_STOP, chat_template: str | None = AUTO,
-               loop_share: float = DEFAULT_SHARE) -> FastAPI:
+               loop_share: float = DEFAULT_SHARE, max_model_len_source: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`. The scheduler (by default a `Scheduler` over
     `engine` in a worker thread; or `scheduler`, e.g. a started `EngineProcess` with its `engine`
     view) and the CPU thread pool start with the app (lifespan) and stop with it. `max_body_bytes`: the largest
     request body accepted (413 above); `body_timeout_s`: the time a body may take to arrive (408
     after); `max_stop`: stop strings per request; `chat_template`: "auto" (the tokenizer's, else
     lcx's default), "none" (the tokenizer's only) or a Jinja template (`lcx.serve.chat_template`);
-    `loop_share`: the event loop's most share of CPU time while the engine works (`lcx.serve.pacing`)."""
+    `loop_share`: the event loop's most share of CPU time while the engine works (`lcx.serve.pacing`);
+    `max_model_len_source`: how the engine's max_model_len was derived, for /v1/models
+    (`lcx.serve.lengths`)."""
     ctx = ServerContext(engine, scheduler or Scheduler(engine, batch_window_s=batch_window_s),
                         model_name=model_name, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
-                        max_stop=max_stop, chat_template=chat_template, loop_share=loop_share)
+                        max_stop=max_stop, chat_template=chat_template, loop_share=loop_share,
+                        max_model_len_source=max_model_len_source)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -48,6 +48,7 @@ from .protocol import (
     MAX_PROMPTS,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    LENGTH_HINT,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -197,7 +198,8 @@ class Scanner:
             self._string_bytes = (head if len(inside_parts) == 1 else len(inside_parts[-1])) if self._inside else 0
             if lim.max_string_bytes is not None and longest > lim.max_string_bytes:
                 raise _too_large("bytes in one string", longest, lim.max_string_bytes,
-                                 " (the longest prompt text this server tokenizes, as JSON)")
+                                 " (the longest prompt text this server tokenizes, as JSON; it grows with max_model_len, "
+                                 "lcx serve --max-model-len)")
         outside = b"".join(parts[1::2] if first_inside else parts[0::2])
         del parts, inside_parts
         self._walk(outside)
@@ -299,7 +301,7 @@ def _check_prompt(raw: dict[str, Any], limits: Limits) -> None:
         if len(x) > limits.max_model_len:
             which = f"prompt {i}" if len(lists) > 1 else "the prompt"
             raise bad_request(f"{which} has {len(x)} token ids, more than max_model_len {limits.max_model_len}; "
-                              "shorten it (lcx never truncates)", "prompt", "context_length_exceeded")
+                              f"shorten it (lcx never truncates){LENGTH_HINT}", "prompt", "context_length_exceeded")
 
 
 def _check_sampling(raw: dict[str, Any], limits: Limits) -> None:
@@ -330,8 +332,8 @@ def check_shape(model: type[BaseModel], raw: Any, limits: Limits) -> None:
     elif model is DetokenizeRequest:
         v = raw.get("tokens")
         if isinstance(v, list) and len(v) > limits.max_model_len:
-            raise bad_request(f"tokens has {len(v)} token ids, more than max_model_len {limits.max_model_len}",
-                              "tokens", "too_many_items")
+            raise bad_request(f"tokens has {len(v)} token ids, more than max_model_len {limits.max_model_len}"
+                              f"{LENGTH_HINT}", "tokens", "too_many_items")
 
 
 @functools.lru_cache(maxsize=None)

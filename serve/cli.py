@@ -27,6 +27,7 @@ from lcx.method_config import add_method_arguments, method_config_from_args
 from lcx.threads import add_threads_argument, resolve_threads
 
 from .body import DEFAULT_MAX_BODY_BYTES
+from .lengths import RULE as LENGTH_RULE
 from .pacing import DEFAULT_SHARE
 
 SWITCH_INTERVAL_S = 0.0005
@@ -66,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "lcx.serve.chat_template); none = the tokenizer's only; or a Jinja file or template, "
                              "used instead of the tokenizer's (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="limit on prompt + max_tokens; longer requests are rejected, never truncated "
-                             "(default: the model's context, times the RoPE factor if one is given)")
+                        help="limit on prompt + max_tokens; longer requests are rejected with 400, never "
+                             f"truncated ({LENGTH_RULE.replace('%', '%%')})")
     parser.add_argument("--max-batch", type=int, default=16,
                         help="most requests decoded together; more wait in FIFO order (default: %(default)s)")
     parser.add_argument("--batch-window-ms", type=float, default=10.0,
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--vllm-args needs --engine vllm")
     import uvicorn
 
-    from lcx.engine import Engine, EngineConfig
+    from lcx.engine import EngineConfig
 
     from .app import create_app
 
@@ -131,13 +132,17 @@ def run(args: argparse.Namespace) -> int:
                               log_level=args.log_level)
         scheduler = EngineProcess(recipe, batch_window_s=batch_window_s).start()
         engine = scheduler.engine
+        length_source = engine.max_model_len_source
     else:
-        engine = Engine.from_pretrained(args.model, config, dtype=args.dtype, device=args.device)
+        from .lengths import build_engine
+
+        engine, length_source = build_engine(args.model, config, dtype=args.dtype, device=args.device)
     try:
         name = args.served_model_name or args.model
         app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=batch_window_s,
                          scheduler=scheduler, max_body_bytes=max_body, body_timeout_s=args.body_timeout_s,
-                         max_stop=args.max_stop, loop_share=args.loop_share, chat_template=chat_template)
+                         max_stop=args.max_stop, loop_share=args.loop_share, chat_template=chat_template,
+                         max_model_len_source=length_source)
         where = f"engine process {scheduler.pid}" if scheduler is not None else "engine thread"
         print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
               f"max_batch {config.max_batch}, methods: {config.methods.describe()}, {where})",

@@ -29,6 +29,7 @@ from .engine_process import EngineDeadError, EngineProcess, EngineView, error_ty
 from .gate import ClientGone, HttpStats, request_id
 from .pacing import DEFAULT_SHARE, LoopPacer
 from .protocol import (
+    LENGTH_HINT,
     MAX_PROMPTS,
     APIError,
     ChatLogprobs,
@@ -126,12 +127,14 @@ class ServerContext:
     def __init__(self, engine: Engine | EngineView, scheduler: Scheduler | EngineProcess, *, model_name: str,
                  max_body_bytes: int,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_stop: int | None = None,
-                 chat_template: str | None = DEFAULT_CHAT_TEMPLATE, loop_share: float = DEFAULT_SHARE):
+                 chat_template: str | None = DEFAULT_CHAT_TEMPLATE, loop_share: float = DEFAULT_SHARE,
+                 max_model_len_source: str | None = None):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if not body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self.engine, self.sched, self.model_name = engine, scheduler, model_name
+        self.max_model_len_source = max_model_len_source or "the engine's (lcx.engine.EngineConfig.max_model_len)"
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.stats = HttpStats()
         self.pool = concurrent.futures.ThreadPoolExecutor(CPU_WORKERS, thread_name_prefix="lcx-cpu")
@@ -295,7 +298,7 @@ class ServerContext:
         if len(text) > self.prompt_char_limit:
             raise bad_request(f"{what} has {len(text)} characters, more than {self.engine.max_model_len} tokens "
                               f"(max_model_len) of this tokenizer can hold (at most {self.prompt_char_limit}); "
-                              "shorten it (lcx never truncates)", param, "context_length_exceeded")
+                              f"shorten it (lcx never truncates){LENGTH_HINT}", param, "context_length_exceeded")
 
     def sampling(self, req: Any, prompt_ids: list[int], max_tokens: int, *, logprobs: int | None,
                  prompt_logprobs: int | None, choice: int, rename: dict[str, str] | None = None,
@@ -310,14 +313,14 @@ class ServerContext:
                                     prompt_logprobs=prompt_logprobs, **req.sampling_kwargs())
             self.engine.validate(prompt_ids, params)
         except ContextLengthError as e:
-            raise bad_request(str(e), rename.get(e.param, e.param), "context_length_exceeded") from None
+            raise bad_request(f"{e}{LENGTH_HINT}", rename.get(e.param, e.param), "context_length_exceeded") from None
         except ValueError as e:  # SamplingParams name the field first; the engine's errors are the prompt's
             first = str(e).split(" ", 1)[0]
             param = first if first in SAMPLING_FIELDS else "prompt"
             raise bad_request(str(e), rename.get(param, param)) from None
         if max_tokens == 0 and not allow_empty:
             raise bad_request(f"the prompt ({len(prompt_ids)} tokens) fills max_model_len "
-                              f"{self.engine.max_model_len}: no room to generate", rename.get("prompt", "prompt"),
+                              f"{self.engine.max_model_len}: no room to generate{LENGTH_HINT}", rename.get("prompt", "prompt"),
                               "context_length_exceeded")
         return params
 

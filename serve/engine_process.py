@@ -92,11 +92,14 @@ class EngineRecipe:
     threads: int = 1
     log_level: str = "info"
 
-    def build(self) -> Engine:
+    def build(self) -> tuple[Engine, str]:
+        """The engine and how its max_model_len was derived (`lcx.serve.lengths.build_engine`)."""
         import torch
 
+        from .lengths import build_engine
+
         torch.set_num_threads(int(self.threads))
-        return Engine.from_pretrained(self.model, self.config, dtype=self.dtype, device=self.device)
+        return build_engine(self.model, self.config, dtype=self.dtype, device=self.device)
 
 
 class EngineView:
@@ -117,6 +120,7 @@ class EngineView:
         self.tokenizer = info["tokenizer"]
         self.config: EngineConfig = info["config"]
         self.max_model_len: int = info["max_model_len"]
+        self.max_model_len_source: str = info["max_model_len_source"]
         self.vocab_size: int = info["vocab_size"]
         self._methods_info: dict[str, Any] = info["methods_info"]
         self._detok = Detokenizer(self.tokenizer)
@@ -324,7 +328,7 @@ def _child_main(recipe: EngineRecipe, batch_window_s: float, conn: Any, counts: 
     logging.basicConfig(level=recipe.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[engine %(process)d]: %(message)s")
     try:
-        engine = recipe.build()
+        engine, max_model_len_source = recipe.build()
     except BaseException as e:  # noqa: BLE001 - reported to the server, which refuses to start
         conn.send(("failed", f"{type(e).__name__}: {e}", None))
         return
@@ -346,7 +350,8 @@ def _child_main(recipe: EngineRecipe, batch_window_s: float, conn: Any, counts: 
 
     sched = Scheduler(engine, batch_window_s=batch_window_s, after_iteration=flush)
     conn.send(("ready", {"tokenizer": engine.tokenizer, "config": engine.config,
-                         "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                         "max_model_len": engine.max_model_len, "max_model_len_source": max_model_len_source,
+                         "vocab_size": engine.vocab_size,
                          "methods_info": engine.methods_info(), "snapshot": sched.snapshot()}, None))
     sched.start()
     while True:

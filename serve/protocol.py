@@ -35,6 +35,8 @@ MAX_MESSAGES = 2048  # OpenAI's limit
 # accepted value yields inf/NaN probabilities. vLLM only asks > 0; values this far from 1 already
 # mean "never repeat" / "always repeat".
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+# appended to every context-length error: the limit is the server's, and this flag sets it
+LENGTH_HINT = "; max_model_len is the server's limit (lcx serve --max-model-len)"
 # vLLM's sampling extensions that lcx implements (lcx.engine.SamplingParams); others are unknown fields
 VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
 
@@ -400,6 +402,9 @@ class ModelCard(_Out):
     created: int
     owned_by: str = "lcx"
     max_model_len: int
+    lcx_max_model_len_source: str = Field(description="how max_model_len was derived (--max-model-len, the "
+                                                      "model's context x the RoPE factor, or memory for a "
+                                                      "bounded attention method: lcx.serve.lengths)")
     lcx_methods: dict[str, Any]  # the methods the engine applies, resolved for this model
 
 

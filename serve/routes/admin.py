@@ -16,7 +16,7 @@ router = APIRouter()
 
 def _card(c: ServerContext) -> ModelCard:
     return ModelCard(id=c.model_name, created=int(time.time()), max_model_len=c.engine.max_model_len,
-                     lcx_methods=c.engine.methods_info())
+                     lcx_max_model_len_source=c.max_model_len_source, lcx_methods=c.engine.methods_info())
 
 
 @router.get("/v1/models", responses=errors(401))

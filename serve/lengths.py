@@ -1,0 +1,115 @@
+"""The server's `max_model_len` when `--max-model-len` is not given: what the method allows.
+
+    vanilla (no method, or an unbounded one)   the model's context L0 (max_position_embeddings)
+    RoPE scaling with a factor s                L0 x s (`MethodConfig.context_len`)
+    an attention method whose queries see a     what memory allows: one prompt of that many tokens
+    bounded set of keys (`cache_window`: LM-    fits in MEMORY_FRACTION of the memory available at
+    Infinite without top-k, StreamingLLM sinks, start-up (`prompt_token_bytes` per token), at most
+    sliding window, SWAT)                       MAX_BOUNDED_LEN tokens; never below the two above
+
+A bounded method is read from the method itself (`MethodConfig.kv_window`, i.e. its
+`cache_window` and `check_bounded`), never from a list of names: a new bounded method serves long
+prompts by default. Its decode cache never grows past the window, but a prompt's prefill still
+computes every position's keys, values, activations and (for echo scoring) logits, hence the
+memory bound. The rule is stated in `lcx serve --help` and the limit, with how it was derived,
+in `/v1/models` (`max_model_len`, `lcx_max_model_len_source`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from lcx.engine import Engine, EngineConfig
+from lcx.method_config import MethodConfig
+
+MEMORY_FRACTION = 0.25  # of the memory available at start-up, for one prompt's prefill
+MAX_BOUNDED_LEN = 1 << 20  # tokens; a cap on the memory-derived limit (1,048,576)
+LOGIT_BYTES = 8  # per vocabulary entry per prompt token: float32 logits + their log-softmax (echo scoring)
+
+RULE = (f"default: the model's context, x the RoPE factor if one is given; for an attention method whose "
+        f"queries see a bounded set of keys (LM-Infinite without top-k, sinks, sliding window, SWAT) what "
+        f"memory allows: one prompt's prefill in {MEMORY_FRACTION:.0%} of the memory available at start-up, "
+        f"at most {MAX_BOUNDED_LEN} tokens; /v1/models states the limit and how it was derived")
+
+
+def prompt_token_bytes(model_config: Any, dtype_bytes: int) -> int:
+    """Bytes one prompt token costs during prefill, upper estimate: its keys and values in every
+    layer, the layer's activations (4 x hidden + 3 x intermediate, the MLP's three projections),
+    and its logits with their log-softmax (float32)."""
+    c = model_config
+    layers = int(c.num_hidden_layers)
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    hidden, inter = int(c.hidden_size), int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size)
+    return dtype_bytes * (2 * layers * kv_heads * head_dim + 4 * hidden + 3 * inter) + LOGIT_BYTES * int(c.vocab_size)
+
+
+def available_memory(device: Any) -> int:
+    """Bytes available on `device` now: the GPU's free memory, or the host's MemAvailable
+    (/proc/meminfo; else the physical memory)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def effective_methods(model: Any, methods: MethodConfig) -> MethodConfig:
+    """`methods`, or the attention method the model's config records (a model trained with one,
+    as `lcx.engine.Engine` runs it) when `methods` has none."""
+    from lcx.hf.recorded import recorded_method
+
+    own = recorded_method(model) if methods.attention is None else None
+    return methods if own is None else dataclasses.replace(methods, attention=own.attention)
+
+
+def default_max_model_len(model: Any, methods: MethodConfig, *, memory: int | None = None) -> tuple[int | None, str]:
+    """(max_model_len, how it was derived) for a server of `model` running `methods` without
+    `--max-model-len`; None: the engine's own default (the model's context, x the RoPE factor),
+    which the description then names. `memory`: bytes available (default: `available_memory`)."""
+    cfg = model.config
+    L0 = int(cfg.max_position_embeddings)
+    context = methods.context_len(cfg)
+    if context is not None:
+        base, how = context, f"the RoPE factor: {methods.describe()} gives {context}"
+    else:
+        base, how = L0, f"the model's context (max_position_embeddings {L0})"
+    eff = effective_methods(model, methods)
+    if eff.kv_window is None:
+        return None, how + "; --max-model-len overrides it"
+    p = next(model.parameters())
+    per_token = prompt_token_bytes(cfg, p.element_size())
+    avail = available_memory(p.device) if memory is None else memory
+    fits = int(MEMORY_FRACTION * avail) // per_token
+    limit = max(base, min(MAX_BOUNDED_LEN, fits))
+    return limit, (f"the attention method {eff.attention.name} sees a bounded set of keys "
+                   f"(cache window {list(eff.kv_window)}): {MEMORY_FRACTION:.0%} of {avail / 2**30:.1f} GiB available "
+                   f"/ {per_token} bytes per prompt token = {fits} tokens, at most {MAX_BOUNDED_LEN}, at least "
+                   f"{base} ({how}); --max-model-len overrides it")
+
+
+def build_engine(model_name: str, config: EngineConfig, *, dtype: str = "float32",
+                 device: str = "cpu") -> tuple[Engine, str]:
+    """Load the model and build the server's engine: `config.max_model_len`, or when it is None the
+    default `default_max_model_len` derives. Returns (engine, how max_model_len was derived)."""
+    from lcx.models import load_model
+
+    model, tok = load_model(model_name, dtype=dtype, device=device)
+    if config.max_model_len is not None:
+        return Engine(model, tok, config), f"--max-model-len {config.max_model_len}"
+    limit, how = default_max_model_len(model, config.methods)
+    if limit is not None:
+        config = dataclasses.replace(config, max_model_len=limit)
+    return Engine(model, tok, config), how
