@@ -15,7 +15,14 @@ patches each right after it executes:
   lm-eval's index, so lcx's `passkey` replaces lm-eval's LIBRA `passkey` (Russian, from the
   hub); a user's own folder still overrides lcx.
 
-The finder removes itself once both modules are patched. Nothing happens when
+- `lm_eval.models.openai_completions`: `local-completions` left-truncates every prompt to
+  `max_length` - 1 tokens, 2,047 by default, with only a log line: a "4096" passkey measured
+  through a server would silently score ~2,035-token prompts. When `max_length` is not in
+  `--model_args`, the hook asks the server (`GET /v1/models`: lcx's and vLLM's cards carry
+  `max_model_len`) and uses its `max_model_len`; if the server does not say, it warns that
+  prompts will be cut at 2,047 tokens unless `max_length=` is given (`server_max_model_len`).
+
+The finder removes itself once all three modules are patched. Nothing happens when
 `LCX_NO_LMEVAL_HOOK=1`, when lm-eval is never imported, or (with one warning) when the installed
 lm-eval is not `SUPPORTED_LM_EVAL`, the version whose internals this patches. Failures inside
 the hook are turned into warnings: they must never break an unrelated Python process.
@@ -36,6 +43,8 @@ OPT_OUT_ENV = "LCX_NO_LMEVAL_HOOK"
 MODEL_NAME = "lcx"
 MODEL_TARGET = "lcx.lmeval_model:LcxLM"
 _PATCHED_ATTR = "_lcx_include_path_patched"
+_LENGTH_PATCHED_ATTR = "_lcx_max_length_patched"
+LM_EVAL_DEFAULT_MAX_LENGTH = 2048  # lm-eval's TemplateAPI default (prompts cut to this - 1 tokens)
 
 _warned = False
 
@@ -110,6 +119,59 @@ def patch_task_manager(manager_module=None) -> None:
     cls.__init__ = __init__
 
 
+def server_max_model_len(base_url: str | None, auth_token: str | None = None, timeout: float = 10.0) -> int | None:
+    """The `max_model_len` the OpenAI-compatible server at `base_url` (lm-eval's, e.g.
+    http://HOST:PORT/v1/completions) states in `GET /v1/models`, or None when it does not answer
+    or does not say. The key: `auth_token`, else $OPENAI_API_KEY (what lm-eval sends)."""
+    import json
+    import urllib.request
+
+    if not base_url:
+        return None
+    root = base_url.replace("/v1/completions", "").replace("/v1/chat/completions", "").rstrip("/")
+    key = auth_token or os.environ.get("OPENAI_API_KEY")
+    req = urllib.request.Request(f"{root}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data = json.loads(r.read().decode("utf-8"))
+        n = data["data"][0]["max_model_len"]
+    except Exception:  # noqa: BLE001 - any server, any failure: the caller warns
+        return None
+    return int(n) if isinstance(n, int) and n > 1 else None
+
+
+def patch_local_completions(module=None) -> None:
+    """Make `local-completions` use the server's `max_model_len` when `max_length` is not given
+    (lm-eval would left-truncate prompts to 2,047 tokens), or warn when the server does not say."""
+    import functools
+
+    if module is None:
+        import lm_eval.models.openai_completions as module
+    cls = module.LocalCompletionsAPI
+    if getattr(cls.__init__, _LENGTH_PATCHED_ATTR, False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if type(self) is cls and kwargs.get("max_length") is None:  # not OpenAI's own API (a subclass)
+            n = server_max_model_len(kwargs.get("base_url"), kwargs.get("auth_token"))
+            if n is not None:
+                kwargs["max_length"] = n
+                print(f"lcx: local-completions max_length={n}, the server's max_model_len (GET /v1/models); "
+                      "pass max_length= in --model_args to choose another", file=sys.stderr)
+            else:
+                warnings.warn(
+                    f"lcx: max_length is not in --model_args and the server at {kwargs.get('base_url')} does not "
+                    f"state its max_model_len: lm-eval's local-completions will LEFT-TRUNCATE every prompt to "
+                    f"{LM_EVAL_DEFAULT_MAX_LENGTH - 1} tokens; pass max_length=<the server's limit>",
+                    RuntimeWarning, stacklevel=2)
+        original(self, *args, **kwargs)
+
+    setattr(__init__, _LENGTH_PATCHED_ATTR, True)
+    cls.__init__ = __init__
+
+
 def apply(force: bool = False) -> bool:
     """Patch lm-eval now (importing it). On an unsupported version: warn and return False, or
     with `force=True` patch anyway (what `python -m lcx.eval_tasks` does)."""
@@ -118,15 +180,18 @@ def apply(force: bool = False) -> bool:
     if not _version_ok() and not force:
         return False
     import lm_eval.models
+    import lm_eval.models.openai_completions
     import lm_eval.tasks.manager
 
     register_model(lm_eval.models)
     patch_task_manager(lm_eval.tasks.manager)
+    patch_local_completions(lm_eval.models.openai_completions)
     return True
 
 
 # ------------------------------------------------------------------------------ the import hook
-_CALLBACKS = {"lm_eval.models": register_model, "lm_eval.tasks.manager": patch_task_manager}
+_CALLBACKS = {"lm_eval.models": register_model, "lm_eval.tasks.manager": patch_task_manager,
+              "lm_eval.models.openai_completions": patch_local_completions}
 
 
 class _Loader:

@@ -147,6 +147,9 @@ class ServerContext:
         self.pacer = LoopPacer(engine.has_work, share=loop_share)
         self._tidy_task: asyncio.Task | None = None
         self.tidied = 0  # times `_tidy_after_bursts` collected and trimmed (for /stats)
+        # prompts that passed validation (for /stats): what the server received, e.g. to check
+        # that a client (lm-eval's local-completions) did not cut them
+        self.prompt_stats = {"prompts": 0, "tokens": 0, "longest": 0}
 
     def start(self) -> None:
         cap_mmap_threshold()
@@ -323,6 +326,14 @@ class ServerContext:
                               f"{self.engine.max_model_len}: no room to generate{LENGTH_HINT}", rename.get("prompt", "prompt"),
                               "context_length_exceeded")
         return params
+
+    def count_prompt(self, ids: Sequence[int]) -> None:
+        """Count a validated prompt in /stats' `prompts` (its tokens, the longest so far)."""
+        st = self.prompt_stats
+        st["prompts"] += 1
+        st["tokens"] += len(ids)
+        if len(ids) > st["longest"]:
+            st["longest"] = len(ids)
 
     @staticmethod
     def check_n_and_seed(req: Any, n_prompts: int) -> None:

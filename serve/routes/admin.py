@@ -55,4 +55,4 @@ async def health_head(c: ServerContext = Depends(ctx)) -> Response:
                                  **errors(401)})
 async def stats(c: ServerContext = Depends(ctx)) -> JSONResponse:
     return JSONResponse(dict(c.sched.snapshot(), http=c.stats.to_dict(), loop_pacer=c.pacer.to_dict(),
-                             tidied_after_bursts=c.tidied))
+                             tidied_after_bursts=c.tidied, prompts=dict(c.prompt_stats)))

@@ -115,3 +115,44 @@ def test_context_length_errors_name_the_flag(tiny_model_dir):
             r = client.post(path, json=body)
             assert r.status_code == 400, (path, r.text)
             assert "--max-model-len" in r.json()["error"]["message"], (path, r.json())
+
+
+# ================================================================================ lm-eval (item 3)
+LONG = 2304  # a passkey length above lm-eval's default max_length (2048: prompts cut to 2,047 tokens)
+
+
+@pytest.mark.slow  # a server + lm_eval: ~40-90 s on 2 cores
+def test_lm_eval_recipe_sends_long_prompts_whole(tiny_model_dir, tmp_path):
+    """docs/serving.md's lm-eval recipe at a length above 2,048: the server receives the whole
+    prompt (its /stats), whether or not `max_length=` is given (lcx's lm-eval hook asks the server
+    for its max_model_len when it is not)."""
+    pytest.importorskip("lm_eval")
+    log = tmp_path / "server.log"
+    with lcx_serve(tiny_model_dir, log, "--served-model-name", "tiny", "--max-model-len", "4096", "--threads", "1",
+                   "--max-batch", "4") as (url, proc):
+        wait_healthy(url, proc, log)
+        out = tmp_path / "lmeval"
+        cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+               f"model=tiny,base_url={url}/v1/completions,tokenizer={tiny_model_dir},tokenizer_backend=huggingface,"
+               "num_concurrent=2,max_retries=1", "--tasks", "passkey_ll", "--limit", "1",
+               "--metadata", json.dumps({"max_seq_lengths": [LONG]}), "--output_path", str(out)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert "max_length=4096, the server's max_model_len" in p.stderr
+        longest = httpx.get(f"{url}/stats", timeout=10).json()["prompts"]["longest"]
+        assert 2048 < longest <= LONG, longest
+
+
+def test_hook_reads_the_servers_length(tiny_model_dir):
+    """`server_max_model_len` reads /v1/models (with the key); None for a server that does not answer."""
+    from fastapi.testclient import TestClient  # noqa: F401 (fastapi present)
+
+    from lcx._lmeval_hook import server_max_model_len
+
+    log_dir = tiny_model_dir.parent
+    with lcx_serve(tiny_model_dir, log_dir / "hook-server.log", "--api-key", "k", "--no-engine-process",
+                   "--threads", "1", "--max-model-len", "300") as (url, proc):
+        wait_healthy(url, proc, log_dir / "hook-server.log")
+        assert server_max_model_len(f"{url}/v1/completions", "k") == 300
+        assert server_max_model_len(f"{url}/v1/completions", "wrong") is None
+    assert server_max_model_len("http://127.0.0.1:9/v1/completions", timeout=1) is None

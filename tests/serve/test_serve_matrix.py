@@ -23,7 +23,7 @@ Tiers (on 2 shared cores a server start costs 6-25 s, `lm_eval` ~25-40 s):
     default  every config (presets: REPRESENTATIVE_PRESET) x `create_app`, and every config's
              pickle round trip (what the engine process's spawn does with it: the defect of
              issue #44 was a config that did not pickle); `rope+attention` x every CLI entry
-             point, and `methods-json` x `lcx serve`.
+             point but `lcx serve --no-engine-process`, which takes `methods-json`.
     slow     the complete cross product (every preset too).
     vllm     every config x `lcx serve --engine vllm` (the ones lcx's vLLM plugin refuses must be
              refused before vLLM starts, naming why).
@@ -107,7 +107,9 @@ def _default(case: str, entry: str) -> bool:
     """The default tier's part of the matrix (module docstring)."""
     if entry == "app":
         return case in DEFAULT_APP
-    return case == "rope+attention" or (entry == "serve" and case == "methods-json")
+    if entry == "serve-no-engine-process":
+        return case == "methods-json"
+    return case == "rope+attention"
 
 
 MATRIX = [pytest.param(c, e, id=f"{e}-{c}", marks=() if _default(c, e) else pytest.mark.slow)
