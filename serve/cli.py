@@ -27,6 +27,7 @@ from lcx.method_config import add_method_arguments, method_config_from_args
 from lcx.threads import add_threads_argument, resolve_threads
 
 from .body import DEFAULT_MAX_BODY_BYTES
+from .connections import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
 from .lengths import RULE as LENGTH_RULE
 from .pacing import DEFAULT_SHARE
 
@@ -56,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout-s", type=float, default=60.0,
                         help="a request body must arrive within this many seconds; a slower one gets 408 and its "
                              "connection is closed (default: %(default)s)")
+    parser.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="a request's headers must arrive within this many seconds of the server starting to "
+                             "wait for them (a new connection, or a further request's first byte); a slower "
+                             "connection gets 408 and is closed (default: %(default)s)")
     parser.add_argument("--max-stop", type=int, default=4,
                         help="most stop strings per request (OpenAI's and vLLM's limit is 4; default: %(default)s)")
     parser.add_argument("--loop-share", type=float, default=DEFAULT_SHARE, metavar="F",
@@ -116,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     if not args.body_timeout_s > 0:
         raise ValueError(f"--body-timeout-s must be > 0, got {args.body_timeout_s}")
+    http = header_timeout_protocol(args.header_timeout_s)  # ValueError unless > 0
     if args.max_stop < 1:
         raise ValueError(f"--max-stop must be >= 1, got {args.max_stop}")
     if not 0 < args.loop_share <= 1:
@@ -147,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
               f"max_batch {config.max_batch}, methods: {config.methods.describe()}, {where})",
               file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                    http=http)
     finally:
         if scheduler is not None:
             scheduler.stop()  # the app's shutdown stopped it, unless uvicorn failed before (a port in use)
@@ -176,7 +183,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
-    for dest in ("max_body_mb", "body_timeout_s", "max_stop", "loop_share", "chat_template", "engine_process"):
+    for dest in ("max_body_mb", "body_timeout_s", "header_timeout_s", "max_stop", "loop_share", "chat_template",
+                 "engine_process"):
         if getattr(args, dest) != parser_default(args, dest):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "
