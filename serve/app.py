@@ -60,7 +60,7 @@ from lcx.engine import Engine
 
 from .body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP
 from .chat_template import AUTO
-from .context import DEFAULT_BODY_TIMEOUT_S, ServerContext
+from .context import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_N, ServerContext
 from .engine_process import EngineProcess, EngineView
 from .gate import Gate, error_response
 from .openapi import install_openapi
@@ -74,7 +74,8 @@ def create_app(engine: Engine | EngineView, *, model_name: str, api_key: str | N
                batch_window_s: float = 0.01, scheduler: Scheduler | EngineProcess | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                max_stop: int = DEFAULT_MAX_STOP, chat_template: str | None = AUTO,
-               loop_share: float = DEFAULT_SHARE, max_model_len_source: str | None = None) -> FastAPI:
+               loop_share: float = DEFAULT_SHARE, max_model_len_source: str | None = None,
+               max_request_tokens: int | None = None, max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name`. The scheduler (by default a `Scheduler` over
     `engine` in a worker thread; or `scheduler`, e.g. a started `EngineProcess` with its `engine`
     view) and the CPU thread pool start with the app (lifespan) and stop with it. `max_body_bytes`: the largest
@@ -83,11 +84,13 @@ def create_app(engine: Engine | EngineView, *, model_name: str, api_key: str | N
     lcx's default), "none" (the tokenizer's only) or a Jinja template (`lcx.serve.chat_template`);
     `loop_share`: the event loop's most share of CPU time while the engine works (`lcx.serve.pacing`);
     `max_model_len_source`: how the engine's max_model_len was derived, for /v1/models
-    (`lcx.serve.lengths`)."""
+    (`lcx.serve.lengths`); `max_request_tokens` (default: 4 x max_model_len) and `max_n`: the
+    per-request work bound (prompt + max_tokens summed over the choices; n), 400 above."""
     ctx = ServerContext(engine, scheduler or Scheduler(engine, batch_window_s=batch_window_s),
                         model_name=model_name, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                         max_stop=max_stop, chat_template=chat_template, loop_share=loop_share,
-                        max_model_len_source=max_model_len_source)
+                        max_model_len_source=max_model_len_source, max_request_tokens=max_request_tokens,
+                        max_n=max_n)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

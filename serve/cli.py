@@ -28,6 +28,7 @@ from lcx.threads import add_threads_argument, resolve_threads
 
 from .body import DEFAULT_MAX_BODY_BYTES
 from .connections import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
+from .context import DEFAULT_MAX_N, WORK_FACTOR
 from .lengths import RULE as LENGTH_RULE
 from .pacing import DEFAULT_SHARE
 
@@ -63,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "connection gets 408 and is closed (default: %(default)s)")
     parser.add_argument("--max-stop", type=int, default=4,
                         help="most stop strings per request (OpenAI's and vLLM's limit is 4; default: %(default)s)")
+    parser.add_argument("--max-request-tokens", type=int, default=None, metavar="N",
+                        help="per-request work bound: prompt + max_tokens summed over every choice of a request "
+                             "(prompts x n of them); a request over it gets 400 naming this flag, so that one "
+                             f"request cannot hold the engine while others wait (default: {WORK_FACTOR} x "
+                             "max_model_len)")
+    parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                        help="most choices per prompt (n); more get 400 (default: %(default)s, OpenAI's limit)")
     parser.add_argument("--loop-share", type=float, default=DEFAULT_SHARE, metavar="F",
                         help="while the engine is generating, the event loop's most share of CPU time; past it "
                              "the loop waits (connections queue in the kernel) so that a flood of requests cannot "
@@ -122,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.body_timeout_s > 0:
         raise ValueError(f"--body-timeout-s must be > 0, got {args.body_timeout_s}")
     http = header_timeout_protocol(args.header_timeout_s)  # ValueError unless > 0
+    if args.max_request_tokens is not None and args.max_request_tokens < 1:
+        raise ValueError(f"--max-request-tokens must be >= 1, got {args.max_request_tokens}")
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
     if args.max_stop < 1:
         raise ValueError(f"--max-stop must be >= 1, got {args.max_stop}")
     if not 0 < args.loop_share <= 1:
@@ -148,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, model_name=name, api_key=args.api_key, batch_window_s=batch_window_s,
                          scheduler=scheduler, max_body_bytes=max_body, body_timeout_s=args.body_timeout_s,
                          max_stop=args.max_stop, loop_share=args.loop_share, chat_template=chat_template,
-                         max_model_len_source=length_source)
+                         max_model_len_source=length_source, max_request_tokens=args.max_request_tokens,
+                         max_n=args.max_n)
         where = f"engine process {scheduler.pid}" if scheduler is not None else "engine thread"
         print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
               f"max_batch {config.max_batch}, methods: {config.methods.describe()}, {where})",
@@ -184,7 +197,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
     for dest in ("max_body_mb", "body_timeout_s", "header_timeout_s", "max_stop", "loop_share", "chat_template",
-                 "engine_process"):
+                 "engine_process", "max_request_tokens", "max_n"):
         if getattr(args, dest) != parser_default(args, dest):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "

@@ -55,6 +55,12 @@ INLINE_TOKENS = 256  # ... and their responses rendered there when they hold at 
 TIDY_QUIET_S = 1.0  # `_tidy_after_bursts`: a second without a new request ...
 TIDY_MIN_REQUESTS = 256  # ... after at least this many since the last tidy
 DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive within this (`lcx serve --body-timeout-s`)
+# The per-request work bound (`lcx serve --max-request-tokens`, `--max-n`): a request's choices may
+# together ask for at most WORK_FACTOR x max_model_len tokens of prompt + max_tokens, and n is at
+# most DEFAULT_MAX_N (OpenAI's limit), so that one request cannot hold the engine for minutes
+# while others wait (issue #44: n=256 x 32 tokens made a 4-token request wait 8.5 s).
+WORK_FACTOR = 4
+DEFAULT_MAX_N = 128
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no -inf; vLLM does the same)
 
@@ -128,11 +134,19 @@ class ServerContext:
                  max_body_bytes: int,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_stop: int | None = None,
                  chat_template: str | None = DEFAULT_CHAT_TEMPLATE, loop_share: float = DEFAULT_SHARE,
-                 max_model_len_source: str | None = None):
+                 max_model_len_source: str | None = None, max_request_tokens: int | None = None,
+                 max_n: int = DEFAULT_MAX_N):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if not body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
+        self.max_request_tokens = WORK_FACTOR * engine.max_model_len if max_request_tokens is None \
+            else max_request_tokens
+        if self.max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens must be >= 1, got {max_request_tokens}")
+        if max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {max_n}")
+        self.max_n = max_n
         self.engine, self.sched, self.model_name = engine, scheduler, model_name
         self.max_model_len_source = max_model_len_source or "the engine's (lcx.engine.EngineConfig.max_model_len)"
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
@@ -335,11 +349,27 @@ class ServerContext:
         if len(ids) > st["longest"]:
             st["longest"] = len(ids)
 
-    @staticmethod
-    def check_n_and_seed(req: Any, n_prompts: int) -> None:
+    def check_work(self, jobs: Sequence[Job], n: int) -> None:
+        """The per-request work bound: prompt + max_tokens summed over every choice at most
+        `max_request_tokens` (`lcx serve --max-request-tokens`); 400 naming the flag."""
+        work = sum(len(j.prompt_ids) + j.params.max_tokens for j in jobs)
+        if work > self.max_request_tokens:
+            prompts = len({j.prompt_index for j in jobs})
+            gen = any(j.params.max_tokens for j in jobs)
+            raise bad_request(
+                f"this request asks for {work} tokens of work ({prompts} prompt(s) x n={n}: prompt + max_tokens "
+                f"summed over its {len(jobs)} choice(s)); this server runs at most {self.max_request_tokens} per "
+                "request (lcx serve --max-request-tokens), so that one request cannot hold the engine while others "
+                "wait: lower " + ("max_tokens or n, or " if gen else "") + "send the prompts in several requests",
+                "max_tokens" if gen else "prompt", "work_limit_exceeded")
+
+    def check_n_and_seed(self, req: Any, n_prompts: int) -> None:
         n = req.n
         if n < 1:
             raise bad_request(f"n must be >= 1, got {n}", "n")
+        if n > self.max_n:
+            raise bad_request(f"n={n} is more than this server's limit of {self.max_n} choices per prompt "
+                              "(lcx serve --max-n)", "n", "work_limit_exceeded")
         if n * n_prompts > MAX_PROMPTS:
             raise bad_request(f"{n_prompts} prompt(s) x n={n} exceeds the limit of {MAX_PROMPTS} choices "
                               "per request", "n")

@@ -44,6 +44,7 @@ def chat_jobs(c: ServerContext, req: ChatCompletionRequest) -> tuple[list[Job], 
     jobs = [Job(ch, 0, ids, "", c.sampling(req, ids, max_tokens, logprobs=k if req.logprobs else None,
                                            prompt_logprobs=None, choice=ch, rename=rename))
             for ch in range(req.n)]
+    c.check_work(jobs, req.n)
     c.count_prompt(ids)
     return jobs, k
 

@@ -48,6 +48,7 @@ def completion_jobs(c: ServerContext, req: CompletionRequest) -> list[Job]:
             if text is None:
                 text = c.tok.decode(ids, skip_special_tokens=False)
             jobs.append(Job(len(jobs), pi, ids, text, params))
+    c.check_work(jobs, req.n)
     for j in {j.prompt_index: j for j in jobs}.values():
         c.count_prompt(j.prompt_ids)
     return jobs

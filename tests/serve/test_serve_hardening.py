@@ -302,6 +302,16 @@ BAD = [
     ("chat-stray-prompt", "/v1/chat/completions", {"messages": CHAT, "prompt": "x"}, 400, "prompt",
      "unknown_field"),
     ("stop-1025-chars", "/v1/completions", {"prompt": "x", "stop": ["s" * 1025]}, 400, "stop", "invalid_value"),
+    # the per-request work bound (--max-request-tokens: 4 x max_model_len = 4096 here; --max-n 128)
+    ("work-n-256", "/v1/completions", {"prompt": "x", "n": 256, "max_tokens": 32}, 400, "n", "work_limit_exceeded"),
+    ("work-n-128-x-64", "/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 64}, 400, "max_tokens",
+     "work_limit_exceeded"),
+    ("work-100-prompts", "/v1/completions", {"prompt": ["x"] * 100, "max_tokens": 64}, 400, "max_tokens",
+     "work_limit_exceeded"),
+    ("work-echo-scoring", "/v1/completions", {"prompt": [[3] * 1000] * 5, "max_tokens": 0, "echo": True}, 400,
+     "prompt", "work_limit_exceeded"),
+    ("work-chat-n-8-whole-context", "/v1/chat/completions", {"messages": CHAT, "n": 8}, 400, "max_tokens",
+     "work_limit_exceeded"),
     ("stop-1025-chars-alone", "/v1/chat/completions", {"messages": CHAT, "stop": "s" * 1025}, 400, "stop",
      "invalid_value"),
 ]
@@ -330,6 +340,15 @@ def test_error_texts_name_the_nested_field(srv):
     assert err["message"].startswith("unknown field 'prompt'"), err
     err = _post(srv, "/v1/completions", {"prompt": "x", "stop": "s" * 1025}).json()["error"]
     assert "1025 characters" in err["message"] and err["code"] != "too_many_items", err
+
+
+def test_work_bound_names_its_flag_and_admits_what_fits(srv):
+    err = _post(srv, "/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 64}).json()["error"]
+    assert "--max-request-tokens" in err["message"] and "4096" in err["message"], err
+    err = _post(srv, "/v1/completions", {"prompt": "x", "n": 129, "max_tokens": 1}).json()["error"]
+    assert "--max-n" in err["message"], err
+    ok = _post(srv, "/v1/completions", {"prompt": [3] * 16, "n": 64, "max_tokens": 48})  # 64 x 64 = 4096: fits
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 64, ok.text
 
 
 # Every field OpenAI (or vLLM, for its extensions) types as nullable: null means its default.
