@@ -29,10 +29,12 @@ from lcx.threads import add_threads_argument, resolve_threads
 from .body import DEFAULT_MAX_BODY_BYTES
 from .connections import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
 from .context import DEFAULT_MAX_N, WORK_FACTOR
+from .engine_process import MAX_RESTARTS, RESTART_WINDOW_S
 from .lengths import RULE as LENGTH_RULE
 from .pacing import DEFAULT_SHARE
 
 SWITCH_INTERVAL_S = 0.0005
+GAVE_UP_EXIT = 3  # `lcx serve`'s exit status when it gave up on a repeatedly failing engine process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its own GIL, so a flood of requests cannot slow generation down; lcx.serve."
                              "engine_process); --no-engine-process: in a thread of the server process "
                              "(default: %(default)s)")
+    parser.add_argument("--engine-restarts", type=int, default=MAX_RESTARTS, metavar="N",
+                        help="a dead engine process is restarted (requests in flight get 503, new ones 503 with "
+                             "Retry-After until it is back) at most N times within "
+                             f"{RESTART_WINDOW_S:g} s; one more failure makes the server exit with status "
+                             f"{GAVE_UP_EXIT} so that a supervisor restarts it (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="device (default: %(default)s)")
     add_threads_argument(parser)
@@ -134,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-tokens must be >= 1, got {args.max_request_tokens}")
     if args.max_n < 1:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    if args.engine_restarts < 0:
+        raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
     if args.max_stop < 1:
         raise ValueError(f"--max-stop must be >= 1, got {args.max_stop}")
     if not 0 < args.loop_share <= 1:
@@ -143,12 +152,21 @@ def run(args: argparse.Namespace) -> int:
     chat_template = read_chat_template(args.chat_template)
     batch_window_s = args.batch_window_ms / 1000
     scheduler = None
+    server: list[Any] = []  # the uvicorn server, once made (for `give_up`)
+    gave_up: list[str] = []
+
+    def give_up(reason: str) -> None:  # on the reader thread of the engine process
+        gave_up.append(reason)
+        if server:
+            server[0].should_exit = True
+
     if args.engine_process:
         from .engine_process import EngineProcess, EngineRecipe
 
         recipe = EngineRecipe(args.model, config, dtype=args.dtype, device=args.device, threads=threads,
                               log_level=args.log_level)
-        scheduler = EngineProcess(recipe, batch_window_s=batch_window_s).start()
+        scheduler = EngineProcess(recipe, batch_window_s=batch_window_s, max_restarts=args.engine_restarts,
+                                  on_give_up=give_up).start()
         engine = scheduler.engine
         length_source = engine.max_model_len_source
     else:
@@ -166,11 +184,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"lcx serve: {name} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len}, "
               f"max_batch {config.max_batch}, methods: {config.methods.describe()}, {where})",
               file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                    http=http)
+        server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                    access_log=args.access_log, http=http)))
+        server[0].run()
     finally:
         if scheduler is not None:
             scheduler.stop()  # the app's shutdown stopped it, unless uvicorn failed before (a port in use)
+    if gave_up:
+        print(f"lcx serve: exiting with status {GAVE_UP_EXIT}: {gave_up[0]}", file=sys.stderr, flush=True)
+        return GAVE_UP_EXIT
     return 0
 
 
@@ -197,7 +219,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
     for dest in ("max_body_mb", "body_timeout_s", "header_timeout_s", "max_stop", "loop_share", "chat_template",
-                 "engine_process", "max_request_tokens", "max_n"):
+                 "engine_process", "max_request_tokens", "max_n", "engine_restarts"):
         if getattr(args, dest) != parser_default(args, dest):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "

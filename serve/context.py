@@ -112,12 +112,16 @@ def usage(jobs: Sequence[Job]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
 
 
+RETRY_AFTER_S = 5  # the Retry-After of a 503 while the engine process is down or restarting
+
+
 def engine_error(ev: StepEvent) -> APIError:
     """The error a request the engine failed gets: 503 when the engine is gone (its process died
     or the server is stopping: the request could not run, another try may), else 500."""
     e = ev.error
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_unavailable")
+        return APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     return APIError(500, f"the engine failed on this request: {error_type_name(e)}: {e}", type="server_error",
                     code="engine_error")
 
@@ -441,11 +445,21 @@ class ServerContext:
             for idx in open_:
                 sched.abort(rids[idx])
 
+    def engine_problem(self) -> str | None:
+        """Why the engine cannot take requests now (/health's 503), or None: its process is down,
+        restarting, or not responding (`EngineProcess.health`); the engine thread is not running."""
+        health = getattr(self.sched, "health", None)
+        if health is not None:
+            return health()
+        return None if self.sched.alive else "the engine worker is not running"
+
     def check_engine(self) -> None:
-        """503 before anything is queued while the engine is not running (its process died)."""
+        """503 with Retry-After before anything is queued while the engine is not running (its
+        process died and is being restarted, or the server gave up on it)."""
         if not self.sched.alive:
-            raise APIError(503, "the engine is not running (see /health and the server's log); the request was "
-                           "not queued", type="server_error", code="engine_unavailable")
+            why = self.engine_problem() or "the engine is not running"
+            raise APIError(503, f"{why} (see /health and the server's log); the request was not queued",
+                           type="server_error", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def run_all(self, jobs: Sequence[Job], request: Request) -> None:
         """Run `jobs` to completion (each job collects its events)."""

@@ -23,8 +23,19 @@ sends back the tokenizer and what it resolved (max_model_len, vocabulary size, m
 
 Failures. Every submitted request still ends with exactly one finished event. If the child
 dies (killed, out of memory, a crash in native code), the reader thread sees its pipe close and
-fails every request in flight with `EngineDeadError` (the server answers 503); `alive` turns
-False (/health answers 503) and a new request fails at once with the same error. An exception
+fails every request in flight with `EngineDeadError` (the server answers 503 with Retry-After);
+`alive` turns False (/health answers 503) and a new request fails at once with the same error
+while a new child is started (healing): after RESTART_BACKOFF_S[0] s, then with a doubling
+backoff; the new child loads the model again and, once ready, takes new requests. At most
+`max_restarts` restarts within RESTART_WINDOW_S: one more death (or a failed restart) makes the
+`EngineProcess` give up: `on_give_up(reason)` is called (`lcx serve` then exits non-zero, so
+that a supervisor restarts it) and requests keep getting 503.
+
+Heartbeat. A thread of the child writes the time (`time.monotonic`, one clock for all processes
+on Linux) to shared memory every HEARTBEAT_S; `responsive` is False once it is older than
+`heartbeat_timeout_s` (the child is stopped, SIGSTOP, or frozen), and /health answers 503 until
+it beats again (SIGCONT). It is a thread of its own, not the engine loop, so a long prefill does
+not look like a hang; torch releases the GIL in its ops, so the thread beats during steps. An exception
 in a `StepEvent` that does not survive pickling is sent as a `RemoteEngineError` carrying its
 type name and message. `stop` asks the child to finish, then terminates and kills it if it has
 not within the timeout. The child exits by itself when the server process goes away (its pipe
@@ -45,8 +56,9 @@ import multiprocessing as mp
 import pickle
 import signal
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from lcx.engine import Engine, EngineConfig, SamplingParams, StepEvent
 from lcx.engine.detok import Detokenizer
@@ -57,6 +69,11 @@ log = logging.getLogger("lcx.serve.engine_process")
 
 START_TIMEOUT_S = 600.0  # loading a large model on a busy CPU takes minutes
 STOP_TIMEOUT_S = 10.0  # `stop`: the child's own shutdown, before terminate, then kill
+HEARTBEAT_S = 0.25  # the child's heartbeat period
+HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the engine is not responding (/health 503)
+MAX_RESTARTS = 3  # restarts of a dead engine process within RESTART_WINDOW_S before giving up
+RESTART_WINDOW_S = 300.0
+RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before a restart, and the most (doubling in between)
 
 
 class EngineDeadError(RuntimeError):
@@ -147,12 +164,25 @@ class EngineProcess:
     it could not be); then `engine` is its `EngineView`."""
 
     def __init__(self, recipe: EngineRecipe, *, batch_window_s: float = 0.01,
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, max_restarts: int = MAX_RESTARTS,
+                 restart_window_s: float = RESTART_WINDOW_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 on_give_up: Callable[[str], None] | None = None):
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if not heartbeat_timeout_s > HEARTBEAT_S:
+            raise ValueError(f"heartbeat_timeout_s must be > {HEARTBEAT_S}, got {heartbeat_timeout_s}")
         self.recipe, self.batch_window_s, self.start_timeout_s = recipe, batch_window_s, start_timeout_s
+        self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
+        self.heartbeat_timeout_s, self.on_give_up = heartbeat_timeout_s, on_give_up
         self._mp = mp.get_context("spawn")  # no forked torch, thread or event-loop state in the child
         self.counts = self._mp.RawArray("q", 2)  # the child's engine.num_waiting, num_running
+        self.heartbeat = self._mp.RawValue("d", 0.0)  # the child's last beat (time.monotonic)
+        self._restarts: list[float] = []  # when each restart began (within the window)
+        self.restarting = False  # a restart is under way
+        self.gave_up: str | None = None  # why the EngineProcess gave up (None while it heals)
+        self._stopping = False
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards _open, _dead, and sending on the pipe
         self._open: dict[str, Sink] = {}  # submitted, not finished
@@ -167,9 +197,16 @@ class EngineProcess:
     def start(self) -> "EngineProcess":
         if self._proc is not None:
             return self
+        self._spawn()
+        return self
+
+    def _spawn(self) -> None:
+        """Start a child and wait until its engine is built; then a reader thread serves it."""
         parent, child = self._mp.Pipe(duplex=True)
+        self.heartbeat.value = time.monotonic()
         self._proc = self._mp.Process(target=_child_main, name="lcx-engine",
-                                      args=(self.recipe, self.batch_window_s, child, self.counts), daemon=True)
+                                      args=(self.recipe, self.batch_window_s, child, self.counts, self.heartbeat),
+                                      daemon=True)
         self._proc.start()
         child.close()  # else the pipe never reports the child's end closing
         self._conn = parent
@@ -186,21 +223,23 @@ class EngineProcess:
         if kind != "ready":
             self._kill()
             raise RuntimeError(f"the engine process could not build the engine: {payload}")
-        self.engine = EngineView(self, payload)
+        if self.engine is None:
+            self.engine = EngineView(self, payload)
         self._snapshot = payload["snapshot"]
-        self._reader = threading.Thread(target=self._read, name="lcx-engine-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._proc), name="lcx-engine-reader",
+                                        daemon=True)
         self._reader.start()
         log.info("engine process %d ready (max_model_len %d, max_batch %d)", self._proc.pid,
                  self.engine.max_model_len, self.engine.config.max_batch)
-        return self
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ask the child to finish, wait up to `timeout`, then terminate (and kill) it; requests
         still open end with an error event."""
         if self._proc is None:
             return
+        self._stopping = True
         with self._lock:
-            if self._dead is None:
+            if self._dead is None or self.restarting:
                 self._dead = "the server is shutting down"
             try:
                 self._conn.send(("stop",))
@@ -225,6 +264,24 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return self._dead is None and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def responsive(self) -> bool:
+        """The child's heartbeat is recent (False while it is stopped or frozen; see the module docstring)."""
+        return time.monotonic() - self.heartbeat.value < self.heartbeat_timeout_s
+
+    def health(self) -> str | None:
+        """None when the engine can take requests, else why not (for /health)."""
+        if self.gave_up is not None:
+            return f"the engine process failed repeatedly and the server gave up: {self.gave_up}"
+        if self.restarting:
+            return f"the engine process is restarting ({self._dead})"
+        if not self.alive:
+            return "the engine process is not running" + (f" ({self._dead})" if self._dead else "")
+        if not self.responsive:
+            return (f"the engine process is not responding (no heartbeat for "
+                    f"{time.monotonic() - self.heartbeat.value:.1f} s)")
+        return None
 
     @property
     def pid(self) -> int | None:
@@ -266,14 +323,16 @@ class EngineProcess:
         sched["waiting"], sched["running"] = self.counts[0], self.counts[1]
         snap["engine_process"] = {"pid": self.pid, "alive": self.alive, "open_requests": len(self._open),
                                   "exitcode": None if self._proc is None else self._proc.exitcode,
-                                  "dead": self._dead}
+                                  "dead": self._dead, "responsive": self.responsive,
+                                  "restarts": len(self._restarts), "restarting": self.restarting,
+                                  "gave_up": self.gave_up}
         return snap
 
     # ------------------------------------------------------------------ reader thread
-    def _read(self) -> None:
+    def _read(self, conn: Any, proc: Any) -> None:
         while True:
             try:
-                _, events, snap = self._conn.recv()
+                _, events, snap = conn.recv()
             except (EOFError, OSError, ValueError):
                 break
             except Exception:  # noqa: BLE001 - a message that does not unpickle: the protocol is broken
@@ -286,13 +345,59 @@ class EngineProcess:
                     sink = self._open.pop(ev.request_id, None) if ev.finished else self._open.get(ev.request_id)
                 if sink is not None:
                     Scheduler._emit(sink, ev)
-        if self._dead is None:
-            self._proc.join(1)
-            reason = f"the engine process exited ({_exit_text(self._proc.exitcode)})"
-            log.error("%s; failing %d request(s) in flight; new requests get 503", reason, len(self._open))
-            with self._lock:
-                self._dead = reason
+        died = False
+        with self._lock:
+            if self._dead is None and not self._stopping:
+                proc.join(1)
+                self._dead = f"the engine process exited ({_exit_text(proc.exitcode)})"
+                died = True
+        if died:
+            log.error("%s; failing %d request(s) in flight; new requests get 503 until it is restarted",
+                      self._dead, len(self._open))
         self._fail_open()
+        if died:
+            self._heal()
+
+    # ------------------------------------------------------------------ healing
+    def _heal(self) -> None:
+        """Restart the child after a death, with backoff, unless the restarts within the window
+        are used up: then give up (`on_give_up`)."""
+        self.restarting = True
+        wait = RESTART_BACKOFF_S[0]
+        while not self._stopping:
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < self.restart_window_s]
+            if len(self._restarts) >= self.max_restarts:
+                self._give_up(f"{self._dead}; {len(self._restarts)} restart(s) within {self.restart_window_s:g} s "
+                              "already")
+                return
+            self._restarts.append(now)
+            log.warning("restarting the engine process in %.1f s (restart %d of at most %d within %g s)", wait,
+                        len(self._restarts), self.max_restarts, self.restart_window_s)
+            time.sleep(wait)
+            if self._stopping:
+                break
+            try:
+                self._spawn()
+            except Exception as e:  # noqa: BLE001 - counted as a failure; the loop decides
+                log.error("the engine process could not be restarted: %s", e)
+                with self._lock:
+                    self._dead = f"the engine process could not be restarted: {e}"
+                wait = min(2 * wait, RESTART_BACKOFF_S[1])
+                continue
+            with self._lock:
+                if not self._stopping:
+                    self._dead = None
+            log.warning("engine process restarted (pid %d)", self._proc.pid)
+            break
+        self.restarting = False
+
+    def _give_up(self, reason: str) -> None:
+        self.gave_up = reason
+        self.restarting = False
+        log.critical("giving up on the engine process: %s", reason)
+        if self.on_give_up is not None:
+            self.on_give_up(reason)
 
     def _fail_open(self) -> None:
         with self._lock:
@@ -321,10 +426,18 @@ def _exit_text(code: int | None) -> str:
 # The child
 # ============================================================================================
 
-def _child_main(recipe: EngineRecipe, batch_window_s: float, conn: Any, counts: Any) -> None:
+def _beat(heartbeat: Any) -> None:
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(HEARTBEAT_S)
+
+
+def _child_main(recipe: EngineRecipe, batch_window_s: float, conn: Any, counts: Any, heartbeat: Any) -> None:
     """The engine process: build the engine, run the `Scheduler` loop in its worker thread, feed
-    it from the pipe on this (main) thread until told to stop or the server process is gone."""
+    it from the pipe on this (main) thread until told to stop or the server process is gone; a
+    daemon thread beats the heartbeat throughout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us (see the module docstring)
+    threading.Thread(target=_beat, args=(heartbeat,), name="lcx-heartbeat", daemon=True).start()
     logging.basicConfig(level=recipe.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[engine %(process)d]: %(message)s")
     try:

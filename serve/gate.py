@@ -159,7 +159,7 @@ def _linger_on_close(receive: Any, transport: Any) -> _LingerOnClose | None:
 
 def error_response(request: Request, err: APIError) -> JSONResponse:
     note_error(request.scope, err)
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _client_gone(e: BaseException) -> bool:

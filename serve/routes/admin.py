@@ -33,21 +33,23 @@ async def model(model_id: str, c: ServerContext = Depends(ctx)) -> ModelCard:
     return _card(c)
 
 
-_HEALTH_DOC = {503: {"model": Health, "description": "the engine worker is not running"}}
+_HEALTH_DOC = {503: {"model": Health, "description": "the engine is not running, restarting or not responding "
+                                                    "(its process's heartbeat stopped)"}}
 
 
 @router.get("/health", responses=_HEALTH_DOC)
 async def health(c: ServerContext = Depends(ctx)) -> Health:
-    if not c.sched.alive:
-        return JSONResponse({"status": "engine worker is not running"}, status_code=503)
+    problem = c.engine_problem()
+    if problem is not None:
+        return JSONResponse({"status": problem}, status_code=503)
     return Health(status="ok")
 
 
 @router.head("/health", response_class=Response,
-             responses={200: {"description": "the engine worker is alive (no body)"},
-                        503: {"description": "the engine worker is not running (no body)"}})
+             responses={200: {"description": "the engine is running and responding (no body)"},
+                        503: {"description": "the engine is not running, restarting or not responding (no body)"}})
 async def health_head(c: ServerContext = Depends(ctx)) -> Response:
-    return Response(status_code=200 if c.sched.alive else 503)
+    return Response(status_code=200 if c.engine_problem() is None else 503)
 
 
 @router.get("/stats", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},

@@ -270,3 +270,74 @@ def test_a_killed_server_leaves_no_engine_process(tiny_model_dir, tmp_path):
         server.kill()  # no shutdown: the engine process sees its pipe close
         server.wait(15)
     assert _gone(engine_pid, timeout=15), "the engine process outlived a killed server"
+
+
+# ================================================================================ healing (issue #44, item 5)
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_dead_engine_is_restarted_then_a_crash_loop_gives_up(tiny_model_dir, ref):
+    """kill -9: requests in flight fail (503), new ones fail at once while the child restarts,
+    then the new child serves them (the reference's tokens); with max_restarts=1 the second death
+    makes the EngineProcess give up (on_give_up called, /health's reason says so)."""
+    gave_up: list[str] = []
+    p = EngineProcess(EngineRecipe(str(tiny_model_dir), _config(), dtype="float64", threads=1), batch_window_s=0.05,
+                      max_restarts=1, on_give_up=gave_up.append).start()
+    try:
+        c = Collector()
+        params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+        doomed = p.submit(ref.encode("doomed"), params, c.sink)
+        c.wait_first(doomed)
+        first_pid = p.pid
+        os.kill(first_pid, signal.SIGKILL)
+        c.wait([doomed], timeout=10)
+        assert isinstance(c.last(doomed).error, EngineDeadError)
+        assert p.health() is not None
+        _wait(lambda: p.alive, 240, "the restarted engine process")
+        assert p.pid != first_pid and p.health() is None and p.snapshot()["engine_process"]["restarts"] == 1
+        again = p.submit(ref.encode("ROMEO:"), SamplingParams(max_tokens=GEN, temperature=0), c.sink)
+        c.wait([again], timeout=EVENT_TIMEOUT_S)
+        want = ref.generate([ref.encode("ROMEO:")], SamplingParams(max_tokens=GEN))[0]
+        assert [t for ev in c.events[again] for t in ev.token_ids] == want.token_ids
+        os.kill(p.pid, signal.SIGKILL)  # a second death within the window: give up
+        _wait(lambda: bool(gave_up), 30, "on_give_up")
+        assert "restart(s) within" in gave_up[0] and not p.alive
+        assert "gave up" in p.health() and p.snapshot()["engine_process"]["gave_up"]
+        late = p.submit(ref.encode("late"), params, c.sink)
+        c.wait([late], timeout=1)
+        assert isinstance(c.last(late).error, EngineDeadError)
+    finally:
+        p.stop()
+
+
+def test_lcx_serve_heartbeat_and_exit_after_repeated_failures(tiny_model_dir, tmp_path):
+    """`lcx serve`: SIGSTOP on the engine process turns /health to 503 ("not responding") within
+    the heartbeat timeout, SIGCONT back to 200; with --engine-restarts 0 a kill -9 makes the
+    server exit with status 3 (a supervisor restarts it), taking no engine process along."""
+    from lcx.serve.cli import GAVE_UP_EXIT
+    from lcx.serve.engine_process import HEARTBEAT_TIMEOUT_S
+
+    log = tmp_path / "server.log"
+    with lcx_serve(tiny_model_dir, log, "--max-model-len", str(MAX_MODEL_LEN), "--threads", "1",
+                   "--engine-restarts", "0") as (url, server):
+        wait_healthy(url, server, log)
+        engine_pid = httpx.get(url + "/stats", timeout=10).json()["engine_process"]["pid"]
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, HEARTBEAT_TIMEOUT_S + 10,
+                  "/health 503 after SIGSTOP")
+            r = httpx.get(url + "/health", timeout=10)
+            assert "not responding" in r.json()["status"], r.text
+            assert httpx.head(url + "/health", timeout=10).status_code == 503
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        _wait(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 10, "/health 200 after SIGCONT")
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                          timeout=30).status_code == 200
+        os.kill(engine_pid, signal.SIGKILL)
+        assert server.wait(60) == GAVE_UP_EXIT, log.read_text()[-2000:]
+    assert "giving up on the engine process" in log.read_text()
