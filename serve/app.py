@@ -10,7 +10,8 @@ Endpoints:
     POST /v1/chat/completions   messages rendered with the tokenizer's chat template (lcx's default,
                                 `lcx.serve.chat_template`, when it has none); stream=true
     GET  /v1/models             the one served model (+ max_model_len); GET /v1/models/{id}: that one
-    GET  /health                200 while the engine worker is alive (HEAD too)
+    GET  /health                200 while the engine runs and responds (its process's heartbeat);
+                                503 with the reason otherwise (HEAD too)
     GET  /openapi.json          every route's request body, response and error objects
     GET  /stats                 scheduler and engine counters (batch-size histogram, ...) and the
                                 HTTP counters: requests, errors by status and by code, disconnects
@@ -44,7 +45,9 @@ worker thread of this process; `lcx serve` passes an `EngineProcess` instead (`s
 its `EngineView` as `engine`), which runs the same loop in a process of its own so that the event
 loop and the engine do not share a GIL (`lcx.serve.engine_process`). A request the engine fails
 gets a 500 error object (or, mid-stream, an `error` event before `[DONE]`) and other requests go
-on; if the engine process dies, requests in flight and new ones get 503 and /health answers 503. Every error response (and every disconnect) is counted in /stats and logged with
+on; if the engine process dies, requests in flight get 503 and new ones 503 with Retry-After while it is
+restarted (`lcx.serve.engine_process`: bounded restarts, then `lcx serve` exits non-zero), and
+/health answers 503 meanwhile, and while the engine process does not respond. Every error response (and every disconnect) is counted in /stats and logged with
 the request's id, which each response carries in `X-Request-Id` (a client's own, if it sends a
 short one, else a fresh one).
 """

@@ -12,7 +12,10 @@ with lcx's plugin (`lcx.serve.vllm_plugin`) and the methods; see `run_vllm`.
 Then any OpenAI client (base_url http://HOST:PORT/v1), or lm-eval:
 
     lm_eval --model local-completions --tasks passkey_ll \\
-        --model_args model=tiny-5m,base_url=http://127.0.0.1:8000/v1/completions,tokenizer=<model dir>,tokenizer_backend=huggingface
+        --model_args model=tiny-5m,base_url=http://127.0.0.1:8000/v1/completions,tokenizer=<model dir>,tokenizer_backend=huggingface,max_length=<max_model_len>
+
+(without `max_length=` lm-eval left-truncates prompts to 2,047 tokens; lcx's lm-eval hook then
+asks the server for its max_model_len, see docs/serving.md.)
 """
 
 from __future__ import annotations
