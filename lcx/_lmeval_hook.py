@@ -15,14 +15,16 @@ patches each right after it executes:
   lm-eval's index, so lcx's `passkey` replaces lm-eval's LIBRA `passkey` (Russian, from the
   hub); a user's own folder still overrides lcx.
 
-- `lm_eval.models.openai_completions`: `local-completions` left-truncates every prompt to
-  `max_length` - 1 tokens, 2,047 by default, with only a log line: a "4096" passkey measured
-  through a server would silently score ~2,035-token prompts. When `max_length` is not in
-  `--model_args`, the hook asks the server (`GET /v1/models`: lcx's and vLLM's cards carry
+  It also points the registry's lazy `local-completions` entry at this module's
+  `LocalCompletionsAPI`, which imports lm-eval's class when first asked for and patches it
+  (`patch_local_completions`): `local-completions` left-truncates every prompt to `max_length`
+  - 1 tokens, 2,047 by default, with only a log line, so a "4096" passkey measured through a
+  server would silently score ~2,035-token prompts. When `max_length` is not in `--model_args`,
+  the patched class asks the server (`GET /v1/models`: lcx's and vLLM's cards carry
   `max_model_len`) and uses its `max_model_len`; if the server does not say, it warns that
   prompts will be cut at 2,047 tokens unless `max_length=` is given (`server_max_model_len`).
 
-The finder removes itself once all three modules are patched. Nothing happens when
+The finder removes itself once both modules are patched. Nothing happens when
 `LCX_NO_LMEVAL_HOOK=1`, when lm-eval is never imported, or (with one warning) when the installed
 lm-eval is not `SUPPORTED_LM_EVAL`, the version whose internals this patches. Failures inside
 the hook are turned into warnings: they must never break an unrelated Python process.
@@ -83,12 +85,36 @@ def _version_ok() -> bool:
     return False
 
 
+LOCAL_COMPLETIONS = "local-completions"
+LOCAL_COMPLETIONS_TARGET = "lm_eval.models.openai_completions:LocalCompletionsAPI"  # lm-eval's lazy entry
+
+
 def register_model(models_module=None) -> None:
-    """Register `lcx` in lm-eval's model registry as a lazy "module:Class" entry."""
+    """Register `lcx` in lm-eval's model registry as a lazy "module:Class" entry, and route the
+    lazy `local-completions` entry through `LocalCompletionsAPI` here (patched on first use)."""
     from lm_eval.api.registry import model_registry
 
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target=MODEL_TARGET)
+    objs = getattr(model_registry, "_objs", None)  # lm-eval 0.4.13's store (the version this patches)
+    if isinstance(objs, dict) and objs.get(LOCAL_COMPLETIONS) == LOCAL_COMPLETIONS_TARGET:
+        objs[LOCAL_COMPLETIONS] = f"{__name__}:LocalCompletionsAPI"
+
+
+def __getattr__(name: str):
+    """`LocalCompletionsAPI`: lm-eval's class, patched (`patch_local_completions`); imported only
+    when lm-eval's registry materialises `local-completions`."""
+    if name == "LocalCompletionsAPI":
+        from lm_eval.api.registry import model_registry
+
+        objs = model_registry._objs
+        if objs.get(LOCAL_COMPLETIONS) == f"{__name__}:LocalCompletionsAPI":
+            objs[LOCAL_COMPLETIONS] = LOCAL_COMPLETIONS_TARGET  # lm-eval's module registers its class over it
+        import lm_eval.models.openai_completions as module
+
+        patch_local_completions(module)
+        return module.LocalCompletionsAPI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def patch_task_manager(manager_module=None) -> None:
@@ -190,8 +216,7 @@ def apply(force: bool = False) -> bool:
 
 
 # ------------------------------------------------------------------------------ the import hook
-_CALLBACKS = {"lm_eval.models": register_model, "lm_eval.tasks.manager": patch_task_manager,
-              "lm_eval.models.openai_completions": patch_local_completions}
+_CALLBACKS = {"lm_eval.models": register_model, "lm_eval.tasks.manager": patch_task_manager}
 
 
 class _Loader:
