@@ -198,8 +198,8 @@ class Scanner:
             self._string_bytes = (head if len(inside_parts) == 1 else len(inside_parts[-1])) if self._inside else 0
             if lim.max_string_bytes is not None and longest > lim.max_string_bytes:
                 raise _too_large("bytes in one string", longest, lim.max_string_bytes,
-                                 " (the longest prompt text this server tokenizes, as JSON; it grows with max_model_len, "
-                                 "lcx serve --max-model-len)")
+                                 " (the longest prompt text this server tokenizes, as JSON; it grows with "
+                                 "max_model_len, lcx serve --max-model-len)")
         outside = b"".join(parts[1::2] if first_inside else parts[0::2])
         del parts, inside_parts
         self._walk(outside)

@@ -341,7 +341,8 @@ class ServerContext:
             raise bad_request(str(e), rename.get(param, param)) from None
         if max_tokens == 0 and not allow_empty:
             raise bad_request(f"the prompt ({len(prompt_ids)} tokens) fills max_model_len "
-                              f"{self.engine.max_model_len}: no room to generate{LENGTH_HINT}", rename.get("prompt", "prompt"),
+                              f"{self.engine.max_model_len}: no room to generate{LENGTH_HINT}",
+                              rename.get("prompt", "prompt"),
                               "context_length_exceeded")
         return params
 
