@@ -253,7 +253,9 @@ def test_openapi_declares_bodies_responses_and_errors(srv):
         assert ok.get("$ref", "").startswith("#/components/schemas/"), (path, ok)
     assert "422" not in json.dumps(doc["paths"])
     comp = schemas["CompletionRequest"]["properties"]
-    assert comp["repetition_penalty"]["minimum"] > 0 and comp["logit_bias"]["anyOf"][0]["maxProperties"] == 300
+    rp = comp["repetition_penalty"]["anyOf"]  # nullable (null: the default), as OpenAI/vLLM type it
+    assert {"type": "null"} in rp and next(x for x in rp if x.get("type") == "number")["minimum"] > 0
+    assert comp["logit_bias"]["anyOf"][0]["maxProperties"] == 300
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == 2048
     assert "head" in doc["paths"]["/health"] and "get" in doc["paths"]["/v1/models/{model_id}"]
 
