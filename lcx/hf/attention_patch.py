@@ -279,8 +279,9 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
         rot_pos = cache.rotary_positions(layer_idx)
         seq_len = int(true_pos[-1]) + 1
     else:
-        _check_sliding_cache_layer(st, cache, layer_idx)
         rot_pos = _key_positions(position_ids, Tq, Tk, q.device)
+        if int(rot_pos.min()) > 0:  # the cache returned a suffix of the history
+            _check_sliding_cache_layer(st, cache, layer_idx)
         seq_len = int(rot_pos.max()) + 1
     inv_freq, af = rope_basis(decoder, seq_len, layer_type=st.layer_type)
     rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
@@ -290,8 +291,9 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
 
 def _check_sliding_cache_layer(st: _ModuleState, cache: Any, layer_idx: int) -> None:
     """transformers' sliding-window cache layers (what `DynamicCache(config=...)` makes for a
-    hybrid model's sliding layers) keep the last `sliding_window - 1` keys: enough for the
-    family's own window, not for a method that sees further (`layers="all"`)."""
+    hybrid model's sliding layers) keep the last `sliding_window - 1` keys between calls: enough
+    for the family's own window, not for a method that sees further (`layers="all"`). Called
+    when the keys a cache returned do not start at position 0."""
     layers = getattr(cache, "layers", None)
     if not layers or layer_idx >= len(layers):
         return
