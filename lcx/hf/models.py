@@ -50,7 +50,7 @@ class Family:
 # A tiny random model of any family (tests; `tiny_model`): 2 layers, 4 query / 2 KV heads of 16.
 TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32,
-                            sliding_window=None, use_sliding_window=False, pad_token_id=0, bos_token_id=1,
+                            sliding_window=None, pad_token_id=0, bos_token_id=1,
                             eos_token_id=2, tie_word_embeddings=False)
 # Gemma 3's tiny shape: one sliding layer (window 8, its own RoPE base) and one global layer.
 _GEMMA3_TINY = (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
@@ -161,8 +161,9 @@ def global_layer_type(model_or_config: Any) -> str | None:
 
 def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, **overrides: Any) -> nn.Module:
     """A tiny random `*ForCausalLM` of a family in `FAMILIES` (`TINY` + the family's `tiny` keys +
-    `overrides`), eval mode, eager attention. On a model with RoPE per layer type, `rope_theta`
-    is the global layers' base (the sliding layers keep 10000)."""
+    `overrides`), eval mode, sdpa attention (transformers' default; its eager attention turns a
+    left-padded row into NaN in 5.23). On a model with RoPE per layer type, `rope_theta` is the
+    global layers' base (the sliding layers keep 10000)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model_type not in FAMILIES:
@@ -173,7 +174,7 @@ def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, 
         default = {"rope_type": "default", "rope_theta": rope_theta}
         keys["rope_parameters"] = (default if "sliding_attention" not in types_ else {
             "full_attention": default, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
-    config = AutoConfig.for_model(model_type, attn_implementation="eager", **keys)
+    config = AutoConfig.for_model(model_type, attn_implementation="sdpa", **keys)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
 
