@@ -7,9 +7,10 @@
   KV-cache tools `lcx.cache.kv`, the engine) asks here.
 - `lcx.hf.rope_patch`: the RoPE patch (`patch`, `unpatch`, `patched`, `current_spec`,
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec
-  (on Gemma 3, the global layers' RoPE only).
+  (on Gemma 3, the global layers' RoPE only); `rope_basis(model, n, layer_type=...)`,
+  `layer_rope_types` / `layer_rope_bases`: the basis each layer rotates with.
 - `lcx.hf.attention_patch`: the attention patch (`patch_attention`, `unpatch_attention`,
-  `attention_patched`, `current_patch`, `layer_methods`): every `self_attn` runs an
+  `attention_patched`, `current_patch`, `layer_methods`, `own_windows`): every `self_attn` runs an
   `lcx.methods` method. **The mechanism, for every family**: the family's own attention forward
   runs (its projections, q/k norms, biases, scaling); lcx takes over two calls in it, the
   rotation (`apply_rotary_pos_emb` of the family's modeling module, which returns q/k unrotated
@@ -17,6 +18,9 @@
   transformers' `AttentionInterface`), which runs the layer's `method.attend` on those unrotated
   q/k/v with their positions. No family's forward is copied; details and the semantics (cache
   holds keys before RoPE, ragged rows, hybrid local/global layers) in that module's docstring.
+  What a decode loop needs per layer on a hybrid model (Gemma 3): `layer_methods(model)[i]`
+  (its `cache_window` bounds layer i's cache; the sliding layers run their own window),
+  `own_windows(model)` (the same for the model as loaded), `layer_rope_bases(model)`.
 - `lcx.hf.recorded`: a model's own attention method, recorded in its config
   (`config.lcx_attention`, `lcx.MethodConfig`'s attention form): `recorded_method`,
   `record_method`. A model trained with a registry method (SWAT) carries it there; the engine
@@ -48,6 +52,7 @@ from .attention_patch import (
 )
 from .bounded_cache import BoundedKVCache, GenerationResult, cache_len, cache_nbytes, greedy_generate
 from .generate import greedy_decode_ref
+from .rope_patch import layer_rope_bases, layer_rope_types
 from .models import (
     ATTENTION_MODEL_TYPES,
     FAMILIES,
@@ -64,5 +69,6 @@ from .models import (
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTN_IMPLEMENTATION", "BoundedKVCache", "FAMILIES", "GenerationResult",
            "LEFT_OUT", "ROPE_MODEL_TYPES", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
            "check_model_type", "current_attention", "current_patch", "decoder", "greedy_decode_ref", "greedy_generate",
-           "head_dim_of", "layer_methods", "layer_types", "own_windows", "patch_attention", "rotary",
+           "head_dim_of", "layer_methods", "layer_rope_bases", "layer_rope_types", "layer_types", "own_windows",
+           "patch_attention", "rotary",
            "unpatch_attention"]

@@ -54,7 +54,7 @@ TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96
                             eos_token_id=2, tie_word_embeddings=False)
 # Gemma 3's tiny shape: one sliding layer (window 8, its own RoPE base) and one global layer.
 _GEMMA3_TINY = (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
-                ("query_pre_attn_scalar", 24), ("rope_local_base_freq", 10_000.0))
+                ("query_pre_attn_scalar", 24))
 
 
 # The one table of HF model types lcx supports (RoPE patch, attention methods, engine).
@@ -163,7 +163,7 @@ def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, 
     """A tiny random `*ForCausalLM` of a family in `FAMILIES` (`TINY` + the family's `tiny` keys +
     `overrides`), eval mode, sdpa attention (transformers' default; its eager attention turns a
     left-padded row into NaN in 5.23). On a model with RoPE per layer type, `rope_theta` is the
-    global layers' base (the sliding layers keep 10000)."""
+    global layers' base (the sliding layers take 1000, so the two bases differ)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model_type not in FAMILIES:
@@ -173,7 +173,7 @@ def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, 
     if "rope_parameters" not in keys:
         default = {"rope_type": "default", "rope_theta": rope_theta}
         keys["rope_parameters"] = (default if "sliding_attention" not in types_ else {
-            "full_attention": default, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+            "full_attention": default, "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}})
     config = AutoConfig.for_model(model_type, attn_implementation="sdpa", **keys)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()

@@ -227,6 +227,23 @@ def rope_basis(model: nn.Module, seq_len: int | None = None, *, layer_type: str 
                      getattr(rot, "attention_scaling", 1.0))
 
 
+def layer_rope_types(model: nn.Module) -> list[str | None]:
+    """Per attention layer, the `layer_type` to pass to `rope_basis` (Gemma 3: its
+    `config.layer_types[i]`), or None for every layer of a model with one RoPE."""
+    n = len(decoder(model).layers)
+    if rope_layer_types(model) is None:
+        return [None] * n
+    return list(model.config.layer_types[:n])
+
+
+def layer_rope_bases(model: nn.Module, seq_len: int | None = None) -> list[tuple[torch.Tensor, float]]:
+    """`rope_basis` of every attention layer (one basis per layer type, shared): what a decode
+    loop that rotates keys itself needs on a model with RoPE per layer type."""
+    by_type: dict[str | None, tuple[torch.Tensor, float]] = {}
+    return [by_type.setdefault(t, rope_basis(model, seq_len, layer_type=t) if t not in by_type else by_type[t])
+            for t in layer_rope_types(model)]
+
+
 def _hf_basis(rot: nn.Module, rope_type: str, inv: torch.Tensor | None, af: float) -> tuple[torch.Tensor, float]:
     if rope_type in _HF_LENGTH_DEPENDENT:
         raise ValueError(

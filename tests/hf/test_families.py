@@ -321,3 +321,30 @@ def test_patch_unpatch_leaves_every_family_as_loaded():
         assert model.config._attn_implementation == impl
         assert all("forward" not in vars(layer.self_attn) for layer in model.model.layers)
         assert torch.equal(got, want), family
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_per_layer_capabilities(family):
+    """What a decode loop needs per layer (`lcx.hf`): each layer's method (its cache window), the
+    family's own windows, each layer's RoPE basis (the sliding layers' own base)."""
+    from lcx.hf import layer_rope_bases, layer_rope_types, own_windows
+
+    model = _model(family)
+    types_ = model.config.layer_types
+    w = model.config.sliding_window
+    assert own_windows(model) == [w if t == "sliding_attention" else None for t in types_]
+    assert layer_rope_types(model) == types_
+    bases = layer_rope_bases(model)
+    for t, (inv, af) in zip(types_, bases):
+        theta = model.config.rope_parameters[t]["rope_theta"]
+        torch.testing.assert_close(inv, 1.0 / theta ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16),
+                                   rtol=1e-6, atol=0)
+    method = METHODS[method_id(FIRST["lm_infinite"])]
+    with attention_patched(model, method):
+        assert layer_methods(model) == [sliding_window(window=w) if t == "sliding_attention" else method
+                                        for t in types_]
+        with pytest.raises(ValueError, match="layer_type"):
+            rope_basis(model, 8)  # no one basis serves every layer
+    with attention_patched(model, method, layers="all"):
+        assert layer_methods(model) == [method] * len(types_)
+    assert layer_methods(model) == [None] * len(types_)
