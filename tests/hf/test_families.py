@@ -348,3 +348,35 @@ def test_hybrid_per_layer_capabilities(family):
     with attention_patched(model, method, layers="all"):
         assert layer_methods(model) == [method] * len(types_)
     assert layer_methods(model) == [None] * len(types_)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_shape():
+    """Gemma-3-270m's attention shape (18 layers, 15 sliding at 512 and 3 global, 4 query heads /
+    1 KV head of 256, two RoPE bases from transformers' own defaults; random weights, small
+    vocabulary), past the window: a causal patch equals transformers, and bounded decoding equals
+    full-cache decoding with each layer bounded by its own method (511 / G + L - 1 keys)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx.methods import lm_infinite
+
+    cfg = AutoConfig.for_model("gemma3_text", vocab_size=512, hidden_size=640, intermediate_size=2048,
+                               num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                               sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(3, 512, (1, 600), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        with attention_patched(model, causal()):
+            got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32
+    method = lm_infinite(4, 128)
+    with attention_patched(model, method):
+        full = greedy_generate(model, ids[:, :560], 6)
+        cache = BoundedKVCache(method)
+        bounded = greedy_generate(model, ids[:, :560], 6, cache=cache)
+    assert torch.equal(bounded.tokens, full.tokens)
+    assert [int(layer.keys.shape[-2]) for layer in cache.layers] == [
+        511 if t == "sliding_attention" else 4 + 128 - 1 for t in cfg.layer_types]
