@@ -363,9 +363,9 @@ class StepSlots:
 class DecodeStep:
     """The fast path's decode step, handed to every attention layer as the `lcx_decode` keyword
     of the model's forward (`lcx.hf.attention_patch` calls its `attend` with each layer's q/k/v):
-    rotation tables of the step,
-    visibility of every slot, and the slots to write. Layers rotate their new query and key,
-    write the key, and attend over [main | side] in one softmax (`decode_attention`)."""
+    rotation tables of the step, visibility of every slot, and the slots to write. Layers rotate
+    their new query and key, write the key, and attend over [main | side] in one softmax
+    (`decode_attention`)."""
 
     slots: StepSlots
     main_len: int  # the main store's slots this step reads (an unbounded store: up to the newest key)
