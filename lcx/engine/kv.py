@@ -362,9 +362,10 @@ class StepSlots:
 @dataclass
 class DecodeStep:
     """The fast path's decode step, handed to every attention layer as the `lcx_decode` keyword
-    of the model's forward (`lcx.hf.attention_patch` calls it): rotation tables of the step,
-    visibility of every slot, and the slots to write. Layers rotate their new query and key,
-    write the key, and attend over [main | side] in one softmax (`decode_attention`)."""
+    of the model's forward (`lcx.hf.attention_patch` calls its `attend` with each layer's q/k/v):
+    rotation tables of the step, visibility of every slot, and the slots to write. Layers rotate
+    their new query and key, write the key, and attend over [main | side] in one softmax
+    (`decode_attention`)."""
 
     slots: StepSlots
     main_len: int  # the main store's slots this step reads (an unbounded store: up to the newest key)
@@ -419,15 +420,13 @@ class DecodeStep:
                 step.tables["top_k_query"] = rope_cos_sin(torch.full_like(p, rule.top_k_query), inv_freq, af, tdt)
         return step
 
-    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
-                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """One attention layer (`attn`: an HF Llama-family attention module) on the step's
-        hidden states `[B, 1, hidden]` -> its output `[B, 1, hidden]` (after o_proj)."""
-        B = hidden_states.shape[0]
-        D = attn.head_dim
-        q = attn.q_proj(hidden_states).view(B, 1, -1, D)  # [B, 1, H, D]
-        k = attn.k_proj(hidden_states).view(B, 1, -1, D)  # [B, 1, Hkv, D]
-        v = attn.v_proj(hidden_states).view(B, 1, -1, D)
+    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """One attention layer's step (`attn`: the HF attention module, for `layer_idx` and
+        `scaling`): its new q `[B, 1, H, D]`, k/v `[B, 1, Hkv, D]` as the family's own code made
+        them, before RoPE (`lcx.hf.attention_patch` hands them over) -> out `[B, 1, H, Dv]` (the
+        module applies o_proj). `position_embeddings`: the family's (cos, sin) of this layer,
+        used when lcx does not rotate (unpatched models)."""
         cos, sin = self.tables["main"] if "main" in self.tables else position_embeddings
         qm = apply_rotary_ref(q, cos, sin)
         km = apply_rotary_ref(k, cos, sin)
@@ -451,9 +450,8 @@ class DecodeStep:
         if self.mid_len and store.layout.rule.top_k_in_layer(layer):
             extra = self._top_k(q, store.side.k[layer], store.side.v[layer], store.layout.rule.top_k, attn.scaling)
         n = self.main_len
-        out = decode_attention(qm, store.main.k[layer][:, :, :n], store.main.v[layer][:, :, :n], self.main_visible,
-                               side=side, scale=attn.scaling, hidden=self.hidden, extra=extra)
-        return attn.o_proj(out.reshape(B, 1, -1))
+        return decode_attention(qm, store.main.k[layer][:, :, :n], store.main.v[layer][:, :, :n], self.main_visible,
+                                side=side, scale=attn.scaling, hidden=self.hidden, extra=extra)
 
 
     def _top_k(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, top_k: int, scale: float):

@@ -1,4 +1,5 @@
-"""Apply an attention method to a loaded Hugging Face Llama-family model, in place and reversibly.
+"""Apply an attention method to a loaded Hugging Face model of any supported family, in place and
+reversibly.
 
     model, tok = lcx.load_model("tiny-5m")
     with lcx.patched(model, {"rope_type": "yarn", "factor": 4}), \\
@@ -6,28 +7,55 @@
         logits = model(ids).logits          # LM-Infinite + YaRN
     # the model as loaded again
 
-Why the attention module's forward is replaced (and not only an `AttentionInterface` function
-registered): transformers hands an attention function q and k already rotated, and no
-positions; LM-Infinite needs them unrotated (its global keys are scored at a capped distance)
-and StreamingLLM renumbers positions. So `patch_attention` gives every `self_attn` module of
-the model an instance-level `forward` (transformers 5.17 `LlamaAttention.forward` minus the
-rotation) that projects q/k/v and calls `method.attend` on UNROTATED q/k with an
-`lcx.attention.Rotary` holding the keys' positions. The RoPE basis is read at call time from
-the model's rotary module (`lcx.hf.rope_patch.rope_basis`), so RoPE specs applied with `lcx.patch`
-compose with any method, in either order. The config's `_attn_implementation` is switched to
-`"lcx_attention_method"`, registered with transformers' attention and mask interfaces: the
-mask function builds no mask (the method owns masking and causality; no [T, T] mask is ever
-materialised) and refuses padding; the attention function itself is never called by a patched
-module and raises if something calls it. `unpatch_attention` deletes the instance forwards and
-restores `_attn_implementation`.
+The mechanism (stated once; `lcx.hf`'s docstring points here). Every supported family's
+attention forward in transformers 5.x does, in this order (`lcx.hf.models`):
+
+    q, k, v = the family's own code (projections, biases, q/k norms, clipping, scaling attrs)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)          # looked up in its modeling module
+    k, v = past_key_values.update(k, v, layer_idx)
+    out, _ = ALL_ATTENTION_FUNCTIONS[config._attn_implementation](self, q, k, v, mask,
+                                     scaling=self.scaling, sliding_window=..., **kwargs)
+    return o_proj(out)
+
+`patch_attention` takes over the two calls, not the forward:
+
+1. **rotation**: the modeling module's `apply_rotary_pos_emb` (the global the forward reads,
+   `type(attn).forward.__globals__`) is wrapped once per module; inside a patched layer's call it
+   returns q and k UNROTATED (and keeps the family's cos/sin for the engine), everywhere else it
+   is the original function. So the cache receives keys before RoPE.
+2. **attention**: `config._attn_implementation` is switched to `"lcx_attention_method"`,
+   registered with transformers' attention and mask interfaces. The attention function receives
+   the family's q, k, v (unrotated, cache included, new tokens last) and runs the layer's
+   `method.attend` with an `lcx.attention.Rotary` holding the keys' positions and the layer's
+   RoPE basis (read at call time from the model's rotary module, `lcx.hf.rope_patch.rope_basis`,
+   per layer type for Gemma 3; so RoPE specs applied with `lcx.patch` compose with any method in
+   either order). The mask function builds no mask (the method owns masking and causality; no
+   [T, T] mask is ever materialised) and refuses padding.
+
+Which call is "inside a patched layer" is known from a thin instance-level `forward` on each
+patched attention module that marks the call (a context variable) and calls the class's own
+forward unchanged. No family's forward is copied. `unpatch_attention` deletes those instance
+forwards and restores `_attn_implementation`; the wrapped `apply_rotary_pos_emb` stays, and is
+the original function outside patched calls.
+
+**Hybrid local/global models** (Gemma 3: `config.layer_types` with "sliding_attention" and
+"full_attention" layers). `layers="global"` (the default) runs the method on the full-attention
+layers; the sliding layers keep the family's own window, run as `lcx.methods.sliding_window
+(window=config.sliding_window)` (the same keys as transformers' sliding mask: the query and the
+w - 1 before it) on their own RoPE basis. `layers="all"` runs the method on every layer (each
+still on its own layer type's RoPE basis). Models whose layers are all alike get the method on
+every layer either way (Mistral's `sliding_window`, the same on every layer, is replaced by the
+method). `layer_methods(model)` says what each layer runs: what `lcx.engine` needs to bound each
+layer's cache to that layer's own window (`cache_window` per layer).
 
 Semantics stated once:
-- **The KV cache holds keys BEFORE RoPE** while a model is patched (whatever `Cache` it is
+- **The KV cache holds keys BEFORE RoPE** in every patched layer (whatever `Cache` it is
   given). Do not mix a cache filled by a patched model with an unpatched one, or vice versa.
 - **Positions.** With a `DynamicCache` (or no cache), key j of the Tk returned by the cache has
   position `position_ids[:, 0] - (Tk - Tq) + j`: the cache is the contiguous history of the
-  sequence. `position_ids` must be contiguous in each row (no padding, no packing; raises
-  otherwise). With `lcx.hf.BoundedKVCache` the cache itself records each slot's position.
+  sequence (or its last keys, as transformers' sliding-window cache layers keep them).
+  `position_ids` must be contiguous in each row (no padding, no packing; raises otherwise).
+  With `lcx.hf.BoundedKVCache` the cache itself records each slot's position.
 - **Queries are the last Tq keys** (`lcx.masks` convention) for prefill, chunked prefill and
   decode alike.
 - **Padded / ragged batches** (what `lcx.engine` runs): pass `lcx_key_positions` `[B, Tk]` (long)
@@ -38,11 +66,16 @@ Semantics stated once:
   (a full history, or what a bounded cache keeps) and the row's queries its last new slots.
   Attention runs on each row's own keys (projections and MLPs stay batched; rows with equal
   numbers of queries and keys share one call), exactly as an unpadded row with a
-  `BoundedKVCache` would; padded query slots get zeros.
+  `BoundedKVCache` would; padded query slots get zeros. A layer running its own window raises
+  if a row's keys do not cover that window (a cache bounded by another layer's method).
+- **The engine's decode step** (`lcx_decode`, `lcx.engine.kv.DecodeStep`): the attention
+  function hands the layer's new q/k/v (unrotated) and the family's (cos, sin) to `step.attend`.
+  `install_decode_hook` gives an unpatched model the same route for decode calls only (every
+  other call runs the model's own rotation and attention implementation, its own masks).
 
-Supported: model types llama, mistral, qwen2 (q/k/v/o projections, rotate-half RoPE on the
-full head, no q/k norm). Not supported (raises): padding in `attention_mask`, attention
-dropout in training mode, models whose attention module has q/k norms (qwen3).
+Supported: the families of `lcx.hf.models.FAMILIES`. Not supported (raises): padding in
+`attention_mask`, custom 4-D masks, attention dropout in training mode, attention-logit
+soft-capping, an attention module whose forward does not call the two hooks (e.g. NoPE layers).
 
 Part of the HF adapter (`lcx.hf`): the methods (`lcx.methods`) know nothing of
 transformers; this module installs them in a model. `lcx.methods` re-exports `patch_attention`,
@@ -55,7 +88,7 @@ import contextlib
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -63,14 +96,19 @@ from torch import nn
 from lcx.attention import BACKENDS, Rotary
 from lcx.methods.base import AttentionMethod
 from lcx.methods.registry import method_from_dict
+from lcx.methods.sliding_window import sliding_window
+from lcx.rope import apply_rotary_ref, rope_cos_sin
 
 from .bounded_cache import BoundedKVCache
-from .models import attention_layers, check_model_type, decoder
+from .calls import _CALL, _Call, current_call
+from .models import attention_layers, check_model_type, decoder, layer_types, rope_layer_types
 from .rope_patch import rope_basis
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
 DEFAULT_BACKEND = "blockwise"
+LAYERS = ("global", "all")
 _STATE = "_lcx_attention_method"  # on the model: _Patch; on each attention module: _ModuleState
+_HOOK = "_lcx_decode_hook"  # on a model with the decode hook only: the attn implementation it had
 
 
 @dataclass
@@ -79,48 +117,195 @@ class _Patch:
     backend: str
     original_attn_implementation: Any
     decode_backend: str | None = None
+    layers: str = "global"
 
 
 @dataclass
 class _ModuleState:
-    method: AttentionMethod
+    """What one attention module runs. `method` None: the engine's decode hook only."""
+
+    method: AttentionMethod | None
     backend: str
     decoder: "weakref.ref[nn.Module]"  # owns rotary_emb: the RoPE basis is read from it per call
     decode_backend: str | None = None  # for calls with one query token (None: `backend`)
+    chosen: AttentionMethod | None = None  # the model's method (differs on layers running their own window)
+    layer_type: str | None = None  # the layer's RoPE layer type (models with RoPE per layer type)
+    inner: str | None = None  # the model's own attn implementation (decode hook: every other call)
 
     def backend_for(self, n_queries: int) -> str:
         return self.decode_backend if n_queries == 1 and self.decode_backend else self.backend
 
-
-# ------------------------------------------------------------------------ transformers hooks
-
-
-def _unpatched_attention_function(module, query, key, value, attention_mask, **kwargs):
-    raise RuntimeError(
-        f"config._attn_implementation is {ATTN_IMPLEMENTATION!r} but this attention module is not "
-        "patched by lcx.hf.attention_patch.patch_attention (its forward is the stock one); call patch_attention "
-        "on the model, or set another attn_implementation")
+    @property
+    def own_window(self) -> bool:
+        """True on a layer that runs the family's own sliding window, not the model's method."""
+        return self.method is not None and self.method != self.chosen
 
 
-def _no_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
-    """Mask function: the method masks (and is causal) by itself; refuse padding it cannot honour."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise NotImplementedError(
-            "lcx attention methods take no padded attention_mask (it has zeros); pass lcx_key_positions "
-            "[B, Tk] instead (see lcx.hf.attention_patch), or run unpadded rows")
-    return None
+# ------------------------------------------------------------------------ hook 1: the rotation
 
 
-def register() -> None:
-    """Register `"lcx_attention_method"` with transformers' attention/mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+def _rotation_hook(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        call = _CALL.get()
+        if call is None:
+            return original(q, k, cos, sin, *args, **kwargs)
+        if cos.shape[-1] != q.shape[-1]:
+            raise NotImplementedError(
+                f"{type(call.module).__name__} rotates {cos.shape[-1]} of {q.shape[-1]} head dims (partial "
+                "rotary); lcx attention methods rotate the full head")
+        call.cos_sin, call.rotation_seen = (cos, sin), True
+        return q, k  # unrotated: lcx rotates inside the method's call
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _unpatched_attention_function)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    apply_rotary_pos_emb._lcx_original = original
+    return apply_rotary_pos_emb
 
 
-# ------------------------------------------------------------------------ the patched forward
+def _check_rotate_half(fn: Callable, head_dim: int, where: str) -> None:
+    """The family's rotation must be lcx's (`lcx.rope.apply_rotary_ref`: rotate-half on the full
+    head, HF's (cos, sin) [B, T, D] tables): lcx re-does it at the methods' positions. Checked on
+    a probe, so a family with another convention (interleaved pairs) raises instead of being
+    silently wrong."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 3, head_dim, generator=g, dtype=torch.float64)  # [B, H, T, D]
+    inv_freq = torch.rand(head_dim // 2, generator=g, dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(3)[None], inv_freq, 1.0, torch.float64)  # [1, 3, D]
+    got, _ = fn(x, x, cos, sin)
+    want = apply_rotary_ref(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    if not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+        raise ValueError(f"{where}.apply_rotary_pos_emb is not rotate-half RoPE on the full head (e.g. interleaved "
+                         "pairs); lcx attention methods cannot run this family")
+
+
+def _install_rotation_hook(attn: nn.Module) -> None:
+    """Wrap `apply_rotary_pos_emb` where `type(attn).forward` looks it up (idempotent)."""
+    namespace = type(attn).forward.__globals__
+    where = namespace.get("__name__")
+    fn = namespace.get("apply_rotary_pos_emb")
+    if fn is None:
+        raise ValueError(f"{type(attn).__name__}.forward's module ({where}) has no "
+                         "apply_rotary_pos_emb to hook; this attention module is not supported")
+    if not hasattr(fn, "_lcx_original"):
+        _check_rotate_half(fn, int(attn.head_dim), where)
+        namespace["apply_rotary_pos_emb"] = _rotation_hook(fn)
+
+
+# ------------------------------------------------------------------------ the instance forward
+
+
+def _hooked_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    """The class's own forward, with the call marked for the two hooks (instance-bound)."""
+    st: _ModuleState = self.__dict__[_STATE]
+    if st.method is None and kwargs.get("lcx_decode") is None:
+        return type(self).forward(self, *args, **kwargs)  # decode hook only: a stock call
+    token = _CALL.set(_Call(self, st, kwargs.get("past_key_values")))
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _CALL.reset(token)
+
+
+# ------------------------------------------------------------------------ hook 2: the attention
+
+
+def _inner_function(module: nn.Module, name: str | None) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = type(module).forward.__globals__.get("eager_attention_forward")
+    if name in (None, "eager"):
+        return eager
+    return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
+
+
+def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  sliding_window: int | None = None, softcap: float | None = None, **kwargs: Any):
+    """transformers attention function of `"lcx_attention_method"`: query `[B, H, Tq, D]`, key/value
+    `[B, Hkv, Tk, D]` (unrotated inside a patched call; cache included, new tokens last)
+    -> (out `[B, Tq, H, D]`, None)."""
+    call = _CALL.get()
+    st: _ModuleState | None = module.__dict__.get(_STATE)
+    if call is None or call.module is not module:
+        if st is not None and st.method is None:  # decode hook, not a decode call: the model's own
+            return _inner_function(module, st.inner)(module, query, key, value, attention_mask, scaling=scaling,
+                                                     dropout=dropout, sliding_window=sliding_window,
+                                                     softcap=softcap, **kwargs)
+        raise RuntimeError(
+            f"config._attn_implementation is {ATTN_IMPLEMENTATION!r} but this attention module is not "
+            "patched by lcx.hf.attention_patch.patch_attention; call patch_attention on the model, or set "
+            "another attn_implementation")
+    st = call.state
+    if not call.rotation_seen:
+        raise NotImplementedError(f"{type(module).__name__}.forward did not call apply_rotary_pos_emb before its "
+                                  "attention (e.g. a NoPE layer); lcx attention methods cannot run it")
+    if softcap:
+        raise NotImplementedError(f"attention-logit soft-capping (softcap={softcap}) is not supported by lcx "
+                                  "attention methods")
+    if dropout:
+        raise NotImplementedError("lcx attention methods have no attention dropout")
+    if st.own_window and sliding_window is not None and sliding_window != st.method.window:
+        raise ValueError(f"layer {module.layer_idx}: the family's sliding_window is {sliding_window}, the patch "
+                         f"assumed {st.method.window}")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H(kv), D]
+    step = kwargs.get("lcx_decode")
+    if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
+        if st.own_window:
+            raise NotImplementedError(
+                f"layer {module.layer_idx} runs the family's own window ({st.method.describe()}), the model's "
+                f"method is {st.chosen.describe()}: lcx.engine's decode step runs one method on every layer "
+                "(per-layer windows: lcx.hf.layer_methods)")
+        return step.attend(module, q, k, v, call.cos_sin), None
+    if attention_mask is not None:
+        raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
+    return _attend(module, st, call, q, k, v, kwargs), None
+
+
+def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """The layer's method on q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated) -> `[B, Tq, H, D]`."""
+    Tq, Tk = q.shape[1], k.shape[1]
+    decoder = st.decoder()
+    if decoder is None:
+        raise RuntimeError("the model this attention module was patched for no longer exists")
+    layer_idx = module.layer_idx
+    row_pos = kwargs.get("lcx_key_positions")
+    if row_pos is not None:
+        return _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, module.scaling, layer_idx)
+    cache = call.cache
+    position_ids = kwargs.get("position_ids")
+    if isinstance(cache, BoundedKVCache):
+        true_pos = cache.key_positions(layer_idx)  # [Tk]
+        if position_ids is not None and not torch.equal(position_ids[0].to(true_pos.device), true_pos[-Tq:]):
+            raise ValueError("position_ids disagree with the positions the bounded cache assigned "
+                             f"({position_ids[0].tolist()[:4]}... vs {true_pos[-Tq:].tolist()[:4]}...)")
+        rot_pos = cache.rotary_positions(layer_idx)
+        seq_len = int(true_pos[-1]) + 1
+    else:
+        rot_pos = _key_positions(position_ids, Tq, Tk, q.device)
+        if int(rot_pos.min()) > 0:  # the cache returned a suffix of the history
+            _check_sliding_cache_layer(st, cache, layer_idx)
+        seq_len = int(rot_pos.max()) + 1
+    inv_freq, af = rope_basis(decoder, seq_len, layer_type=st.layer_type)
+    rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
+    return st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=module.scaling,
+                            layer_idx=layer_idx)  # [B, Tq, H, D]
+
+
+def _check_sliding_cache_layer(st: _ModuleState, cache: Any, layer_idx: int) -> None:
+    """transformers' sliding-window cache layers (what `DynamicCache(config=...)` makes for a
+    hybrid model's sliding layers) keep the last `sliding_window - 1` keys between calls: enough
+    for the family's own window, not for a method that sees further (`layers="all"`). Called
+    when the keys a cache returned do not start at position 0."""
+    layers = getattr(cache, "layers", None)
+    if not layers or layer_idx >= len(layers):
+        return
+    w = getattr(layers[layer_idx], "sliding_window", None)
+    if w is None:
+        return
+    window = st.method.cache_window
+    if window is None or window[0] > 0 or window[1] > w:
+        raise ValueError(
+            f"layer {layer_idx}'s cache is a transformers sliding-window layer (keeps {w - 1} keys) but the layer "
+            f"runs {st.method.describe()}, which sees other keys; pass a cache without sliding layers "
+            "(transformers.DynamicCache() with no config, or lcx.hf.BoundedKVCache)")
 
 
 def _key_positions(position_ids: torch.Tensor | None, n_queries: int, n_keys: int,
@@ -142,65 +327,6 @@ def _key_positions(position_ids: torch.Tensor | None, n_queries: int, n_keys: in
     return torch.arange(first, first + n_keys, device=device)
 
 
-def lcx_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """`LlamaAttention.forward` with the rotation moved inside `method.attend` (instance-bound).
-
-    hidden_states `[B, Tq, hidden]` -> (attn_output `[B, Tq, hidden]`, None). `position_embeddings`
-    (HF's cos/sin) are ignored: positions come from `position_ids` or the bounded cache.
-    """
-    step = kwargs.get("lcx_decode")
-    if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
-        return step(self, hidden_states, position_embeddings), None
-
-    st: _ModuleState = getattr(self, _STATE)
-    if attention_mask is not None:
-        raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
-    if self.training and self.attention_dropout:
-        raise NotImplementedError("lcx attention methods have no attention dropout")
-    B, Tq, _ = hidden_states.shape
-    D = self.head_dim
-    q = self.q_proj(hidden_states).view(B, Tq, -1, D)  # [B, Tq, H, D], unrotated
-    k = self.k_proj(hidden_states).view(B, Tq, -1, D)  # [B, Tq, Hkv, D]
-    v = self.v_proj(hidden_states).view(B, Tq, -1, D)
-    bounded = isinstance(past_key_values, BoundedKVCache)
-    if past_key_values is not None:
-        # HF caches are [B, Hkv, T, D]; hand them unrotated keys, read back [B, Tk, Hkv, D] views.
-        extra = {"lcx_method": st.method} if bounded else {}  # the bounded cache checks who fills it
-        k_all, v_all = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, **extra)
-        k, v = k_all.transpose(1, 2), v_all.transpose(1, 2)
-    Tk = k.shape[1]
-    position_ids = kwargs.get("position_ids")
-    decoder = st.decoder()
-    if decoder is None:
-        raise RuntimeError("the model this attention module was patched for no longer exists")
-    row_pos = kwargs.get("lcx_key_positions")
-    if row_pos is not None:
-        out = _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, self.scaling, self.layer_idx)
-        return self.o_proj(out.reshape(B, Tq, -1)), None
-    if bounded:
-        true_pos = past_key_values.key_positions(self.layer_idx)  # [Tk]
-        if position_ids is not None and not torch.equal(position_ids[0].to(true_pos.device), true_pos[-Tq:]):
-            raise ValueError("position_ids disagree with the positions the bounded cache assigned "
-                             f"({position_ids[0].tolist()[:4]}... vs {true_pos[-Tq:].tolist()[:4]}...)")
-        rot_pos = past_key_values.rotary_positions(self.layer_idx)
-        seq_len = int(true_pos[-1]) + 1
-    else:
-        rot_pos = _key_positions(position_ids, Tq, Tk, q.device)
-        seq_len = int(rot_pos.max()) + 1
-    inv_freq, af = rope_basis(decoder, seq_len)
-    rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
-    out = st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=self.scaling,
-                           layer_idx=self.layer_idx)  # [B, Tq, H, D]
-    return self.o_proj(out.reshape(B, Tq, -1)), None
-
-
 def iter_rows(row_pos: torch.Tensor, n_queries: int):
     """Rows of a padded batch described by `lcx_key_positions` `[B, Tk]` (-1: not a key of the
     row): yields (b, idx [Tk_b] of the row's key slots, nq = its real queries, the last nq of
@@ -216,7 +342,7 @@ def iter_rows(row_pos: torch.Tensor, n_queries: int):
         yield b, valid.nonzero().squeeze(1), nq
 
 
-def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
+def _attend_rows(st: _ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
                  layer_idx: int | None = None):
     """Attention of a padded batch (see "Padded / ragged batches" in the module doc): rows with
     the same number of real queries and of keys are one batched call (per-row rotary positions),
@@ -229,7 +355,7 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
     Tk = k.shape[1]
     if row_pos.shape != (B, Tk):
         raise ValueError(f"lcx_key_positions has shape {tuple(row_pos.shape)}; expected {(B, Tk)}")
-    inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1)  # one basis per batch (as HF)
+    inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1, layer_type=st.layer_type)  # one basis per batch
     inv_freq = inv_freq.to(q.device)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
     groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (nq, keys) -> rows
@@ -239,6 +365,8 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
         bs = torch.tensor([b for b, _ in rows], device=q.device)  # [G]
         idx = torch.stack([i for _, i in rows])  # [G, n] key slots of each row
         pos = row_pos[bs[:, None], idx]  # [G, n] true positions
+        if st.own_window:
+            _check_window_kept(st.method.window, pos, nq, layer_idx)
         rot = torch.arange(n, device=q.device).expand(len(rows), n) if st.method.renumber_in_cache else pos
         out[bs, Tq - nq:] = st.method.attend(
             q[bs, Tq - nq:], k[bs[:, None], idx], v[bs[:, None], idx],
@@ -247,52 +375,130 @@ def _attend_rows(st: "_ModuleState", q, k, v, row_pos: torch.Tensor, decoder: nn
     return out
 
 
+def _check_window_kept(window: int, pos: torch.Tensor, nq: int, layer_idx: int | None) -> None:
+    """A layer running its own window of `window` keys needs, for its first query at p0, every
+    position from max(0, p0 - window + 1) on: raise if the rows' keys `pos` `[G, n]` lack one."""
+    newest = pos[:, -1]  # [G]
+    first_needed = (newest - nq + 1 - window + 1).clamp(min=0)  # [G]
+    have = (pos >= first_needed[:, None]).sum(-1)  # [G]
+    if bool((have < newest - first_needed + 1).any()):
+        raise ValueError(
+            f"layer {layer_idx} runs the family's own sliding window of {window} keys but the cache handed to it "
+            "lacks some of them (evicted by a cache bounded for another layer's method; bound each layer by its "
+            "own method: lcx.hf.layer_methods)")
+
+
+# ------------------------------------------------------------------------ transformers registration
+
+
+def _no_mask(*, attention_mask: torch.Tensor | None = None, config: Any = None, **kwargs: Any) -> Any:
+    """Mask function: a patched model's layers mask by themselves (their methods are causal);
+    refuse padding they cannot honour. A model with the decode hook only: its own mask function."""
+    inner = _HOOKED_CONFIGS.get(id(config)) if config is not None else None
+    if inner is not None:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        return ALL_MASK_ATTENTION_FUNCTIONS[inner](attention_mask=attention_mask, config=config, **kwargs)
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise NotImplementedError(
+            "lcx attention methods take no padded attention_mask (it has zeros); pass lcx_key_positions "
+            "[B, Tk] instead (see lcx.hf.attention_patch), or run unpadded rows")
+    return None
+
+
+# id(config) -> the attn implementation a model with the decode hook only had (its masks are built
+# by that implementation's mask function)
+_HOOKED_CONFIGS: dict[int, str] = {}
+
+
+def register() -> None:
+    """Register `"lcx_attention_method"` with transformers' attention/mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, lcx_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
 # ------------------------------------------------------------------------ the engine's decode hook
-
-
-def _decode_hook_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
-                         attention_mask=None, past_key_values=None, **kwargs: Any):
-    """The stock attention forward, except that a call carrying `lcx_decode` (lcx.engine's
-    decode step) runs that step instead (instance-bound on unpatched models)."""
-    step = kwargs.pop("lcx_decode", None)
-    if step is not None:
-        return step(self, hidden_states, position_embeddings), None
-    return type(self).forward(self, hidden_states=hidden_states, position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
 
 
 def install_decode_hook(model: nn.Module) -> None:
     """Let every attention layer of `model` run `lcx.engine`'s decode step (the `lcx_decode`
     keyword of the model's forward; `lcx.engine.kv.DecodeStep`). A model patched with an
-    attention method has it already (`lcx_attention_forward`); an unpatched one gets an
-    instance forward that defers to the stock one for every other call. Idempotent."""
-    if current_patch(model) is not None:
+    attention method has it already; an unpatched one gets the two hooks for decode calls only
+    (every other call runs as loaded: the model's own rotation, attention and mask functions).
+    Idempotent."""
+    if current_patch(model) is not None or has_decode_hook(model):
+        return
+    dec, attns = _decoder_and_layers(model)
+    register()
+    ref = weakref.ref(dec)
+    inner = model.config._attn_implementation
+    for attn in attns:
+        _install_rotation_hook(attn)
+        setattr(attn, _STATE, _ModuleState(None, DEFAULT_BACKEND, ref, inner=inner))
+        attn.forward = types.MethodType(_hooked_forward, attn)
+    _HOOKED_CONFIGS[id(model.config)] = inner
+    weakref.finalize(model.config, _HOOKED_CONFIGS.pop, id(model.config), None)
+    setattr(model, _HOOK, inner)
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def _remove_decode_hook(model: nn.Module) -> None:
+    inner = model.__dict__.get(_HOOK)
+    if inner is None:
         return
     for attn in attention_layers(model):
-        fwd = attn.__dict__.get("forward")
-        if getattr(fwd, "__func__", None) is not _decode_hook_forward:
-            attn.forward = types.MethodType(_decode_hook_forward, attn)
+        attn.__dict__.pop("forward", None)
+        attn.__dict__.pop(_STATE, None)
+    _HOOKED_CONFIGS.pop(id(model.config), None)
+    model.config._attn_implementation = inner
+    delattr(model, _HOOK)
 
 
 def has_decode_hook(model: nn.Module) -> bool:
     """Whether every attention layer runs `lcx_decode` steps (patched or hooked)."""
     if current_patch(model) is not None:
         return True
-    return all(getattr(a.__dict__.get("forward"), "__func__", None) is _decode_hook_forward
-               for a in attention_layers(model))
+    return model.__dict__.get(_HOOK) is not None and all(
+        getattr(a.__dict__.get("forward"), "__func__", None) is _hooked_forward for a in attention_layers(model))
 
 
 # ------------------------------------------------------------------------ patch / unpatch
 
 
 def _decoder_and_layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
-    check_model_type(model, "lcx attention methods", "attention_methods")
+    check_model_type(model, "lcx attention methods")
     return decoder(model), attention_layers(model)
 
 
+def own_windows(model: nn.Module) -> list[int | None]:
+    """Per layer, the family's own sliding window on a hybrid local/global model (Gemma 3:
+    `config.sliding_window` on its "sliding_attention" layers), None on global layers and on
+    models whose layers are all alike."""
+    types_ = layer_types(model) or []
+    n = len(attention_layers(model))
+    hybrid = "sliding_attention" in types_ and "full_attention" in types_
+    w = getattr(model.config, "sliding_window", None)
+    return [w if hybrid and types_[i] == "sliding_attention" else None for i in range(n)]
+
+
+def _layer_plan(model: nn.Module, method: AttentionMethod, layers: str) -> list[tuple[AttentionMethod, str | None]]:
+    """(method, RoPE layer type) of every layer."""
+    rope_types = rope_layer_types(model)
+    types_ = layer_types(model)
+    plan = []
+    for i, w in enumerate(own_windows(model)):
+        m = sliding_window(window=int(w)) if (w is not None and layers == "global") else method
+        plan.append((m, types_[i] if rope_types is not None else None))
+    return plan
+
+
 def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any], *,
-                    backend: str = DEFAULT_BACKEND, decode_backend: str | None = None) -> nn.Module:
-    """Run every attention layer of `model` with `method` (in place; returns the model).
+                    backend: str = DEFAULT_BACKEND, decode_backend: str | None = None,
+                    layers: str = "global") -> nn.Module:
+    """Run the attention layers of `model` with `method` (in place; returns the model).
 
     method:  an `AttentionMethod` (`lm_infinite(...)`, `sliding_window(...)`, `sinks(...)`,
              `causal()`) or its dict (`{"type": "lm_infinite", "n_global": 16, ...}`).
@@ -300,22 +506,29 @@ def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any
              windowed methods; a speed choice, every backend computes the same thing).
     decode_backend: the backend of calls with one query token (decode), e.g. "cuda" (a
              decode-only kernel) or "triton"; None: `backend` for those too.
+    layers:  "global" (default): on a hybrid local/global model (Gemma 3) the method runs on the
+             full-attention layers and the sliding layers keep their own window; "all": every
+             layer runs the method. Models whose layers are all alike: every layer either way.
     Patching a patched model replaces the method; `unpatch_attention` restores the model as loaded.
     """
     method = method_from_dict(method)
     for name, b in (("backend", backend), ("decode_backend", decode_backend)):
         if b is not None and b not in BACKENDS:
             raise ValueError(f"{name}={b!r} is not an lcx.attention backend; known: {sorted(BACKENDS)}")
-    decoder, attns = _decoder_and_layers(model)
+    if layers not in LAYERS:
+        raise ValueError(f"layers={layers!r}; expected one of {LAYERS}")
+    dec, attns = _decoder_and_layers(model)
+    _remove_decode_hook(model)
     register()
     prev: _Patch | None = getattr(model, _STATE, None)
     original = prev.original_attn_implementation if prev is not None else model.config._attn_implementation
-    ref = weakref.ref(decoder)
-    for attn in attns:
-        setattr(attn, _STATE, _ModuleState(method, backend, ref, decode_backend))
-        attn.forward = types.MethodType(lcx_attention_forward, attn)
+    ref = weakref.ref(dec)
+    for attn, (m, layer_type) in zip(attns, _layer_plan(model, method, layers)):
+        _install_rotation_hook(attn)
+        setattr(attn, _STATE, _ModuleState(m, backend, ref, decode_backend, chosen=method, layer_type=layer_type))
+        attn.forward = types.MethodType(_hooked_forward, attn)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
-    setattr(model, _STATE, _Patch(method, backend, original, decode_backend))
+    setattr(model, _STATE, _Patch(method, backend, original, decode_backend, layers))
     return model
 
 
@@ -334,7 +547,7 @@ def unpatch_attention(model: nn.Module) -> nn.Module:
 
 
 def current_patch(model: nn.Module) -> _Patch | None:
-    """What `patch_attention` installed on the model (method, backends), or None."""
+    """What `patch_attention` installed on the model (method, backends, layers), or None."""
     return getattr(model, _STATE, None)
 
 
@@ -344,24 +557,33 @@ def current_attention(model: nn.Module) -> AttentionMethod | None:
     return prev.method if prev is not None else None
 
 
+def layer_methods(model: nn.Module) -> list[AttentionMethod | None]:
+    """What each attention layer of a patched model runs (its `cache_window` bounds that layer's
+    cache): the model's method, or on a hybrid model's sliding layers (`layers="global"`) the
+    family's own window; None for every layer of an unpatched model."""
+    return [getattr(a.__dict__.get(_STATE), "method", None) for a in attention_layers(model)]
+
+
 @contextlib.contextmanager
 def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, Any] | None, *,
-                      backend: str = DEFAULT_BACKEND, decode_backend: str | None = None) -> Iterator[nn.Module]:
+                      backend: str = DEFAULT_BACKEND, decode_backend: str | None = None,
+                      layers: str = "global") -> Iterator[nn.Module]:
     """Context manager: `patch_attention` on entry (no-op for None), previous state on exit."""
     if method is None:
         yield model
         return
     prev: _Patch | None = getattr(model, _STATE, None)
-    patch_attention(model, method, backend=backend, decode_backend=decode_backend)
+    patch_attention(model, method, backend=backend, decode_backend=decode_backend, layers=layers)
     try:
         yield model
     finally:
         if prev is None:
             unpatch_attention(model)
         else:
-            patch_attention(model, prev.method, backend=prev.backend, decode_backend=prev.decode_backend)
+            patch_attention(model, prev.method, backend=prev.backend, decode_backend=prev.decode_backend,
+                            layers=prev.layers)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "attention_patched", "current_attention", "current_patch",
-           "has_decode_hook", "install_decode_hook", "lcx_attention_forward", "patch_attention", "register",
-           "unpatch_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "attention_patched", "current_attention", "current_call",
+           "current_patch", "has_decode_hook", "install_decode_hook", "iter_rows", "layer_methods",
+           "lcx_attention", "own_windows", "patch_attention", "register", "unpatch_attention"]

@@ -35,6 +35,8 @@ Semantics (stated once; pinned by tests/methods/test_attention_methods.py):
   depend on Tk, i.e. limit_distance <= n_global + n_local - 1 (the default, n_local, is;
   `check_bounded` raises otherwise); StreamingLLM: its definition *is* the compressed cache
   (`lcx.methods.streaming`). Holds for decode and for chunked prefill (any Tq per call).
+- Per layer: each layer keeps what its own method sees (on a hybrid model's sliding layers,
+  their own window; `lcx.hf.layer_methods`).
 - Batches: rows share positions (no padding), as in `lcx.hf.attention_patch`.
 """
 
@@ -50,6 +52,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from lcx.methods.base import AttentionMethod
 from lcx.methods.registry import method_from_dict
 
+from .calls import current_call
 from .generate import greedy_decode_ref
 
 
@@ -144,14 +147,28 @@ class BoundedKVCache(Cache):
         else:
             super().__init__(layers=layers)
 
-    def update(self, key_states, value_states, layer_idx, *args, lcx_method=None, **kwargs):
-        """Filled only by a model patched with the same method (keys must arrive unrotated)."""
-        if lcx_method != self.method:
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Filled only by a model patched with the same method (keys must arrive unrotated); each
+        layer is bounded by what that layer runs (`lcx.hf.layer_methods`: the method, or on a
+        hybrid model's sliding layers the family's own window)."""
+        call = current_call()
+        chosen = None if call is None else call.state.chosen
+        if chosen != self.method:
             raise ValueError(
                 f"BoundedKVCache({self.method.describe()}) is filled by "
                 + ("a model not patched with lcx.hf.attention_patch.patch_attention (its keys would be rotated, "
-                   "and nothing would rotate them at read time)" if lcx_method is None
-                   else f"a model running {lcx_method.describe()}"))
+                   "and nothing would rotate them at read time)" if chosen is None
+                   else f"a model running {chosen.describe()}"))
+        layer_method = call.state.method
+        layer_method.check_bounded()
+        args_ = (*layer_method.cache_window, bool(layer_method.renumber_in_cache))
+        while len(self.layers) <= layer_idx:
+            self.layers.append(BoundedLayer(*self._layer_args))
+        layer = self.layers[layer_idx]
+        if (layer.n_first, layer.n_recent, layer.renumber) != args_:
+            if layer.is_initialized:
+                raise ValueError(f"BoundedKVCache layer {layer_idx} holds keys for another window")
+            self.layers[layer_idx] = BoundedLayer(*args_)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:

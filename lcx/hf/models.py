@@ -1,45 +1,101 @@
-"""Supported HF model types, their capabilities, and where their parts live (transformers 5.x).
+"""The model families lcx supports, and where their parts live (transformers 5.x).
 
-A Llama-family `*ForCausalLM` in transformers 5.x:
+A decoder-only `*ForCausalLM` of a supported family in transformers 5.x:
 
     model                         *ForCausalLM (config, lm_head)
     └── model.model               the decoder stack
-        ├── rotary_emb            forward(x, position_ids) -> (cos, sin), shared by every layer
-        └── layers[i].self_attn   q_proj, k_proj, v_proj, o_proj, head_dim, layer_idx, scaling
+        ├── rotary_emb            forward(x, position_ids[, layer_type]) -> (cos, sin)
+        └── layers[i].self_attn   the family's attention module: head_dim, layer_idx, scaling,
+                                  its projections / q-k norms / biases, and a forward that calls
+                                  its modeling module's `apply_rotary_pos_emb(q, k, cos, sin)`,
+                                  then `past_key_values.update(k, v, layer_idx)`, then the
+                                  attention function `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`
 
-Every type in `MODEL_TYPES` takes (cos, sin) from `rotary_emb` and rotates the full head with
-HF's rotate-half convention, so the RoPE patch works on all of them (tests/hf/test_patch.py).
-`attention_methods`: the attention patch recomputes q/k from the projections, so a type that
-normalises q/k before RoPE (qwen3's q_norm/k_norm) is refused there.
+`FAMILIES` is the one table of supported families: every entry takes the RoPE patch
+(`lcx.hf.rope_patch`) and the attention methods (`lcx.hf.attention_patch`, which hooks the two
+calls above, so the family's own code runs; see `lcx.hf`), and the engine. A new family whose
+attention follows that pattern (rotate-half RoPE on the full head, no logit soft-cap) is one
+line here; tests/hf/test_families.py then runs every method and RoPE type on it.
+
+Families transformers 5.x builds here that are left out, and why:
+- cohere, cohere2, helium: interleaved RoPE (pairs (2i, 2i+1)), not rotate-half; lcx rotates rotate-half.
+- phi, stablelm, gpt_neox, glm: partial rotary (`partial_rotary_factor` < 1); the RoPE patch and
+  the methods rotate the full head.
+- gemma2, vaultgemma: attention-logit soft-capping (`softcap`), which `lcx.attention` has no
+  term for.
+- smollm3: NoPE layers (no rotation in every 4th layer).
+The attention patch refuses all of these by name; for a family not in either table it would also
+refuse a rotation that is not rotate-half (checked on a probe when the hook is installed), and
+raise at call time on an attention module that does not call the two hooks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-# The one table of HF model types lcx supports, with what each supports.
-MODEL_TYPES: dict[str, dict[str, bool]] = {
-    "llama": {"attention_methods": True},
-    "mistral": {"attention_methods": True},
-    "qwen2": {"attention_methods": True},
-    "qwen3": {"attention_methods": False},
-}
-# The types the RoPE patch and the engine take (every type), and those the attention patch takes.
-ROPE_MODEL_TYPES = tuple(MODEL_TYPES)
-ATTENTION_MODEL_TYPES = tuple(t for t, caps in MODEL_TYPES.items() if caps["attention_methods"])
 
-_ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
+@dataclass(frozen=True)
+class Family:
+    """One supported model family: what its attention adds to Llama's (for people and docs), and
+    the config keys a tiny random model of it needs beyond `TINY` (`tiny_model`)."""
+
+    differs: str  # what the family's attention does beyond Llama's, all run by its own code
+    tiny: tuple[tuple[str, Any], ...] = ()  # config overrides for `tiny_model`
+
+
+# A tiny random model of any family (tests; `tiny_model`): 2 layers, 4 query / 2 KV heads of 16.
+TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32,
+                            sliding_window=None, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, tie_word_embeddings=False)
+# Gemma 3's tiny shape: one sliding layer (window 8, its own RoPE base) and one global layer.
+_GEMMA3_TINY = (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
+                ("query_pre_attn_scalar", 24))
+
+
+# The one table of HF model types lcx supports (RoPE patch, attention methods, engine).
+FAMILIES: dict[str, Family] = {
+    "llama": Family("the reference: q/k/v/o projections, rotate-half RoPE on the full head"),
+    "mistral": Family("config.sliding_window on every layer (the method replaces it)"),
+    "qwen2": Family("q/k/v biases"),
+    "qwen3": Family("RMS norm on q and k per head, before RoPE"),
+    "gemma": Family("head_dim independent of hidden size; embeddings scaled by sqrt(hidden)"),
+    "gemma3_text": Family("q/k RMS norm, query_pre_attn_scalar scaling, hybrid: sliding-window layers with "
+                          "their own RoPE base (rope_parameters per layer type); methods on the global layers",
+                          _GEMMA3_TINY),
+    "phi3": Family("fused qkv_proj; pretraining length in config.original_max_position_embeddings",
+                   (("original_max_position_embeddings", TINY["max_position_embeddings"]),)),
+    "olmo": Family("clipped q/k/v (clip_qkv), non-parametric layer norms", (("clip_qkv", 0.5),)),
+    "olmo2": Family("RMS norm on all of q and k (across heads), before RoPE"),
+    "granite": Family("attention_multiplier as the scaling; residual/embedding multipliers"),
+    "starcoder2": Family("biases everywhere, layer norm"),
+}
+ROPE_MODEL_TYPES = tuple(FAMILIES)  # the types the RoPE patch and the engine take
+ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (every family)
+
+LEFT_OUT: dict[str, str] = {
+    "cohere": "interleaved RoPE", "cohere2": "interleaved RoPE", "helium": "interleaved RoPE",
+    "phi": "partial rotary", "stablelm": "partial rotary", "gpt_neox": "partial rotary", "glm": "partial rotary",
+    "gemma2": "attention-logit soft-capping", "vaultgemma": "attention-logit soft-capping",
+    "smollm3": "NoPE layers",
+}
+
+_ATTENTION_ATTRS = ("head_dim", "layer_idx", "scaling")
 
 
 def check_model_type(model: nn.Module, what: str, capability: str | None = None) -> str:
-    """The model's type, or `ValueError` naming `what` and the supported types (those with
-    `capability`, when given)."""
+    """The model's type, or `ValueError` naming `what`, the supported families and, for a family
+    left out on purpose, why. (`capability` is accepted for callers of the old table; every
+    family has every capability.)"""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    ok = [t for t, caps in MODEL_TYPES.items() if capability is None or caps.get(capability)]
-    if model_type not in ok:
-        raise ValueError(f"{what} supports model_type in {ok}; got {model_type!r} ({type(model).__name__})")
+    if model_type not in FAMILIES:
+        why = f" ({model_type}: {LEFT_OUT[model_type]})" if model_type in LEFT_OUT else ""
+        raise ValueError(f"{what} supports model_type in {list(FAMILIES)}; got {model_type!r} "
+                         f"({type(model).__name__}){why}")
     return model_type
 
 
@@ -49,7 +105,7 @@ def decoder(model: nn.Module) -> nn.Module:
     for cand in (getattr(model, "model", None), model):
         if cand is not None and isinstance(getattr(cand, "rotary_emb", None), nn.Module):
             return cand
-    raise ValueError(f"{type(model).__name__} has no `rotary_emb` module where transformers 5.x Llama-family "
+    raise ValueError(f"{type(model).__name__} has no `rotary_emb` module where transformers 5.x decoder "
                      "models keep it (model.model.rotary_emb); this model class is not supported")
 
 
@@ -59,10 +115,10 @@ def rotary(model: nn.Module) -> nn.Module:
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """Every layer's `self_attn`, checked for what the attention patch needs."""
+    """Every layer's `self_attn`, checked for what the attention patch reads."""
     layers = getattr(decoder(model), "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers where transformers 5.x Llama-family "
+        raise ValueError(f"{type(model).__name__} has no model.layers where transformers 5.x decoder "
                          "models keep them")
     attns = []
     for i, layer in enumerate(layers):
@@ -70,11 +126,63 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
         missing = [a for a in _ATTENTION_ATTRS if not hasattr(attn, a)]
         if attn is None or missing:
             raise ValueError(f"layer {i}: no self_attn with {missing or 'attributes'} (unsupported attention module)")
-        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            raise ValueError(f"layer {i}: attention with q/k norms is not supported")
         attns.append(attn)
     return attns
 
 
+def layer_types(model_or_config: Any) -> list[str] | None:
+    """`config.layer_types` (e.g. Gemma 3's "sliding_attention" / "full_attention" per layer),
+    or None for a model whose layers are all alike."""
+    config = getattr(model_or_config, "config", model_or_config)
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else None
+
+
+def rope_layer_types(model_or_config: Any) -> tuple[str, ...] | None:
+    """The layer types that hold their own RoPE parameters (`rope_parameters` nested per layer
+    type, Gemma 3), or None for one RoPE for every layer."""
+    config = getattr(model_or_config, "config", model_or_config)
+    rp = getattr(config, "rope_parameters", None) or {}
+    types = layer_types(config) or []
+    nested = tuple(t for t in dict.fromkeys(types) if isinstance(rp.get(t), dict))
+    return nested or None
+
+
+def global_layer_type(model_or_config: Any) -> str | None:
+    """The layer type whose RoPE lcx.patch scales on a model with RoPE per layer type
+    ("full_attention"), or None."""
+    nested = rope_layer_types(model_or_config)
+    if nested is None:
+        return None
+    if "full_attention" not in nested:
+        raise ValueError(f"rope_parameters per layer type {list(nested)} has no 'full_attention' entry")
+    return "full_attention"
+
+
+def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, **overrides: Any) -> nn.Module:
+    """A tiny random `*ForCausalLM` of a family in `FAMILIES` (`TINY` + the family's `tiny` keys +
+    `overrides`), eval mode, sdpa attention (transformers' default; its eager attention turns a
+    left-padded row into NaN in 5.23). On a model with RoPE per layer type, `rope_theta` is the
+    global layers' base (the sliding layers take 1000, so the two bases differ)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not in FAMILIES ({list(FAMILIES)})")
+    keys = {**TINY, **dict(FAMILIES[model_type].tiny), **overrides}
+    types_ = keys.get("layer_types") or []
+    if "rope_parameters" not in keys:
+        default = {"rope_type": "default", "rope_theta": rope_theta}
+        keys["rope_parameters"] = (default if "sliding_attention" not in types_ else {
+            "full_attention": default, "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}})
+    config = AutoConfig.for_model(model_type, attn_implementation="sdpa", **keys)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+__all__ = ["ATTENTION_MODEL_TYPES", "FAMILIES", "Family", "LEFT_OUT", "ROPE_MODEL_TYPES", "attention_layers",
+           "check_model_type", "decoder", "global_layer_type", "head_dim_of", "layer_types", "rope_layer_types",
+           "rotary", "tiny_model"]

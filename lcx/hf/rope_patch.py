@@ -1,8 +1,12 @@
-"""Apply a RoPE spec to a loaded Hugging Face Llama-family model, in place and reversibly.
+"""Apply a RoPE spec to a loaded Hugging Face model of a supported family, in place and reversibly.
 
-In transformers 5.x, Llama-family models compute rotary tables once per forward in
-`model.model.rotary_emb(hidden_states, position_ids) -> (cos, sin)` and hand them to every
-layer. `patch` swaps that module for `LcxRotaryEmbedding`, which asks lcx's RoPE registry for
+In transformers 5.x, the supported families (`lcx.hf.models.FAMILIES`) compute rotary tables once
+per forward in `model.model.rotary_emb(hidden_states, position_ids) -> (cos, sin)` and hand them
+to every layer. Models with RoPE per layer type (Gemma 3: `rope_parameters` nested as
+{"full_attention": {...}, "sliding_attention": {...}}, `rotary_emb(x, position_ids, layer_type)`)
+get the spec on the global ("full_attention") layers only, as transformers applies a scaled
+`rope_parameters["full_attention"]`; the sliding layers keep their own RoPE.
+`patch` swaps that module for `LcxRotaryEmbedding`, which asks lcx's RoPE registry for
 the inverse frequencies and builds the tables with float64 angles; attention code is untouched,
 so every attention implementation of transformers (eager, sdpa, flex) sees the new positions.
 
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from ..rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rope_angles
-from .models import check_model_type, decoder, head_dim_of
+from .models import check_model_type, decoder, global_layer_type, head_dim_of, rope_layer_types
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
 
@@ -42,10 +46,15 @@ class LcxRotaryEmbedding(nn.Module):
     Returns cos, sin: [B, T, head_dim] in x.dtype, already scaled by the attention factor.
     """
 
-    def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | None = None):
+    def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | None = None, *,
+                 layer_type: str | None = None, others: nn.Module | None = None):
         super().__init__()
         self.spec = spec
         self.head_dim = head_dim
+        # Models with RoPE per layer type (Gemma 3): this module computes `layer_type`'s tables
+        # (the global layers') and hands the other types to the model's own rotary module.
+        self.layer_type = layer_type
+        self.others = others
         if spec.rotary_dim(head_dim) != head_dim:
             raise ValueError(
                 f"this model family rotates the full head (head_dim={head_dim}); "
@@ -71,7 +80,12 @@ class LcxRotaryEmbedding(nn.Module):
         return self._by_len[key]
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any):
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+        if self.layer_type is not None and layer_type != self.layer_type:
+            if layer_type is None:
+                raise ValueError("this model's RoPE is per layer type; got no layer_type "
+                                 f"(lcx scales {self.layer_type!r})")
+            return self.others(x, position_ids, layer_type)
         seq_len = int(position_ids.max().item()) + 1 if self.spec.is_length_dependent else 0
         inv_freq, af = self._basis(seq_len, x.device)
         ang = rope_angles(position_ids.to(x.device), inv_freq)  # [B, T, D/2] float64
@@ -82,7 +96,8 @@ class LcxRotaryEmbedding(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"spec={self.spec.describe()}, head_dim={self.head_dim}"
+        typed = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
+        return f"spec={self.spec.describe()}, head_dim={self.head_dim}{typed}"
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -101,15 +116,21 @@ def patch(model: nn.Module, spec: RopeSpec | Mapping[str, Any]) -> nn.Module:
     """
     inner = _inner(model)
     original = getattr(model, _ORIG_ATTR, None)
-    base_config = original[1] if original is not None else None
-    resolved = RopeSpec.for_model(spec, _ConfigView(model.config, base_config))
+    base_config = original[1] if original is not None else copy.deepcopy(model.config.rope_parameters)
+    layer_type = global_layer_type(model)
+    resolved = RopeSpec.for_model(spec, _ConfigView(model.config, base_config, layer_type))
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else None
-    new = LcxRotaryEmbedding(resolved, head_dim_of(model.config), device=device)
+    own_rotary = original[0] if original is not None else inner.rotary_emb
+    new = LcxRotaryEmbedding(resolved, head_dim_of(model.config), device=device, layer_type=layer_type,
+                             others=own_rotary if layer_type is not None else None)
     if original is None:
-        setattr(model, _ORIG_ATTR, (inner.rotary_emb, copy.deepcopy(model.config.rope_parameters)))
+        setattr(model, _ORIG_ATTR, (inner.rotary_emb, base_config))
     inner.rotary_emb = new
-    model.config.rope_parameters = resolved.to_dict()
+    if layer_type is None:
+        model.config.rope_parameters = resolved.to_dict()
+    else:  # Gemma 3: only the global layers' entry changes
+        model.config.rope_parameters = {**copy.deepcopy(base_config), layer_type: resolved.to_dict()}
     return model
 
 
@@ -147,14 +168,22 @@ def patched(model: nn.Module, spec: RopeSpec | Mapping[str, Any] | None) -> Iter
 
 
 class _ConfigView:
-    """A config whose rope_parameters are the model's original ones (for re-patching)."""
+    """A config whose rope_parameters are the model's original ones (for re-patching); on a model
+    with RoPE per layer type, those of `layer_type` (the layers lcx.patch scales)."""
 
-    def __init__(self, config: Any, rope_parameters: Mapping[str, Any] | None):
-        self._config, self._rp = config, rope_parameters
+    def __init__(self, config: Any, rope_parameters: Mapping[str, Any] | None, layer_type: str | None = None):
+        self._config, self._rp, self._layer_type = config, rope_parameters, layer_type
 
     def __getattr__(self, name: str) -> Any:
-        if name == "rope_parameters" and self._rp is not None:
-            return self._rp
+        if name == "rope_parameters":
+            rp = self._rp if self._rp is not None else getattr(self._config, name)
+            rp = dict(rp[self._layer_type] if self._layer_type is not None else rp)
+            # Phi-3 keeps its pretraining length outside rope_parameters (transformers reads it
+            # from there for the types that take one)
+            L = getattr(self._config, "original_max_position_embeddings", None)
+            if L is not None:
+                rp.setdefault("original_max_position_embeddings", L)
+            return rp
         return getattr(self._config, name)
 
 
@@ -163,7 +192,8 @@ class _ConfigView:
 _HF_LENGTH_DEPENDENT = tuple(name for name, t in ROPE_TYPES.items() if t.length_dependent)
 
 
-def rope_basis(model: nn.Module, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_basis(model: nn.Module, seq_len: int | None = None, *, layer_type: str | None = None
+               ) -> tuple[torch.Tensor, float]:
     """`(inv_freq [r/2] float64, attention_factor)` the model rotates with for `seq_len` positions.
 
     Patched models (`lcx.patch`): the lcx spec's basis at `seq_len` (matters only for the
@@ -173,21 +203,54 @@ def rope_basis(model: nn.Module, seq_len: int | None = None) -> tuple[torch.Tens
     so a re-rotation in float64 from this basis differs from HF's own rotation by about one
     float32 ulp of the angle (`p * inv_freq`). An unpatched model with a length-dependent HF
     rope type raises `ValueError` (its buffer changes per forward; patch the model with lcx).
+
+    layer_type: on a model with RoPE per layer type (Gemma 3), the layer type whose basis is
+    wanted; None there raises `ValueError` (no one basis serves every layer).
     """
     rot = decoder(model).rotary_emb
+    typed = rope_layer_types(model)
+    if typed is not None:
+        if layer_type is None:
+            raise ValueError(f"this model's RoPE differs per layer type {list(typed)}; pass layer_type")
+        if isinstance(rot, LcxRotaryEmbedding) and layer_type != rot.layer_type:
+            rot = rot.others
+        if not isinstance(rot, LcxRotaryEmbedding):
+            return _hf_basis(rot, rot.rope_type.get(layer_type, "default"),
+                             getattr(rot, f"{layer_type}_inv_freq", None),
+                             getattr(rot, f"{layer_type}_attention_scaling", 1.0))
     if isinstance(rot, LcxRotaryEmbedding):
         if rot.spec.is_length_dependent:
             inv, af = compute_inv_freq(rot.spec, rot.head_dim, seq_len)
             return inv, float(af)
         return rot.inv_freq.detach().to("cpu", torch.float64), float(rot.attention_scaling)
-    rope_type = getattr(rot, "rope_type", "default")
+    return _hf_basis(rot, getattr(rot, "rope_type", "default"), getattr(rot, "inv_freq", None),
+                     getattr(rot, "attention_scaling", 1.0))
+
+
+def layer_rope_types(model: nn.Module) -> list[str | None]:
+    """Per attention layer, the `layer_type` to pass to `rope_basis` (Gemma 3: its
+    `config.layer_types[i]`), or None for every layer of a model with one RoPE."""
+    n = len(decoder(model).layers)
+    if rope_layer_types(model) is None:
+        return [None] * n
+    return list(model.config.layer_types[:n])
+
+
+def layer_rope_bases(model: nn.Module, seq_len: int | None = None) -> list[tuple[torch.Tensor, float]]:
+    """`rope_basis` of every attention layer (one basis per layer type, shared): what a decode
+    loop that rotates keys itself needs on a model with RoPE per layer type."""
+    by_type: dict[str | None, tuple[torch.Tensor, float]] = {}
+    return [by_type.setdefault(t, rope_basis(model, seq_len, layer_type=t) if t not in by_type else by_type[t])
+            for t in layer_rope_types(model)]
+
+
+def _hf_basis(rot: nn.Module, rope_type: str, inv: torch.Tensor | None, af: float) -> tuple[torch.Tensor, float]:
     if rope_type in _HF_LENGTH_DEPENDENT:
         raise ValueError(
             f"the model's own rotary module uses rope_type={rope_type!r}, whose basis changes with "
             "the sequence length; patch the model with lcx (lcx.patch(model, spec)) so lcx knows it")
-    inv = getattr(rot, "inv_freq", None)
     if inv is None:
         raise ValueError(f"{type(rot).__name__} has no inv_freq buffer; cannot read the RoPE basis")
-    return inv.detach().to("cpu", torch.float64), float(getattr(rot, "attention_scaling", 1.0))
+    return inv.detach().to("cpu", torch.float64), float(af)
 
 

@@ -61,7 +61,9 @@ def test_decode_steps_equal_attend(method):
         h_new = torch.randn(len(B_LENS), 1, hidden, generator=g, dtype=torch.float64)
         p_q = torch.tensor([n + step for n in B_LENS])
         with torch.no_grad():
-            got = DecodeStep.build(store, p_q, torch.float64)(attn, h_new, None)  # [B, 1, hidden]
+            qn, kn, vn = (proj(h_new).view(len(B_LENS), 1, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            out = DecodeStep.build(store, p_q, torch.float64).attend(attn, qn, kn, vn, None)  # [B, 1, H, D]
+            got = attn.o_proj(out.reshape(len(B_LENS), 1, -1))  # [B, 1, hidden]
         for b in range(len(B_LENS)):
             hist_h[b] = torch.cat([hist_h[b], h_new[b]])
             hb = hist_h[b]

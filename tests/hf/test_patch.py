@@ -9,6 +9,7 @@ import torch
 
 import lcx
 from lcx.hf import ROPE_MODEL_TYPES
+from lcx.hf.models import global_layer_type, tiny_model
 from lcx.hf.rope_patch import current_spec, patch, patched, unpatch
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq
 
@@ -18,26 +19,15 @@ LOGIT_TOL = dict(rtol=1e-4, atol=2e-5)  # fp32; HF forms angles in fp32, lcx in 
 
 
 def _tiny(model_type: str, theta: float = 10_000.0, seed: int = 0):
-    import transformers
-
-    cfg_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[model_type]
-    cfg = cfg_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=L,
-                  rope_parameters={"rope_type": "default", "rope_theta": theta}, sliding_window=None,
-                  use_sliding_window=False, attn_implementation="eager")
-    torch.manual_seed(seed)
-    return model_cls(cfg).eval()
+    return tiny_model(model_type, rope_theta=theta, seed=seed, max_position_embeddings=L)
 
 
 def _rebuilt(model, rope_parameters: dict):
-    """A fresh model of the same class whose config carries `rope_parameters` (HF computes RoPE)."""
+    """A fresh model of the same class whose config carries `rope_parameters` (HF computes RoPE);
+    on a model with RoPE per layer type (Gemma 3), those of the global layers."""
     cfg = copy.deepcopy(model.config)
-    cfg.rope_parameters = rope_parameters
+    typed = global_layer_type(model)
+    cfg.rope_parameters = rope_parameters if typed is None else {**cfg.rope_parameters, typed: rope_parameters}
     other = type(model)(cfg).eval()
     other.load_state_dict(model.state_dict())
     return other
@@ -58,14 +48,13 @@ HF_GRID = [(mt, name) for mt in ROPE_MODEL_TYPES for name in SPECS]
 def test_patched_equals_rebuilt_hf_model(model_type, name):
     model = _tiny(model_type)
     ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(1))
-    spec = RopeSpec.for_model(SPECS[name], model.config)
-    ref_model = _rebuilt(model, spec.to_dict())
     with torch.no_grad():
         plain = model(ids).logits
-        ref = ref_model(ids).logits
         with patched(model, SPECS[name]):
             out = model(ids).logits
+            spec = current_spec(model)  # resolved against the model (its theta, its pretraining length)
         restored = model(ids).logits
+        ref = _rebuilt(model, spec.to_dict())(ids).logits
     torch.testing.assert_close(out, ref, **LOGIT_TOL)
     # the patch really changed the computation, and unpatching really restored it
     assert (out - plain).abs().max() > 100 * LOGIT_TOL["atol"]

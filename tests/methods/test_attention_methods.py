@@ -85,10 +85,12 @@ def test_bad_patch_arguments(model32):
     with pytest.raises(ValueError, match="backend"):
         patch_attention(m, lm_infinite(4, 8), backend="flash9")
     assert current_attention(m) is None
-    qwen3 = type("Q", (torch.nn.Module,), {})()
-    qwen3.config = type("C", (), {"model_type": "qwen3"})()
-    with pytest.raises(ValueError, match="model_type"):
-        patch_attention(qwen3, causal())
+    cohere = type("Q", (torch.nn.Module,), {})()
+    cohere.config = type("C", (), {"model_type": "cohere"})()
+    with pytest.raises(ValueError, match="model_type.*interleaved RoPE"):  # a family left out, and why
+        patch_attention(cohere, causal())
+    with pytest.raises(ValueError, match="layers="):
+        patch_attention(m, causal(), layers="local")
 
 
 # ------------------------------------------------------------------------------ the patched model
@@ -331,9 +333,8 @@ def test_unrotated_keys_where_distances_move(name):
 
 
 def test_model_types_are_one_table():
-    from lcx.hf import ATTENTION_MODEL_TYPES, MODEL_TYPES, ROPE_MODEL_TYPES, attention_patch
+    from lcx.hf import ATTENTION_MODEL_TYPES, FAMILIES, LEFT_OUT, ROPE_MODEL_TYPES, attention_patch
 
-    assert ROPE_MODEL_TYPES == tuple(MODEL_TYPES)
-    assert set(ATTENTION_MODEL_TYPES) == {t for t, caps in MODEL_TYPES.items() if caps["attention_methods"]}
+    assert ROPE_MODEL_TYPES == ATTENTION_MODEL_TYPES == tuple(FAMILIES)  # every family takes both patches
+    assert not set(LEFT_OUT) & set(FAMILIES)
     assert not hasattr(attention_patch, "SUPPORTED_MODEL_TYPES")  # one name per meaning, no alias
-    assert "qwen3" in ROPE_MODEL_TYPES and "qwen3" not in ATTENTION_MODEL_TYPES  # q/k norms before RoPE

@@ -1,0 +1,382 @@
+"""Every family of `lcx.hf.models.FAMILIES` × every registered attention method
+(`lcx.methods.examples()`): the attention patch runs the family's own attention code and hands
+the method that code's q/k/v before rotation (`lcx.hf.attention_patch`).
+
+(a) a method whose window covers the sequence equals the unpatched model (HF's own attention);
+(b) each layer of the patched model equals o_proj(method.attend(q, k, v)) on the q/k/v the
+    family's own forward makes (obtained from transformers' code alone: the stock forward with
+    identity rotation tables and a test attention function); on Gemma 3's sliding layers, the
+    family's own window (`layers="global"`) or the method (`layers="all"`);
+(c) RoPE scaling equals transformers' own: tests/hf/test_patch.py (its grid runs every family);
+(d) `lcx.engine`'s greedy tokens equal the reference loop (`lcx.hf.greedy_generate`).
+
+Tiny random float64 models (`lcx.hf.models.tiny_model`: 2 layers, hidden 64, 4/2 heads of 16);
+a new family is one line in `FAMILIES` and is tested here automatically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from lcx.attention import Rotary
+from lcx.hf import FAMILIES, BoundedKVCache, greedy_generate, layer_methods
+from lcx.hf.attention_patch import attention_patched, patch_attention, unpatch_attention
+from lcx.hf.models import tiny_model
+from lcx.hf.rope_patch import rope_basis
+from lcx.methods import causal, examples, method_id, sliding_window
+
+FAMILY_NAMES = list(FAMILIES)
+METHODS = {method_id(m): m for m in examples()}
+T = 23  # odd, far past the examples' windows (and Gemma 3's tiny sliding window of 8)
+
+
+def _covered_len(method, max_len: int = 16) -> int:
+    """The longest T <= max_len at which `method` equals causal attention on random q/k/v (its
+    window covers the sequence); 0 if none >= 2 (SWAT: sigmoid, never softmax)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, max_len, 4, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, max_len, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, max_len, 2, 16, generator=g, dtype=torch.float64)
+    inv = 1.0 / 10_000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    best = 0
+    for n in range(2, max_len + 1):
+        rot = Rotary(inv, torch.arange(n), 1.0)
+        args = (q[:, :n], k[:, :n], v[:, :n])
+        same = all(torch.allclose(method.attend(*args, rotary=rot, layer_idx=i),
+                                  causal().attend(*args, rotary=rot), rtol=1e-10, atol=1e-12) for i in (0, 1))
+        if not same:
+            break
+        best = n
+    return best
+
+
+# (a): every example whose window covers some sequence of >= 3 tokens, at the longest it covers
+WIDE = {name: (m, n) for name, m in METHODS.items() if (n := _covered_len(m)) >= 3}
+GRID_A = [(f, name) for f in FAMILY_NAMES for name in WIDE]
+GRID_B = [(f, name) for f in FAMILY_NAMES for name in METHODS]
+# (d): each method's plain case (its first example) on every family; every example: -m slow
+FIRST = {cls_name: m for m in reversed(examples()) for cls_name in [m.name]}
+GRID_D = [(f, method_id(m)) for f in FAMILY_NAMES for m in FIRST.values()]
+GRID_D_SLOW = [(f, name) for f in FAMILY_NAMES for name in METHODS if (f, name) not in GRID_D]
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(family: str) -> torch.nn.Module:
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family, seed=7, max_position_embeddings=64).double()
+    return _MODELS[family]
+
+
+def _ids(n: int, B: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _is_sliding(model, i: int) -> bool:
+    types_ = getattr(model.config, "layer_types", None) or []
+    return "full_attention" in types_ and types_[i] == "sliding_attention"
+
+
+# ------------------------------------------------------------------------------ (a)
+
+
+@pytest.mark.parametrize("family,name", GRID_A, ids=[f"{f}-{n}" for f, n in GRID_A])
+def test_wide_method_equals_unpatched_model(family, name):
+    model = _model(family)
+    method, n = WIDE[name]
+    ids = _ids(n)
+    with torch.no_grad():
+        want = model(ids).logits
+        with attention_patched(model, method):
+            got = model(ids).logits
+    # lcx rotates with float64 angles from HF's float32 inv_freq; HF with float32 angles
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_methods_change_every_family():
+    """(a) is not vacuous: a narrow window changes every family's logits past it."""
+    for family in FAMILY_NAMES:
+        model = _model(family)
+        ids = _ids(T)
+        with torch.no_grad():
+            want = model(ids).logits
+            with attention_patched(model, sliding_window(window=3)):
+                got = model(ids).logits
+        assert (got - want).abs().max() > 1e-3, family
+        torch.testing.assert_close(got[:, :3], want[:, :3], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ (b)
+
+_REF_IMPL = "lcx_test_reference"
+
+
+@contextlib.contextmanager
+def _reference_attention(model, fn):
+    """Run the model's attention interface calls through `fn(module, q, k, v)` (transformers'
+    layout: q `[B, H, T, D]`) -> out `[B, T, H, D]`."""
+    from transformers import AttentionInterface
+
+    def reference(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        return fn(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling), None
+
+    AttentionInterface.register(_REF_IMPL, reference)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = _REF_IMPL
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
+
+
+def _layer_io(model, ids):
+    seen = []
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True)
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _check_layers_equal_reference(model, method, layers: str):
+    ids = _ids(T, seed=5)
+    B = ids.shape[0]
+    with attention_patched(model, method, layers=layers):
+        seen = _layer_io(model, ids)
+        assert len(seen) == model.config.num_hidden_layers
+        for i, (layer, (h, out)) in enumerate(zip(model.model.layers, seen)):
+            attn = layer.self_attn
+            own = layers == "global" and _is_sliding(model, i)
+            want_method = sliding_window(window=model.config.sliding_window) if own else method
+            assert layer_methods(model)[i] == want_method
+            layer_type = model.config.layer_types[i] if isinstance(
+                model.config.rope_parameters.get("full_attention"), dict) else None
+            inv, af = rope_basis(model, T, layer_type=layer_type)
+
+            def ref(module, q, k, v, scaling):
+                return want_method.attend(q, k, v, rotary=Rotary(inv, torch.arange(T), af), scale=scaling,
+                                          layer_idx=i)
+
+            # the family's own forward, unrotated (cos 1, sin 0: its own rotation is the identity)
+            ones = torch.ones(B, T, attn.head_dim, dtype=h.dtype)
+            with torch.no_grad(), _reference_attention(model, ref):
+                want, _ = type(attn).forward(attn, hidden_states=h, position_embeddings=(ones, torch.zeros_like(ones)),
+                                             attention_mask=None, position_ids=torch.arange(T)[None].expand(B, T))
+            torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"layer {i}: {m}")
+
+
+@pytest.mark.parametrize("family,name", GRID_B, ids=[f"{f}-{n}" for f, n in GRID_B])
+def test_layers_equal_method_on_the_familys_own_qkv(family, name):
+    _check_layers_equal_reference(_model(family), METHODS[name], "global")
+
+
+HYBRID = [f for f in FAMILY_NAMES if "full_attention" in (dict(FAMILIES[f].tiny).get("layer_types") or [])]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("name", list(METHODS))
+def test_hybrid_all_layers_option(family, name):
+    """`layers="all"`: the sliding layers run the method too (still on their own RoPE base)."""
+    _check_layers_equal_reference(_model(family), METHODS[name], "all")
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_sliding_layers_keep_their_window(family):
+    """Gemma 3 (`layers="global"`): a causal patch leaves the model as loaded, sliding layers
+    included (their own window, their own RoPE base); `layers="all"` lifts their window."""
+    model = _model(family)
+    ids = _ids(T)
+    with torch.no_grad():
+        want = model(ids).logits
+        with attention_patched(model, causal()):
+            got = model(ids).logits
+        with attention_patched(model, causal(), layers="all"):
+            lifted = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    w = model.config.sliding_window
+    assert (lifted - want)[:, w:].abs().max() > 1e-3
+    torch.testing.assert_close(lifted[:, :w], want[:, :w], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ cached decoding
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_bounded_cache_decoding_equals_full_cache(family):
+    """Per family: greedy tokens over `BoundedKVCache` (each layer bounded by its own method:
+    on Gemma 3 the sliding layers by their window) == over a full cache, far past the window."""
+    model = _model(family)
+    method = METHODS[method_id(FIRST["lm_infinite"])]
+    ids = _ids(9, B=1)
+    with attention_patched(model, method):
+        full = greedy_generate(model, ids, 24)
+        cache = BoundedKVCache(method)
+        bounded = greedy_generate(model, ids, 24, cache=cache)
+    assert torch.equal(bounded.tokens, full.tokens)
+    n_first, n_recent = method.cache_window
+    held = [int(layer.keys.shape[-2]) for layer in cache.layers]
+    for i, n in enumerate(held):
+        cap = (model.config.sliding_window - 1) if _is_sliding(model, i) else n_first + n_recent - 1
+        assert n == min(cap, 9 + 24 - 1), (i, held)
+
+
+# ------------------------------------------------------------------------------ (d) the engine
+
+
+def _engine_case(family: str, name: str | None):
+    """(engine tokens, reference tokens, errors) of two ragged prompts under method `name`
+    (None: the model as loaded)."""
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.models.tiny import byte_tokenizer
+
+    model = _model(family)
+    method = METHODS[name] if name is not None else None
+    prompts = [[5 + i for i in range(n)] for n in (3, 14)]  # ragged: left-padded in the batch
+    gen = 16
+    want = []
+    for p in prompts:
+        cache = None
+        if method is not None and method.cache_window is not None:
+            try:
+                method.check_bounded()
+                cache = BoundedKVCache(method)
+            except ValueError:
+                pass
+        with attention_patched(model, method):
+            want.append(greedy_generate(model, torch.tensor([p]), gen, cache=cache).tokens[0].tolist())
+    methods = {"attention": method.to_dict()} if method is not None else {}
+    try:
+        engine = Engine(model, byte_tokenizer(), EngineConfig(methods=methods, max_model_len=64))
+        sp = SamplingParams(max_tokens=gen, ignore_eos=True)
+        rids = [engine.add_request(p, sp) for p in prompts]
+        got = {r: [] for r in rids}
+        errors = []
+        while engine.has_work():
+            for ev in engine.step():
+                got[ev.request_id] += ev.token_ids
+                if getattr(ev, "error", None):
+                    errors.append(str(ev.error))
+        return [got[r] for r in rids], want, errors
+    finally:
+        unpatch_attention(model)
+
+
+def _engine_covers(family: str, method) -> bool:
+    """Whether the engine, which bounds every layer by the method's window, keeps what each
+    layer sees: on a hybrid model's sliding layers (their own window) only if the method's
+    window covers it (per-layer windows in the engine: not yet)."""
+    model = _model(family)
+    if not any(_is_sliding(model, i) for i in range(model.config.num_hidden_layers)):
+        return True
+    window = method.cache_window
+    return window is None or window[1] >= model.config.sliding_window
+
+
+def _check_engine(family: str, name: str):
+    got, want, errors = _engine_case(family, name)
+    if _engine_covers(family, METHODS[name]):
+        assert not errors and got == want
+    else:  # refused loudly (the engine's per-layer windows are not there yet), never other tokens
+        assert len(errors) == 2 and all("own sliding window" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_engine_vanilla_equals_reference_loop(family):
+    """The model as loaded: the engine's decode hook (decode calls through the family's own
+    q/k/v, every other call stock) decodes what transformers does."""
+    got, want, errors = _engine_case(family, None)
+    assert not errors and got == want
+
+
+@pytest.mark.parametrize("family,name", GRID_D, ids=[f"{f}-{n}" for f, n in GRID_D])
+def test_engine_greedy_equals_reference_loop(family, name):
+    _check_engine(family, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,name", GRID_D_SLOW, ids=[f"{f}-{n}" for f, n in GRID_D_SLOW])
+def test_engine_greedy_equals_reference_loop_every_example(family, name):
+    _check_engine(family, name)
+
+
+def test_patch_unpatch_leaves_every_family_as_loaded():
+    for family in FAMILY_NAMES:
+        model = _model(family)
+        ids = _ids(7)
+        impl = model.config._attn_implementation
+        with torch.no_grad():
+            want = model(ids).logits
+            patch_attention(model, sliding_window(window=2))
+            unpatch_attention(model)
+            got = model(ids).logits
+        assert model.config._attn_implementation == impl
+        assert all("forward" not in vars(layer.self_attn) for layer in model.model.layers)
+        assert torch.equal(got, want), family
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_per_layer_capabilities(family):
+    """What a decode loop needs per layer (`lcx.hf`): each layer's method (its cache window), the
+    family's own windows, each layer's RoPE basis (the sliding layers' own base)."""
+    from lcx.hf import layer_rope_bases, layer_rope_types, own_windows
+
+    model = _model(family)
+    types_ = model.config.layer_types
+    w = model.config.sliding_window
+    assert own_windows(model) == [w if t == "sliding_attention" else None for t in types_]
+    assert layer_rope_types(model) == types_
+    bases = layer_rope_bases(model)
+    for t, (inv, af) in zip(types_, bases):
+        theta = model.config.rope_parameters[t]["rope_theta"]
+        torch.testing.assert_close(inv, 1.0 / theta ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16),
+                                   rtol=1e-6, atol=0)
+    method = METHODS[method_id(FIRST["lm_infinite"])]
+    with attention_patched(model, method):
+        assert layer_methods(model) == [sliding_window(window=w) if t == "sliding_attention" else method
+                                        for t in types_]
+        with pytest.raises(ValueError, match="layer_type"):
+            rope_basis(model, 8)  # no one basis serves every layer
+    with attention_patched(model, method, layers="all"):
+        assert layer_methods(model) == [method] * len(types_)
+    assert layer_methods(model) == [None] * len(types_)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_shape():
+    """Gemma-3-270m's attention shape (18 layers, 15 sliding at 512 and 3 global, 4 query heads /
+    1 KV head of 256, two RoPE bases from transformers' own defaults; random weights, small
+    vocabulary), past the window: a causal patch equals transformers, and bounded decoding equals
+    full-cache decoding with each layer bounded by its own method (511 / G + L - 1 keys)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx.methods import lm_infinite
+
+    cfg = AutoConfig.for_model("gemma3_text", vocab_size=512, hidden_size=640, intermediate_size=2048,
+                               num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                               sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(3, 512, (1, 600), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        with attention_patched(model, causal()):
+            got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32
+    method = lm_infinite(4, 128)
+    with attention_patched(model, method):
+        full = greedy_generate(model, ids[:, :560], 6)
+        cache = BoundedKVCache(method)
+        bounded = greedy_generate(model, ids[:, :560], 6, cache=cache)
+    assert torch.equal(bounded.tokens, full.tokens)
+    assert [int(layer.keys.shape[-2]) for layer in cache.layers] == [
+        511 if t == "sliding_attention" else 4 + 128 - 1 for t in cfg.layer_types]
