@@ -15,6 +15,7 @@ from torch import nn
 from .batch import _hf_cache
 from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, DecodeStep, KVStore
+from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
 from ..hf.recorded import recorded_method
 from ..method_config import MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
@@ -50,6 +51,13 @@ class _Seq:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: BaseException | None = None
+        # prefill progress (`lcx.engine.prefix`): prompt tokens whose KV is held (`kv`, prefill
+        # form), of which `cached` came from the prefix cache; prompt logprobs so far
+        self.done = 0
+        self.cached = 0
+        self.looked_up = False
+        self.kv: RowKV | None = None
+        self.plog: list[TokenLogprob] = []
 
     @property
     def next_position(self) -> int:
@@ -111,6 +119,19 @@ class Engine:
                           else tokenizer.pad_token_id)
         self.stats = EngineStats()
         self._waiting: list[_Seq] = []
+        self._prefilling: list[_Seq] = []  # admitted, prompt partly prefilled (chunked prefill)
+        # prefix reuse and chunked prefill (`lcx.engine.prefix`): why not, or None
+        self.prefix_cache_refusal: str | None = reuse_refusal(model, methods, self.cache_layout,
+                                                              _static_basis(model) is not None)
+        self._window = methods.kv_window  # what a bounded method's held KV keeps
+        self._chunkable = self.prefix_cache_refusal is None and not (
+            methods.attention is not None and methods.attention.last_query_extra)
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_caching and self.prefix_cache_refusal is None:
+            name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+            self.prefix_cache = PrefixCache({"methods": self.methods_info(), "model": name, "dtype": str(self.dtype),
+                                             "model_rope": getattr(model.config, "rope_parameters", None)},
+                                            block_size=config.prefix_block_size, max_bytes=config.prefix_cache_bytes)
         self._next_id = 0
         self._ids: set[str] = set()
         # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)
@@ -198,6 +219,11 @@ class Engine:
             if s.rid == request_id:
                 del self._waiting[i]
                 return self._finish_event(s, "abort")
+        for s in self._prefilling:
+            if s.rid == request_id:
+                self._prefilling.remove(s)
+                s.kv = None
+                return self._finish_event(s, "abort")
         for i, s in enumerate(self._seqs):
             if s.rid == request_id:
                 ev = self._finish_event(s, "abort")
@@ -207,8 +233,8 @@ class Engine:
 
     def reset(self) -> list[str]:
         """Drop every waiting and running request (after an unexpected failure); returns their ids."""
-        ids = [s.rid for s in self._waiting + self._seqs]
-        self._waiting = []
+        ids = [s.rid for s in self._waiting + self._prefilling + self._seqs]
+        self._waiting, self._prefilling = [], []
         self._seqs, self._store = [], None
         self._ids.clear()
         return ids
@@ -219,10 +245,10 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._seqs)
+        return len(self._seqs) + len(self._prefilling)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._seqs)
+        return bool(self._waiting or self._prefilling or self._seqs)
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -259,11 +285,10 @@ class Engine:
             t0 = time.perf_counter()
             events += self._decode_step()
             self.stats.decode_s += time.perf_counter() - t0
-        free = self.config.max_batch - len(self._seqs)
-        if self._waiting and free > 0:
-            admit, self._waiting = self._waiting[:free], self._waiting[free:]
+        work = self._schedule_prefill()
+        if work:
             t0 = time.perf_counter()
-            events += self._prefill(admit)
+            events += self._prefill(work)
             self.stats.prefill_s += time.perf_counter() - t0
         for ev in events:
             if ev.finished:
@@ -271,68 +296,150 @@ class Engine:
         return events
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
+    def _schedule_prefill(self) -> list[tuple[_Seq, int]]:
+        """This step's prefill work: (request, prompt tokens to prefill now). Requests being
+        prefilled continue first (FIFO), then waiting ones are admitted while batch slots are
+        free (a prefix cache lookup on admission). Without a token budget every prompt runs
+        whole; with `max_num_batched_tokens` the budget left after the decode rows is shared out
+        and a longer prompt gets a chunk (whole blocks) to continue next step."""
+        budget = self.config.max_num_batched_tokens
+        left = float("inf") if budget is None else budget - len(self._seqs)
+        work: list[tuple[_Seq, int]] = []
+        for s in self._prefilling:
+            c = self._chunk(s, left, first=not work)
+            if c:
+                work.append((s, c))
+                left -= c
+        free = self.config.max_batch - len(self._seqs) - len(self._prefilling)
+        while self._waiting and free > 0 and (left > 0 or not work):
+            s = self._waiting[0]
+            if not s.looked_up:
+                s.looked_up = True
+                self._lookup(s)
+            c = self._chunk(s, left, first=not work)
+            if not c:
+                break
+            self._waiting.pop(0)
+            self._prefilling.append(s)
+            work.append((s, c))
+            left -= c
+            free -= 1
+        return work
+
+    def _chunk(self, s: _Seq, left: float, *, first: bool) -> int:
+        """Prompt tokens of `s` to prefill with `left` tokens of budget (0: none this step). A
+        step always makes progress: the first work item gets at least a block."""
+        rest = len(s.prompt_ids) - s.done
+        if rest <= left:
+            return rest
+        if not self._chunkable:  # one call for the whole remainder (`lcx.engine.prefix`)
+            return rest if first else 0
+        bs = self.config.prefix_block_size
+        c = int(left) // bs * bs if left >= bs else int(max(left, 0))
+        if c <= 0:
+            return min(rest, bs) if first else 0
+        return c
+
+    def _lookup(self, s: _Seq) -> None:
+        """Reuse the longest cached prefix of a new request's prompt (`lcx.engine.prefix`)."""
+        if self.prefix_cache is None or s.params.prompt_logprobs is not None:
+            return
+        n, row = self.prefix_cache.lookup(s.prompt_ids, self._window)
+        st = self.stats
+        st.prefix_cache_queries += 1
+        st.prefix_cache_query_tokens += len(s.prompt_ids) - 1
+        if n:
+            s.kv, s.done, s.cached = row, n, n
+            st.prefix_cache_hits += 1
+            st.prefix_cache_hit_tokens += n
+
+    def _prefill(self, work: list[tuple[_Seq, int]]) -> list[StepEvent]:
+        seqs = [s for s, _ in work]
         try:
-            keys, values, mask, pos, h = self._prefill_forward(seqs)
+            keys, values, pos, h = self._prefill_forward(work)
         except Exception as e:  # noqa: BLE001 - isolate: retry one by one, fail only the culprits
-            if len(seqs) == 1:
+            if len(work) == 1:
                 log.exception("prefill failed for request %s", seqs[0].rid)
+                self._prefilling.remove(seqs[0])
                 self._finish(seqs[0], "error", error=e)
                 return [self._event(seqs[0])]
             log.warning("batched prefill of %d requests failed (%s); retrying one by one", len(seqs), e)
-            return [ev for s in seqs for ev in self._prefill([s])]
+            return [ev for w in work for ev in self._prefill([w])]
         self.stats.prefill_batches += 1
-        self.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
+        self.stats.prefill_chunks += sum(1 for s, _ in work if s.done > s.cached)
+        self.stats.prompt_tokens_computed += sum(c for _, c in work)
+        C = h.shape[1]
+        N = pos.shape[1] - C  # held slots before the new tokens
         events: list[StepEvent] = []
         keep: list[int] = []
-        need_sample = [i for i, s in enumerate(seqs) if s.params.max_tokens > 0]
-        logits = self._lm_head(h[need_sample, -1]) if need_sample else None  # [b, V]
-        for i, s in enumerate(seqs):
+        ends = [i for i, (s, c) in enumerate(work) if s.done + c == len(s.prompt_ids) and s.params.max_tokens > 0]
+        logits = self._lm_head(h[ends, -1]) if ends else None  # [e, V]
+        for i, (s, c) in enumerate(work):
+            start, T = s.done, len(s.prompt_ids)
             try:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(s.prompt_ids, start, [k[i, :, N + C - c:] for k in keys],
+                                             [v[i, :, N + C - c:] for v in values])
+                if s.params.prompt_logprobs is not None:
+                    rows = h[i, C - c:] if start + c < T else h[i, C - c:-1]  # predict tokens start+1 ...
+                    if rows.shape[0]:
+                        s.plog += logprob_rows(self._lm_head(rows), s.prompt_ids[start + 1:start + 1 + rows.shape[0]],
+                                               s.params.prompt_logprobs)
+                s.done = start + c
+                if s.done < T:  # continue next step from the kept slots
+                    valid = pos[i] >= 0
+                    idx = valid.nonzero().squeeze(1)
+                    s.kv = RowKV([k[i].index_select(1, idx) for k in keys], [v[i].index_select(1, idx) for v in values],
+                                 pos[i, idx]).kept(s.done, self._window)
+                    continue
+                self._prefilling.remove(s)
+                s.kv = None
+                self.stats.prompt_tokens += T
                 ev = StepEvent(s.rid)
                 if s.params.prompt_logprobs is not None:
-                    n = len(s.prompt_ids)
-                    plog = self._lm_head(h[i, h.shape[1] - n:-1]) if n > 1 else None  # [n-1, V]
-                    ev.prompt_logprobs = [None] + (logprob_rows(plog, s.prompt_ids[1:], s.params.prompt_logprobs)
-                                                   if plog is not None else [])
-                    s.prompt_logprobs = ev.prompt_logprobs
+                    ev.prompt_logprobs = s.prompt_logprobs = [None] + s.plog
                 if s.params.max_tokens == 0:
                     self._finish(s, "length")
                 else:
-                    self._accept(s, logits[need_sample.index(i)], ev)
+                    self._accept(s, logits[ends.index(i)], ev)
                 self._fill_event(s, ev)
                 events.append(ev)
                 if not s.finished:
                     keep.append(i)
             except Exception as e:  # noqa: BLE001
                 log.exception("post-processing failed for request %s", s.rid)
+                if s in self._prefilling:
+                    self._prefilling.remove(s)
                 self._finish(s, "error", error=e)
                 events.append(self._event(s))
         if keep:
-            self._merge([seqs[i] for i in keep], [k[keep] for k in keys], [v[keep] for v in values],
-                        pos[keep].masked_fill(~mask[keep], -1))
+            self._merge([seqs[i] for i in keep], [k[keep] for k in keys], [v[keep] for v in values], pos[keep])
         return events
 
-    def _prefill_forward(self, seqs: list[_Seq]):
-        """Left-padded batched prefill. Returns keys, values (per layer [b, H_kv, T, D]),
-        mask [b, T], pos [b, T] and the final hidden states [b, T, d]."""
+    def _prefill_forward(self, work: list[tuple[_Seq, int]]):
+        """One batched prefill call: each request's next `c` prompt tokens (left-padded to the
+        longest), continuing from its held KV (left-padded before them, `lcx.engine.prefix`).
+        Returns keys, values (per layer [b, H_kv, N + C, D]: held slots then new ones), pos
+        [b, N + C] (-1 on padding) and the new tokens' final hidden states [b, C, d]."""
         from transformers.cache_utils import DynamicCache
 
-        b, T = len(seqs), max(len(s.prompt_ids) for s in seqs)
-        ids = torch.full((b, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(b, T, dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            n = len(s.prompt_ids)
-            ids[i, T - n:] = torch.tensor(s.prompt_ids)
-            mask[i, T - n:] = True
-        pos = mask.long().cumsum(1) - 1  # [b, T]: index within the request; -1 on padding
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        cache = DynamicCache()
-        out = self._decoder(input_ids=ids, position_ids=pos.clamp(min=0), past_key_values=cache,
-                               use_cache=True, **self._mask_kwargs(mask, pos))
+        b, C = len(work), max(c for _, c in work)
+        ids = torch.full((b, C), self.pad_id, dtype=torch.long)
+        qpos = torch.full((b, C), -1, dtype=torch.long)
+        for i, (s, c) in enumerate(work):
+            ids[i, C - c:] = torch.tensor(s.prompt_ids[s.done:s.done + c])
+            qpos[i, C - c:] = torch.arange(s.done, s.done + c)
+        ids, qpos = ids.to(self.device), qpos.to(self.device)
+        n_layers = len(self._decoder.layers)
+        held_k, held_v, kpos = stack_rows([s.kv for s, _ in work], n_layers, None)
+        kpos = kpos.to(self.device)
+        cache = DynamicCache() if held_k is None else _hf_cache(held_k, held_v)
+        pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
+        out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
+                            use_cache=True, **self._mask_kwargs(pos >= 0, pos))
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
-        return keys, values, mask, pos, out.last_hidden_state
+        return keys, values, pos, out.last_hidden_state
 
     def _mask_kwargs(self, mask: torch.Tensor, pos: torch.Tensor | None) -> dict[str, Any]:
         """Visibility of the cached + new slots for the model's forward: a 2D attention mask, or
@@ -439,7 +546,7 @@ class Engine:
 
     # ------------------------------------------------------------------ batch surgery
     def _merge(self, seqs: list[_Seq], keys, values, pos) -> None:
-        """Append prefilled rows (left-padded cache, pos -1 on padding) to the running batch."""
+        """Append prefilled rows (their prefill call's cache, pos -1 on padding) to the running batch."""
         budget = torch.tensor([len(s.prompt_ids) + s.params.max_tokens for s in seqs])
         new = KVStore.from_prefill(self.cache_layout, keys, values, pos, budget)
         self._store = new if self._store is None else KVStore.cat([self._store, new])
