@@ -85,7 +85,7 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         return {"scheduler": dict(self.counters, waiting=self.engine.num_waiting, running=self.engine.num_running,
                                   batch_window_s=self.batch_window_s, max_batch=self.engine.config.max_batch),
-                "engine": self.engine.stats.to_dict()}
+                "engine": self.engine.stats.to_dict(), "prefix_cache": _prefix_cache_state(self.engine)}
 
     # ------------------------------------------------------------------ worker
     def _handle(self, kind: str, item: Any) -> None:
@@ -175,3 +175,12 @@ class Scheduler:
             sink(ev)
         except Exception:  # noqa: BLE001 - e.g. the event loop closed; never kill the worker
             log.exception("could not deliver an event for %s", ev.request_id)
+
+
+def _prefix_cache_state(engine: Any) -> dict[str, Any]:
+    """The engine's prefix cache for /stats: its size and hit counters, or why it is off."""
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is not None:
+        return {"enabled": True, **cache.to_dict()}
+    reason = getattr(engine, "prefix_cache_refusal", None)
+    return {"enabled": False, "reason": reason or "turned off (--no-prefix-caching)"}
