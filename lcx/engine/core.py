@@ -17,7 +17,7 @@ from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, DecodeStep, KVStore
 from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
 from ..hf.recorded import recorded_method
-from ..method_config import MethodConfig
+from ..method_config import INFERENCE_BACKEND, MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
 from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
 from .sampling import greedy_and_logprobs, logprob_rows, sample
@@ -56,6 +56,7 @@ class _Seq:
         self.done = 0
         self.cached = 0
         self.looked_up = False
+        self.group = rid  # the fair scheduler's client (`Engine.add_request`)
         self.kv: RowKV | None = None
         self.plog: list[TokenLogprob] = []
 
@@ -83,7 +84,9 @@ class Engine:
         check_model_type(model, "lcx.engine")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
-        methods = config.methods
+        # fast by default: an attention method without a backend named runs on the fastest exact
+        # one that supports its calls (`INFERENCE_BACKEND`, flash, else lcx.methods' blockwise)
+        methods = config.methods.with_default_backend(INFERENCE_BACKEND)
         context = methods.context_len(model.config)  # before the patch changes the model's rope
         methods.apply(model)
         own = recorded_method(model) if methods.attention is None else None
@@ -199,8 +202,10 @@ class Engine:
                              f"lower max_tokens to at most {self.max_model_len - n}", "max_tokens")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request (validated first; `ValueError` if it cannot run). Returns its id."""
+                    request_id: str | None = None, *, group: str | None = None) -> str:
+        """Queue a request (validated first; `ValueError` if it cannot run). Returns its id.
+        `group`: requests that share it (the n samples of one API call) count as one client in
+        the fair scheduler (module docstring); default: the request alone."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids] if all(_is_int(t) for t in prompt_ids) else list(prompt_ids)
         self.validate(prompt_ids, params)
@@ -210,7 +215,9 @@ class Engine:
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self._ids.add(request_id)
-        self._waiting.append(_Seq(request_id, prompt_ids, params, self.eos_ids))
+        seq = _Seq(request_id, prompt_ids, params, self.eos_ids)
+        seq.group = group if group is not None else request_id
+        self._waiting.append(seq)
         return request_id
 
     def abort(self, request_id: str) -> StepEvent | None:
@@ -297,34 +304,77 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> list[tuple[_Seq, int]]:
-        """This step's prefill work: (request, prompt tokens to prefill now). Requests being
-        prefilled continue first (FIFO), then waiting ones are admitted while batch slots are
-        free (a prefix cache lookup on admission). Without a token budget every prompt runs
-        whole; with `max_num_batched_tokens` the budget left after the decode rows is shared out
-        and a longer prompt gets a chunk (whole blocks) to continue next step."""
+        """This step's prefill work: (request, prompt tokens to prefill now); see "Fair service"
+        in the module docstring. Without a token budget: every waiting request that has a batch
+        slot, its whole prompt. With `max_num_batched_tokens`: the budget left after this step's
+        decode rows goes first to the oldest partly prefilled prompt (a block: it always
+        progresses), then shortest remaining prompt first, the rest back to that oldest prompt."""
         budget = self.config.max_num_batched_tokens
         left = float("inf") if budget is None else budget - len(self._seqs)
-        work: list[tuple[_Seq, int]] = []
-        for s in self._prefilling:
-            c = self._chunk(s, left, first=not work)
-            if c:
-                work.append((s, c))
-                left -= c
+        admit = self._admissible()
+        if budget is None:
+            for s in admit:
+                self._start(s)
+            return [(s, len(s.prompt_ids) - s.done) for s in self._prefilling]
+        grant: dict[int, int] = {}  # id(seq) -> tokens this step
+        oldest = self._prefilling[0] if self._prefilling else None
+        if oldest is not None:
+            grant[id(oldest)] = c = self._chunk(oldest, min(left, self.config.prefix_block_size), first=True)
+            left -= c
+        for s in sorted(self._prefilling[1:] + admit, key=lambda x: len(x.prompt_ids) - x.done):
+            c = self._chunk(s, left, first=not grant)
+            if not c:
+                continue
+            if s not in self._prefilling:
+                self._start(s)
+            grant[id(s)] = c
+            left -= c
+        if oldest is not None and left > 0:  # the rest of the budget back to the oldest prompt
+            more = self._chunk_extra(oldest, grant[id(oldest)], left)
+            grant[id(oldest)] += more
+        return [(s, grant[id(s)]) for s in self._prefilling if grant.get(id(s))]
+
+    def _admissible(self) -> list[_Seq]:
+        """Waiting requests that may take a batch slot now (looked up in the prefix cache), fairly
+        across groups: the group holding the fewest slots first (FIFO among equals), and no group
+        holds more than max_batch - max(1, max_batch // 8) slots (max_batch >= 2), so a new
+        client's request finds a slot at once beside a heavy one (n = 256 samples)."""
         free = self.config.max_batch - len(self._seqs) - len(self._prefilling)
-        while self._waiting and free > 0 and (left > 0 or not work):
-            s = self._waiting[0]
+        if free <= 0 or not self._waiting:
+            return []
+        held: dict[str, int] = {}
+        for x in self._seqs + self._prefilling:
+            held[x.group] = held.get(x.group, 0) + 1
+        cap = self.config.max_batch
+        if cap >= 2:
+            cap -= max(1, cap // 8)
+        out: list[_Seq] = []
+        order = sorted(range(len(self._waiting)), key=lambda i: (held.get(self._waiting[i].group, 0), i))
+        for i in order:
+            if len(out) == free:
+                break
+            s = self._waiting[i]
+            if held.get(s.group, 0) >= cap and (out or self._seqs or self._prefilling):
+                continue
+            held[s.group] = held.get(s.group, 0) + 1
             if not s.looked_up:
                 s.looked_up = True
                 self._lookup(s)
-            c = self._chunk(s, left, first=not work)
-            if not c:
-                break
-            self._waiting.pop(0)
-            self._prefilling.append(s)
-            work.append((s, c))
-            left -= c
-            free -= 1
-        return work
+            out.append(s)
+        return out
+
+    def _start(self, s: _Seq) -> None:
+        self._waiting.remove(s)
+        self._prefilling.append(s)
+
+    def _chunk_extra(self, s: _Seq, have: int, left: float) -> int:
+        rest = len(s.prompt_ids) - s.done - have
+        if rest <= left:
+            return rest
+        if not self._chunkable:
+            return 0
+        bs = self.config.prefix_block_size
+        return int(left) // bs * bs
 
     def _chunk(self, s: _Seq, left: float, *, first: bool) -> int:
         """Prompt tokens of `s` to prefill with `left` tokens of budget (0: none this step). A
@@ -388,9 +438,13 @@ class Engine:
                 s.done = start + c
                 if s.done < T:  # continue next step from the kept slots
                     valid = pos[i] >= 0
-                    idx = valid.nonzero().squeeze(1)
-                    s.kv = RowKV([k[i].index_select(1, idx) for k in keys], [v[i].index_select(1, idx) for v in values],
-                                 pos[i, idx]).kept(s.done, self._window)
+                    if len(work) == 1 and bool(valid.all()):  # views of this call's cache, no copy
+                        s.kv = RowKV([k[0] for k in keys], [v[0] for v in values], pos[0])
+                    else:
+                        idx = valid.nonzero().squeeze(1)
+                        s.kv = RowKV([k[i].index_select(1, idx) for k in keys],
+                                     [v[i].index_select(1, idx) for v in values], pos[i, idx])
+                    s.kv = s.kv.kept(s.done, self._window)
                     continue
                 self._prefilling.remove(s)
                 s.kv = None

@@ -94,6 +94,8 @@ def stack_rows(rows: Sequence[RowKV | None], n_layers: int, like: tuple[torch.Te
     ref = next((r for r in rows if r is not None and r.slots), None)
     if N == 0 or ref is None:
         return None, None, torch.full((b, 0), -1, dtype=torch.long)
+    if b == 1:  # one row (a long prompt's chunks): views, no copy (the forward's cache appends to them)
+        return [t[None] for t in ref.k], [t[None] for t in ref.v], ref.pos[None]
     pos = torch.full((b, N), -1, dtype=torch.long, device=ref.pos.device)
     keys, values = [], []
     for layer in range(n_layers):
