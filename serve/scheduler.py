@@ -93,7 +93,7 @@ class Scheduler:
             rid, prompt_ids, params, sink = item
             self.counters["submitted"] += 1
             try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
+                self.engine.add_request(prompt_ids, params, request_id=rid, group=_group(rid))
             except Exception as e:  # noqa: BLE001 - validated by the handler; still never lose it
                 self._emit(sink, StepEvent(rid, finished=True, finish_reason="error", error=e))
                 return
@@ -184,3 +184,11 @@ def _prefix_cache_state(engine: Any) -> dict[str, Any]:
         return {"enabled": True, **cache.to_dict()}
     reason = getattr(engine, "prefix_cache_refusal", None)
     return {"enabled": False, "reason": reason or "turned off (--no-prefix-caching)"}
+
+
+def _group(rid: str) -> str:
+    """The client request an engine request belongs to, for the engine's fair scheduler: the n
+    samples of one API call are tagged `<http request id>.<index>` (`submit`'s `tag`), so their
+    ids differ only after the last '.'."""
+    head, _, tail = rid.rpartition(".")
+    return head if head and "-" in head and tail.isdigit() else rid
