@@ -265,7 +265,9 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = [""] * len(prompts)
+        for i in self._reuse_order(prompts):
+            ids[i] = self.add_request(prompts[i], params[i])
         outs: dict[str, RequestOutput] = {}
         acc: dict[str, list[StepEvent]] = {i: [] for i in ids}
         while len(outs) < len(ids):
@@ -278,6 +280,31 @@ class Engine:
                                                    acc.pop(ev.request_id),
                                                    params[ids.index(ev.request_id)])
         return [outs[i] for i in ids]
+
+    def _reuse_order(self, prompts: list[Sequence[int]]) -> list[int]:
+        """The order `generate` submits `prompts` in: with the prefix cache, the prompt sharing
+        the most with the others first (a passkey sweep's deepest needle: every other prompt
+        shares the instruction and the haystack up to its own needle with it), so the others,
+        admitted a step later (`_shares_uncached`), reuse it; else as given. Outputs keep the
+        caller's order; tokens are the same either way (the cache is exact)."""
+        n = len(prompts)
+        if self.prefix_cache is None or n < 2:
+            return list(range(n))
+        bs = self.config.prefix_block_size
+
+        def lcp(a, b) -> int:
+            lo, hi = 0, (min(len(a), len(b)) - 1) // bs  # whole blocks below each prompt's last token
+            while lo < hi:  # binary search on the number of equal leading blocks
+                mid = (lo + hi + 1) // 2
+                if a[:mid * bs] == b[:mid * bs]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        score = [sum(lcp(prompts[i], prompts[j]) for j in range(n) if j != i) for i in range(n)]
+        lead = max(range(n), key=lambda i: (score[i], -i))
+        return [lead] + [i for i in range(n) if i != lead]
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -356,12 +383,32 @@ class Engine:
             s = self._waiting[i]
             if held.get(s.group, 0) >= cap and (out or self._seqs or self._prefilling):
                 continue
+            if not s.looked_up and self._shares_uncached(s, out):
+                continue  # next step it reuses what an earlier request computes now
             held[s.group] = held.get(s.group, 0) + 1
             if not s.looked_up:
                 s.looked_up = True
                 self._lookup(s)
             out.append(s)
         return out
+
+    def _shares_uncached(self, s: _Seq, admitted: list[_Seq]) -> bool:
+        """Whether `s` shares a whole block of prompt, beyond what that request reuses from the
+        cache, with a request admitted this step: its prefill stores the block, so `s` waits one
+        step and reuses it (a burst of requests with one system prompt computes it once; results
+        unchanged: the cache is exact)."""
+        if self.prefix_cache is None or s.params.prompt_logprobs is not None:
+            return False
+        bs = self.config.prefix_block_size
+        a = s.prompt_ids
+        for o in admitted:
+            b = o.prompt_ids
+            limit = min(len(a), len(b)) - 1  # blocks below each prompt's last token
+            n = o.done
+            if n + bs > limit or a[:n + bs] != b[:n + bs]:
+                continue
+            return True
+        return False
 
     def _start(self, s: _Seq) -> None:
         self._waiting.remove(s)

@@ -198,3 +198,27 @@ def test_engine_config_rejects_bad_values():
                      ("prefix_caching", "yes")):
         with pytest.raises(ValueError, match=key):
             EngineConfig(**{key: bad})
+
+
+def test_generate_batch_reuses_its_shared_prefix():
+    """A batch of prompts sharing a long prefix (a passkey sweep: one haystack, needles at several
+    depths) computes the shared part once: the prompt sharing most goes first, the others are
+    admitted a step later and reuse it; tokens and logprobs equal a run without the cache."""
+    model, tok = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
+    hay = tok((TEXT * 2)[:150], add_special_tokens=False)["input_ids"]
+    needle = tok("#42#", add_special_tokens=False)["input_ids"]
+    prompts = [hay[:d] + needle + hay[d:140] for d in (20, 100, 60, 130)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    m0, _ = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
+    want = Engine(m0.double().eval(), tok, EngineConfig(max_model_len=256, prefix_caching=False)).generate(prompts, sp)
+    eng = Engine(model.double().eval(), tok, EngineConfig(max_model_len=256, prefix_block_size=BLOCK))
+    assert eng._reuse_order(prompts)[0] in (1, 3)  # the deepest two share the most (12 blocks, a tie)
+    got = eng.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(want, got):
+        torch.testing.assert_close(torch.tensor([e.logprob for e in b.logprobs], dtype=torch.float64),
+                                   torch.tensor([e.logprob for e in a.logprobs], dtype=torch.float64), rtol=0, atol=1e-9)
+    assert eng.stats.prefix_cache_hits == 3
+    # each reuses the haystack up to its own (or the leader's) needle, in whole blocks
+    assert eng.stats.prefix_cache_hit_tokens == sum(d // BLOCK * BLOCK for d in (20, 100, 60))
+    assert eng.stats.prompt_tokens_computed == sum(map(len, prompts)) - eng.stats.prefix_cache_hit_tokens
