@@ -35,7 +35,11 @@ whole-prompt prefill; tests/engine/test_prefix_cache.py runs every method and Ro
 refused where a prefix's keys depend on what follows (`Engine.prefix_cache_refusal`:
 length-dependent RoPE, `AttentionMethod.call_dependence`). Bounded methods hold only the keys they
 can still see between chunks (LM-Infinite: G + L - 1 per layer). `EngineStats` counts the hits
-(`prefix_cache_hit_rate`: reused / looked-up prompt tokens) and `prompt_tokens_computed`.
+(`prefix_cache_hit_rate`: reused / looked-up prompt tokens) and `prompt_tokens_computed`. A
+request that shares an uncached block with one admitted in the same step waits one step and
+reuses it (a burst with one system prompt computes it once), and `generate` submits the prompt
+sharing most with the others first (a passkey sweep's deepest needle), outputs in the caller's
+order.
 
 Fair service (`max_num_batched_tokens`, a token budget per step; `lcx serve` sets one). Every step
 decodes one token for every running request (decode is never starved by a prefill), then
