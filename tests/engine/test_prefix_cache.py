@@ -48,6 +48,32 @@ CASES = {"vanilla": {}, **ROPES, **METHODS,
                                    "attention": {"type": "lm_infinite", "n_global": 3, "n_local": 10}}}
 
 
+@pytest.mark.parametrize("name", list(METHODS))
+def test_call_dependence_is_what_attend_does(name):
+    """`AttentionMethod.call_dependence` is None exactly where a query's output depends only on the
+    keys up to it: the rows of a prefix call equal those rows of the whole call (the last row
+    excepted where `last_query_extra`); where it names a reason, some prefix length differs."""
+    from lcx.attention import Rotary
+    from lcx.methods import method_from_dict
+
+    method = method_from_dict(METHODS[name]["attention"])
+    g = torch.Generator().manual_seed(0)
+    T, D = 23, 8
+    q, k, v = (torch.randn(1, T, h, D, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+
+    def attend(n):
+        return method.attend(q[:, :n], k[:, :n], v[:, :n], rotary=Rotary(inv_freq, torch.arange(n), 1.0),
+                             backend="ref", layer_idx=1)
+
+    full = attend(T)
+    worst = max(float((full[:, :n - 1] - attend(n)[:, :n - 1]).abs().max()) for n in range(2, T))
+    if method.call_dependence is None:
+        assert worst < 1e-12
+    else:
+        assert worst > 1e-6
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     n = torch.get_num_threads()
