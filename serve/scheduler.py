@@ -188,7 +188,8 @@ def _prefix_cache_state(engine: Any) -> dict[str, Any]:
 
 def _group(rid: str) -> str:
     """The client request an engine request belongs to, for the engine's fair scheduler: the n
-    samples of one API call are tagged `<http request id>.<index>` (`submit`'s `tag`), so their
-    ids differ only after the last '.'."""
+    samples of one API call are tagged `<http request id>.<index>` (`submit`'s `tag`), in ids
+    `r<n>-<tag>`, so the group is the tag without its index."""
     head, _, tail = rid.rpartition(".")
-    return head if head and "-" in head and tail.isdigit() else rid
+    counter, dash, http_id = head.partition("-")
+    return http_id if dash and http_id and tail.isdigit() and counter[1:].isdigit() else rid

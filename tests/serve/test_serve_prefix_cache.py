@@ -62,3 +62,29 @@ def test_stats_show_prefix_cache_hits(tiny_model, caching):
         assert es["prefix_cache_hits"] == 1 and es["prefix_cache_hit_rate"] == pytest.approx(pc["hit_rate"])
     else:
         assert "no-prefix-caching" in pc["reason"] and es["prefix_cache_hits"] == 0
+
+
+def test_scheduler_groups_an_api_calls_samples():
+    """The engine's fair scheduler counts the n samples of one API call as one client: the server
+    tags them `<http request id>.<index>`, so they share a group; other ids are their own group."""
+    from lcx.serve.scheduler import _group
+
+    assert _group("r5-abc123.0") == _group("r6-abc123.17") == "abc123"  # r<n>: the scheduler's counter
+    assert _group("r5-abc123.0") != _group("r6-xyz.0")
+    assert _group("r7") == "r7" and _group("req-3") == "req-3" and _group("r8-v1.2x") == "r8-v1.2x"
+
+
+def test_scheduler_passes_groups_to_the_engine(tiny_model):
+    """Requests submitted as the server submits an n-sample call land in one engine group."""
+    from lcx.serve.scheduler import Scheduler
+
+    model, tok = tiny_model
+    eng = Engine(model, tok, EngineConfig(max_batch=4))
+    sched = Scheduler(eng)  # not started: requests are handed to the engine by hand below
+    sp = SamplingParams(max_tokens=2)
+    rids = [sched.submit([5, 6, 7], sp, lambda ev: None, tag=f"req9.{i}") for i in range(3)]
+    rids.append(sched.submit([5, 6, 7], sp, lambda ev: None, tag="other.0"))
+    while not sched._inbox.empty():
+        sched._handle(*sched._inbox.get())
+    groups = {s.rid: s.group for s in eng._waiting}
+    assert len({groups[r] for r in rids[:3]}) == 1 and groups[rids[3]] != groups[rids[0]]
