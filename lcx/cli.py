@@ -60,6 +60,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "scale"), "lcx.bench.scale",
      "every method at GPU scale on random weights (llama-3-8b, 32k-128k): prefill, decode tok/s, KV, memory vs"
      " vanilla -> results/scale/<device>.json"),
+    (("bench", "prefix"), "lcx.bench.prefix",
+     "lcx's engine with vs without its prefix cache: shared-system-prompt and passkey-sweep loads (throughput,"
+     " time to first token) -> results/prefix_cpu.json"),
     (("bench", "serving"), "lcx.bench.serving",
      "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
      " -> results/serving_cpu.json"),

@@ -103,6 +103,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Retry-After until it is back) at most N times within "
                              f"{RESTART_WINDOW_S:g} s; one more failure makes the server exit with status "
                              f"{GAVE_UP_EXIT} so that a supervisor restarts it (default: %(default)s)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of prompt prefixes seen before (exact; lcx.engine.prefix; hit rates in "
+                             "/stats); --no-prefix-caching computes every prompt from its first token "
+                             "(default: %(default)s)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=1024.0,
+                        help="memory bound of the prefix cache, MiB (LRU eviction; default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                        help="token budget of one engine step: running requests decode every step and prompts "
+                             "are prefilled in chunks within what is left, so a long prompt cannot stall the "
+                             "others (lcx.engine, 'Fair service'); 0 = no budget, every prompt whole "
+                             "(default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="device (default: %(default)s)")
     add_threads_argument(parser)
@@ -130,8 +141,14 @@ def run(args: argparse.Namespace) -> int:
     # read a large body: decoding slowed ~5x under a storm of 30 MB bodies (issue #34).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Validate everything that is cheap before loading the model.
+    if args.max_num_batched_tokens < 0:
+        raise ValueError(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")
+    if not args.prefix_cache_mb >= 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     config = EngineConfig(max_model_len=args.max_model_len, max_batch=args.max_batch,
-                          methods=method_config_from_args(args))
+                          methods=method_config_from_args(args), prefix_caching=args.prefix_caching,
+                          prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
+                          max_num_batched_tokens=args.max_num_batched_tokens or None)
     if args.batch_window_ms < 0:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")
     max_body = int(args.max_body_mb * (1 << 20))

@@ -85,7 +85,7 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         return {"scheduler": dict(self.counters, waiting=self.engine.num_waiting, running=self.engine.num_running,
                                   batch_window_s=self.batch_window_s, max_batch=self.engine.config.max_batch),
-                "engine": self.engine.stats.to_dict()}
+                "engine": self.engine.stats.to_dict(), "prefix_cache": _prefix_cache_state(self.engine)}
 
     # ------------------------------------------------------------------ worker
     def _handle(self, kind: str, item: Any) -> None:
@@ -93,7 +93,7 @@ class Scheduler:
             rid, prompt_ids, params, sink = item
             self.counters["submitted"] += 1
             try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
+                self.engine.add_request(prompt_ids, params, request_id=rid, group=_group(rid))
             except Exception as e:  # noqa: BLE001 - validated by the handler; still never lose it
                 self._emit(sink, StepEvent(rid, finished=True, finish_reason="error", error=e))
                 return
@@ -175,3 +175,21 @@ class Scheduler:
             sink(ev)
         except Exception:  # noqa: BLE001 - e.g. the event loop closed; never kill the worker
             log.exception("could not deliver an event for %s", ev.request_id)
+
+
+def _prefix_cache_state(engine: Any) -> dict[str, Any]:
+    """The engine's prefix cache for /stats: its size and hit counters, or why it is off."""
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is not None:
+        return {"enabled": True, **cache.to_dict()}
+    reason = getattr(engine, "prefix_cache_refusal", None)
+    return {"enabled": False, "reason": reason or "turned off (--no-prefix-caching)"}
+
+
+def _group(rid: str) -> str:
+    """The client request an engine request belongs to, for the engine's fair scheduler: the n
+    samples of one API call are tagged `<http request id>.<index>` (`submit`'s `tag`), in ids
+    `r<n>-<tag>`, so the group is the tag without its index."""
+    head, _, tail = rid.rpartition(".")
+    counter, dash, http_id = head.partition("-")
+    return http_id if dash and http_id and tail.isdigit() and counter[1:].isdigit() else rid

@@ -15,8 +15,9 @@ from torch import nn
 from .batch import _hf_cache
 from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, DecodeStep, KVStore
+from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
 from ..hf.recorded import recorded_method
-from ..method_config import MethodConfig
+from ..method_config import INFERENCE_BACKEND, MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
 from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
 from .sampling import greedy_and_logprobs, logprob_rows, sample
@@ -50,6 +51,14 @@ class _Seq:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: BaseException | None = None
+        # prefill progress (`lcx.engine.prefix`): prompt tokens whose KV is held (`kv`, prefill
+        # form), of which `cached` came from the prefix cache; prompt logprobs so far
+        self.done = 0
+        self.cached = 0
+        self.looked_up = False
+        self.group = rid  # the fair scheduler's client (`Engine.add_request`)
+        self.kv: RowKV | None = None
+        self.plog: list[TokenLogprob] = []
 
     @property
     def next_position(self) -> int:
@@ -75,7 +84,9 @@ class Engine:
         check_model_type(model, "lcx.engine")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
-        methods = config.methods
+        # fast by default: an attention method without a backend named runs on the fastest exact
+        # one that supports its calls (`INFERENCE_BACKEND`, flash, else lcx.methods' blockwise)
+        methods = config.methods.with_default_backend(INFERENCE_BACKEND)
         context = methods.context_len(model.config)  # before the patch changes the model's rope
         methods.apply(model)
         own = recorded_method(model) if methods.attention is None else None
@@ -111,6 +122,19 @@ class Engine:
                           else tokenizer.pad_token_id)
         self.stats = EngineStats()
         self._waiting: list[_Seq] = []
+        self._prefilling: list[_Seq] = []  # admitted, prompt partly prefilled (chunked prefill)
+        # prefix reuse and chunked prefill (`lcx.engine.prefix`): why not, or None
+        self.prefix_cache_refusal: str | None = reuse_refusal(model, methods, self.cache_layout,
+                                                              _static_basis(model) is not None)
+        self._window = methods.kv_window  # what a bounded method's held KV keeps
+        self._chunkable = self.prefix_cache_refusal is None and not (
+            methods.attention is not None and methods.attention.last_query_extra)
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_caching and self.prefix_cache_refusal is None:
+            name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+            self.prefix_cache = PrefixCache({"methods": self.methods_info(), "model": name, "dtype": str(self.dtype),
+                                             "model_rope": getattr(model.config, "rope_parameters", None)},
+                                            block_size=config.prefix_block_size, max_bytes=config.prefix_cache_bytes)
         self._next_id = 0
         self._ids: set[str] = set()
         # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)
@@ -178,8 +202,10 @@ class Engine:
                              f"lower max_tokens to at most {self.max_model_len - n}", "max_tokens")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request (validated first; `ValueError` if it cannot run). Returns its id."""
+                    request_id: str | None = None, *, group: str | None = None) -> str:
+        """Queue a request (validated first; `ValueError` if it cannot run). Returns its id.
+        `group`: requests that share it (the n samples of one API call) count as one client in
+        the fair scheduler (module docstring); default: the request alone."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids] if all(_is_int(t) for t in prompt_ids) else list(prompt_ids)
         self.validate(prompt_ids, params)
@@ -189,7 +215,9 @@ class Engine:
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self._ids.add(request_id)
-        self._waiting.append(_Seq(request_id, prompt_ids, params, self.eos_ids))
+        seq = _Seq(request_id, prompt_ids, params, self.eos_ids)
+        seq.group = group if group is not None else request_id
+        self._waiting.append(seq)
         return request_id
 
     def abort(self, request_id: str) -> StepEvent | None:
@@ -197,6 +225,11 @@ class Engine:
         for i, s in enumerate(self._waiting):
             if s.rid == request_id:
                 del self._waiting[i]
+                return self._finish_event(s, "abort")
+        for s in self._prefilling:
+            if s.rid == request_id:
+                self._prefilling.remove(s)
+                s.kv = None
                 return self._finish_event(s, "abort")
         for i, s in enumerate(self._seqs):
             if s.rid == request_id:
@@ -207,8 +240,8 @@ class Engine:
 
     def reset(self) -> list[str]:
         """Drop every waiting and running request (after an unexpected failure); returns their ids."""
-        ids = [s.rid for s in self._waiting + self._seqs]
-        self._waiting = []
+        ids = [s.rid for s in self._waiting + self._prefilling + self._seqs]
+        self._waiting, self._prefilling = [], []
         self._seqs, self._store = [], None
         self._ids.clear()
         return ids
@@ -219,10 +252,10 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._seqs)
+        return len(self._seqs) + len(self._prefilling)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._seqs)
+        return bool(self._waiting or self._prefilling or self._seqs)
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
@@ -232,7 +265,9 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = [""] * len(prompts)
+        for i in self._reuse_order(prompts):
+            ids[i] = self.add_request(prompts[i], params[i])
         outs: dict[str, RequestOutput] = {}
         acc: dict[str, list[StepEvent]] = {i: [] for i in ids}
         while len(outs) < len(ids):
@@ -245,6 +280,31 @@ class Engine:
                                                    acc.pop(ev.request_id),
                                                    params[ids.index(ev.request_id)])
         return [outs[i] for i in ids]
+
+    def _reuse_order(self, prompts: list[Sequence[int]]) -> list[int]:
+        """The order `generate` submits `prompts` in: with the prefix cache, the prompt sharing
+        the most with the others first (a passkey sweep's deepest needle: every other prompt
+        shares the instruction and the haystack up to its own needle with it), so the others,
+        admitted a step later (`_shares_uncached`), reuse it; else as given. Outputs keep the
+        caller's order; tokens are the same either way (the cache is exact)."""
+        n = len(prompts)
+        if self.prefix_cache is None or n < 2:
+            return list(range(n))
+        bs = self.config.prefix_block_size
+
+        def lcp(a, b) -> int:
+            lo, hi = 0, (min(len(a), len(b)) - 1) // bs  # whole blocks below each prompt's last token
+            while lo < hi:  # binary search on the number of equal leading blocks
+                mid = (lo + hi + 1) // 2
+                if a[:mid * bs] == b[:mid * bs]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        score = [sum(lcp(prompts[i], prompts[j]) for j in range(n) if j != i) for i in range(n)]
+        lead = max(range(n), key=lambda i: (score[i], -i))
+        return [lead] + [i for i in range(n) if i != lead]
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -259,11 +319,10 @@ class Engine:
             t0 = time.perf_counter()
             events += self._decode_step()
             self.stats.decode_s += time.perf_counter() - t0
-        free = self.config.max_batch - len(self._seqs)
-        if self._waiting and free > 0:
-            admit, self._waiting = self._waiting[:free], self._waiting[free:]
+        work = self._schedule_prefill()
+        if work:
             t0 = time.perf_counter()
-            events += self._prefill(admit)
+            events += self._prefill(work)
             self.stats.prefill_s += time.perf_counter() - t0
         for ev in events:
             if ev.finished:
@@ -271,68 +330,217 @@ class Engine:
         return events
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
+    def _schedule_prefill(self) -> list[tuple[_Seq, int]]:
+        """This step's prefill work: (request, prompt tokens to prefill now); see "Fair service"
+        in the module docstring. Without a token budget: every waiting request that has a batch
+        slot, its whole prompt. With `max_num_batched_tokens`: the budget left after this step's
+        decode rows goes first to the oldest partly prefilled prompt (a block: it always
+        progresses), then shortest remaining prompt first, the rest back to that oldest prompt."""
+        budget = self.config.max_num_batched_tokens
+        left = float("inf") if budget is None else budget - len(self._seqs)
+        admit = self._admissible()
+        if budget is None:
+            for s in admit:
+                self._start(s)
+            return [(s, len(s.prompt_ids) - s.done) for s in self._prefilling]
+        grant: dict[int, int] = {}  # id(seq) -> tokens this step
+        oldest = self._prefilling[0] if self._prefilling else None
+        if oldest is not None:
+            grant[id(oldest)] = c = self._chunk(oldest, min(left, self.config.prefix_block_size), first=True)
+            left -= c
+        for s in sorted(self._prefilling[1:] + admit, key=lambda x: len(x.prompt_ids) - x.done):
+            c = self._chunk(s, left, first=not grant)
+            if not c:
+                continue
+            if s not in self._prefilling:
+                self._start(s)
+            grant[id(s)] = c
+            left -= c
+        if oldest is not None and left > 0:  # the rest of the budget back to the oldest prompt
+            more = self._chunk_extra(oldest, grant[id(oldest)], left)
+            grant[id(oldest)] += more
+        return [(s, grant[id(s)]) for s in self._prefilling if grant.get(id(s))]
+
+    def _admissible(self) -> list[_Seq]:
+        """Waiting requests that may take a batch slot now (looked up in the prefix cache), fairly
+        across groups: the group holding the fewest slots first (FIFO among equals), and no group
+        holds more than max_batch - max(1, max_batch // 8) slots (max_batch >= 2), so a new
+        client's request finds a slot at once beside a heavy one (n = 256 samples)."""
+        free = self.config.max_batch - len(self._seqs) - len(self._prefilling)
+        if free <= 0 or not self._waiting:
+            return []
+        held: dict[str, int] = {}
+        for x in self._seqs + self._prefilling:
+            held[x.group] = held.get(x.group, 0) + 1
+        cap = self.config.max_batch
+        if cap >= 2:
+            cap -= max(1, cap // 8)
+        out: list[_Seq] = []
+        order = sorted(range(len(self._waiting)), key=lambda i: (held.get(self._waiting[i].group, 0), i))
+        for i in order:
+            if len(out) == free:
+                break
+            s = self._waiting[i]
+            if held.get(s.group, 0) >= cap and (out or self._seqs or self._prefilling):
+                continue
+            if not s.looked_up and self._shares_uncached(s, out):
+                continue  # next step it reuses what an earlier request computes now
+            held[s.group] = held.get(s.group, 0) + 1
+            if not s.looked_up:
+                s.looked_up = True
+                self._lookup(s)
+            out.append(s)
+        return out
+
+    def _shares_uncached(self, s: _Seq, admitted: list[_Seq]) -> bool:
+        """Whether `s` shares a whole block of prompt, beyond what that request reuses from the
+        cache, with a request admitted this step: its prefill stores the block, so `s` waits one
+        step and reuses it (a burst of requests with one system prompt computes it once; results
+        unchanged: the cache is exact)."""
+        if self.prefix_cache is None or s.params.prompt_logprobs is not None:
+            return False
+        bs = self.config.prefix_block_size
+        a = s.prompt_ids
+        for o in admitted:
+            b = o.prompt_ids
+            limit = min(len(a), len(b)) - 1  # blocks below each prompt's last token
+            n = o.done
+            if n + bs > limit or a[:n + bs] != b[:n + bs]:
+                continue
+            return True
+        return False
+
+    def _start(self, s: _Seq) -> None:
+        self._waiting.remove(s)
+        self._prefilling.append(s)
+
+    def _chunk_extra(self, s: _Seq, have: int, left: float) -> int:
+        rest = len(s.prompt_ids) - s.done - have
+        if rest <= left:
+            return rest
+        if not self._chunkable:
+            return 0
+        bs = self.config.prefix_block_size
+        return int(left) // bs * bs
+
+    def _chunk(self, s: _Seq, left: float, *, first: bool) -> int:
+        """Prompt tokens of `s` to prefill with `left` tokens of budget (0: none this step). A
+        step always makes progress: the first work item gets at least a block."""
+        rest = len(s.prompt_ids) - s.done
+        if rest <= left:
+            return rest
+        if not self._chunkable:  # one call for the whole remainder (`lcx.engine.prefix`)
+            return rest if first else 0
+        bs = self.config.prefix_block_size
+        c = int(left) // bs * bs if left >= bs else int(max(left, 0))
+        if c <= 0:
+            return min(rest, bs) if first else 0
+        return c
+
+    def _lookup(self, s: _Seq) -> None:
+        """Reuse the longest cached prefix of a new request's prompt (`lcx.engine.prefix`)."""
+        if self.prefix_cache is None or s.params.prompt_logprobs is not None:
+            return
+        n, row = self.prefix_cache.lookup(s.prompt_ids, self._window)
+        st = self.stats
+        st.prefix_cache_queries += 1
+        st.prefix_cache_query_tokens += len(s.prompt_ids) - 1
+        if n:
+            s.kv, s.done, s.cached = row, n, n
+            st.prefix_cache_hits += 1
+            st.prefix_cache_hit_tokens += n
+
+    def _prefill(self, work: list[tuple[_Seq, int]]) -> list[StepEvent]:
+        seqs = [s for s, _ in work]
         try:
-            keys, values, mask, pos, h = self._prefill_forward(seqs)
+            keys, values, pos, h = self._prefill_forward(work)
         except Exception as e:  # noqa: BLE001 - isolate: retry one by one, fail only the culprits
-            if len(seqs) == 1:
+            if len(work) == 1:
                 log.exception("prefill failed for request %s", seqs[0].rid)
+                self._prefilling.remove(seqs[0])
                 self._finish(seqs[0], "error", error=e)
                 return [self._event(seqs[0])]
             log.warning("batched prefill of %d requests failed (%s); retrying one by one", len(seqs), e)
-            return [ev for s in seqs for ev in self._prefill([s])]
+            return [ev for w in work for ev in self._prefill([w])]
         self.stats.prefill_batches += 1
-        self.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
+        self.stats.prefill_chunks += sum(1 for s, _ in work if s.done > s.cached)
+        self.stats.prompt_tokens_computed += sum(c for _, c in work)
+        C = h.shape[1]
+        N = pos.shape[1] - C  # held slots before the new tokens
         events: list[StepEvent] = []
         keep: list[int] = []
-        need_sample = [i for i, s in enumerate(seqs) if s.params.max_tokens > 0]
-        logits = self._lm_head(h[need_sample, -1]) if need_sample else None  # [b, V]
-        for i, s in enumerate(seqs):
+        ends = [i for i, (s, c) in enumerate(work) if s.done + c == len(s.prompt_ids) and s.params.max_tokens > 0]
+        logits = self._lm_head(h[ends, -1]) if ends else None  # [e, V]
+        for i, (s, c) in enumerate(work):
+            start, T = s.done, len(s.prompt_ids)
             try:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(s.prompt_ids, start, [k[i, :, N + C - c:] for k in keys],
+                                             [v[i, :, N + C - c:] for v in values])
+                if s.params.prompt_logprobs is not None:
+                    rows = h[i, C - c:] if start + c < T else h[i, C - c:-1]  # predict tokens start+1 ...
+                    if rows.shape[0]:
+                        s.plog += logprob_rows(self._lm_head(rows), s.prompt_ids[start + 1:start + 1 + rows.shape[0]],
+                                               s.params.prompt_logprobs)
+                s.done = start + c
+                if s.done < T:  # continue next step from the kept slots
+                    valid = pos[i] >= 0
+                    if len(work) == 1 and bool(valid.all()):  # views of this call's cache, no copy
+                        s.kv = RowKV([k[0] for k in keys], [v[0] for v in values], pos[0])
+                    else:
+                        idx = valid.nonzero().squeeze(1)
+                        s.kv = RowKV([k[i].index_select(1, idx) for k in keys],
+                                     [v[i].index_select(1, idx) for v in values], pos[i, idx])
+                    s.kv = s.kv.kept(s.done, self._window)
+                    continue
+                self._prefilling.remove(s)
+                s.kv = None
+                self.stats.prompt_tokens += T
                 ev = StepEvent(s.rid)
                 if s.params.prompt_logprobs is not None:
-                    n = len(s.prompt_ids)
-                    plog = self._lm_head(h[i, h.shape[1] - n:-1]) if n > 1 else None  # [n-1, V]
-                    ev.prompt_logprobs = [None] + (logprob_rows(plog, s.prompt_ids[1:], s.params.prompt_logprobs)
-                                                   if plog is not None else [])
-                    s.prompt_logprobs = ev.prompt_logprobs
+                    ev.prompt_logprobs = s.prompt_logprobs = [None] + s.plog
                 if s.params.max_tokens == 0:
                     self._finish(s, "length")
                 else:
-                    self._accept(s, logits[need_sample.index(i)], ev)
+                    self._accept(s, logits[ends.index(i)], ev)
                 self._fill_event(s, ev)
                 events.append(ev)
                 if not s.finished:
                     keep.append(i)
             except Exception as e:  # noqa: BLE001
                 log.exception("post-processing failed for request %s", s.rid)
+                if s in self._prefilling:
+                    self._prefilling.remove(s)
                 self._finish(s, "error", error=e)
                 events.append(self._event(s))
         if keep:
-            self._merge([seqs[i] for i in keep], [k[keep] for k in keys], [v[keep] for v in values],
-                        pos[keep].masked_fill(~mask[keep], -1))
+            self._merge([seqs[i] for i in keep], [k[keep] for k in keys], [v[keep] for v in values], pos[keep])
         return events
 
-    def _prefill_forward(self, seqs: list[_Seq]):
-        """Left-padded batched prefill. Returns keys, values (per layer [b, H_kv, T, D]),
-        mask [b, T], pos [b, T] and the final hidden states [b, T, d]."""
+    def _prefill_forward(self, work: list[tuple[_Seq, int]]):
+        """One batched prefill call: each request's next `c` prompt tokens (left-padded to the
+        longest), continuing from its held KV (left-padded before them, `lcx.engine.prefix`).
+        Returns keys, values (per layer [b, H_kv, N + C, D]: held slots then new ones), pos
+        [b, N + C] (-1 on padding) and the new tokens' final hidden states [b, C, d]."""
         from transformers.cache_utils import DynamicCache
 
-        b, T = len(seqs), max(len(s.prompt_ids) for s in seqs)
-        ids = torch.full((b, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(b, T, dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            n = len(s.prompt_ids)
-            ids[i, T - n:] = torch.tensor(s.prompt_ids)
-            mask[i, T - n:] = True
-        pos = mask.long().cumsum(1) - 1  # [b, T]: index within the request; -1 on padding
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        cache = DynamicCache()
-        out = self._decoder(input_ids=ids, position_ids=pos.clamp(min=0), past_key_values=cache,
-                               use_cache=True, **self._mask_kwargs(mask, pos))
+        b, C = len(work), max(c for _, c in work)
+        ids = torch.full((b, C), self.pad_id, dtype=torch.long)
+        qpos = torch.full((b, C), -1, dtype=torch.long)
+        for i, (s, c) in enumerate(work):
+            ids[i, C - c:] = torch.tensor(s.prompt_ids[s.done:s.done + c])
+            qpos[i, C - c:] = torch.arange(s.done, s.done + c)
+        ids, qpos = ids.to(self.device), qpos.to(self.device)
+        n_layers = len(self._decoder.layers)
+        held_k, held_v, kpos = stack_rows([s.kv for s, _ in work], n_layers, None)
+        kpos = kpos.to(self.device)
+        cache = DynamicCache() if held_k is None else _hf_cache(held_k, held_v)
+        pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
+        out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
+                            use_cache=True, **self._mask_kwargs(pos >= 0, pos))
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
-        return keys, values, mask, pos, out.last_hidden_state
+        return keys, values, pos, out.last_hidden_state
 
     def _mask_kwargs(self, mask: torch.Tensor, pos: torch.Tensor | None) -> dict[str, Any]:
         """Visibility of the cached + new slots for the model's forward: a 2D attention mask, or
@@ -439,7 +647,7 @@ class Engine:
 
     # ------------------------------------------------------------------ batch surgery
     def _merge(self, seqs: list[_Seq], keys, values, pos) -> None:
-        """Append prefilled rows (left-padded cache, pos -1 on padding) to the running batch."""
+        """Append prefilled rows (their prefill call's cache, pos -1 on padding) to the running batch."""
         budget = torch.tensor([len(s.prompt_ids) + s.params.max_tokens for s in seqs])
         new = KVStore.from_prefill(self.cache_layout, keys, values, pos, budget)
         self._store = new if self._store is None else KVStore.cat([self._store, new])

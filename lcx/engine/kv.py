@@ -178,9 +178,10 @@ class KVStore:
     @classmethod
     def from_prefill(cls, layout: CacheLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
                      pos: torch.Tensor, budget: torch.Tensor) -> "KVStore":
-        """Rows prefilled together: keys/values per layer `[b, Hkv, T, D]` (left-padded; unrotated
-        for a patched model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding)."""
-        n = (pos >= 0).sum(1)  # [b] tokens per row; the next query of row b is at position n[b]
+        """Rows prefilled together: keys/values per layer `[b, Hkv, T, D]` (unrotated for a patched
+        model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding, anywhere: a row
+        continued from held KV, `lcx.engine.prefix`, may hold only a bounded method's kept keys)."""
+        n = pos.max(1).values + 1  # [b] the next query of row b is at position n[b]
         valid = pos >= 0
         most = int(budget.max())  # no row ever holds more positions than its budget
         if layout.window is not None:

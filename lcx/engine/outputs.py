@@ -75,10 +75,23 @@ class EngineStats:
     decode_s: float = 0.0
     batch_size_hist: dict[int, int] = field(default_factory=dict)  # decode-step batch size -> steps
     finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
+    prefill_chunks: int = 0  # prefill calls that continued a prompt from held KV (chunked prefill)
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (prompt_tokens less cache hits)
+    # the prefix cache (`lcx.engine.prefix`): requests looked up / reusing >= 1 block, prompt
+    # tokens looked up / reused; hit rate = prefix_cache_hit_tokens / prefix_cache_query_tokens
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["batch_size_hist"] = {str(k): v for k, v in sorted(self.batch_size_hist.items())}
+        d["prefix_cache_hit_rate"] = round(self.prefix_cache_hit_rate, 6)
         return d
 
 

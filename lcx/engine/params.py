@@ -117,17 +117,40 @@ class EngineConfig:
     methods: the `lcx.MethodConfig` the engine applies at start-up (`MethodConfig.apply`: RoPE,
         then attention). A nested dict is parsed into one here (the JSON edge, e.g. `from_dict`);
         without an attention method the engine runs the one the model's config records, if any.
+    prefix_caching: keep the KV of prompt blocks and reuse the longest cached prefix of a new
+        request (`lcx.engine.prefix`: exact; bypassed where a prefix's keys depend on what
+        follows, `Engine.prefix_cache_refusal` says why).
+    prefix_cache_bytes: the prefix cache's memory bound (LRU eviction).
+    prefix_block_size: tokens per cached block (a prefix is reused in whole blocks).
+    max_num_batched_tokens: token budget of one `step` (decode rows + prompt tokens prefilled);
+        a prompt longer than what is left is prefilled in chunks over several steps (chunked
+        prefill, `lcx.engine.prefix`), so running requests keep decoding beside a long prompt.
+        None: no budget (every admitted prompt is prefilled whole in the step that admits it).
     """
 
     max_model_len: int | None = None
     max_batch: int = 16
     methods: MethodConfig = field(default_factory=MethodConfig)
+    prefix_caching: bool = True
+    prefix_cache_bytes: int = 1 << 30
+    prefix_block_size: int = 16
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not _is_int(self.max_batch) or self.max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
+        if not _is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        if not _is_int(self.prefix_block_size) or self.prefix_block_size < 1:
+            raise ValueError(f"prefix_block_size must be a positive integer, got {self.prefix_block_size!r}")
+        if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
+                                                        or self.max_num_batched_tokens < 1):
+            raise ValueError(f"max_num_batched_tokens must be a positive integer or None, "
+                             f"got {self.max_num_batched_tokens!r}")
         object.__setattr__(self, "methods", MethodConfig.from_dict(self.methods))
 
     @classmethod
@@ -137,7 +160,9 @@ class EngineConfig:
         return strict_from_dict(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_model_len": self.max_model_len, "max_batch": self.max_batch, "methods": self.methods.to_dict()}
+        return {"max_model_len": self.max_model_len, "max_batch": self.max_batch, "methods": self.methods.to_dict(),
+                "prefix_caching": self.prefix_caching, "prefix_cache_bytes": self.prefix_cache_bytes,
+                "prefix_block_size": self.prefix_block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
 
 
 def _is_int(x: Any) -> bool:

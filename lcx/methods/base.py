@@ -150,6 +150,23 @@ class AttentionMethod:
             pos.append(torch.nn.functional.pad(lq.key_positions, (0, pad), value=0))
         return LastQueryKeys(torch.stack(vis, dim=-2), torch.stack(pos, dim=-2))
 
+    @property
+    def call_dependence(self) -> str | None:
+        """Why a query's output may depend on more than the keys up to it (on the length of the
+        call it is in), or None. None is what makes a prompt's prefix reusable (`lcx.engine`'s
+        prefix cache) and a prompt cuttable into calls (chunked prefill): the rows of a prefix,
+        hence the next layer's keys, are then the same whatever follows them. E.g. LM-Infinite
+        with a cap past its window: the cap min(limit_distance, Tk - 1) follows the call's Tk."""
+        return None
+
+    @property
+    def last_query_extra(self) -> bool:
+        """True when the LAST query of each call sees more than the others (LM-Infinite's top-k
+        middle keys): where a prompt is cut into calls then decides which rows get it, so such a
+        prompt is prefilled in one call (a cached prefix still may be reused: its rows were not
+        the last of their call)."""
+        return False
+
     def decode_rule(self) -> "DecodeRule | None":
         """How a decode step's query sees a cache of keys rotated once (see the module docstring),
         or None where the method is not softmax over rotated keys (SWAT): `lcx.engine` then

@@ -119,6 +119,19 @@ class LMInfinite(AttentionMethod):
             scale=scale)  # [B, 1, H, Dv]
         return torch.cat((out[:, :-1], last.to(out.dtype)), dim=1)
 
+    @property
+    def call_dependence(self):
+        # a query i with a global key outside its window (i >= n_local) is scored at the cap
+        # min(limit, Tk - 1) of its call: independent of Tk >= i + 1 iff limit <= n_local
+        if self.n_global and self.limit_distance > self.n_local:
+            return (f"lm_infinite's cap min(limit_distance={self.limit_distance}, Tk - 1) follows the call's "
+                    f"length for queries before position {self.limit_distance} (limit_distance > n_local)")
+        return None
+
+    @property
+    def last_query_extra(self):
+        return bool(self.top_k)
+
     def _spec(self, scale):
         return AttentionSpec.lm_infinite(self.n_global, self.n_local, self.limit_distance, scale=scale)
 

@@ -243,8 +243,8 @@ def test_decode_backend_is_used_for_one_token_calls(model64, monkeypatch):
         return orig(q, k, v, spec, backend=backend, **kw)
 
     monkeypatch.setattr("lcx.methods.base.attention", spy)
-    engine = Engine(model, tok, EngineConfig(methods={"attention": params, "decode_backend": "flash"},
-                                             max_model_len=256))
+    engine = Engine(model, tok, EngineConfig(methods={"attention": params, "backend": "blockwise",
+                                                      "decode_backend": "flash"}, max_model_len=256))
     try:
         outs = engine.generate(_prompts(tok)[:2], SamplingParams(max_tokens=GEN, ignore_eos=True))
         assert [o.token_ids for o in outs] == want
@@ -293,3 +293,24 @@ def test_decode_attention_equals_dense_softmax(dtype, with_side):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     else:
         assert_within_budget(got, dense(dtype), want)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_engine_picks_fastest_supported_backend_by_default(model64, name):
+    """No backend named: the engine runs the fastest exact backend the method supports (flash,
+    `lcx.method_config.INFERENCE_BACKEND`), else `lcx.methods`' default (blockwise: SWAT's sigmoid);
+    a backend named is kept."""
+    from lcx.hf.attention_patch import current_patch, unpatch_attention
+    from lcx.method_config import INFERENCE_BACKEND
+
+    model, tok = model64
+    method = method_from_dict(METHODS[name])
+    try:
+        eng = Engine(model, tok, EngineConfig(methods={"attention": METHODS[name]}, max_model_len=256))
+        want = INFERENCE_BACKEND if method.supports(INFERENCE_BACKEND) is None else None
+        assert eng.methods.backend == want
+        assert current_patch(model).backend == (want or "blockwise")
+        named = Engine(model, tok, EngineConfig(methods={"attention": METHODS[name], "backend": "ref"}, max_model_len=256))
+        assert named.methods.backend == "ref" and current_patch(model).backend == "ref"
+    finally:
+        unpatch_attention(model)
