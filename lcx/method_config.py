@@ -41,13 +41,13 @@ from typing import Any, Iterator, Mapping
 from .rope import RopeSpec
 from .rope.spec import _IGNORED_HF_KEYS
 
-NESTED_KEYS = ("rope", "attention", "backend", "decode_backend")
+NESTED_KEYS = ("rope", "attention", "backend", "decode_backend", "layers")
 # The attention backend inference front ends default to (lm-eval's `lcx` model, `lcx eval ppl`,
 # `lcx report`): torch's fused flash kernels composed into the method's mask, the fastest exact
 # route on CPU; forward only, so training keeps `lcx.methods`' default (`blockwise`).
 INFERENCE_BACKEND = "flash"
-# flat (lm-eval) names of the backend fields
-FLAT_BACKEND_KEYS = {"attn_backend": "backend", "attn_decode_backend": "decode_backend"}
+# flat (lm-eval) names of the backend fields and of `layers`
+FLAT_BACKEND_KEYS = {"attn_backend": "backend", "attn_decode_backend": "decode_backend", "attn_layers": "layers"}
 ROPE_KEYS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
 # what a flat HF-style rope dict may hold besides RopeSpec's keys (legacy `type`, model keys)
 _FLAT_ROPE_KEYS = ROPE_KEYS | {"type"} | _IGNORED_HF_KEYS
@@ -85,12 +85,17 @@ class MethodConfig:
         None: the model's own attention.
     backend / decode_backend: `lcx.attention` backends of the attention method's calls (all
         backends compute the same thing; a speed choice). None: `lcx.methods`' default.
+    layers: on a hybrid local/global model (Gemma 3), "global" runs the attention method on the
+        full-attention layers (the sliding layers keep their own window), "all" on every layer
+        (`lcx.hf.attention_patch.patch_attention`). None: "global". No effect on models whose
+        layers are all alike.
     """
 
     rope: Mapping[str, Any] | None = None  # the (partial) spec as given; `rope_spec(model)` resolves it
     attention: Any = None  # lcx.methods.AttentionMethod | None
     backend: str | None = None
     decode_backend: str | None = None
+    layers: str | None = None
 
     def __post_init__(self) -> None:
         if self.rope is not None:
@@ -105,6 +110,13 @@ class MethodConfig:
         _check_backend("decode_backend", self.decode_backend)
         if self.attention is None and (self.backend or self.decode_backend):
             raise ValueError("an attention backend was given without an attention method")
+        if self.layers is not None:
+            from .hf.attention_patch import LAYERS
+
+            if self.layers not in LAYERS:
+                raise ValueError(f"layers={self.layers!r}; expected one of {list(LAYERS)}")
+            if self.attention is None:
+                raise ValueError("layers was given without an attention method")
 
     # ------------------------------------------------------------------ formats
     @classmethod
@@ -133,7 +145,7 @@ class MethodConfig:
             raise ValueError(f"{', '.join(inner)} inside 'attention': the backends are keys of the method config, "
                              f"beside 'attention' ({{\"attention\": {{...}}, \"{inner[0]}\": ...}})")
         return cls(rope=d.get("rope"), attention=attention, backend=d.get("backend"),
-                   decode_backend=d.get("decode_backend"))
+                   decode_backend=d.get("decode_backend"), layers=d.get("layers"))
 
     @classmethod
     def from_json(cls, text: str) -> "MethodConfig":
@@ -150,7 +162,7 @@ class MethodConfig:
             out["rope"] = self.rope.to_dict()
         if self.attention is not None:
             out["attention"] = self.attention.to_dict()
-        for key in ("backend", "decode_backend"):
+        for key in ("backend", "decode_backend", "layers"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -161,7 +173,7 @@ class MethodConfig:
         validated yet (so a caller can first refuse keys it does not know).
 
         RoPE keys (`rope_type`, `factor`, ...), `attention=<name>` plus that method's keys,
-        `attn_backend`, `attn_decode_backend`. A string is parsed as `k=v,k=v` (values as JSON
+        `attn_backend`, `attn_decode_backend`, `attn_layers`. A string is parsed as `k=v,k=v` (values as JSON
         where they parse: numbers, booleans, lists `[1,2]`)."""
         kw = parse_flat(kwargs) if isinstance(kwargs, str) else dict(kwargs)
         out: dict[str, Any] = {}
@@ -265,7 +277,8 @@ class MethodConfig:
         parts = [f"rope={_describe_rope(self.rope)}" if self.rope is not None else "",
                  f"attention={self.attention.describe()}" if self.attention is not None else "",
                  f"backend={self.backend}" if self.backend else "",
-                 f"decode_backend={self.decode_backend}" if self.decode_backend else ""]
+                 f"decode_backend={self.decode_backend}" if self.decode_backend else "",
+                 f"layers={self.layers}" if self.layers else ""]
         return ", ".join(p for p in parts if p) or "the model as loaded"
 
     # ------------------------------------------------------------------ applying
@@ -282,7 +295,7 @@ class MethodConfig:
             patch_rope(model, self.rope)
         if self.attention is not None:
             patch_attention(model, self.attention, backend=self.backend or DEFAULT_BACKEND,
-                            decode_backend=self.decode_backend)
+                            decode_backend=self.decode_backend, layers=self.layers or "global")
         return handle
 
 
@@ -378,7 +391,8 @@ class Applied:
                 unpatch_attention(self.model)
             else:
                 p = self._prev_attention
-                patch_attention(self.model, p.method, backend=p.backend, decode_backend=p.decode_backend)
+                patch_attention(self.model, p.method, backend=p.backend, decode_backend=p.decode_backend,
+                                layers=p.layers)
         if self._rope:
             if self._prev_rope is None:
                 unpatch_rope(self.model)
@@ -478,6 +492,9 @@ def add_method_arguments(parser: argparse.ArgumentParser, *, json_flag: str | No
                    help=f"lcx.attention backend of the method's calls: {', '.join(sorted(BACKENDS))}")
     g.add_argument("--attn-decode-backend", default=None, choices=sorted(BACKENDS), metavar="NAME",
                    help="backend of single-token (decode) calls (default: --attn-backend)")
+    g.add_argument("--attn-layers", default=None, choices=("global", "all"),
+                   help="on a hybrid local/global model (Gemma 3): the method on the full-attention layers "
+                        "only (global, the default; the sliding layers keep their own window) or on all")
     if json_flag:
         parser.add_argument(json_flag, dest="method_json", default=None, metavar="JSON",
                             help='a whole method config as JSON, e.g. \'{"rope": {"rope_type": "yarn", "factor": 4}, '
@@ -518,7 +535,7 @@ def method_config_from_args(args: argparse.Namespace) -> MethodConfig:
         parts["attention"] = {"type": args.attention, **params}
     elif params:
         raise ValueError(f"attention parameters {sorted(params)} given without --attention TYPE")
-    for flag, field in (("attn_backend", "backend"), ("attn_decode_backend", "decode_backend")):
+    for flag, field in FLAT_BACKEND_KEYS.items():  # --attn-backend, --attn-decode-backend, --attn-layers
         if getattr(args, flag, None) is not None:
             parts[field] = getattr(args, flag)
     return dataclasses.replace(cfg, **parts) if parts else cfg

@@ -26,9 +26,10 @@ CONFIGS = [
     {"attention": {"type": "swat", "window": 9, "alibi_slopes": [0.5, 0.25, -0.5, -0.25]}, "backend": "blockwise"},
     {"rope": {"rope_type": "ntk", "factor": 2.5}, "attention": {"type": "sliding_window", "window": 7},
      "backend": "flash", "decode_backend": "blockwise"},
+    {"attention": {"type": "sinks", "n_sink": 2, "window": 31}, "layers": "all"},
 ]
 IDS = ["identity", "yarn", "truncate", "longrope", "sinks", "sinks-norenumber", "lm_infinite", "swat",
-       "swat-slopes", "ntk+window"]
+       "swat-slopes", "ntk+window", "sinks-all-layers"]
 
 
 @pytest.mark.parametrize("d", CONFIGS, ids=IDS)
@@ -58,6 +59,8 @@ def test_flat_rope_dict_is_accepted():
     ({"attention": {"type": "flash"}}, "not known"),
     ({"attention": {"type": "sinks", "n_sink": 1, "window": 8}, "backend": "nope"}, "backend='nope' is not"),
     ({"backend": "flash"}, "without an attention method"),
+    ({"layers": "all"}, "layers was given without an attention method"),
+    ({"attention": {"type": "sinks", "n_sink": 1, "window": 8}, "layers": "local"}, r"layers='local'; expected one of"),
     ({"rope": {"rope_type": "yarn", "factor": 2}, "window": 3}, r"unknown method config key\(s\) \['window'\]"),
     ({"factor": 2, "attention": None}, "RoPE keys go under 'rope'"),
     ({"attention": {"type": "sinks", "n_sink": 1, "window": 8, "backend": "ref"}}, "backend inside 'attention'"),
@@ -85,7 +88,7 @@ def _parse(argv):
 
 
 def test_cli_flags_build_the_same_config():
-    want = MethodConfig.from_dict(CONFIGS[-1])
+    want = MethodConfig.from_dict(CONFIGS[9])
     got = _parse(["--rope", "ntk", "--factor", "2.5", "--attention", "sliding_window", "--window", "7",
                   "--attn-backend", "flash", "--attn-decode-backend", "blockwise"])
     assert got == want
@@ -94,6 +97,8 @@ def test_cli_flags_build_the_same_config():
     assert _parse(["--attention", "sinks", "--n-sink", "2", "--window", "31", "--renumber", "false"]) == \
         MethodConfig.from_dict(CONFIGS[5])
     assert _parse([]).is_identity
+    assert _parse(["--attention", "sinks", "--n-sink", "2", "--window", "31", "--attn-layers", "all"]) == \
+        MethodConfig.from_dict(CONFIGS[10])
     assert _parse(["--attention", "swat", "--window", "9"]) == MethodConfig.from_dict(CONFIGS[7])
     assert _parse(["--attention", "swat", "--window", "9", "--alibi-slopes", "[0.5,0.25,-0.5,-0.25]",
                    "--attn-backend", "blockwise"]) == MethodConfig.from_dict(CONFIGS[8])
@@ -221,3 +226,28 @@ def test_rope_spec_is_read_only_plain_data():
         cfg.rope.short_factor = 1
     assert cfg.rope["short_factor"] == (1.0,) * 8 and cfg.to_dict()["rope"]["short_factor"] == [1.0] * 8
     assert cfg.rope == {"rope_type": "longrope", "factor": 2.0, "short_factor": (1.0,) * 8, "long_factor": (2.0,) * 8}
+
+
+def test_layers_choose_the_hybrid_models_layers_and_restore():
+    """`layers` reaches `patch_attention`: on a tiny Gemma 3 (sliding layers with their own window)
+    "global" leaves the sliding layers on their window, "all" runs the method everywhere; a config
+    applied over an "all" patch restores "all" on exit."""
+    from lcx.hf.attention_patch import _STATE, current_patch
+    from lcx.hf.models import attention_layers, tiny_model
+    from lcx.methods import sinks
+
+    model = tiny_model("gemma3_text")
+    method = sinks(2, 5)
+
+    def methods_run() -> list:
+        return [getattr(a, _STATE).method for a in attention_layers(model)]
+
+    with lcx.patched(model, MethodConfig(attention=method)):
+        run = methods_run()
+        assert method in run and any(m != method for m in run)  # the sliding layers keep their window
+    with lcx.patched(model, MethodConfig(attention=method, layers="all")):
+        assert all(m == method for m in methods_run()) and current_patch(model).layers == "all"
+        with lcx.patched(model, MethodConfig(attention=sinks(1, 3))):
+            assert current_patch(model).layers == "global"
+        assert all(m == method for m in methods_run()) and current_patch(model).layers == "all"
+    assert current_patch(model) is None
