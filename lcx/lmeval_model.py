@@ -156,6 +156,78 @@ class LcxLM(HFLM):
             cont[b, : len(o.token_ids)] = torch.tensor(o.token_ids, dtype=context.dtype)
         return torch.cat((context.cpu(), cont), dim=1).to(context.device)
 
+    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
+                              disable_tqdm: bool = False, override_bs: int | None = None,
+                              ) -> list[tuple[float, bool]]:
+        """HFLM's scoring of `loglikelihood` and `loglikelihood_rolling`, without `[B, T, vocab]`
+        logits: the decoder runs once per batch and the continuation's tokens are scored in chunks
+        (`lcx.eval.loss`), so a 16k-token window of a 262k-vocabulary model needs 256 MiB-sized
+        chunks instead of 17 GB. The same requests, order, truncation (left, to `max_length`),
+        batching, one-token-continuation cache (`logits_cache`), cache hooks and answers
+        `(sum of log p, all greedy)` as HFLM's (tests/eval/test_loss.py compares them)."""
+        from lm_eval.models.utils import Collator
+        from tqdm import tqdm
+
+        from lcx.eval.loss import check_head, head_logits, hidden_states, token_logprobs
+
+        def _collate(req):  # HFLM's order: longest first
+            toks = req[1] + req[2]
+            return -len(toks), tuple(toks)
+
+        re_ord = Collator(requests, sort_fn=_collate, group_by="contexts" if self.logits_cache else None,
+                          group_fn=lambda req: req[-2] + req[-1][:-1])
+        auto = self.batch_size == "auto"
+        batch_size = (override_bs or 0) if auto else self.batch_size
+        if auto and len(re_ord) > 0 and not override_bs:
+            self.batch_sizes = {}
+        batch_fn = self._batch_scheduler if auto and len(re_ord) > 0 and not override_bs else None
+        model, sm_dtype = self.model, self.softmax_dtype
+        check_head(model)
+        res: list[tuple[float, bool]] = []
+        pbar = tqdm(total=len(requests), disable=(disable_tqdm or (self.rank != 0)),
+                    desc="Running loglikelihood requests")
+        for chunk in re_ord.get_batched(n=batch_size, batch_fn=batch_fn):
+            inps = []
+            for _, context_enc, continuation_enc in chunk:
+                if not context_enc or not continuation_enc or len(continuation_enc) > self.max_length:
+                    raise ValueError(f"lcx model: loglikelihood request with {len(context_enc)} context and "
+                                     f"{len(continuation_enc)} continuation tokens (max_length {self.max_length})")
+                # HFLM's left truncation: the last max_length tokens of context + continuation[:-1]
+                if len(context_enc) + len(continuation_enc) > self.max_length + 1:
+                    log.warning("lcx model: context (%d) + continuation (%d) tokens exceed max_length %d: "
+                                "the first %d tokens are dropped", len(context_enc), len(continuation_enc),
+                                self.max_length, len(context_enc) + len(continuation_enc) - self.max_length - 1)
+                inps.append((context_enc + continuation_enc)[-(self.max_length + 1):][:-1])
+            width = max(len(x) for x in inps)
+            batch = torch.zeros(len(inps), width, dtype=torch.long)  # right-padded
+            for b, x in enumerate(inps):
+                batch[b, : len(x)] = torch.tensor(x, dtype=torch.long)
+            with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                                 enabled=self.mixed_precision_dtype is not None):
+                hidden = hidden_states(model, batch.to(self.device))  # [B, width, H]
+                for (request_str, ctx_tokens, cont_toks), inp, h in zip(chunk, inps, hidden):
+                    n = len(cont_toks)
+                    h_cont = h[len(inp) - n : len(inp)]  # [n, H]: the states that predict the continuation
+                    # every continuation token but the last, chunked; the last position's whole
+                    # distribution, which one-token-continuation cache hits are scored from
+                    lp, greedy = token_logprobs(model, h_cont[:-1], torch.tensor(cont_toks[:-1], dtype=torch.long),
+                                                softmax_dtype=sm_dtype)
+                    last = torch.log_softmax(head_logits(model, h_cont[-1:]), dim=-1, dtype=sm_dtype)[0]  # [V]
+                    for req_str, cont, _ in re_ord.get_cache(req_str=request_str, cxt_toks=ctx_tokens,
+                                                             cont_toks=cont_toks, logits=last[None, None]):
+                        # a hit of a group is a one-token continuation (lm-eval yields its last token)
+                        cont = [int(cont)] if not isinstance(cont, (list, tuple)) else list(cont)
+                        k = len(cont) - 1  # earlier tokens: the trailing k of this row's continuation
+                        lps = torch.cat((lp[lp.numel() - k:].to(last.dtype), last[cont[-1]].reshape(1)))
+                        answer = (float(lps.sum()),
+                                  bool(greedy[greedy.numel() - k:].all()) and int(last.argmax()) == cont[-1])
+                        res.append(answer)
+                        if req_str is not None:
+                            self.cache_hook.add_partial("loglikelihood", req_str, answer)
+                        pbar.update(1)
+        pbar.close()
+        return re_ord.get_original(res)
+
     def get_model_info(self) -> dict:
         """What lm-eval records about the model: no hub lookups (HFLM asks the hub for a SHA)."""
         from lcx.models import resolve_source
