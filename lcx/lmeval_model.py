@@ -24,7 +24,9 @@ Everything else is lm-eval's HFLM (this class subclasses it with the model prelo
 does loglikelihood, loglikelihood_rolling and generate_until with the method in effect; the
 tokens of generate_until come from `lcx.engine` (lcx's one decode loop: batched, with the
 attention method's bounded per-row cache) instead of HF `generate` — HFLM still encodes,
-truncates, stops and post-processes. Generation kwargs the engine does not take (beam search,
+truncates, stops and post-processes — and loglikelihoods are scored in chunks of tokens from the
+hidden states (`lcx.eval.loss`: no `[batch, length, vocab]` logits, 17 GB for 16k tokens of
+Gemma 3) with HFLM's order, truncation, caching and answers. Generation kwargs the engine does not take (beam search,
 `num_beams`, ...) raise `ValueError` naming them. One more difference: HFLM truncates inputs
 to the model's `max_position_embeddings`; here `max_length` defaults to `DEFAULT_MAX_LENGTH` (2**20 tokens), so prompts beyond the original context reach
 the model whole, which is the point of extrapolation. Pass `max_length=N` for HFLM's
