@@ -323,6 +323,19 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
                      f"{_preset_list()}")
 
 
+def hf_directory(name_or_path: str | os.PathLike) -> Path:
+    """The plain Hugging Face directory `load_model` reads for `name_or_path`, for tools that take
+    a directory (`lm_eval --model hf`, vLLM): an HF directory (its unpacked cache entry when
+    compressed), or a GGUF's (or GGUF preset's) float32 cache entry, built on first use."""
+    kind, path = resolve_source(name_or_path)
+    if kind == "hf":
+        return path
+    entry = gguf_cache_dir(path)
+    if not _cache_valid(entry):
+        _build_gguf_cache(path, entry)
+    return entry
+
+
 def model_family(model: Any) -> str:
     """The architecture family of a loaded HF model, i.e. `model.config.model_type`
     (e.g. "llama", "qwen2", "mistral"). The patcher decides which families it supports."""

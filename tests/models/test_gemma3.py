@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lcx.cli import main as lcx_main
-from lcx.models import MODELS, gguf_cache_dir, is_gguf_cached, load_model, model_family
+from lcx.models import MODELS, gguf_cache_dir, hf_directory, is_gguf_cached, load_model, model_family
 from lcx.models.loading import GEMMA3_DIST, GEMMA3_PACKAGE
 
 PRESET = "gemma3-270m"
@@ -168,7 +168,7 @@ def test_gemma3_second_load_hits_the_cache(gemma):
     model2, _ = load_model(PRESET)
     second = time.perf_counter() - t0
     assert second < first / 3, (first, second)
-    assert gguf_cache_dir(MODELS[PRESET].resolve()).is_dir()
+    assert hf_directory(PRESET) == gguf_cache_dir(MODELS[PRESET].resolve())  # for lm_eval --model hf
     ids = torch.tensor([tok("The capital of France is").input_ids])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, model2(ids).logits)

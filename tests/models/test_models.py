@@ -399,3 +399,15 @@ def test_bundled_models_load_in_float32_from_compressed_weights():
     p = next(model.parameters())
     assert p.dtype == torch.float32
     assert torch.equal(p, p.to(torch.bfloat16).float())  # bfloat16 values, exactly
+
+
+def test_hf_directory_is_the_directory_load_model_reads(tiny_model_dir):
+    """`hf_directory`: a plain HF directory as is, a compressed one's unpacked entry (a GGUF's
+    float32 cache entry: tests/models/test_gemma3.py, slow tier)."""
+    from lcx.models import hf_directory, resolve_source
+
+    assert hf_directory(tiny_model_dir) == tiny_model_dir.resolve()
+    entry = hf_directory("tiny-5m")
+    assert entry == resolve_source("tiny-5m")[1] and (entry / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="neither an existing path nor a model preset"):
+        hf_directory("no-such-model-xyz")
