@@ -184,10 +184,14 @@ class RopeSpec:
 
         Fills `rope_theta` and, for types that use it, `original_max_position_embeddings`
         from the model (its rope_parameters / max_position_embeddings) when they are not given,
-        so `{"rope_type": "yarn", "factor": 4}` means "4x this model's context".
+        so `{"rope_type": "yarn", "factor": 4}` means "4x this model's context". A config with
+        RoPE per layer type (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`)
+        resolves against its global layers' entry, the one `lcx.patch` scales.
         """
         d = dict(d.to_dict()) if isinstance(d, RopeSpec) else dict(d or {})
         model_rope = dict(getattr(config, "rope_parameters", None) or {})
+        if isinstance(model_rope.get("full_attention"), Mapping):  # per layer type: the global layers'
+            model_rope = dict(model_rope["full_attention"])
         if d.get("rope_theta") is None:
             theta = model_rope.get("rope_theta", getattr(config, "rope_theta", None))
             if theta is None:

@@ -172,3 +172,25 @@ def test_gemma3_second_load_hits_the_cache(gemma):
     ids = torch.tensor([tok("The capital of France is").input_ids])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, model2(ids).logits)
+
+
+def test_rope_spec_resolves_against_the_global_layers_of_a_per_layer_type_config():
+    """Gemma 3 keeps RoPE per layer type; a partial spec (and the context it implies, which the
+    engine and lm_eval --model lcx ask for) resolves against the global layers' entry."""
+    import lcx
+    from lcx.engine import Engine, EngineConfig
+    from lcx.hf.models import tiny_model
+    from lcx.models.tiny import tiny_llama
+    from lcx.rope import RopeSpec
+
+    model = tiny_model("gemma3_text", rope_theta=1e6)
+    rp = model.config.rope_parameters
+    assert set(rp) == {"full_attention", "sliding_attention"}
+    spec = RopeSpec.for_model({"rope_type": "yarn", "factor": 2}, model.config)
+    assert (spec.rope_theta, spec.original_max_position_embeddings) == (1e6, model.config.max_position_embeddings)
+    cfg = lcx.MethodConfig.from_dict({"rope": {"rope_type": "yarn", "factor": 2}})
+    assert cfg.context_len(model.config) == 2 * model.config.max_position_embeddings
+    _, tok = tiny_llama()
+    Engine(model, tok, EngineConfig(methods=cfg))  # asks for context_len; raised before the fix
+    assert model.config.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert model.config.rope_parameters["sliding_attention"] == rp["sliding_attention"]
