@@ -8,6 +8,10 @@ One folder per task (YAML + small Python module + README):
   character offsets, and in natural-language templates never used in training.
 - `lcx_ppl`, `lcx_ppl_tail` — perplexity / bits per byte of held-out works of the lcx corpus, by
   context length (whole bucket, or its second half given the first).
+- `niah_single_2_pd`, `niah_single_3_pd`, `niah_multikey_1_pd`, `niah_multivalue_pd`,
+  `niah_multiquery_pd` — RULER's essay-haystack NIAH tasks (lm-eval's generators) over lcx's
+  public-domain held-out corpus instead of downloaded essays; `ruler_offline` (group) — these and
+  the six RULER tasks that generate their data (docs/lm-eval.md, "RULER").
 
 lm-eval finds these tasks by itself once lcx is installed (a start-up hook, `lcx._lmeval_hook`,
 adds `TASKS_DIR` to every `TaskManager`; opt out with `LCX_NO_LMEVAL_HOOK=1`). Explicitly:
@@ -32,6 +36,12 @@ TASK_NAMES: tuple[str, ...] = (
     "modadd_shift_template",
     "lcx_ppl",
     "lcx_ppl_tail",
+    "niah_single_2_pd",
+    "niah_single_3_pd",
+    "niah_multikey_1_pd",
+    "niah_multivalue_pd",
+    "niah_multiquery_pd",
+    "ruler_offline",
 )
 
 __all__ = ["TASKS_DIR", "TASK_NAMES"]

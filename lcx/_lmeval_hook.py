@@ -4,7 +4,7 @@ lm-eval 0.4.13 has no plugin mechanism: a model is found only if its module was 
 lm-eval looks it up, and tasks outside lm-eval load only through `include_path`. So lcx ships a
 `.pth` file (`lcx-lmeval-hook.pth`, written into site-packages by setup.py for regular and
 editable installs) whose one line runs `install()` when Python starts. `install()` imports
-nothing heavy: it puts a finder at the front of `sys.meta_path` that waits for two modules and
+nothing heavy: it puts a finder at the front of `sys.meta_path` that waits for three modules and
 patches each right after it executes:
 
 - `lm_eval.models` (the package that fills lm-eval's model registry): registers `lcx` as a lazy
@@ -14,7 +14,6 @@ patches each right after it executes:
   path, after lm-eval's own tasks and before the user's `--include_path`. Later paths win in
   lm-eval's index, so lcx's `passkey` replaces lm-eval's LIBRA `passkey` (Russian, from the
   hub); a user's own folder still overrides lcx.
-
   It also points the registry's lazy `local-completions` entry at this module's
   `LocalCompletionsAPI`, which imports lm-eval's class when first asked for and patches it
   (`patch_local_completions`): `local-completions` left-truncates every prompt to `max_length`
@@ -23,9 +22,15 @@ patches each right after it executes:
   the patched class asks the server (`GET /v1/models`: lcx's and vLLM's cards carry
   `max_model_len`) and uses its `max_model_len`; if the server does not say, it warns that
   prompts will be cut at 2,047 tokens unless `max_length=` is given (`server_max_model_len`).
+- `lm_eval.tasks.ruler.common_utils` (imported by every RULER task before it builds data): wraps
+  `get_tokenizer` so RULER sizes its prompts with the tokenizer `lcx.load_model` gives the model
+  named in `--model_args pretrained=...` (a preset, a local HF directory, a `.gguf`) instead of
+  asking `AutoTokenizer` for that name; and appends lcx's parameter-free Punkt sentence splitter
+  (`eval_tasks/ruler_pd/nltk_data`) to nltk's data path, so RULER's import finds `punkt_tab`
+  instead of trying to download it (an installed English `punkt_tab` still wins; docs/lm-eval.md).
 
-The finder removes itself once both modules are patched. Nothing happens when
-`LCX_NO_LMEVAL_HOOK=1`, when lm-eval is never imported, or (with one warning) when the installed
+The finder removes itself once all three modules are patched (the RULER one only when RULER is used).
+Nothing happens when `LCX_NO_LMEVAL_HOOK=1`, when lm-eval is never imported, or (with one warning) when the installed
 lm-eval is not `SUPPORTED_LM_EVAL`, the version whose internals this patches. Failures inside
 the hook are turned into warnings: they must never break an unrelated Python process.
 
@@ -44,6 +49,7 @@ SUPPORTED_LM_EVAL = "0.4.13"
 OPT_OUT_ENV = "LCX_NO_LMEVAL_HOOK"
 MODEL_NAME = "lcx"
 MODEL_TARGET = "lcx.lmeval_model:LcxLM"
+RULER_COMMON = "lm_eval.tasks.ruler.common_utils"
 _PATCHED_ATTR = "_lcx_include_path_patched"
 _LENGTH_PATCHED_ATTR = "_lcx_max_length_patched"
 LM_EVAL_DEFAULT_MAX_LENGTH = 2048  # lm-eval's TemplateAPI default (prompts cut to this - 1 tokens)
@@ -143,6 +149,76 @@ def patch_task_manager(manager_module=None) -> None:
 
     setattr(__init__, _PATCHED_ATTR, True)
     cls.__init__ = __init__
+    _patch_yaml_loader()
+
+
+def _patch_yaml_loader() -> None:
+    """lm-eval's YAML loader executes a `!function` module's file afresh (`common_utils.py` for
+    RULER's `process_results`) and puts the new module in `sys.modules`, so RULER modules imported
+    after it would see an unpatched `get_tokenizer`: patch every fresh copy too."""
+    import lm_eval.tasks._yaml_loader as loader
+
+    original = loader._load_module_with_cache
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+
+    def _load_module_with_cache(module_path):
+        module = original(module_path)
+        if getattr(module, "__name__", None) == RULER_COMMON:
+            patch_ruler(module)
+        return module
+
+    setattr(_load_module_with_cache, _PATCHED_ATTR, True)
+    loader._load_module_with_cache = _load_module_with_cache
+
+
+def lcx_tokenizer_dir(name: str) -> str | None:
+    """The directory of the tokenizer `lcx.load_model(name)` returns, or None when `name` is not
+    something lcx loads (a hub id: left to `AutoTokenizer`). A `.gguf` is dequantized into lcx's
+    cache first if needed (the `lcx` model has normally done it already). A preset whose files are
+    missing raises `FileNotFoundError` saying how to get them."""
+    from lcx.models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
+
+    try:
+        kind, path = resolve_source(name)
+    except ValueError:
+        return None
+    if kind == "gguf":
+        if not is_gguf_cached(path):
+            load_model(path)  # builds the cache entry (model + tokenizer files)
+        return str(gguf_cache_dir(path))
+    return str(path)
+
+
+def nltk_data_dir() -> str:
+    """lcx's nltk data: `tokenizers/punkt_tab/english` with empty Punkt parameters (Punkt's rules
+    without learned abbreviations), since nltk's English parameters are a download."""
+    return os.path.join(tasks_dir(), "ruler_pd", "nltk_data")
+
+
+def patch_ruler(common_utils=None) -> None:
+    """Make lm-eval's RULER tasks run offline on lcx models (see the module docstring)."""
+    import functools
+
+    if common_utils is None:
+        import lm_eval.tasks.ruler.common_utils as common_utils
+    original = common_utils.get_tokenizer
+    if getattr(original, _PATCHED_ATTR, False):
+        return
+    import nltk
+
+    if nltk_data_dir() not in nltk.data.path:
+        nltk.data.path.append(nltk_data_dir())
+
+    @functools.cache
+    def get_tokenizer(tokenizer=None, pretrained=None, **kwargs):
+        name = tokenizer or pretrained
+        local = lcx_tokenizer_dir(name) if isinstance(name, str) and name else None
+        return original(local or name, **kwargs)
+
+    get_tokenizer.__wrapped__ = original
+    setattr(get_tokenizer, _PATCHED_ATTR, True)
+    common_utils.get_tokenizer = get_tokenizer
 
 
 def server_max_model_len(base_url: str | None, auth_token: str | None = None, timeout: float = 10.0) -> int | None:
@@ -212,11 +288,15 @@ def apply(force: bool = False) -> bool:
     register_model(lm_eval.models)
     patch_task_manager(lm_eval.tasks.manager)
     patch_local_completions(lm_eval.models.openai_completions)
+    import lm_eval.tasks.ruler.common_utils
+
+    patch_ruler(lm_eval.tasks.ruler.common_utils)
     return True
 
 
 # ------------------------------------------------------------------------------ the import hook
-_CALLBACKS = {"lm_eval.models": register_model, "lm_eval.tasks.manager": patch_task_manager}
+_CALLBACKS = {"lm_eval.models": register_model, "lm_eval.tasks.manager": patch_task_manager,
+              RULER_COMMON: patch_ruler}
 
 
 class _Loader:
