@@ -89,12 +89,30 @@ def test_tracked_tree_fits_the_gpu_machines_payload():
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
     files = [ROOT / os.fsdecode(p) for p in listed.split(b"\0") if p]
-    sizes = {f: f.stat().st_size for f in files if f.is_file()}
+    # lstat: a tracked symlink (tiny-swat-5m's tokenizer.json -> tiny-llama-5m's) travels as a link
+    sizes = {f: f.lstat().st_size for f in files if f.is_file()}
     total = sum(sizes.values())
     largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
     assert total <= DEVICE_PAYLOAD_BUDGET, (
         f"tracked files take {total / 2**20:.2f} MiB, over the {DEVICE_PAYLOAD_BUDGET / 2**20:.0f} MiB a GPU call "
         f"can carry; largest: {[f'{f.relative_to(ROOT)} {sizes[f] / 2**20:.1f} MiB' for f in largest]}")
+
+
+# results/README.md, "Budget": what results/ may take of the tracked tree.
+RESULTS_BUDGET = int(7.5 * 2**20)
+
+
+def test_results_keep_to_their_budget():
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "results"], cwd=ROOT, capture_output=True,
+                                check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / os.fsdecode(p) for p in listed.split(b"\0") if p]
+    total = sum(f.lstat().st_size for f in files if f.is_file())
+    assert total <= RESULTS_BUDGET, (
+        f"results/ takes {total / 2**20:.2f} MiB of the tracked tree, over its "
+        f"{RESULTS_BUDGET / 2**20:.1f} MiB budget (results/README.md): gzip per-sample records, or replace older results")
 
 
 def test_source_only_command_from_a_wheel_names_the_problem(monkeypatch, capsys):

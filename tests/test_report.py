@@ -16,6 +16,7 @@ from lcx.report import (
     load_cell,
     markdown,
     plan_run,
+    read_cell,
     run_report,
 )
 
@@ -174,7 +175,7 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     assert list(rec["results"]) == ["vanilla", "lm_infinite", "lmi_cap"]
     assert rec["config"]["methods_resolved"]["lmi_cap"] == {"rope": None, "attention": cap["attention"], "model": None}
     assert rec["results"]["lmi_cap"]["lmeval"]["384"]["ppl"] != rec["results"]["lm_infinite"]["lmeval"]["384"]["ppl"]
-    assert (tmp_path / "cells" / "lmi_cap.lmeval.384.json").exists()
+    assert (tmp_path / "cells" / "lmi_cap.lmeval.384.json.gz").exists()
     cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(320, 384),
                        depths=(0.25, 0.75), samples_per_depth=1, ppl_docs=1, decode_tokens=3)
     for f in (tmp_path / "cells").glob("lmi_cap.*"):
@@ -209,19 +210,21 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     run_json = tmp_path / "cells" / "run.json"
     state = json.loads(run_json.read_text())
     run_json.write_text(json.dumps({**state, "finished": False}))
-    (tmp_path / "cells" / "lm_infinite.decode.384.json").unlink()
+    (tmp_path / "cells" / "lm_infinite.decode.384.json.gz").unlink()
     resumed = run_report(cfg, tmp_path, progress=False, log=lines.append)
     assert resumed["cells_reused"] == 7 and resumed["run_id"] == state["run_id"]
     # --render measures nothing; a missing cell shows as a gap, the report says it is partial
-    (tmp_path / "cells" / "vanilla.lmeval.384.json").unlink()
+    (tmp_path / "cells" / "vanilla.lmeval.384.json.gz").unlink()
     rendered = run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)
     assert rendered["cells_reused"] == 7 and "384" not in rendered["results"]["vanilla"]["lmeval"]
     assert "Partial: 7 of 8 cells" in markdown(rendered)
     # a cell measured by other code: not kept by default; kept and listed with --keep-other-code
-    p = tmp_path / "cells" / "vanilla.decode.384.json"
-    d = json.loads(p.read_text())
+    p = tmp_path / "cells" / "vanilla.decode.384.json.gz"
+    d = read_cell(p)
     d["fingerprint"]["code"]["decode"]["lcx.engine"] = "0" * 12
-    p.write_text(json.dumps(d))
+    # written as an earlier version wrote cells (plain JSON): still read
+    p.unlink()
+    p.with_name(p.name.removesuffix(".gz")).write_text(json.dumps(d))
     assert run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)["cells_reused"] == 6
     other = run_report(cfg, tmp_path, render=True, keep_other_code=True, progress=False, log=lines.append)
     assert other["cells_reused"] == 7 and list(other["cells_kept_with_other_code"]) == ["vanilla/decode/384"]

@@ -27,8 +27,8 @@ interval, recomputed from the stored per-prompt results at every render; `passke
 pair of methods compared prompt by prompt at each length, the paired difference with its interval
 and the exact McNemar p), `passkey_heatmap.png`
 (k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars),
-`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one JSON per (method, measurement, length), written
-atomically as it finishes, plus `cells/run.json`, the run they belong to.
+`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one gzipped JSON per (method, measurement, length)
+(`X.json.gz`; plain `X.json` cells of earlier versions are still read), written atomically as it finishes, plus `cells/run.json`, the run they belong to.
 
 Measure, not replay. A cell records its settings and a fingerprint of what produced its numbers:
 the source of the modules that compute them (`NUMERICS_MODULES`, per measurement), the model's
@@ -56,7 +56,9 @@ from .cells import (
     load_cell,
     model_fingerprint,
     plan_run,
+    read_cell,
     run_fingerprint,
+    write_cell,
 )
 from .cli import QUICK, add_arguments, run
 from .config import (
@@ -86,4 +88,4 @@ from .render import (
 )
 from .run import run_report
 
-__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "_prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings"]
+__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "_prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "read_cell", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings", "write_cell"]

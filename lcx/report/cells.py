@@ -114,7 +114,29 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
 
 
 def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
-    return out / "cells" / f"{cell_stem(name)}.{kind}.{length}.json"
+    """Where a cell is written: gzipped JSON (cells hold every prompt's output; the repository must
+    fit a GPU call's payload, docs/contributing.md). `read_cell` also reads the plain `.json` that
+    earlier versions wrote."""
+    return out / "cells" / f"{cell_stem(name)}.{kind}.{length}.json.gz"
+
+
+def read_cell(path: Path) -> Any:
+    """A stored cell: `path` (`X.json.gz`), or the plain `X.json` beside it when only that exists
+    (cells written before cells were compressed). Raises OSError/ValueError when neither reads."""
+    from ..data.io import read_json
+
+    plain = path.with_name(path.name.removesuffix(".gz"))
+    return read_json(plain if not path.exists() and plain.exists() else path)
+
+
+def write_cell(path: Path, cell: dict[str, Any]) -> None:
+    """Write a cell atomically (gzipped by its name) and drop a plain-JSON copy an earlier version left."""
+    from ..data.io import atomic_write_json
+
+    atomic_write_json(path, cell)
+    plain = path.with_name(path.name.removesuffix(".gz"))
+    if plain != path:
+        plain.unlink(missing_ok=True)
 
 
 def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
@@ -124,10 +146,10 @@ def load_cell(path: Path, settings: dict[str, Any], fingerprint: dict[str, Any],
     (`--keep-other-code`) compares the fingerprint without its code part: models, environment
     and cell version must still match."""
     try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
+        d = read_cell(path)
+    except (OSError, ValueError, EOFError):
         return None
-    if d.get("settings") != settings or "result" not in d or not isinstance(d.get("fingerprint"), dict):
+    if not isinstance(d, dict) or d.get("settings") != settings or "result" not in d or not isinstance(d.get("fingerprint"), dict):
         return None
     kind = settings["kind"]
     have, want = cell_fingerprint(d["fingerprint"], kind), cell_fingerprint(fingerprint, kind)

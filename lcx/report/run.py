@@ -18,6 +18,7 @@ from .cells import (
     load_cell,
     plan_run,
     run_fingerprint,
+    write_cell,
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
 from .measure import CELL_RUNNERS
@@ -95,7 +96,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L)
         dt = time.perf_counter() - t0
         measured_s += dt
-        atomic_write_json(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
+        write_cell(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
                                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
                                  "result": result})
         cells[name][kind][str(L)] = result
