@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..presets import PresetRun
-from .config import CELL_KINDS, ReportConfig, cell_stem, run_settings
+from .config import CELL_KINDS, RULER_TASKS, ReportConfig, cell_stem, run_settings
 from .measure import DECODE_TIMING
 
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
@@ -26,6 +26,7 @@ NUMERICS_MODULES: dict[str, tuple[str, ...]] = {
     "lmeval": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.eval_tasks.common", "lcx.eval_tasks.base",
                                  "lcx.eval_tasks.passkey", "lcx.eval_tasks.lcx_ppl"),
     "decode": _COMMON_MODULES + ("lcx.engine",),
+    "ruler": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.engine", "lcx._lmeval_hook", "lcx.eval_tasks.ruler_pd"),
 }
 
 
@@ -107,6 +108,8 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
     common = {"kind": kind, "model": run.model, "method": name, "run": run_settings(run, model), "seed": cfg.seed,
               "length": length, "device": cfg.device, "dtype": cfg.dtype,
               "attn_backend": cfg.attn_backend if run.config.attention else None}
+    if kind == "ruler":
+        return {**common, "tasks": list(RULER_TASKS), "samples": cfg.ruler_samples}
     if kind == "lmeval":
         return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
                 "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}

@@ -16,7 +16,7 @@ from .run import run_report
 # CLI
 # ============================================================================================
 
-QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8)
+QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8, ruler_samples=2)
 
 
 def _custom_method(s: str) -> tuple[str, dict[str, Any]]:
@@ -101,6 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lcx.attention backend of the attention methods' prefill and decode (default: "
                         "%(default)s: torch's fused flash kernels composed into the windowed mask; e.g. "
                         "triton on a GPU, blockwise, sdpa)")
+    p.add_argument("--tasks", default=",".join(ReportConfig.tasks),
+                   help="what to measure, comma-separated: passkey and ppl (one lm-eval cell, always together) "
+                        "and ruler (lcx's ruler_offline tasks, at the lengths >= 1024; docs/report.md) "
+                        "(default: %(default)s)")
+    p.add_argument("--ruler-samples", type=int, default=ReportConfig.ruler_samples,
+                   help="prompts per RULER task and length (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
     p.add_argument("--fresh", action="store_true",
                    help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
@@ -116,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fingerprint match (e.g. to redraw plots)")
     p.add_argument("--render", action="store_true",
                    help="measure nothing: write the report from the stored matching cells (a sweep's progress)")
-    p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens")
+    p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens, 2 RULER prompts")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
             decode_lengths=args.decode_lengths,
             depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,
             ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),
-            seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend)
+            seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend,
+            tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+            ruler_samples=extra.get("ruler_samples", args.ruler_samples))
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2

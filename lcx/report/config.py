@@ -15,7 +15,17 @@ from ..presets import PRESETS, PresetRun
 
 DEFAULT_METHODS = tuple(name for name, p in PRESETS.items() if p.in_report)  # a new preset runs by default
 PPL_METRIC = "word_perplexity"
-CELL_KINDS = ("lmeval", "decode")
+CELL_KINDS = ("lmeval", "decode", "ruler")
+# `--tasks`: passkey and ppl are one lm-eval cell ("lmeval"); ruler is the RULER cell.
+TASKS = ("passkey", "ppl", "ruler")
+LMEVAL_TASKS = ("passkey", "ppl")
+# The RULER tasks a report runs: lcx's `ruler_offline` group (lm-eval's six generated tasks and the
+# five essay tasks over lcx's public-domain haystack; docs/lm-eval.md, "RULER").
+RULER_TASKS = ("niah_single_1", "niah_single_2_pd", "niah_single_3_pd", "niah_multikey_1_pd", "niah_multikey_2",
+               "niah_multikey_3", "niah_multiquery_pd", "niah_multivalue_pd", "ruler_vt", "ruler_cwe", "ruler_fwe")
+# Below this many tokens RULER's scaffold plus its 128-token answer budget leaves no room for a
+# haystack (lm-eval refuses to build NIAH samples at 256 and 512): shorter report lengths get no RULER cell.
+RULER_MIN_LENGTH = 1024
 METHOD_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a custom method's name is also part of its cell files' names
 
 
@@ -49,8 +59,16 @@ class ReportConfig:
     # name -> an `lcx.MethodConfig` dict: methods of the user's own (`--method NAME=CONFIG`), run
     # after the presets on the report's model, with the same prompts, cells and tables
     custom_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    tasks: tuple[str, ...] = TASKS  # what to measure (TASKS); ruler only at lengths >= RULER_MIN_LENGTH
+    ruler_samples: int = 30  # prompts per (RULER task, length): the first n of each task's 500
 
     def __post_init__(self) -> None:
+        tasks = tuple(self.tasks)
+        if not tasks or any(t not in TASKS for t in tasks):
+            raise ValueError(f"tasks must be a non-empty subset of {list(TASKS)}, got {list(tasks)}")
+        if ("passkey" in tasks) != ("ppl" in tasks):
+            raise ValueError("tasks: passkey and ppl are measured together (one lm-eval cell); name both or neither")
+        object.__setattr__(self, "tasks", tuple(t for t in TASKS if t in tasks))
         unknown = [m for m in self.methods if m not in PRESETS]
         if unknown:
             raise ValueError(f"unknown report method(s) {unknown}; known: {list(PRESETS)}")
@@ -87,7 +105,7 @@ class ReportConfig:
             if not d or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in d):
                 raise ValueError(f"depths must be a grid size or fractions in [0, 1], got {self.depths!r}")
             object.__setattr__(self, "depths", tuple(sorted({float(x) for x in d})))
-        for name, lo in (("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2)) + (
+        for name, lo in (("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2), ("ruler_samples", 1)) + (
                 (("depths", 1),) if not isinstance(self.depths, tuple) else ()):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
@@ -99,10 +117,28 @@ class ReportConfig:
                                    decode_lengths=tuple(sorted(lengths if self.decode_lengths is None
                                                                else self.decode_lengths)))
 
+    @property
+    def lmeval_lengths(self) -> tuple[int, ...]:
+        """Lengths of the passkey + perplexity cells (none without those tasks)."""
+        return tuple(self.lengths or ()) if "passkey" in self.tasks else ()
+
+    @property
+    def ruler_lengths(self) -> tuple[int, ...]:
+        """Lengths of the RULER cells: the report's lengths that fit RULER's scaffold."""
+        return tuple(L for L in self.lengths or () if L >= RULER_MIN_LENGTH) if "ruler" in self.tasks else ()
+
+    def cell_lengths(self, kind: str) -> tuple[int, ...]:
+        return {"lmeval": self.lmeval_lengths, "decode": tuple(self.decode_lengths or ()),
+                "ruler": self.ruler_lengths}[kind]
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
         if not d["custom_methods"]:  # (as before custom methods existed: an interrupted run still resumes)
             del d["custom_methods"]
+        if tuple(d["tasks"]) == LMEVAL_TASKS:  # (as before RULER: earlier reports render and resume as they did)
+            del d["tasks"], d["ruler_samples"]
+        elif "ruler" not in d["tasks"]:
+            del d["ruler_samples"]
         return d
 
 

@@ -104,7 +104,13 @@ def run_decode_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) 
             "threads": torch.get_num_threads()}
 
 
-CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell}
+def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+    from .ruler import run_ruler_cell as run_cell
+
+    return run_cell(model, run, cfg, length)
+
+
+CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell, "ruler": run_ruler_cell}
 # How a decode cell times (its settings carry it: cells timed otherwise are measured again).
 DECODE_TIMING = "cpu time with one CPU thread, else wall"
 

@@ -200,6 +200,10 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
                  f"trained context {ctx}, dashed; k/n correct per cell)", fontsize=10)
     atomic_savefig(fig, out / "passkey_heatmap.png", dpi=110)
     plt.close(fig)
+    if record["config"].get("ruler_lengths"):
+        from .ruler import plot_heatmap
+
+        plot_heatmap(record, out)
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), constrained_layout=True)
     ivs = passkey_intervals(record)
@@ -301,7 +305,7 @@ def markdown(record: dict[str, Any]) -> str:
     lengths, dl = c["lengths"], c["decode_lengths"]
     env = record["environment"]
     n_pk = max([(_cell(record, n, "lmeval", L) or {}).get("passkey_docs", 0) for n in res for L in lengths] or [0])
-    done = sum(1 for n in res for k in CELL_KINDS for _ in res[n][k])
+    done = sum(1 for n in res for k in CELL_KINDS for _ in res[n].get(k, {}))
     status = ("" if done == record.get("cells_total", done) else
               f" **Partial: {done} of {record['cells_total']} cells measured so far** (— = not yet).")
     lines = [f"# lcx report · {c['model']}", "",
@@ -332,6 +336,10 @@ def markdown(record: dict[str, Any]) -> str:
                                                  for L in lengths) + " |")
     lines += ["", "![perplexity by length](ppl_by_length.png)", ""]
     lines += _paired_section(record)
+    if c.get("ruler_lengths"):
+        from .ruler import markdown_section
+
+        lines += markdown_section(record)
     if dl:
         lines += _decode_section(record, dl)
     lines += ["## Methods (resolved)", ""]

@@ -20,9 +20,10 @@ from .cells import (
     run_fingerprint,
     write_cell,
 )
-from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
+from .config import CELL_KINDS, PPL_METRIC, RULER_TASKS, ReportConfig, model_hf_config, run_settings
 from .measure import CELL_RUNNERS
 from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
+from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired
 
 # The run
 # ============================================================================================
@@ -65,9 +66,10 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                 "kept_runs": sorted(keep - {run_id}) if keep else []}
     if not render:
         atomic_write_json(out / "cells" / "run.json", manifest)
-    cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in CELL_KINDS} for name in runs}
+    kinds = [k for k in CELL_KINDS if k != "ruler" or cfg.ruler_lengths]  # (no "ruler" key: as before RULER)
+    cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in kinds} for name in runs}
     todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
-            for kind in CELL_KINDS if L in (cfg.lengths if kind == "lmeval" else cfg.decode_lengths)]
+            for kind in CELL_KINDS if L in cfg.cell_lengths(kind)]
     bar = tqdm(todo, desc="report cells", unit="cell", disable=not progress)
     reused: list[str] = []
     other_code: dict[str, dict[str, Any]] = {}  # kept cells measured by other code (--keep-other-code)
@@ -100,7 +102,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
                                  "result": result})
         cells[name][kind][str(L)] = result
-        if kind == "lmeval":
+        if kind == "ruler":
+            bar.write(f"  {name} @ {L}: RULER {ruler_cell_summary(result)} ({dt:.0f} s)")
+        elif kind == "lmeval":
             bar.write(f"  {name} @ {L}: passkey {result['passkey']:.2f}, {PPL_METRIC} "
                       f"{result['ppl'][PPL_METRIC]:.1f} ({dt:.0f} s)")
         else:
@@ -118,7 +122,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "description": "lcx report: context-extension methods beyond the training context",
         "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
                    "methods_resolved": {n: run_settings(r, cfg.model) for n, r in runs.items()}, "methods_skipped": skipped,
-                   "tasks": ["passkey", "lcx_ppl"], "ppl_metric": PPL_METRIC},
+                   "tasks": (["passkey", "lcx_ppl"] if cfg.lmeval_lengths else []) + list(
+                       RULER_TASKS if cfg.ruler_lengths else ()), "ppl_metric": PPL_METRIC,
+                   **({"ruler_lengths": list(cfg.ruler_lengths)} if cfg.ruler_lengths else {})},
         "environment": environment(), "git": git_info(Path(__file__).resolve().parents[2]),
         "fingerprint": fingerprint, "run_id": run_id,
         "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
@@ -128,6 +134,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     }
     record["passkey_intervals"] = passkey_intervals(record)
     record["passkey_paired"] = passkey_paired(record)
+    if cfg.ruler_lengths:
+        record["ruler_intervals"] = ruler_intervals(record)
+        record["ruler_paired"] = ruler_paired(record)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", record)
     plot_report(record, out)

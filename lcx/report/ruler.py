@@ -1,0 +1,232 @@
+"""`lcx report`'s RULER cells: lcx's `ruler_offline` tasks (`RULER_TASKS`) through lm-eval with the
+`lcx` model at one length (`run_ruler_cell`), and what the report shows of them: per task and
+length, a prompt counts as correct when RULER's score is 1 (every expected answer in the output;
+multi-value tasks give partial credit, recorded as `score`), with a Wilson 95% interval; RULER's
+headline is the mean over tasks (as the RULER paper averages), whose interval is Wilson's over the
+pooled prompts (every task has the same number of prompts, so the pooled accuracy is that mean);
+paired tests between methods per task and for the headline (prompts matched by task and index).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from ..presets import PresetRun
+from .config import RULER_TASKS, ReportConfig
+
+# Measuring
+# ============================================================================================
+
+def _unbuildable(task: Any, length: int) -> str | None:
+    """Why RULER cannot score `task` at `length`, or None: lm-eval's CWE generator, when even its
+    smallest word list does not fit, emits samples with no expected answers, which its scorer then
+    divides by (ZeroDivisionError after the whole generation); found here before generating."""
+    docs = task.dataset["test"]
+    if len(docs) == 0:
+        return "no sample fits this length"
+    if any(not d for d in docs["outputs"]):
+        return "its samples have no expected answers at this length (the scaffold leaves no room for the words)"
+    return None
+
+
+def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+    """Every task of `RULER_TASKS` at `length` through lm-eval's `simple_evaluate` with the `lcx`
+    model: the first `cfg.ruler_samples` prompts of each (lm-eval's generator, seeded as lm-eval
+    seeds it, so every method gets the same prompts), each task's own generation budget. A task
+    RULER cannot build at this length is recorded with the reason instead of samples."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from .. import _lmeval_hook
+    from ..lmeval_model import LcxLM
+
+    _lmeval_hook.apply(force=True)  # RULER finds the model's tokenizer and nltk data offline
+    lm = LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
+               **run.config.with_default_backend(cfg.attn_backend).to_flat())
+    meta = {"tokenizer": run.model, "max_seq_lengths": [length]}
+    L = str(length)
+    out: dict[str, Any] = {"tasks": {}}
+    t0 = time.perf_counter()
+    tm = TaskManager(metadata=meta)  # (indexing lm-eval's tasks takes a while: once per cell)
+    loaded = tm.load(list(RULER_TASKS))["tasks"]
+    run_tasks = []
+    for name in RULER_TASKS:
+        why = _unbuildable(loaded[name], length)
+        if why is not None:
+            out["tasks"][name] = {"skipped": why}
+        else:
+            run_tasks.append(name)
+    res = simple_evaluate(model=lm, tasks=[loaded[n] for n in run_tasks], task_manager=tm, limit=cfg.ruler_samples,
+                          metadata=meta, log_samples=True, verbosity="WARNING") if run_tasks else {"samples": {}}
+    for name in run_tasks:
+        samples = []
+        for smp in sorted(res["samples"][name], key=lambda s: s["doc_id"]):
+            resps = smp.get("filtered_resps") or [None]
+            samples.append({"index": smp["doc"]["index"], "score": float(smp[L]), "correct": float(smp[L]) == 1.0,
+                            "prompt_tokens": smp["doc"]["length"], "output": resps[0]})
+        out["tasks"][name] = {"samples": samples}
+    out["tasks"] = {n: out["tasks"][n] for n in RULER_TASKS}
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _counts(task_cell: dict[str, Any] | None) -> tuple[int, int] | None:
+    smp = (task_cell or {}).get("samples")
+    return (sum(1 for s in smp if s["correct"]), len(smp)) if smp else None
+
+
+def ruler_cell_summary(cell: dict[str, Any]) -> str:
+    """One line for the progress bar: mean accuracy over the tasks RULER could build, k/n each."""
+    accs = [k / n for t in cell["tasks"].values() if (c := _counts(t)) for k, n in [c]]
+    return f"mean {sum(accs) / len(accs):.2f} over {len(accs)} tasks" if accs else "no task buildable"
+
+
+# Statistics
+# ============================================================================================
+
+def _interval(k: int, n: int) -> dict[str, Any]:
+    from ..stats import wilson_interval
+
+    lo, hi = wilson_interval(k, n)
+    return {"k": k, "n": n, "acc": k / n, "lo": lo, "hi": hi}
+
+
+def _ruler_cells(record: dict[str, Any], name: str) -> dict[str, Any]:
+    return record["results"].get(name, {}).get("ruler", {})
+
+
+def ruler_intervals(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """method -> length -> {"tasks": {task: interval}, "skipped": {task: why}, "headline": interval
+    of the pooled prompts with `acc` the mean over tasks} for every measured RULER cell. The
+    headline covers the tasks measured at that length (the same set for every method)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in record["results"]:
+        for L, cell in _ruler_cells(record, name).items():
+            tasks = {t: _interval(*c) for t, tc in cell["tasks"].items() if (c := _counts(tc))}
+            skipped = {t: tc["skipped"] for t, tc in cell["tasks"].items() if "skipped" in tc}
+            entry: dict[str, Any] = {"tasks": tasks, "skipped": skipped}
+            if tasks:
+                k, n = sum(iv["k"] for iv in tasks.values()), sum(iv["n"] for iv in tasks.values())
+                entry["headline"] = {**_interval(k, n), "acc": sum(iv["acc"] for iv in tasks.values()) / len(tasks),
+                                     "tasks": len(tasks)}
+            out.setdefault(name, {})[L] = entry
+    return out
+
+
+def _outcomes(cell: dict[str, Any] | None, task: str | None) -> dict[tuple[str, int], bool]:
+    """(task, prompt index) -> correct, for one task or (None) all of a RULER cell's tasks."""
+    return {(t, s["index"]): bool(s["correct"]) for t, tc in (cell or {}).get("tasks", {}).items()
+            if task in (None, t) for s in tc.get("samples", [])}
+
+
+def ruler_paired(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """length -> "headline" or task -> every pair (a, b) of methods (record order) measured there:
+    `lcx.stats.paired_difference` over the prompts both ran (matched by task and index)."""
+    from ..stats import paired_difference
+
+    names = list(record["results"])
+    lengths = sorted({L for n in names for L in _ruler_cells(record, n)}, key=int)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for L in lengths:
+        for scope in (None, *RULER_TASKS):
+            got = [(n, o) for n in names if (o := _outcomes(_ruler_cells(record, n).get(L), scope))]
+            pairs = []
+            for i, (a, x) in enumerate(got):
+                for b, y in got[i + 1:]:
+                    keys = sorted(set(x) & set(y))
+                    if keys:
+                        pairs.append({"a": a, "b": b, **paired_difference([x[k] for k in keys], [y[k] for k in keys])})
+            if pairs:
+                out.setdefault(L, {})[scope or "headline"] = pairs
+    return out
+
+
+# Rendering
+# ============================================================================================
+
+def markdown_section(record: dict[str, Any]) -> list[str]:
+    """The README's RULER section: headline by length, every task per length, paired tests against vanilla."""
+    from .render import _oriented, _p_is, _signed, format_interval
+
+    ivs = record.get("ruler_intervals") or ruler_intervals(record)
+    if not ivs:
+        return []
+    names = list(record["results"])
+    lengths = [str(L) for L in record["config"].get("ruler_lengths", [])]
+    n = record["config"].get("ruler_samples") or max(
+        (iv["n"] for m in ivs.values() for c in m.values() for iv in c["tasks"].values()), default=0)
+    lines = [f"## RULER (lcx's `ruler_offline`: {len(RULER_TASKS)} tasks, {n} prompts each per length)", "",
+             "A prompt is correct when every expected answer is in the output (RULER's score 1). Headline: the "
+             "mean over the tasks measured at that length, as RULER averages, with the Wilson 95% interval of the "
+             "pooled prompts. Lengths below 1024 fit no RULER sample.", "",
+             "| method | " + " | ".join(lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(format_interval(ivs.get(name, {}).get(L, {}).get("headline"))
+                                                 for L in lengths) + " |")
+    lines += ["", "![RULER: task x length per method](ruler_heatmap.png)", ""]
+    paired = record.get("ruler_paired") or ruler_paired(record)
+    for L in lengths:
+        tasks = [t for t in RULER_TASKS if any(t in ivs.get(m, {}).get(L, {}).get("tasks", {}) for m in names)]
+        skipped = sorted({f"`{t}` ({why})" for m in names for t, why in ivs.get(m, {}).get(L, {}).get("skipped", {}).items()})
+        if not tasks:
+            continue
+        lines += [f"At {L} tokens, correct/prompts per task" + (" (paired test against vanilla: a − b, only a : only b, p)"
+                                                               if "vanilla" in names else "") + ":", "",
+                  "| method | " + " | ".join(f"`{t}`" for t in tasks) + " | mean |", "|---|" + "---:|" * (len(tasks) + 1)]
+        for name in names:
+            cell = ivs.get(name, {}).get(L, {})
+            row = []
+            for t in ["headline", *tasks]:
+                iv = cell.get("headline") if t == "headline" else cell.get("tasks", {}).get(t)
+                text = "—" if iv is None else (f"{iv['acc']:.2f}" if t == "headline" else f"{iv['k']}/{iv['n']}")
+                q = _oriented(paired.get(L, {}).get(t, []), name, "vanilla") if name != "vanilla" else None
+                if iv is not None and q is not None and q["diff"] is not None:
+                    text += f" ({_signed(q['diff'])}, {q['x_only']}:{q['y_only']}, {_p_is(q['mcnemar_p'])})"
+                row.append(text)
+            lines.append(f"| {name} | " + " | ".join(row[1:] + row[:1]) + " |")
+        if skipped:
+            lines += ["", f"Not measurable at {L}: " + "; ".join(skipped) + "."]
+        lines.append("")
+    return lines
+
+
+def plot_heatmap(record: dict[str, Any], out: Path) -> None:
+    """ruler_heatmap.png: one panel per method, task x length, colour = accuracy, k/n written in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..data.io import atomic_savefig
+
+    ivs = record.get("ruler_intervals") or ruler_intervals(record)
+    names = [n for n in record["results"] if ivs.get(n)]
+    if not names:
+        return
+    lengths = [str(L) for L in record["config"].get("ruler_lengths", [])]
+    ncol = min(4, len(names))
+    nrow = math.ceil(len(names) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(2.2 + 0.9 * len(lengths) * ncol, 3.4 * nrow), squeeze=False,
+                             constrained_layout=True)
+    im = None
+    for ax, name in zip(axes.flat, names):
+        grid = [[(ivs[name].get(L, {}).get("tasks", {}).get(t) or {}).get("acc", float("nan")) for L in lengths]
+                for t in RULER_TASKS]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for r, t in enumerate(RULER_TASKS):
+            for c, L in enumerate(lengths):
+                iv = ivs[name].get(L, {}).get("tasks", {}).get(t)
+                ax.text(c, r, "n/a" if iv is None else f"{iv['k']}/{iv['n']}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
+        ax.set_yticks(range(len(RULER_TASKS)), RULER_TASKS, fontsize=6)
+        ax.set_title(name, fontsize=9)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes, shrink=0.6, label="RULER accuracy (all answers found)")
+    fig.suptitle(f"RULER: task x context length ({record['config']['model']}, trained context "
+                 f"{record['config']['context']}; k/n correct per cell)", fontsize=10)
+    atomic_savefig(fig, out / "ruler_heatmap.png", dpi=100)
+    plt.close(fig)

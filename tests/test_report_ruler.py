@@ -1,0 +1,91 @@
+"""`lcx report`'s RULER part: which lengths get RULER cells, the config it records (earlier
+reports unchanged), per-task Wilson intervals, the headline (mean over tasks), paired tests per
+task and for the headline, the README section and the heatmap, from hand-made cells."""
+
+from __future__ import annotations
+
+import pytest
+
+from lcx.report import ReportConfig
+from lcx.report.config import LMEVAL_TASKS, RULER_MIN_LENGTH, RULER_TASKS, TASKS
+from lcx.report.ruler import markdown_section, plot_heatmap, ruler_intervals, ruler_paired
+
+LENGTHS = (256, 512, 1024, 2048)
+N = 4  # prompts per task
+
+
+def test_ruler_runs_only_at_lengths_that_fit_its_scaffold():
+    cfg = ReportConfig(lengths=LENGTHS).resolved(256)
+    assert cfg.tasks == TASKS and cfg.ruler_lengths == tuple(L for L in LENGTHS if L >= RULER_MIN_LENGTH) == (1024, 2048)
+    assert cfg.cell_lengths("lmeval") == LENGTHS and cfg.cell_lengths("decode") == LENGTHS
+    only = ReportConfig(lengths=LENGTHS, tasks=("ruler",)).resolved(256)
+    assert only.cell_lengths("lmeval") == () and only.cell_lengths("ruler") == (1024, 2048)
+    assert ReportConfig(lengths=(256, 512)).resolved(256).ruler_lengths == ()
+
+
+def test_tasks_are_checked_by_name():
+    with pytest.raises(ValueError, match="subset of"):
+        ReportConfig(tasks=("passkey", "ppl", "qa"))
+    with pytest.raises(ValueError, match="passkey and ppl are measured together"):
+        ReportConfig(tasks=("passkey",))
+    with pytest.raises(ValueError, match="ruler_samples"):
+        ReportConfig(ruler_samples=0)
+
+
+def test_a_report_without_ruler_records_the_config_as_before():
+    """Committed reports (passkey + ppl) resume and render as they did: no new config keys."""
+    old = ReportConfig(tasks=LMEVAL_TASKS).to_dict()
+    assert "tasks" not in old and "ruler_samples" not in old
+    assert ReportConfig().to_dict()["tasks"] == list(TASKS) and ReportConfig().to_dict()["ruler_samples"] == 30
+
+
+def _cell(correct_by_task: dict[str, list[bool]], skipped: dict[str, str] | None = None) -> dict:
+    tasks = {t: {"samples": [{"index": i, "score": float(c), "correct": c, "prompt_tokens": 900, "output": "x"}
+                             for i, c in enumerate(cs)]} for t, cs in correct_by_task.items()}
+    tasks.update({t: {"skipped": why} for t, why in (skipped or {}).items()})
+    return {"tasks": tasks}
+
+
+T1, T2, CWE = RULER_TASKS[0], RULER_TASKS[1], "ruler_cwe"
+RECORD = {
+    "config": {"model": "m", "context": 256, "lengths": list(LENGTHS), "ruler_lengths": [1024, 2048], "ruler_samples": N},
+    "results": {
+        "vanilla": {"lmeval": {}, "ruler": {"1024": _cell({T1: [True, True, False, False], T2: [False] * N},
+                                                          {CWE: "no room"})}},
+        "yarn": {"lmeval": {}, "ruler": {"1024": _cell({T1: [True] * N, T2: [True, True, True, False]},
+                                                       {CWE: "no room"})}},
+    },
+}
+
+
+def test_intervals_per_task_and_the_headline_mean_over_tasks():
+    iv = ruler_intervals(RECORD)
+    v, y = iv["vanilla"]["1024"], iv["yarn"]["1024"]
+    assert (v["tasks"][T1]["k"], v["tasks"][T1]["n"]) == (2, N) and v["tasks"][T2]["k"] == 0
+    assert v["skipped"] == {CWE: "no room"} and CWE not in v["tasks"]
+    assert v["headline"]["acc"] == pytest.approx((2 / 4 + 0 / 4) / 2) and v["headline"]["tasks"] == 2
+    assert (v["headline"]["k"], v["headline"]["n"]) == (2, 2 * N)
+    assert y["headline"]["acc"] == pytest.approx((1 + 3 / 4) / 2)
+    for e in (v, y):
+        h = e["headline"]
+        assert 0 <= h["lo"] <= h["k"] / h["n"] <= h["hi"] <= 1
+
+
+def test_paired_tests_per_task_and_for_the_headline():
+    p = ruler_paired(RECORD)["1024"]
+    (head,) = p["headline"]
+    assert (head["a"], head["b"]) == ("vanilla", "yarn")
+    # pooled over (task, index): vanilla only 0, yarn only 5 (2 in T1, 3 in T2)
+    assert (head["x_only"], head["y_only"]) == (0, 5) and head["diff"] == pytest.approx(-5 / 8)
+    (t2,) = p[T2]
+    assert (t2["x_only"], t2["y_only"]) == (0, 3)
+    assert CWE not in p
+
+
+def test_markdown_section_and_heatmap(tmp_path):
+    text = "\n".join(markdown_section(RECORD))
+    assert "## RULER" in text and "| yarn | 0.88 [" in text and "n=8 | — |" in text
+    assert f"`{CWE}` (no room)" in text
+    assert "| yarn | 4/4 (+0.50, 2:0, p=0.500) | 3/4 (+0.75, 3:0, p=0.250) | 0.88 (+0.62, 5:0, p=0.062) |" in text
+    plot_heatmap({**RECORD, "ruler_intervals": ruler_intervals(RECORD)}, tmp_path)
+    assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0
