@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 
 from lcx.report import PPL_METRIC, format_interval, passkey_interval
+from lcx.report.ruler import ruler_intervals
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # the model named in a column header -> the committed report its numbers come from
 REPORTS = {"tiny-ret-5m": "results/report", "SmolLM2": "results/report/smollm2-135m-n16"}
-HEADER = re.compile(r"(?P<model>\S+) (?P<metric>passkey|ppl) (?P<length>\d+)")
+# RULER columns ("<model> RULER <length>": the headline, mean over tasks) come from these reports
+RULER_REPORTS = {"tiny-ret-5m": "results/report/ruler"}
+HEADER = re.compile(r"(?P<model>\S+) (?P<metric>passkey|ppl|RULER) (?P<length>\d+)")
 
 
 def headline_table() -> tuple[list[str], list[list[str]]]:
@@ -38,21 +41,26 @@ def _columns():
     cols = []
     for i, h in enumerate(header[1:], 1):
         m = HEADER.match(h)
-        assert m and m["model"] in REPORTS, f"README headline column {h!r}: no report known for it ({REPORTS})"
-        cols.append(pytest.param(i, REPORTS[m["model"]], m["metric"], m["length"], id=h))
+        known = RULER_REPORTS if m and m["metric"] == "RULER" else REPORTS
+        assert m and m["model"] in known, f"README headline column {h!r}: no report known for it ({known})"
+        cols.append(pytest.param(i, known[m["model"]], m["metric"], m["length"], id=h))
     return cols
 
 
 @pytest.mark.parametrize("col,report,metric,length", _columns())
 def test_headline_column_quotes_its_report(col, report, metric, length):
-    results = json.loads((ROOT / report / "report.json").read_text())["results"]
+    record = json.loads((ROOT / report / "report.json").read_text())
+    results = record["results"]
+    ruler = ruler_intervals(record) if metric == "RULER" else {}
     _, rows = headline_table()
     wrong = []
     for row in rows:
         method, shown = row[0], row[col]
-        cell = results.get(method, {}).get("lmeval", {}).get(length)
+        cell = results.get(method, {}).get("ruler" if metric == "RULER" else "lmeval", {}).get(length)
         if cell is None:
             want = "—"
+        elif metric == "RULER":
+            want = format_interval(ruler[method][length].get("headline"))
         elif metric == "passkey":
             want = format_interval(passkey_interval(cell))
         else:
