@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import CELL_KINDS, PPL_METRIC
+from .text import format_interval, oriented, p_is, p_text, signed
 
 # Plots and Markdown
 # ============================================================================================
@@ -90,32 +91,6 @@ def passkey_paired(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _oriented(pairs: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | None:
-    """The pair (a, b) of `passkey_paired` rows as a - b (flipped when stored as (b, a))."""
-    for p in pairs:
-        if (p["a"], p["b"]) == (a, b):
-            return p
-        if (p["a"], p["b"]) == (b, a):
-            ci = p["ci95"]
-            return {**p, "a": a, "b": b, "x_only": p["y_only"], "y_only": p["x_only"],
-                    "diff": None if p["diff"] is None else -p["diff"], "ci95": None if ci is None else [-ci[1], -ci[0]]}
-    return None
-
-
-def _signed(x: float) -> str:
-    return f"{round(x, 2) + 0.0:+.2f}"  # (+ 0.0: no "-0.00")
-
-
-def _p(p: float | None) -> str:
-    return "—" if p is None else ("<0.001" if p < 0.001 else f"{p:.3f}")
-
-
-def _p_is(p: float | None) -> str:
-    """`p=0.004`, `p<0.001`."""
-    text = _p(p)
-    return "p" + text if text.startswith("<") else "p=" + text
-
-
 def _paired_section(record: dict[str, Any]) -> list[str]:
     """The README's paired tests: every method against vanilla at every length, and every pair at
     the longest length (rows win : columns win, p)."""
@@ -136,10 +111,10 @@ def _paired_section(record: dict[str, Any]) -> list[str]:
                 continue
             row = []
             for L in lengths:
-                q = _oriented(paired.get(L, []), n, "vanilla")
+                q = oriented(paired.get(L, []), n, "vanilla")
                 row.append("—" if q is None or q["diff"] is None else
-                           f"{_signed(q['diff'])} [{_signed(q['ci95'][0])}, {_signed(q['ci95'][1])}] "
-                           f"{q['x_only']}:{q['y_only']} {_p_is(q['mcnemar_p'])}")
+                           f"{signed(q['diff'])} [{signed(q['ci95'][0])}, {signed(q['ci95'][1])}] "
+                           f"{q['x_only']}:{q['y_only']} {p_is(q['mcnemar_p'])}")
             lines.append(f"| {n} | " + " | ".join(row) + " |")
         lines.append("")
     L = next((L for L in reversed(lengths) if paired.get(L)), None)
@@ -150,16 +125,11 @@ def _paired_section(record: dict[str, Any]) -> list[str]:
         for r in cols:
             cells = []
             for c in cols:
-                q = None if r == c else _oriented(paired[L], r, c)
-                cells.append("" if q is None else f"{q['x_only']}:{q['y_only']} ({_p(q['mcnemar_p'])})")
+                q = None if r == c else oriented(paired[L], r, c)
+                cells.append("" if q is None else f"{q['x_only']}:{q['y_only']} ({p_text(q['mcnemar_p'])})")
             lines.append(f"| {r} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
-
-
-def format_interval(iv: dict[str, Any] | None) -> str:
-    """`0.75 [0.30, 0.95] n=4` (accuracy, Wilson 95% interval, prompts); — when not measured."""
-    return "—" if iv is None else f"{iv['acc']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}] n={iv['n']}"
 
 
 def plot_report(record: dict[str, Any], out: Path) -> None:

@@ -149,7 +149,7 @@ def ruler_paired(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, A
 
 def markdown_section(record: dict[str, Any]) -> list[str]:
     """The README's RULER section: headline by length, every task per length, paired tests against vanilla."""
-    from .render import _oriented, _p_is, _signed, format_interval
+    from .text import oriented, p_is, signed, format_interval
 
     ivs = record.get("ruler_intervals") or ruler_intervals(record)
     if not ivs:
@@ -182,9 +182,9 @@ def markdown_section(record: dict[str, Any]) -> list[str]:
             for t in ["headline", *tasks]:
                 iv = cell.get("headline") if t == "headline" else cell.get("tasks", {}).get(t)
                 text = "—" if iv is None else (f"{iv['acc']:.2f}" if t == "headline" else f"{iv['k']}/{iv['n']}")
-                q = _oriented(paired.get(L, {}).get(t, []), name, "vanilla") if name != "vanilla" else None
+                q = oriented(paired.get(L, {}).get(t, []), name, "vanilla") if name != "vanilla" else None
                 if iv is not None and q is not None and q["diff"] is not None:
-                    text += f" ({_signed(q['diff'])}, {q['x_only']}:{q['y_only']}, {_p_is(q['mcnemar_p'])})"
+                    text += f" ({signed(q['diff'])}, {q['x_only']}:{q['y_only']}, {p_is(q['mcnemar_p'])})"
                 row.append(text)
             lines.append(f"| {name} | " + " | ".join(row[1:] + row[:1]) + " |")
         if skipped:
