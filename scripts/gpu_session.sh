@@ -248,7 +248,7 @@ if [ -n "$report_why" ]; then skip report "$report_why"
 elif [ "$(left)" -lt 60 ]; then skip report "only $(left)s left"
 else
   RDIR=$STATE/report-$SLUG
-  run_stage report "$(( $(left) - 5 ))" "grep -E 'cells|wrote' " -- $LCX report --device cuda --dtype bfloat16 --out "$RDIR"
+  run_stage report "$(( $(left) - 5 ))" "grep -E 'cells|wrote' " -- $LCX report --tasks passkey,ppl --device cuda --dtype bfloat16 --out "$RDIR"
   [ -d "$RDIR" ] && tar -C "$RDIR" -cf "$STATE/out-report.tar" . 2>/dev/null
 fi
 

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 reuse=--reuse  # measuring: keep every stored cell; --render measures nothing and takes no --reuse
 for a in "${@:2}"; do [ "$a" = --render ] && reuse=; done
-exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths none \
+exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths none --tasks passkey,ppl \
   --methods lm_infinite_topk,lm_infinite,self_extend,vanilla,yarn,dynamic,sinks \
   --depths 8 --samples-per-depth 2 --ppl-docs 4 --threads 1 \
   $reuse --keep-other-code --out results/report/smollm2-135m-n16 "${@:2}"
