@@ -1,6 +1,7 @@
 """`lcx report`: one command from install to an extrapolation report.
 
-    lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256), ~25 min on 2 CPU cores
+    lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256); RULER at 1024/2048 adds hours on CPU
+    lcx report --tasks passkey,ppl               # passkey, perplexity, decoding only: ~25 min on 2 CPU cores
     lcx report --model smollm2-135m --lengths 2048,4096,8192 --methods vanilla,yarn,lm_infinite
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
@@ -13,6 +14,9 @@ model's training context L0:
 - passkey accuracy by context length x needle depth and perplexity by context length, through
   lm-eval's `simple_evaluate` on the lcx tasks `passkey` and `lcx_ppl` with the `lcx` lm-eval
   model (`lcx.lmeval_model.LcxLM`, the same model class as `lm_eval --model lcx`);
+- RULER (`--tasks ... ,ruler`, the default; lengths >= 1024 only): lcx's `ruler_offline` tasks
+  through the same `simple_evaluate` and `lcx` model, every task per length with Wilson
+  intervals, the headline mean over tasks, paired tests (`lcx.report.ruler`);
 - decoding speed (tokens/s after a prompt of L tokens) and KV-cache memory by context length,
   through `lcx.engine.Engine` with the method as an engine method (`rope` / `attention`), i.e.
   the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).
