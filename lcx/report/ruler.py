@@ -209,7 +209,7 @@ def plot_heatmap(record: dict[str, Any], out: Path) -> None:
     lengths = [str(L) for L in record["config"].get("ruler_lengths", [])]
     ncol = min(4, len(names))
     nrow = math.ceil(len(names) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(2.2 + 0.9 * len(lengths) * ncol, 3.4 * nrow), squeeze=False,
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(6.0, 1.2 + 1.6 * (1 + len(lengths)) * ncol), 3.4 * nrow), squeeze=False,
                              constrained_layout=True)
     im = None
     for ax, name in zip(axes.flat, names):
@@ -226,7 +226,8 @@ def plot_heatmap(record: dict[str, Any], out: Path) -> None:
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.colorbar(im, ax=axes, shrink=0.6, label="RULER accuracy (all answers found)")
-    fig.suptitle(f"RULER: task x context length ({record['config']['model']}, trained context "
-                 f"{record['config']['context']}; k/n correct per cell)", fontsize=10)
+    fig.suptitle(f"RULER: task x context length · {record['config']['model']}, trained context "
+                 f"{record['config']['context']}\n(k/n prompts with every answer found; n/a: RULER builds no sample)",
+                 fontsize=9)
     atomic_savefig(fig, out / "ruler_heatmap.png", dpi=100)
     plt.close(fig)
