@@ -140,6 +140,12 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
 
     from ..data.io import atomic_savefig
 
+    if record["config"].get("ruler_lengths"):
+        from .ruler import plot_heatmap
+
+        plot_heatmap(record, out)
+        if "passkey" not in record["config"]["tasks"] and not record["config"]["decode_lengths"]:
+            return  # a RULER-only report: no passkey, perplexity or decode plots
     res, ctx = record["results"], record["config"]["context"]
     names = list(res)
     lengths = [int(L) for L in record["config"]["lengths"]]
@@ -170,10 +176,6 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
                  f"trained context {ctx}, dashed; k/n correct per cell)", fontsize=10)
     atomic_savefig(fig, out / "passkey_heatmap.png", dpi=110)
     plt.close(fig)
-    if record["config"].get("ruler_lengths"):
-        from .ruler import plot_heatmap
-
-        plot_heatmap(record, out)
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), constrained_layout=True)
     ivs = passkey_intervals(record)
@@ -286,8 +288,23 @@ def markdown(record: dict[str, Any]) -> str:
                 f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
                 f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
                 f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).") + status
-             + _other_code_note(record), "",
-             f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
+             + _other_code_note(record), ""]
+    if "passkey" in c.get("tasks", ["passkey"]):  # (a RULER-only report has no passkey/perplexity cells)
+        lines += _passkey_ppl_sections(record, n_pk)
+    if c.get("ruler_lengths"):
+        from .ruler import markdown_section
+
+        lines += markdown_section(record)
+    if dl:
+        lines += _decode_section(record, dl)
+    lines += ["## Methods (resolved)", ""]
+    return _tail(record, lines)
+
+
+def _passkey_ppl_sections(record: dict[str, Any], n_pk: int) -> list[str]:
+    c, res = record["config"], record["results"]
+    lengths = c["lengths"]
+    lines = [f"## Passkey accuracy by context length ({n_pk} prompts per cell: depths {c['depths']} x "
              f"{c['samples_per_depth']} keys)", "",
              "Each cell: accuracy [Wilson 95% interval] n=prompts. Non-overlapping intervals are a "
              "conservative test of a difference; the same prompts run for every method, and the paired "
@@ -305,19 +322,17 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "ppl", PPL_METRIC), ".1f")
                                                  for L in lengths) + " |")
     lines += ["", "![perplexity by length](ppl_by_length.png)", ""]
-    lines += _paired_section(record)
-    if c.get("ruler_lengths"):
-        from .ruler import markdown_section
+    return lines + _paired_section(record)
 
-        lines += markdown_section(record)
-    if dl:
-        lines += _decode_section(record, dl)
-    lines += ["## Methods (resolved)", ""]
+
+def _tail(record: dict[str, Any], lines: list[str]) -> str:
+    c, res = record["config"], record["results"]
+    lengths, env = c["lengths"], record["environment"]
     for name, m in c["methods_resolved"].items():
         lines.append(f"- **{name}**: `{json.dumps({k: v for k, v in m.items() if v})}`")
     for name, why in c["methods_skipped"].items():
         lines.append(f"- **{name}**: skipped — {why}")
-    wall = {n: sum((_cell(record, n, k, L) or {}).get("wall_s", 0) for k in ("lmeval",) for L in lengths) for n in res}
+    wall = {n: sum((_cell(record, n, k, L) or {}).get("wall_s", 0) for k in ("lmeval", "ruler") for L in lengths) for n in res}
     lines += ["", "## Settings and environment", "", "```json",
               json.dumps({k: v for k, v in c.items() if k not in ("methods_resolved", "methods_skipped")}, indent=1),
               "```", "",
