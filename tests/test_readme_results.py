@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lcx.report import PPL_METRIC, format_interval, passkey_interval
+from lcx.data.io import json_path, read_json
 from lcx.report.ruler import ruler_intervals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def _columns():
 
 @pytest.mark.parametrize("col,report,metric,length", _columns())
 def test_headline_column_quotes_its_report(col, report, metric, length):
-    record = json.loads((ROOT / report / "report.json").read_text())
+    record = read_json(json_path(ROOT / report / "report.json"))  # (gzipped for RULER reports)
     results = record["results"]
     ruler = ruler_intervals(record) if metric == "RULER" else {}
     _, rows = headline_table()

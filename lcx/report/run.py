@@ -138,7 +138,10 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         record["ruler_intervals"] = ruler_intervals(record)
         record["ruler_paired"] = ruler_paired(record)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "report.json", record)
+    # with RULER every prompt's output makes report.json large: gzipped then (results/README.md, "Budget")
+    path = out / ("report.json.gz" if cfg.ruler_lengths else "report.json")
+    atomic_write_json(path, record)
+    (out / ("report.json" if cfg.ruler_lengths else "report.json.gz")).unlink(missing_ok=True)
     plot_report(record, out)
     from ..data.io import atomic_write_text
 
