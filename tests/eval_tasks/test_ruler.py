@@ -28,9 +28,17 @@ MODEL = "tiny-ret-5m"
 PROBE = "The quick brown fox, 7 jumps; 1234567 over the lazy dog."
 
 
+def _patch():
+    """What the start-up hook does for RULER (whether or not it is installed in this process)."""
+    import lm_eval.tasks.manager
+
+    hook.patch_task_manager(lm_eval.tasks.manager)  # lcx's tasks, and the YAML loader's fresh module copies
+    hook.patch_ruler()
+
+
 @pytest.fixture(scope="module")
 def ruler():
-    hook.apply()
+    _patch()
     from lm_eval.tasks.ruler import common_utils
 
     return common_utils
@@ -138,7 +146,7 @@ def test_every_offline_ruler_task_runs_on_the_bundled_model():
     tokenizer)."""
     from lm_eval import simple_evaluate
 
-    hook.apply()
+    _patch()
     res = simple_evaluate(model="lcx", model_args=f"pretrained={MODEL}", tasks=OFFLINE_TASKS, limit=2,
                           log_samples=True, verbosity="WARNING", metadata={"max_seq_lengths": [2048]})
     for task in OFFLINE_TASKS:
