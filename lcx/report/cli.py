@@ -150,5 +150,5 @@ def run(args: argparse.Namespace) -> int:
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
                         keep_other_code=args.keep_other_code)
     print(markdown(record).split("## Methods")[0])
-    print(f"wrote {args.out / 'README.md'}, report.json and the plots")
+    print(f"wrote {args.out / 'README.md'}, report.json{'.gz' if record['config'].get('ruler_lengths') else ''} and the plots")
     return 0
