@@ -107,15 +107,21 @@ def register_model(models_module=None) -> None:
         objs[LOCAL_COMPLETIONS] = f"{__name__}:LocalCompletionsAPI"
 
 
+def _unroute_local_completions() -> None:
+    """Give the lazy `local-completions` entry back to lm-eval before its module is imported:
+    that module registers its class under the name and refuses an entry it did not write."""
+    from lm_eval.api.registry import model_registry
+
+    objs = getattr(model_registry, "_objs", None)
+    if isinstance(objs, dict) and objs.get(LOCAL_COMPLETIONS) == f"{__name__}:LocalCompletionsAPI":
+        objs[LOCAL_COMPLETIONS] = LOCAL_COMPLETIONS_TARGET
+
+
 def __getattr__(name: str):
     """`LocalCompletionsAPI`: lm-eval's class, patched (`patch_local_completions`); imported only
     when lm-eval's registry materialises `local-completions`."""
     if name == "LocalCompletionsAPI":
-        from lm_eval.api.registry import model_registry
-
-        objs = model_registry._objs
-        if objs.get(LOCAL_COMPLETIONS) == f"{__name__}:LocalCompletionsAPI":
-            objs[LOCAL_COMPLETIONS] = LOCAL_COMPLETIONS_TARGET  # lm-eval's module registers its class over it
+        _unroute_local_completions()
         import lm_eval.models.openai_completions as module
 
         patch_local_completions(module)
@@ -282,6 +288,8 @@ def apply(force: bool = False) -> bool:
     if not _version_ok() and not force:
         return False
     import lm_eval.models
+
+    _unroute_local_completions()  # the start-up hook may have routed it when lm_eval.models loaded
     import lm_eval.models.openai_completions
     import lm_eval.tasks.manager
 

@@ -95,6 +95,24 @@ def test_hook_registers_lcx_model_and_tasks_lazily():
     assert out["pending"] == ["lm_eval.tasks.ruler.common_utils"]
 
 
+APPLY_PROBE = """
+import lcx._lmeval_hook as h
+from lm_eval.api.registry import get_model
+assert h.apply(force=True)
+cls = get_model("local-completions")
+print(cls.__name__, getattr(cls.__init__, h._LENGTH_PATCHED_ATTR, False), get_model("lcx").__module__)
+"""
+
+
+@pytest.mark.parametrize("hook", ["on", "off"])
+def test_explicit_apply_patches_local_completions_with_or_without_the_hook(hook):
+    """`apply()` (what `python -m lcx.eval_tasks` runs) works whether or not the start-up hook
+    already routed the lazy `local-completions` entry (it raised 'already registered' when it had)."""
+    env = {"LCX_NO_LMEVAL_HOOK": "1"} if hook == "off" else {}
+    out = _python(APPLY_PROBE, **env).strip().splitlines()[-1]
+    assert out == "LocalCompletionsAPI True lcx.lmeval_model"
+
+
 def test_hook_opt_out():
     out = json.loads(_python(HOOK_PROBE, LCX_NO_LMEVAL_HOOK="1").strip().splitlines()[-1])
     assert out["passkey"].endswith(LIBRA) and out["lcx"] is None and out["tasks"] == []
