@@ -3,13 +3,14 @@
 - `wilson_interval(k, n)`: Wilson score interval of a proportion (stays in [0, 1], not degenerate
   at 0/n or n/n: the right one for passkey accuracies on 4-30 prompts).
 - `paired_difference(x, y)`: the difference of two proportions measured on the SAME samples (two
-  methods on the same passkey prompts), Newcombe's paired interval and the exact McNemar p.
+  methods on the same passkey prompts), Newcombe's paired interval and the exact McNemar p;
+  `all_pairs(outcomes)` runs it for every pair of named outcome maps.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -25,6 +26,18 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float] | Non
     c = (p + z * z / (2 * n)) / d
     h = z / d * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return (max(0.0, min(p, c - h)), min(1.0, max(p, c + h)))  # contains p (rounding at 0/n, n/n)
+
+
+def all_pairs(outcomes: Sequence[tuple[str, Mapping[Any, bool]]]) -> list[dict[str, Any]]:
+    """`paired_difference` for every pair (a, b) of named outcome maps, a listed before b, over the
+    keys both hold (the same prompts); pairs with no shared key are left out."""
+    pairs = []
+    for i, (a, x) in enumerate(outcomes):
+        for b, y in outcomes[i + 1:]:
+            keys = sorted(set(x) & set(y))
+            if keys:
+                pairs.append({"a": a, "b": b, **paired_difference([x[k] for k in keys], [y[k] for k in keys])})
+    return pairs
 
 
 def paired_difference(x: Sequence[bool], y: Sequence[bool], z: float = Z95) -> dict[str, Any]:

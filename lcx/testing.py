@@ -57,3 +57,26 @@ def assert_within_budget(
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill a freshly allocated kernel output with NaN so unwritten elements fail the test."""
     return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**31))
+
+
+def example_rope_spec(rope_type: str, *, head_dim: int, original_max_position_embeddings: int,
+                      factor: float = 4.0) -> dict:
+    """A spec of the registered RoPE type `rope_type` for test grids generated from the registry:
+    example values for every key its entry requires, and `factor` where it takes one (longrope's
+    per-channel factors sized for `head_dim`). A required key with no example value here raises
+    ValueError naming it, so a new RoPE type cannot slip out of the grids silently."""
+    from .rope import ROPE_TYPES
+
+    entry = ROPE_TYPES[rope_type]
+    known = {"factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
+             "short_factor": [1.0 + 0.1 * i for i in range(head_dim // 2)],
+             "long_factor": [1.0 + 1.5 * i for i in range(head_dim // 2)]}
+    missing = sorted(set(entry.required) - set(known))
+    if missing:
+        raise ValueError(f"no example value for {rope_type}'s required key(s) {missing}: add them to "
+                         "lcx.testing.example_rope_spec")
+    d: dict = {"rope_type": rope_type, **{k: known[k] for k in sorted(entry.required)}}
+    if "factor" in entry.optional:
+        d["factor"] = factor
+    return d
+

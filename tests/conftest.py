@@ -43,3 +43,17 @@ def tiny_model_dir(tmp_path_factory):
     from lcx.models.tiny import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests, restored afterwards: two OpenMP threads on a shared
+    2-core machine spin against each other (10-100x slower matmuls). A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+

@@ -19,8 +19,8 @@ PACKAGE_DIRS = {"lcx": ROOT / "lcx", "lcx.kernels": ROOT / "kernels", "lcx.serve
 # __init__ re-exports lazily from every layer) is outside them. docs/contributing.md states
 # this order in the line that `layers_line()` renders.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("rope", "masks", "data", "configs", "threads", "stats", "testing", "measure"),
-    ("kernels",),
+    ("rope", "masks", "data", "configs", "threads", "stats", "measure"),
+    ("kernels", "testing"),
     ("attention",),
     ("methods",),
     ("hf",),

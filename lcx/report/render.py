@@ -75,17 +75,12 @@ def passkey_paired(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     matched by (depth, key) — a - b with Newcombe's paired 95% interval, `x_only` / `y_only` the
     prompts only a / only b retrieved, and the exact McNemar p. Every method runs the same
     prompts, so this is the test that uses the pairing (two Wilson intervals ignore it)."""
-    from ..stats import paired_difference
+    from ..stats import all_pairs
 
     out: dict[str, list[dict[str, Any]]] = {}
     for L in record["config"]["lengths"]:
         got = [(n, o) for n in record["results"] if (o := _outcomes(_cell(record, n, "lmeval", L)))]
-        pairs = []
-        for i, (a, x) in enumerate(got):
-            for b, y in got[i + 1:]:
-                keys = sorted(set(x) & set(y))
-                if keys:
-                    pairs.append({"a": a, "b": b, **paired_difference([x[k] for k in keys], [y[k] for k in keys])})
+        pairs = all_pairs(got)
         if pairs:
             out[str(L)] = pairs
     return out

@@ -129,7 +129,7 @@ def _outcomes(cell: dict[str, Any] | None, task: str | None) -> dict[tuple[str, 
 def ruler_paired(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """length -> "headline" or task -> every pair (a, b) of methods (record order) measured there:
     `lcx.stats.paired_difference` over the prompts both ran (matched by task and index)."""
-    from ..stats import paired_difference
+    from ..stats import all_pairs
 
     names = list(record["results"])
     lengths = sorted({L for n in names for L in _ruler_cells(record, n)}, key=int)
@@ -137,12 +137,7 @@ def ruler_paired(record: dict[str, Any]) -> dict[str, dict[str, list[dict[str, A
     for L in lengths:
         for scope in (None, *RULER_TASKS):
             got = [(n, o) for n in names if (o := _outcomes(_ruler_cells(record, n).get(L), scope))]
-            pairs = []
-            for i, (a, x) in enumerate(got):
-                for b, y in got[i + 1:]:
-                    keys = sorted(set(x) & set(y))
-                    if keys:
-                        pairs.append({"a": a, "b": b, **paired_difference([x[k] for k in keys], [y[k] for k in keys])})
+            pairs = all_pairs(got)
             if pairs:
                 out.setdefault(L, {})[scope or "headline"] = pairs
     return out

@@ -17,6 +17,7 @@ from lcx.hf.bounded_cache import greedy_generate
 from lcx.hf.generate import greedy_decode_ref
 from lcx.models.tiny import tiny_llama
 from lcx.rope import ROPE_TYPES, RopeSpec
+from lcx.testing import example_rope_spec
 
 PROMPT_LENS = (1, 7, 23, 63)  # bytes = tokens with the tiny byte tokenizer; odd sizes
 GEN = 9
@@ -25,14 +26,7 @@ ROPE_PROMPT = 41
 HEAD_DIM = 16  # tiny_llama's
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two OpenMP threads on a shared 2-core machine spin against each other (10-100x slower
-    # matmuls); one is faster here. Restored afterwards.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -140,21 +134,7 @@ def test_prompt_logprobs_equal_log_softmax_of_forward(tiny_model):
 # -------------------------------------------------------------------------------- RoPE methods
 def _example_spec(rope_type: str) -> dict:
     """Example parameters for every registered RoPE type (a new type without an example fails)."""
-    entry = ROPE_TYPES[rope_type]
-    d: dict = {"rope_type": rope_type}
-    known = {
-        "factor": 4.0,
-        "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
-        "long_factor": [1.0 + 1.5 * i for i in range(HEAD_DIM // 2)],
-        "original_max_position_embeddings": L_SMALL,
-    }
-    for key in entry.required:
-        if key not in known:
-            pytest.fail(f"test_engine has no example value for {rope_type}'s required key {key!r}")
-        d[key] = known[key]
-    if "factor" in entry.optional:
-        d["factor"] = known["factor"]
-    return d
+    return example_rope_spec(rope_type, head_dim=HEAD_DIM, original_max_position_embeddings=L_SMALL)
 
 
 ROPE_GRID = sorted(ROPE_TYPES)

@@ -13,6 +13,7 @@ from lcx.engine.prefix import PrefixCache
 from lcx.methods import examples, method_id
 from lcx.models.tiny import tiny_llama
 from lcx.rope import ROPE_TYPES, RopeSpec
+from lcx.testing import example_rope_spec
 
 GEN = 8
 BLOCK = 8
@@ -29,17 +30,7 @@ METHODS = {method_id(m): {"attention": m.to_dict()} for m in examples()}
 
 
 def _rope_example(rope_type: str) -> dict:
-    entry = ROPE_TYPES[rope_type]
-    known = {"factor": 4.0, "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
-             "long_factor": [1.0 + 1.5 * i for i in range(HEAD_DIM // 2)], "original_max_position_embeddings": L_SMALL}
-    d: dict = {"rope_type": rope_type}
-    for key in entry.required:
-        if key not in known:
-            pytest.fail(f"no example value for {rope_type}'s required key {key!r}")
-        d[key] = known[key]
-    if "factor" in entry.optional:
-        d["factor"] = known["factor"]
-    return d
+    return example_rope_spec(rope_type, head_dim=HEAD_DIM, original_max_position_embeddings=L_SMALL)
 
 
 ROPES = {f"rope={t}": {"rope": _rope_example(t)} for t in sorted(ROPE_TYPES)}
@@ -74,12 +65,7 @@ def test_call_dependence_is_what_attend_does(name):
         assert worst > 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _prompts(tok):

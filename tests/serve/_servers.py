@@ -13,7 +13,6 @@ from typing import Iterator
 
 import httpx
 import pytest
-import torch
 
 START_TIMEOUT_S = 90
 
@@ -60,13 +59,3 @@ def lcx_serve(model_dir: str | Path, log: Path, *args: str, cwd: str | None = No
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The in-process engine on one torch thread (see tests/engine/test_engine.py); imported by a module
-    it applies to that module's tests."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

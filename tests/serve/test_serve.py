@@ -25,7 +25,9 @@ httpx = pytest.importorskip("httpx")
 
 from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
-from _servers import free_port, lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
+from _servers import free_port, lcx_serve, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 MODEL = "tiny"  # --served-model-name
 KEY = "test-key-123"

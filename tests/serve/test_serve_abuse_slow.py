@@ -25,9 +25,9 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-from _servers import lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
+from _servers import lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # tests/conftest.py
 
 FUZZ_MAX_MODEL_LEN = 32  # bounds the work of any generated request
 FUZZ_EXAMPLES = 60  # per operation

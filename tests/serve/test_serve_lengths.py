@@ -31,7 +31,9 @@ from lcx.method_config import MethodConfig  # noqa: E402
 from lcx.methods import ATTENTION_METHODS  # noqa: E402
 from lcx.serve import lengths  # noqa: E402
 
-from _servers import lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
+from _servers import lcx_serve, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 L0 = 128  # the tiny test model's context
 GiB = 1 << 30

@@ -5,7 +5,7 @@ method. A new RoPE type, attention method or preset joins it with no edit here (
 with a required key this module has no example value for fails `test_every_rope_type_has_an_example`).
 
 Configs (`CASES`, generated at import):
-    rope-<type>       every type of `lcx.rope.ROPE_TYPES` (its required keys from `ROPE_EXAMPLE`,
+    rope-<type>       every type of `lcx.rope.ROPE_TYPES` (its required keys from `lcx.testing.example_rope_spec`,
                       a factor where it takes one)
     attention-<name>  every method of `lcx.methods.ATTENTION_METHODS` (its first `examples` entry)
     rope+attention    the first factor-taking RoPE type with the first bounded attention method
@@ -53,8 +53,11 @@ from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from lcx.method_config import MethodConfig  # noqa: E402
 from lcx.methods import ATTENTION_METHODS  # noqa: E402
 from lcx.rope import ROPE_TYPES  # noqa: E402
+from lcx.testing import example_rope_spec  # noqa: E402
 
-from _servers import lcx_serve, one_torch_thread, wait_healthy  # noqa: E402,F401 (autouse fixture)
+from _servers import lcx_serve, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 L0 = 128  # the tiny test model's context (tests/conftest.py tiny_model_dir)
 HEAD_DIM = 16
@@ -62,19 +65,11 @@ FACTOR = 2.0
 GEN = 8
 PROMPT_TOKENS = 100  # fits every config's max_model_len (L0 for the vanilla RoPE types)
 TIMEOUT_S = 120
-# example values of the RoPE keys a type may require (a new required key: add its example)
-ROPE_EXAMPLE = {"factor": FACTOR, "original_max_position_embeddings": L0,
-                "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
-                "long_factor": [1.0 + 1.5 * i for i in range(HEAD_DIM // 2)]}
 REPRESENTATIVE_PRESET = "lm_infinite+yarn"
 
 
 def _rope_spec(rope_type: str) -> dict:
-    entry = ROPE_TYPES[rope_type]
-    spec = {"rope_type": rope_type, **{k: ROPE_EXAMPLE[k] for k in sorted(entry.required) if k in ROPE_EXAMPLE}}
-    if "factor" in entry.optional:
-        spec["factor"] = FACTOR
-    return spec
+    return example_rope_spec(rope_type, head_dim=HEAD_DIM, original_max_position_embeddings=L0, factor=FACTOR)
 
 
 def _attention(name: str) -> dict:
@@ -162,9 +157,8 @@ def _run(cmd: list[str], log: Path, timeout: float = 600) -> None:
 
 # ================================================================================ configs
 def test_every_rope_type_has_an_example():
-    for t, entry in ROPE_TYPES.items():
-        missing = sorted(set(entry.required) - set(ROPE_EXAMPLE))
-        assert not missing, f"RoPE type {t!r} requires {missing}: add example values to ROPE_EXAMPLE"
+    for t in ROPE_TYPES:
+        example_rope_spec(t, head_dim=HEAD_DIM, original_max_position_embeddings=L0)  # raises naming a missing key
 
 
 @pytest.mark.parametrize("case", list(CASES))

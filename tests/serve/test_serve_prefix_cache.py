@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 
 from lcx.engine import Engine, EngineConfig, SamplingParams
 
@@ -15,12 +14,7 @@ MODEL = "tiny"
 PREFIX = "You are a terse assistant. Answer in one word. " * 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_prefix_caching_flag_defaults_on():

@@ -37,13 +37,7 @@ TINY_RUN = {"steps": 3, "batch_size": 8, "eval_pairs": 7, "eval_offsets": [0, 8,
 TINY_STUDY = StudyConfig(configs=(("baseline", "learned"), ("robust", "rope")), seeds=(0,), run=TINY_RUN)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Training here is tiny; one thread avoids oversubscribing the shared CI cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _numbers(ids: torch.Tensor, length: int) -> list[int]:
