@@ -24,7 +24,11 @@ Tiers (on 2 shared cores a server start costs 6-25 s, `lm_eval` ~25-40 s):
              pickle round trip (what the engine process's spawn does with it: the defect of
              issue #44 was a config that did not pickle); `rope+attention` x every CLI entry
              point but `lcx serve --no-engine-process`, which takes `methods-json`.
-    slow     the complete cross product (every preset too).
+    slow     every config (presets too) x `create_app`; every RoPE type and attention method
+             (`SLOW_SERVED`: not the presets, which compose the same parts) x `lcx serve`, the
+             entry point whose process boundary broke in issue #44; `VLLM_SERVED`'s RoPE-only
+             and attention-only configs x the other CLI entry points. (The complete cross
+             product is ~150 process starts, over an hour on 2 cores: `LCX_FULL_SERVE_MATRIX=1`.)
     vllm     `lcx serve --engine vllm`: every config the plugin refuses (refused before vLLM
              starts, naming why: seconds each) and the configs of `VLLM_SERVED` (a vLLM server
              start costs 1-10 min on 2 cores, so CI's 45-min vLLM step cannot start one per
@@ -104,17 +108,24 @@ DEFAULT_APP = [c for c in CASES if not c.startswith("preset-") or c == f"preset-
 ENTRY_POINTS = ("app", "serve", "serve-no-engine-process", "lm_eval", "eval-ppl", "report")
 
 
-def _default(case: str, entry: str) -> bool:
-    """The default tier's part of the matrix (module docstring)."""
+SLOW_SERVED = [c for c in CASES if c.startswith(("rope-", "attention-"))]
+
+
+def _tier(case: str, entry: str) -> str | None:
+    """Which tier runs (case, entry): "default", "slow" or None (module docstring)."""
     if entry == "app":
-        return case in DEFAULT_APP
-    if entry == "serve-no-engine-process":
-        return case == "methods-json"
-    return case == "rope+attention"
+        return "default" if case in DEFAULT_APP else "slow"
+    if entry == "serve-no-engine-process" and case == "methods-json":
+        return "default"
+    if entry != "serve-no-engine-process" and case == "rope+attention":
+        return "default"
+    if (entry == "serve" and case in SLOW_SERVED) or case in ("rope-yarn", "attention-lm_infinite"):
+        return "slow"
+    return "slow" if os.environ.get("LCX_FULL_SERVE_MATRIX") == "1" else None
 
 
-MATRIX = [pytest.param(c, e, id=f"{e}-{c}", marks=() if _default(c, e) else pytest.mark.slow)
-          for e in ENTRY_POINTS for c in CASES]
+MATRIX = [pytest.param(c, e, id=f"{e}-{c}", marks=() if t == "default" else pytest.mark.slow)
+          for e in ENTRY_POINTS for c in CASES if (t := _tier(c, e)) is not None]
 
 
 def _flags(d: dict, how: str) -> list[str]:
