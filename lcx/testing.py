@@ -80,3 +80,19 @@ def example_rope_spec(rope_type: str, *, head_dim: int, original_max_position_em
         d["factor"] = factor
     return d
 
+
+def attention_layer_io(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(hidden states entering, output leaving) every decoder layer's `self_attn`, from one
+    no-grad forward of an HF `*ForCausalLM` on `ids`: what a patch-equivalence test compares."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True)
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+

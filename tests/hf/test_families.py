@@ -21,6 +21,7 @@ import contextlib
 import pytest
 import torch
 
+from lcx.testing import attention_layer_io
 from lcx.attention import Rotary
 from lcx.hf import FAMILIES, BoundedKVCache, greedy_generate, layer_methods
 from lcx.hf.attention_patch import attention_patched, patch_attention, unpatch_attention
@@ -138,25 +139,11 @@ def _reference_attention(model, fn):
         model.config._attn_implementation = before
 
 
-def _layer_io(model, ids):
-    seen = []
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda mod, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True)
-        for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
-
-
 def _check_layers_equal_reference(model, method, layers: str):
     ids = _ids(T, seed=5)
     B = ids.shape[0]
     with attention_patched(model, method, layers=layers):
-        seen = _layer_io(model, ids)
+        seen = attention_layer_io(model, ids)
         assert len(seen) == model.config.num_hidden_layers
         for i, (layer, (h, out)) in enumerate(zip(model.model.layers, seen)):
             attn = layer.self_attn

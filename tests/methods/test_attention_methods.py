@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from lcx.testing import attention_layer_io
 from lcx.attention import Rotary, lambda_attention_ref
 from lcx.hf.attention_patch import attention_patched, ATTN_IMPLEMENTATION, current_attention, patch_attention, unpatch_attention
 from lcx.hf.bounded_cache import BoundedKVCache, cache_len, greedy_generate
@@ -120,21 +121,6 @@ def test_patch_narrow_windows_change_the_model(model64):
             torch.testing.assert_close(got[:, :8], want[:, :8], atol=1e-5, rtol=1e-5)  # first window: causal
 
 
-def _layer_inputs(m, ids):
-    """Hidden states entering every self_attn, and its outputs, from one forward of m."""
-    seen = []
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda mod, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True)
-        for layer in m.model.layers]
-    try:
-        with torch.no_grad():
-            m(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
-
-
 @pytest.mark.parametrize("G, L, cap", [(3, 8, None), (1, 5, 9), (0, 6, None), (50, 4, None)])
 def test_lm_infinite_layers_equal_lambda_attention_ref(model64, G, L, cap):
     """Per layer: patched output == o_proj(lambda_attention_ref(q, k, v)) on the same inputs."""
@@ -144,7 +130,7 @@ def test_lm_infinite_layers_equal_lambda_attention_ref(model64, G, L, cap):
     ids = _ids(29, seed=G)
     inv, af = rope_basis(m)  # the model's own basis (HF's float32 inv_freq, widened)
     with attention_patched(m, lm_infinite(G, L, cap), backend="blockwise"):
-        seen = _layer_inputs(m, ids)
+        seen = attention_layer_io(m, ids)
     assert len(seen) == m.config.num_hidden_layers
     for layer, (h, out) in zip(m.model.layers, seen):
         a = layer.self_attn
