@@ -81,9 +81,11 @@ def split_model_args(kwargs: dict[str, Any]) -> tuple[MethodConfig, dict[str, An
             f"lcx model: unknown model_args {sorted(rest)}; accepted: pretrained, dtype, device, "
             f"RoPE keys {sorted(ROPE_KEYS)}, attention=<{'|'.join(sorted(ATTENTION_METHODS))}> and its keys, "
             f"attn_backend, attn_decode_backend, lm-eval keys {sorted(HFLM_KEYS)}")
-    if "rope" in methods and "rope_type" not in methods["rope"]:
-        raise ValueError(f"lcx model: RoPE keys {sorted(methods['rope'])} given without rope_type=")
-    return MethodConfig.from_dict(methods).with_default_backend(DEFAULT_ATTN_BACKEND), hflm
+    try:  # the RoPE keys are checked once, by `lcx.rope.PartialRopeSpec` (e.g. a missing rope_type)
+        cfg = MethodConfig.from_dict(methods)
+    except ValueError as e:
+        raise ValueError(f"lcx model: {e}") from None
+    return cfg.with_default_backend(DEFAULT_ATTN_BACKEND), hflm
 
 
 # HF generation kwargs lm-eval tasks send and what they mean for `SamplingParams`

@@ -1,6 +1,6 @@
 """`lcx.MethodConfig`: what lcx applies to a model, as one frozen, validated value.
 
-A method config is a RoPE spec (`lcx.rope.RopeSpec`, possibly partial: unset keys come from
+A method config is a RoPE spec (`lcx.rope.PartialRopeSpec`: HF keys, possibly partial: unset keys come from
 the model) plus an attention method (`lcx.methods`: LM-Infinite, sliding window, sinks, SWAT, ...)
 plus the `lcx.attention` backends of the attention method's calls. Every entry point takes it
 in the same formats:
@@ -36,9 +36,9 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
-from .rope import RopeSpec
+from .rope import PartialRopeSpec, RopeSpec
 from .rope.spec import _IGNORED_HF_KEYS
 
 NESTED_KEYS = ("rope", "attention", "backend", "decode_backend", "layers")
@@ -77,10 +77,10 @@ def _check_backend(field: str, value: Any) -> None:
 class MethodConfig:
     """RoPE spec + attention method + attention backends; see the module docstring.
 
-    rope: a RoPE spec dict (HF key names) or a RopeSpec. Kept as given, possibly partial
-        (`{"rope_type": "yarn", "factor": 4}` means 4x the context of whatever model it is
-        applied to: `rope_spec(model_config)` fills rope_theta and the original length); its keys
-        and values are checked here. None: the model's own RoPE.
+    rope: a RoPE spec dict (HF key names) or a RopeSpec, kept as an `lcx.rope.PartialRopeSpec`:
+        checked here, possibly partial (`{"rope_type": "yarn", "factor": 4}` means 4x the context
+        of whatever model it is applied to), resolved against the model once, in `apply`
+        (`rope_spec(model_config)` for the same resolution without a model). None: the model's own RoPE.
     attention: an `lcx.methods` method or its dict (`{"type": "sinks", "n_sink": 4, ...}`).
         None: the model's own attention.
     backend / decode_backend: `lcx.attention` backends of the attention method's calls (all
@@ -91,7 +91,7 @@ class MethodConfig:
         layers are all alike.
     """
 
-    rope: Mapping[str, Any] | None = None  # the (partial) spec as given; `rope_spec(model)` resolves it
+    rope: PartialRopeSpec | None = None  # the (partial) spec as given; `rope_spec(model)` resolves it
     attention: Any = None  # lcx.methods.AttentionMethod | None
     backend: str | None = None
     decode_backend: str | None = None
@@ -99,7 +99,8 @@ class MethodConfig:
 
     def __post_init__(self) -> None:
         if self.rope is not None:
-            object.__setattr__(self, "rope", RopeDict(_checked_rope(self.rope)))
+            if not isinstance(self.rope, PartialRopeSpec):
+                object.__setattr__(self, "rope", PartialRopeSpec(self.rope))
         if self.attention is not None:
             from .methods import AttentionMethod, method_from_dict
 
@@ -193,8 +194,6 @@ class MethodConfig:
     def split_flat(cls, kwargs: "Mapping[str, Any] | str") -> tuple["MethodConfig", dict[str, Any]]:
         """lm-eval style flat keys -> (config, the keys that are not method keys); see `nest_flat`."""
         d, rest = cls.nest_flat(kwargs)
-        if "rope" in d and "rope_type" not in d["rope"]:
-            raise ValueError(f"RoPE keys {sorted(d['rope'])} given without rope_type")
         return cls.from_dict(d), rest
 
     @classmethod
@@ -239,8 +238,8 @@ class MethodConfig:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def rope_spec(self, model_config: Any) -> RopeSpec | None:
-        """The RoPE spec resolved against a model's config (`RopeSpec.for_model`), or None."""
-        return None if self.rope is None else RopeSpec.for_model(self.rope, model_config)
+        """The RoPE spec resolved against a model's config (`PartialRopeSpec.resolve`), or None."""
+        return None if self.rope is None else self.rope.resolve(model_config)
 
     def context_len(self, model_config: Any) -> int | None:
         """The context this config implies for a model: L x factor for a RoPE spec with a factor
@@ -274,7 +273,7 @@ class MethodConfig:
         return self.rope is None and self.attention is None
 
     def describe(self) -> str:
-        parts = [f"rope={_describe_rope(self.rope)}" if self.rope is not None else "",
+        parts = [f"rope={self.rope.describe()}" if self.rope is not None else "",
                  f"attention={self.attention.describe()}" if self.attention is not None else "",
                  f"backend={self.backend}" if self.backend else "",
                  f"decode_backend={self.decode_backend}" if self.decode_backend else "",
@@ -284,92 +283,22 @@ class MethodConfig:
     # ------------------------------------------------------------------ applying
     def apply(self, model: Any) -> "Applied":
         """Patch `model` in place (RoPE, then attention); returns a handle whose `restore()`
-        (or leaving it as a context manager) puts back what the model ran before."""
-        from .hf.attention_patch import DEFAULT_BACKEND, current_patch, patch_attention
-        from .hf.rope_patch import current_spec
-        from .hf.rope_patch import patch as patch_rope
+        (or leaving it as a context manager) puts back what the model ran before.
 
-        handle = Applied(model, current_spec(model) if self.rope is not None else None, current_patch(model),
-                         self.rope is not None, self.attention is not None)
-        if self.rope is not None:
-            patch_rope(model, self.rope)
+        The RoPE spec is resolved here, once, against the model as loaded
+        (`lcx.hf.rope_patch.resolve_rope`: on Gemma 3 its global layers' RoPE)."""
+        from .hf.attention_patch import DEFAULT_BACKEND, current_patch, patch_attention
+        from .hf.rope_patch import current_spec, patch_rope, resolve_rope
+
+        spec = resolve_rope(model, self.rope) if self.rope is not None else None
+        handle = Applied(model, current_spec(model) if spec is not None else None, current_patch(model),
+                         spec is not None, self.attention is not None)
+        if spec is not None:
+            patch_rope(model, spec)
         if self.attention is not None:
             patch_attention(model, self.attention, backend=self.backend or DEFAULT_BACKEND,
                             decode_backend=self.decode_backend, layers=self.layers or "global")
         return handle
-
-
-class RopeDict(Mapping):
-    """`MethodConfig.rope`: a (partial) RoPE spec dict, read-only, hashable and picklable (a plain
-    dict inside; `MappingProxyType`, what it was before, does not pickle, and a config crosses
-    process boundaries: the server's engine process, lm-eval workers). List values (longrope's
-    factors) are kept as tuples, as `RopeSpec` keeps them, so nothing inside can change;
-    `to_dict` gives them back as lists. Equal to a dict with the same items."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, d: Mapping[str, Any]):
-        object.__setattr__(self, "_d", {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict (tuples as lists: the JSON form)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._d.items()}
-
-    def __getitem__(self, key: str) -> Any:
-        return self._d[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("a RopeDict is read-only")
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self._d, sort_keys=True, default=repr))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (RopeDict, (self._d,))
-
-    def __repr__(self) -> str:
-        return repr(self._d)
-
-
-class _Placeholder:
-    """A model config for checking a partial spec before any model is at hand."""
-
-    rope_parameters = {"rope_theta": 10_000.0}
-    max_position_embeddings = 4096
-
-
-def _checked_spec(rope: Mapping[str, Any]) -> RopeSpec:
-    return RopeSpec.for_model(rope, _Placeholder)
-
-
-def _describe_rope(rope: Mapping[str, Any]) -> str:
-    """`yarn(s=4)`, `truncate(T=256)`, `truncate` (T: the model's length)... without a model."""
-    t = rope.get("rope_type", "default")
-    if rope.get("factor") is not None:
-        return f"{t}(s={rope['factor']:g})"
-    if rope.get("truncate_length") is not None:
-        return f"{t}(T={rope['truncate_length']:g})"
-    return t
-
-
-def _checked_rope(rope: Any) -> dict[str, Any]:
-    """A (partial) RoPE dict with its keys and values checked (model-dependent keys filled by a
-    placeholder for the check only)."""
-    if isinstance(rope, RopeSpec):
-        return rope.to_dict()
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"rope must be a RoPE spec dict, got {rope!r}")
-    d = dict(rope)
-    if "type" in d and "rope_type" not in d:  # HF's legacy name
-        d["rope_type"] = d.pop("type")
-    _checked_spec(d)
-    return d
 
 
 class Applied:
@@ -383,8 +312,7 @@ class Applied:
         if self._done:
             return self.model
         from .hf.attention_patch import patch_attention, unpatch_attention
-        from .hf.rope_patch import patch as patch_rope
-        from .hf.rope_patch import unpatch as unpatch_rope
+        from .hf.rope_patch import patch_rope, unpatch_rope
 
         if self._attention:
             if self._prev_attention is None:
@@ -409,6 +337,9 @@ class Applied:
 
 
 # ---------------------------------------------------------------------- lcx.patch & co
+# The one public patch trio (`lcx.patch`, `lcx.unpatch`, `lcx.patched`): a whole MethodConfig.
+# `lcx.hf` has the per-part primitives under their own names (`patch_rope` / `unpatch_rope`,
+# `patch_attention` / `unpatch_attention`).
 def patch(model: Any, cfg: "MethodConfig | Mapping[str, Any] | RopeSpec") -> Any:
     """Apply any method config (nested dict, flat rope dict, RopeSpec or MethodConfig) in place."""
     MethodConfig.from_dict(cfg).apply(model)
@@ -418,7 +349,7 @@ def patch(model: Any, cfg: "MethodConfig | Mapping[str, Any] | RopeSpec") -> Any
 def unpatch(model: Any) -> Any:
     """Restore the model as loaded: RoPE and attention."""
     from .hf.attention_patch import unpatch_attention
-    from .hf.rope_patch import unpatch as unpatch_rope
+    from .hf.rope_patch import unpatch_rope
 
     unpatch_attention(model)
     return unpatch_rope(model)
@@ -541,5 +472,5 @@ def method_config_from_args(args: argparse.Namespace) -> MethodConfig:
     return dataclasses.replace(cfg, **parts) if parts else cfg
 
 
-__all__ = ["Applied", "MethodConfig", "RopeDict", "add_method_arguments", "attention_keys",
+__all__ = ["Applied", "MethodConfig", "add_method_arguments", "attention_keys",
            "method_config_from_args", "parse_flat", "patch", "patched", "unpatch"]

@@ -148,6 +148,27 @@ def test_derived_values():
     assert spec.rope_theta == 500.0 and spec.original_max_position_embeddings == 64
 
 
+def test_rope_spec_checked_at_the_edge_and_resolved_once_in_apply(monkeypatch):
+    """A config's RoPE spec is checked when the config is built, with no model (no placeholder
+    resolution), and resolved against the model once per apply; a re-patch resolves against the
+    model as loaded, not the patched one."""
+    from lcx.hf.rope_patch import current_spec
+    from lcx.rope import PartialRopeSpec
+
+    calls = []
+    resolve = PartialRopeSpec.resolve
+    monkeypatch.setattr(PartialRopeSpec, "resolve", lambda self, c: calls.append(self) or resolve(self, c))
+    cfg = MethodConfig.from_flat("rope_type=yarn,factor=4,attention=sinks,n_sink=1,window=8")
+    assert isinstance(cfg.rope, PartialRopeSpec) and calls == []
+    model, _ = tiny_llama(seed=0)
+    L = model.config.max_position_embeddings
+    with lcx.patched(model, cfg):
+        assert len(calls) == 1 and current_spec(model).original_max_position_embeddings == L
+        with lcx.patched(model, {"rope_type": "linear", "factor": 2}):
+            assert len(calls) == 2 and current_spec(model).rope_theta == cfg.rope_spec(model.config).rope_theta
+    assert current_spec(model) is None
+
+
 @torch.no_grad()
 def test_apply_is_one_patch_and_restores_what_was_there():
     model, _ = tiny_llama(seed=0)

@@ -5,7 +5,7 @@
   and its attention layers (`decoder`, `rotary`, `attention_layers`, `head_dim_of`,
   `layer_types`). Every module that touches an HF model's insides (the patches below, the
   KV-cache tools `lcx.cache.kv`, the engine) asks here.
-- `lcx.hf.rope_patch`: the RoPE patch (`patch`, `unpatch`, `patched`, `current_spec`,
+- `lcx.hf.rope_patch`: the RoPE patch (`resolve_rope`, `patch_rope`, `unpatch_rope`, `current_spec`,
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec
   (on Gemma 3, the global layers' RoPE only); `rope_basis(model, n, layer_type=...)`,
   `layer_rope_types` / `layer_rope_bases`: the basis each layer rotates with.

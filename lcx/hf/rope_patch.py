@@ -6,7 +6,7 @@ to every layer. Models with RoPE per layer type (Gemma 3: `rope_parameters` nest
 {"full_attention": {...}, "sliding_attention": {...}}, `rotary_emb(x, position_ids, layer_type)`)
 get the spec on the global ("full_attention") layers only, as transformers applies a scaled
 `rope_parameters["full_attention"]`; the sliding layers keep their own RoPE.
-`patch` swaps that module for `LcxRotaryEmbedding`, which asks lcx's RoPE registry for
+`patch_rope` swaps that module for `LcxRotaryEmbedding`, which asks lcx's RoPE registry for
 the inverse frequencies and builds the tables with float64 angles; attention code is untouched,
 so every attention implementation of transformers (eager, sdpa, flex) sees the new positions.
 
@@ -20,20 +20,20 @@ the current forward's max position + 1. With a KV cache of rotated keys, dynamic
 old keys inconsistent (transformers #25104); vLLM instead fixes it at n = L*s. lcx matches HF.
 
 Part of the HF adapter (`lcx.hf`). Callers use `lcx.patch` / `lcx.patched` / `lcx.unpatch`
-(`lcx.method_config`), which apply a whole `MethodConfig` (RoPE and attention) through this
-module and `lcx.hf.attention_patch`.
+(`lcx.method_config`, the one public patch trio), which apply a whole `MethodConfig` (RoPE and
+attention) through this module and `lcx.hf.attention_patch`: `resolve_rope` resolves the config's
+partial spec against the model once, `patch_rope` / `unpatch_rope` swap the rotary module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from ..rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rope_angles
+from ..rope import ROPE_TYPES, PartialRopeSpec, RopeSpec, compute_inv_freq, rope_angles
 from .models import check_model_type, decoder, global_layer_type, head_dim_of, rope_layer_types
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
@@ -106,36 +106,47 @@ def _inner(model: nn.Module) -> nn.Module:
     return decoder(model)
 
 
-def patch(model: nn.Module, spec: RopeSpec | Mapping[str, Any]) -> nn.Module:
-    """Apply `spec` to `model` in place and return it.
+def resolve_rope(model: nn.Module, spec: PartialRopeSpec | RopeSpec | Mapping[str, Any]) -> RopeSpec:
+    """`spec` (possibly partial) resolved against `model` as loaded (`PartialRopeSpec.resolve`):
+    missing `rope_theta` / `original_max_position_embeddings` come from the model's original
+    rope_parameters (also on a model patched already), on Gemma 3 from its global layers' entry."""
+    check_model_type(model, "lcx.patch")
+    original = getattr(model, _ORIG_ATTR, None)
+    base_config = original[1] if original is not None else model.config.rope_parameters
+    partial = spec if isinstance(spec, PartialRopeSpec) else PartialRopeSpec(spec)
+    return partial.resolve(_ConfigView(model.config, base_config, global_layer_type(model)))
 
-    `spec` may be partial: missing `rope_theta` / `original_max_position_embeddings` come
-    from the model (`RopeSpec.for_model`). Patching an already patched model replaces the
-    spec; `unpatch` always restores the model as loaded. `config.rope_parameters` is updated
-    so a saved patched model records what it runs.
+
+def patch_rope(model: nn.Module, spec: RopeSpec) -> nn.Module:
+    """Run `spec` (resolved: `resolve_rope`) on `model` in place and return it.
+
+    Patching an already patched model replaces the spec; `unpatch_rope` always restores the
+    model as loaded. `config.rope_parameters` is updated so a saved patched model records what
+    it runs. Callers apply a whole config with `lcx.patch` / `lcx.patched`, which resolve first.
     """
+    if not isinstance(spec, RopeSpec) or spec.rope_theta is None:
+        raise ValueError(f"patch_rope takes a RopeSpec resolved against the model (resolve_rope), got {spec!r}")
     inner = _inner(model)
     original = getattr(model, _ORIG_ATTR, None)
     base_config = original[1] if original is not None else copy.deepcopy(model.config.rope_parameters)
     layer_type = global_layer_type(model)
-    resolved = RopeSpec.for_model(spec, _ConfigView(model.config, base_config, layer_type))
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else None
     own_rotary = original[0] if original is not None else inner.rotary_emb
-    new = LcxRotaryEmbedding(resolved, head_dim_of(model.config), device=device, layer_type=layer_type,
+    new = LcxRotaryEmbedding(spec, head_dim_of(model.config), device=device, layer_type=layer_type,
                              others=own_rotary if layer_type is not None else None)
     if original is None:
         setattr(model, _ORIG_ATTR, (inner.rotary_emb, base_config))
     inner.rotary_emb = new
     if layer_type is None:
-        model.config.rope_parameters = resolved.to_dict()
+        model.config.rope_parameters = spec.to_dict()
     else:  # Gemma 3: only the global layers' entry changes
-        model.config.rope_parameters = {**copy.deepcopy(base_config), layer_type: resolved.to_dict()}
+        model.config.rope_parameters = {**copy.deepcopy(base_config), layer_type: spec.to_dict()}
     return model
 
 
-def unpatch(model: nn.Module) -> nn.Module:
-    """Restore the rotary module and rope_parameters the model had before the first `patch`."""
+def unpatch_rope(model: nn.Module) -> nn.Module:
+    """Restore the rotary module and rope_parameters the model had before the first `patch_rope`."""
     original = getattr(model, _ORIG_ATTR, None)
     if original is None:
         return model
@@ -145,26 +156,9 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def current_spec(model: nn.Module) -> RopeSpec | None:
-    """The lcx spec a patched model runs, or None for an unpatched model."""
+    """The lcx spec a patched model runs (resolved), or None for an unpatched model."""
     rot = getattr(_inner(model), "rotary_emb", None)
     return rot.spec if isinstance(rot, LcxRotaryEmbedding) else None
-
-
-@contextlib.contextmanager
-def patched(model: nn.Module, spec: RopeSpec | Mapping[str, Any] | None) -> Iterator[nn.Module]:
-    """Context manager: `patch` on entry (no-op for `spec=None`), restore the previous state on exit."""
-    if spec is None:
-        yield model
-        return
-    previous = current_spec(model)
-    patch(model, spec)
-    try:
-        yield model
-    finally:
-        if previous is None:
-            unpatch(model)
-        else:
-            patch(model, previous)
 
 
 class _ConfigView:

@@ -14,11 +14,12 @@ from .rotary import (
     rotate_half,
 )
 from .rotary import compute_inv_freq
-from .spec import RopeSpec
+from .spec import PartialRopeSpec, RopeSpec
 from .types import ROPE_TYPES, RopeType
 
 __all__ = [
     "ROPE_TYPES",
+    "PartialRopeSpec",
     "RopeSpec",
     "RopeType",
     "apply_rotary_ref",

@@ -1,4 +1,5 @@
-"""`RopeSpec`: the validated, frozen description of one RoPE variant.
+"""`RopeSpec`: the validated, frozen description of one RoPE variant; `PartialRopeSpec`: one as a
+user gives it, checked where it enters and resolved once against a model (`resolve`).
 
 Key names are Hugging Face's (`rope_type`, `rope_theta`, `factor`,
 `original_max_position_embeddings`, `beta_fast`, `beta_slow`, `attention_factor`,
@@ -13,9 +14,10 @@ Unlike transformers, every bad value raises `ValueError` naming the key; nothing
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .types import ROPE_TYPES  # the registry is the only list of types
 
@@ -60,66 +62,7 @@ class RopeSpec:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope_type={self.rope_type!r} is not a known RoPE type; known: {sorted(ROPE_TYPES)}"
-            )
-        required, optional = ROPE_TYPES[self.rope_type].required, ROPE_TYPES[self.rope_type].optional
-        allowed = required | optional
-        for f in dataclasses.fields(self):
-            if f.name in ("rope_type", "rope_theta", "partial_rotary_factor"):
-                continue
-            v = getattr(self, f.name)
-            if f.name in required and v is None:
-                raise ValueError(f"rope_type={self.rope_type!r} requires {f.name!r}")
-            if v is not None and f.name not in allowed:
-                raise ValueError(
-                    f"key {f.name!r} does not apply to rope_type={self.rope_type!r} "
-                    f"(accepted: {sorted(allowed) or 'none'})"
-                )
-        if self.rope_theta is not None:
-            _positive("rope_theta", self.rope_theta)
-        if not (0.0 < self.partial_rotary_factor <= 1.0):
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.factor is not None:
-            _finite("factor", self.factor)
-            if self.factor < 1.0:
-                raise ValueError(f"factor must be >= 1 (it is new_length / original_length), got {self.factor}")
-        if self.original_max_position_embeddings is not None:
-            if int(self.original_max_position_embeddings) != self.original_max_position_embeddings or (
-                self.original_max_position_embeddings < 1
-            ):
-                raise ValueError(
-                    "original_max_position_embeddings must be a positive integer, "
-                    f"got {self.original_max_position_embeddings!r}"
-                )
-        for name in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor", "truncate_length",
-                     "attention_factor", "mscale", "mscale_all_dim"):
-            v = getattr(self, name)
-            if v is not None:
-                _positive(name, v)
-        if self.rope_type == "yarn":
-            bf = self.beta_fast if self.beta_fast is not None else 32.0
-            bs = self.beta_slow if self.beta_slow is not None else 1.0
-            if bf <= bs:
-                raise ValueError(f"beta_fast ({bf}) must be larger than beta_slow ({bs})")
-            if (self.mscale is None) != (self.mscale_all_dim is None):
-                raise ValueError("mscale and mscale_all_dim must be given together")
-        if self.rope_type == "llama3":
-            lo = self.low_freq_factor if self.low_freq_factor is not None else 1.0
-            hi = self.high_freq_factor if self.high_freq_factor is not None else 4.0
-            if hi <= lo:
-                raise ValueError(f"high_freq_factor ({hi}) must be larger than low_freq_factor ({lo})")
-        if self.rope_type == "longrope":
-            for name in ("short_factor", "long_factor"):
-                for x in getattr(self, name):
-                    if not (math.isfinite(x) and x > 0):
-                        raise ValueError(f"{name} entries must be finite and > 0, got {x}")
-            if len(self.short_factor) != len(self.long_factor):
-                raise ValueError(
-                    f"short_factor has {len(self.short_factor)} entries but long_factor has "
-                    f"{len(self.long_factor)}; both need rotary_dim/2"
-                )
+        _validate({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, partial=False)
 
     # ------------------------------------------------------------------ helpers
     def rotary_dim(self, head_dim: int) -> int:
@@ -180,38 +123,9 @@ class RopeSpec:
 
     @classmethod
     def for_model(cls, d: Mapping[str, Any] | "RopeSpec" | None, config: Any) -> "RopeSpec":
-        """Resolve a (possibly partial) spec against a model config.
-
-        Fills `rope_theta` and, for types that use it, `original_max_position_embeddings`
-        from the model (its rope_parameters / max_position_embeddings) when they are not given,
-        so `{"rope_type": "yarn", "factor": 4}` means "4x this model's context". A config with
-        RoPE per layer type (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`)
-        resolves against its global layers' entry, the one `lcx.patch` scales.
-        """
-        d = dict(d.to_dict()) if isinstance(d, RopeSpec) else dict(d or {})
-        model_rope = dict(getattr(config, "rope_parameters", None) or {})
-        if isinstance(model_rope.get("full_attention"), Mapping):  # per layer type: the global layers'
-            model_rope = dict(model_rope["full_attention"])
-        if d.get("rope_theta") is None:
-            theta = model_rope.get("rope_theta", getattr(config, "rope_theta", None))
-            if theta is None:
-                raise ValueError("the model config has no rope_theta; pass rope_theta explicitly")
-            d["rope_theta"] = float(theta)
-        rtype = d.get("rope_type", d.get("type", "default"))
-        entry = ROPE_TYPES.get(rtype)
-        L_key = "original_max_position_embeddings"
-        if entry is not None and L_key in (entry.required | entry.optional) and d.get(L_key) is None:
-            L = model_rope.get(L_key) or getattr(config, "max_position_embeddings", None)
-            if L is None:
-                raise ValueError(f"rope_type={rtype!r} needs {L_key!r} and the model config has none")
-            d[L_key] = int(L)
-        if rtype == "longrope" and d.get("factor") is None:
-            # Phi-3 style configs leave `factor` out and mean max_position_embeddings / L
-            # (transformers does the same); it sets the attention temperature.
-            max_pos = getattr(config, "max_position_embeddings", None)
-            if max_pos and d.get(L_key) and max_pos > d[L_key]:
-                d["factor"] = max_pos / d[L_key]
-        return cls.from_dict(d)
+        """Resolve a (possibly partial) spec against a model config: `PartialRopeSpec(d).resolve(config)`
+        (None or {} is the model's own base with the default type)."""
+        return PartialRopeSpec(d or {"rope_type": "default"}).resolve(config)
 
     def replace(self, **changes: Any) -> "RopeSpec":
         return dataclasses.replace(self, **changes)
@@ -227,6 +141,190 @@ class RopeSpec:
         return self.rope_type
 
 
+
+# Keys a partial spec may leave out because the model supplies them (`PartialRopeSpec.resolve`):
+# rope_theta is optional everywhere, the original length is filled for the types that take it.
+MODEL_KEYS = frozenset({"rope_theta", "original_max_position_embeddings"})
+
+
+def _validate(s: Mapping[str, Any], *, partial: bool) -> None:
+    """Check a spec's values (`s`: every RopeSpec field, None where unset). `partial`: the keys
+    the model supplies (`MODEL_KEYS`) may still be missing; everything given is checked as in
+    a full spec. Raises ValueError naming the key."""
+    t = s["rope_type"]
+    if t not in ROPE_TYPES:
+        raise ValueError(f"rope_type={t!r} is not a known RoPE type; known: {sorted(ROPE_TYPES)}")
+    required, optional = ROPE_TYPES[t].required, ROPE_TYPES[t].optional
+    allowed = required | optional
+    for name, v in s.items():
+        if name in ("rope_type", "rope_theta", "partial_rotary_factor"):
+            continue
+        if name in required and v is None and not (partial and name in MODEL_KEYS):
+            raise ValueError(f"rope_type={t!r} requires {name!r}")
+        if v is not None and name not in allowed:
+            raise ValueError(f"key {name!r} does not apply to rope_type={t!r} (accepted: {sorted(allowed) or 'none'})")
+    if s["rope_theta"] is not None:
+        _positive("rope_theta", s["rope_theta"])
+    prf = s["partial_rotary_factor"]
+    if not (isinstance(prf, (int, float)) and not isinstance(prf, bool) and 0.0 < prf <= 1.0):
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {prf!r}")
+    if s["factor"] is not None:
+        _finite("factor", s["factor"])
+        if s["factor"] < 1.0:
+            raise ValueError(f"factor must be >= 1 (it is new_length / original_length), got {s['factor']}")
+    L = s["original_max_position_embeddings"]
+    if L is not None and (isinstance(L, bool) or not isinstance(L, (int, float)) or int(L) != L or L < 1):
+        raise ValueError(f"original_max_position_embeddings must be a positive integer, got {L!r}")
+    for name in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor", "truncate_length",
+                 "attention_factor", "mscale", "mscale_all_dim"):
+        if s[name] is not None:
+            _positive(name, s[name])
+    if t == "yarn":
+        bf = s["beta_fast"] if s["beta_fast"] is not None else 32.0
+        bs = s["beta_slow"] if s["beta_slow"] is not None else 1.0
+        if bf <= bs:
+            raise ValueError(f"beta_fast ({bf}) must be larger than beta_slow ({bs})")
+        if (s["mscale"] is None) != (s["mscale_all_dim"] is None):
+            raise ValueError("mscale and mscale_all_dim must be given together")
+    if t == "llama3":
+        lo = s["low_freq_factor"] if s["low_freq_factor"] is not None else 1.0
+        hi = s["high_freq_factor"] if s["high_freq_factor"] is not None else 4.0
+        if hi <= lo:
+            raise ValueError(f"high_freq_factor ({hi}) must be larger than low_freq_factor ({lo})")
+    if t == "longrope":
+        for name in ("short_factor", "long_factor"):
+            for x in s[name]:
+                if not (math.isfinite(x) and x > 0):
+                    raise ValueError(f"{name} entries must be finite and > 0, got {x}")
+        if len(s["short_factor"]) != len(s["long_factor"]):
+            raise ValueError(f"short_factor has {len(s['short_factor'])} entries but long_factor has "
+                             f"{len(s['long_factor'])}; both need rotary_dim/2")
+
+
+def _factors(name: str, v: Any) -> tuple[float, ...]:
+    """longrope's per-channel factors as a tuple of floats (a list or tuple of numbers)."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise ValueError(f"{name} must be a list of numbers, got {v!r}")
+    try:
+        return tuple(float(x) for x in v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of numbers, got {v!r}") from None
+
+
+class PartialRopeSpec(Mapping):
+    """A RoPE spec as a user gives it (`lcx.MethodConfig.rope`): HF key names, possibly partial.
+
+    Checked once, where it enters (a config, the command line, lm-eval `--model_args`): unknown
+    keys, a missing `rope_type`, bad values raise `ValueError` naming the key, exactly as a full
+    `RopeSpec` would, except that the keys the model supplies (`MODEL_KEYS`: `rope_theta`,
+    `original_max_position_embeddings`) may be missing. Resolved once against a model by
+    `resolve(model_config) -> RopeSpec` (`{"rope_type": "yarn", "factor": 4}` is 4x that model's
+    context). transformers takes the same two hops (`rope_config_validation` at config time, the
+    init function at model time).
+
+    A read-only mapping, hashable and picklable (a config crosses process boundaries: the
+    server's engine process, lm-eval workers); the legacy key `type` is read as `rope_type`,
+    model keys (`max_position_embeddings`) are dropped, longrope's factors are kept as tuples
+    (`to_dict` gives them back as lists). Equal to a dict with the same items.
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: "Mapping[str, Any] | RopeSpec | None" = None):
+        if isinstance(d, RopeSpec):
+            d = d.to_dict()
+        if d is not None and not isinstance(d, Mapping):
+            raise ValueError(f"a RoPE spec must be a dict of HF-style keys, got {d!r}")
+        d = dict(d or {})
+        if "type" in d:  # HF's legacy name
+            if "rope_type" in d and d["rope_type"] != d["type"]:
+                raise ValueError(f"both 'type'={d['type']!r} and 'rope_type'={d['rope_type']!r} given")
+            d["rope_type"] = d.pop("type")
+        d = {k: v for k, v in d.items() if v is not None and k not in _IGNORED_HF_KEYS}
+        unknown = sorted(set(d) - _FIELDS)
+        if unknown:
+            raise ValueError(f"unknown RoPE key(s) {unknown}; accepted: {sorted(_FIELDS)}")
+        if d and "rope_type" not in d:
+            raise ValueError(f"RoPE keys {sorted(d)} given without rope_type")
+        for name in ("short_factor", "long_factor"):
+            if d.get(name) is not None:
+                d[name] = _factors(name, d[name])
+        _validate({**_DEFAULTS, **d}, partial=True)
+        object.__setattr__(self, "_d", d)
+
+    @property
+    def rope_type(self) -> str:
+        return self._d.get("rope_type", "default")
+
+    def resolve(self, config: Any) -> "RopeSpec":
+        """The full spec for a model config: `rope_theta` and, for the types that take it,
+        `original_max_position_embeddings` filled from the model (its rope_parameters /
+        max_position_embeddings) when they are not given. A config with RoPE per layer type
+        (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`) resolves against its
+        global layers' entry, the one `lcx.patch` scales."""
+        d = dict(self._d)
+        model_rope = dict(getattr(config, "rope_parameters", None) or {})
+        if isinstance(model_rope.get("full_attention"), Mapping):  # per layer type: the global layers'
+            model_rope = dict(model_rope["full_attention"])
+        if d.get("rope_theta") is None:
+            theta = model_rope.get("rope_theta", getattr(config, "rope_theta", None))
+            if theta is None:
+                raise ValueError("the model config has no rope_theta; pass rope_theta explicitly")
+            d["rope_theta"] = float(theta)
+        t = self.rope_type
+        entry = ROPE_TYPES[t]
+        L_key = "original_max_position_embeddings"
+        if L_key in (entry.required | entry.optional) and d.get(L_key) is None:
+            L = model_rope.get(L_key) or getattr(config, "max_position_embeddings", None)
+            if L is None:
+                raise ValueError(f"rope_type={t!r} needs {L_key!r} and the model config has none")
+            d[L_key] = int(L)
+        if t == "longrope" and d.get("factor") is None:
+            # Phi-3 style configs leave `factor` out and mean max_position_embeddings / L
+            # (transformers does the same); it sets the attention temperature.
+            max_pos = getattr(config, "max_position_embeddings", None)
+            if max_pos and d.get(L_key) and max_pos > d[L_key]:
+                d["factor"] = max_pos / d[L_key]
+        return RopeSpec.from_dict(d)
+
+    def describe(self) -> str:
+        """`yarn(s=4)`, `truncate(T=256)`, `truncate` (T: the model's length)... without a model."""
+        if self._d.get("factor") is not None:
+            return f"{self.rope_type}(s={self._d['factor']:g})"
+        if self._d.get("truncate_length") is not None:
+            return f"{self.rope_type}(T={self._d['truncate_length']:g})"
+        return self.rope_type
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (tuples as lists: the JSON form)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._d.items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a PartialRopeSpec is read-only")
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self._d, sort_keys=True, default=repr))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PartialRopeSpec, (self._d,))
+
+    def __repr__(self) -> str:
+        return f"PartialRopeSpec({self._d!r})"
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RopeSpec)}
+
+
 def _finite(name: str, v: float) -> None:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -238,4 +336,4 @@ def _positive(name: str, v: float) -> None:
         raise ValueError(f"{name} must be > 0, got {v!r}")
 
 
-__all__ = ["RopeSpec"]
+__all__ = ["MODEL_KEYS", "PartialRopeSpec", "RopeSpec"]

@@ -26,7 +26,7 @@ from lcx.cache import (
 )
 from lcx.hf.rope_patch import rope_basis
 from lcx.studies.code_edit import evaluate, make_samples, next_line, summarize, token_edits
-from lcx.hf.rope_patch import patch, patched
+from lcx import patch, patched
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rotate_by_positions_ref
 
 N_OLD = 61  # odd cache length

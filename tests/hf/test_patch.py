@@ -10,7 +10,8 @@ import torch
 import lcx
 from lcx.hf import ROPE_MODEL_TYPES
 from lcx.hf.models import global_layer_type, tiny_model
-from lcx.hf.rope_patch import current_spec, patch, patched, unpatch
+from lcx import patch, patched, unpatch
+from lcx.hf.rope_patch import current_spec
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq
 
 L = 32  # tiny original context so sequences of 3-4 L stay cheap

@@ -145,7 +145,7 @@ def test_lm_infinite_layers_equal_lambda_attention_ref(model64, G, L, cap):
 def test_yarn_composes_with_lm_infinite(model64):
     """LM-Infinite + YaRN: the attention reads the patched RoPE basis (inv_freq and attention
     factor), in either patching order; with a wide window it equals YaRN alone."""
-    from lcx.hf.rope_patch import patched
+    from lcx import patched
 
     m, _ = model64
     ids = _ids(33)

@@ -10,8 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lcx.rope.spec import MODEL_KEYS
+
 from lcx.rope import (
     ROPE_TYPES,
+    PartialRopeSpec,
     RopeSpec,
     apply_rotary_ref,
     compute_inv_freq,
@@ -109,6 +112,53 @@ def test_legacy_type_key_and_roundtrip():
                                "rope_theta": 1e4, "max_position_embeddings": 64})
     assert spec.rope_type == "yarn"
     assert RopeSpec.from_dict(spec.to_dict()) == spec
+
+
+
+# ----------------------------------------------------------------------------- partial specs
+# What a user leaves to the model in a partial spec: every registered type, its model keys removed
+PARTIAL_GRID = sorted(ROPE_TYPES)
+
+
+@pytest.mark.parametrize("rope_type", PARTIAL_GRID)
+def test_partial_spec_checked_without_a_model_and_resolved_once(rope_type):
+    """A partial spec (model keys left out) is accepted at the edge with no model at hand, and
+    resolving it fills exactly the model keys: the same spec as the full one."""
+    from types import SimpleNamespace
+
+    full = example_spec(rope_type).to_dict()
+    given = {k: v for k, v in full.items() if k not in MODEL_KEYS}
+    partial = PartialRopeSpec(given)
+    assert partial.to_dict() == given and partial.rope_type == rope_type
+    model = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": full["rope_theta"]},
+                            max_position_embeddings=L)
+    assert partial.resolve(model) == example_spec(rope_type)
+    assert RopeSpec.for_model(given, model) == partial.resolve(model)
+
+
+@pytest.mark.parametrize("d,match", [
+    ({"factor": 4}, r"RoPE keys \['factor'\] given without rope_type"),
+    ({"rope_type": "yarn", "factr": 4}, r"unknown RoPE key\(s\) \['factr'\]"),
+    ({"rope_type": "yarn"}, "rope_type='yarn' requires 'factor'"),
+    ({"rope_type": "yarn", "factor": 0.5}, "factor must be >= 1"),
+    ({"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 0},
+     "original_max_position_embeddings must be a positive integer"),
+    ({"rope_type": "linear", "factor": 2, "beta_fast": 3}, "key 'beta_fast' does not apply"),
+    ({"rope_type": "longrope", "short_factor": "ab", "long_factor": [1.0]}, "short_factor must be a list"),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0]}, "short_factor has 1 entries"),
+    ({"type": "yarn", "rope_type": "linear", "factor": 2}, "both 'type'"),
+])
+def test_partial_spec_errors_name_the_key(d, match):
+    with pytest.raises(ValueError, match=match):
+        PartialRopeSpec(d)
+
+
+def test_partial_spec_reads_hf_forms():
+    p = PartialRopeSpec({"type": "yarn", "factor": 4, "max_position_embeddings": 64, "beta_fast": None})
+    assert dict(p) == {"rope_type": "yarn", "factor": 4}  # legacy key read, model key and Nones dropped
+    assert PartialRopeSpec() == {} and PartialRopeSpec(RopeSpec(rope_type="linear", factor=2)).describe() == "linear(s=2)"
+    with pytest.raises(ValueError, match="the model config has no rope_theta"):
+        PartialRopeSpec({"rope_type": "linear", "factor": 2}).resolve(object())
 
 
 # ----------------------------------------------------------------------------- transformers parity

@@ -117,11 +117,11 @@ def prompts() -> list[list[int]]:
 
 
 def _lcx_hf_logprobs(model_dir: Path, methods: dict, prompts: list[list[int]]) -> list[list[float]]:
-    """Prompt logprobs of the HF model patched with lcx.hf.rope_patch (rope) and lcx.methods (attention)."""
+    """Prompt logprobs of the HF model patched with lcx.patched (rope) and lcx.hf.attention_patch (attention)."""
     from transformers import AutoModelForCausalLM
 
     from lcx.hf.attention_patch import attention_patched
-    from lcx.hf.rope_patch import patched
+    from lcx import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
@@ -281,7 +281,7 @@ def _lcx_greedy_ids(model_dir: Path, methods: dict, ids: list[int], n: int) -> l
     from transformers import AutoModelForCausalLM
 
     from lcx.hf.attention_patch import attention_patched
-    from lcx.hf.rope_patch import patched
+    from lcx import patched
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seq = list(ids)
