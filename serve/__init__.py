@@ -4,7 +4,10 @@
   OpenAI error objects: the wire format, as pydantic models.
 - `lcx.serve.gate`: the ASGI middleware (request ids, API key, error and disconnect counting).
 - `lcx.serve.context`: `ServerContext`, what every route shares (engine, scheduler, CPU pool,
-  limits) and the request plumbing (parsing off the event loop, validation, disconnect = abort).
+  counters), made of one part per job of the request plumbing: `lcx.serve.body` (reading and
+  parsing bodies with bounded work), `lcx.serve.sampling` (validation against the engine),
+  `lcx.serve.render` (chat templates, logprobs), `lcx.serve.jobs` (running choices through the
+  scheduler, disconnect = abort, event streams).
 - `lcx.serve.routes`: one router per concern (completions, chat, tokenizer, admin).
 - `lcx.serve.scheduler`: the batching scheduler (one worker thread owns the engine; continuous
   batching; a batching window when idle).

@@ -37,8 +37,9 @@ has its requests aborted at once (streaming or not): the engine frees their batc
 
 Layout: `protocol` (request and response models, errors), `gate` (the ASGI middleware: request
 ids, the API key, counting and logging errors), `context` (`ServerContext`: the engine, scheduler,
-CPU pool and the plumbing every route shares), `routes/` (one router per concern: completions,
-chat, tokenizer, admin). This module only assembles them.
+CPU pool and counters every route shares, with its parts `body`, `sampling`, `render`, `jobs`: one
+module per job of the request plumbing), `routes/` (one router per concern: completions, chat,
+tokenizer, admin). This module only assembles them.
 
 Every request goes through a scheduler (continuous batching): by default here the `Scheduler`, one
 worker thread of this process; `lcx serve` passes an `EngineProcess` instead (`scheduler=`, with
@@ -62,13 +63,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lcx.engine import Engine
 
-from .body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP
+from .body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP
 from .chat_template import AUTO
-from .context import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_N, ServerContext
+from .context import ServerContext
 from .engine_process import EngineProcess, EngineView
 from .gate import Gate, error_response
 from .openapi import install_openapi
 from .pacing import DEFAULT_SHARE
+from .sampling import DEFAULT_MAX_N
 from .protocol import APIError
 from .routes import ROUTERS
 from .scheduler import Scheduler

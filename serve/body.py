@@ -33,15 +33,20 @@ The limits (`Limits`) are the server's, documented in docs/serving.md ("Limits")
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from pydantic import BaseModel, ValidationError
 
+from .gate import ClientGone
 from .protocol import (
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
@@ -378,3 +383,93 @@ def parse_body(model: type[BaseModel], body: bytes, limits: Limits, *, scanned: 
     except ValidationError as e:
         err = validation_error(e)
     raise err  # out here: as __context__, the ValidationError would keep the parsed body
+
+
+# ---------------------------------------------------------------------- reading a request's body
+INLINE_BYTES = 16 << 10  # bodies under this are parsed and tokenized on the event loop (`ServerContext.cpu`)
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a body must arrive within this (`lcx serve --body-timeout-s`)
+
+
+class BodyReader:
+    """Reads a request's body off the connection, scanned as it arrives, and parses it on the CPU
+    pool (`ServerContext.body`). `cpu`: `ServerContext.cpu`, which runs a function off the event loop."""
+
+    def __init__(self, limits: Limits, *, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 cpu: Callable[..., Awaitable[Any]]):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if not body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
+        self.limits, self.max_body_bytes, self.body_timeout_s, self.cpu = limits, max_body_bytes, body_timeout_s, cpu
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, scanned as it arrives (`lcx.serve.body.Scanner`). Refused without reading the
+        rest: another Content-Type than JSON (415), more than `max_body_bytes` (413, declared or
+        counted), a scan limit crossed (413), not all of it within `body_timeout_s` of the first
+        read (408). The gate closes the connection of a body left unread after the answer
+        (`lcx.serve.gate.linger_close`): reading a hostile body to its end would cost the server
+        more than the client."""
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            mime = ctype.split(";", 1)[0].strip().lower()
+            if mime != "application/json" and not (mime.startswith("application/") and mime.endswith("+json")):
+                raise APIError(415, f"Content-Type must be application/json, got {ctype!r}",
+                               code="unsupported_media_type")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared), "")
+        scanner = Scanner(self.limits)
+        chunks = None
+        try:
+            # one task for the whole body (a timeout per chunk would make a task per chunk)
+            chunks = await asyncio.wait_for(self._receive_body(request, scanner), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            pass  # raised below, outside this block: no chain of the cancelled task's frames
+        except APIError as e:
+            # Without its traceback: the frames would hold the request, the scanner and the chunks
+            # in a reference cycle (the error is kept in the request's scope) that only a full
+            # garbage collection frees. Under a flood of refused and timed-out bodies those
+            # collections came seconds apart and took 0.1-0.6 s each, stalling every client.
+            raise e.with_traceback(None) from None
+        if chunks is None:
+            raise APIError(408, f"the request body was not received within {self.body_timeout_s:g} s "
+                           f"({scanner.size} bytes came; lcx serve --body-timeout-s)", code="request_timeout")
+        body = b"".join(chunks)
+        chunks.clear()
+        return body
+
+    def _too_large(self, size: int, more: str) -> APIError:
+        return APIError(413, f"the request body has {size}{more} bytes; this server accepts at most "
+                        f"{self.max_body_bytes} (lcx serve --max-body-mb)", code="request_too_large")
+
+    async def _receive_body(self, request: Request, scanner: Scanner) -> list[bytes]:
+        """The body's chunks, each scanned as it comes; APIError (413) at the first one over a limit."""
+        chunks = []
+        try:
+            async for chunk in request.stream():
+                if scanner.size + len(chunk) > self.max_body_bytes:
+                    raise self._too_large(scanner.size + len(chunk), "+")
+                scanner.feed(chunk)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return chunks
+
+    async def parse(self, model: type[BaseModel], request: Request) -> Any:
+        """The request's body as `model`: read and scanned here (`read_body`), parsed and validated
+        on the CPU pool with bounded work (`lcx.serve.body`)."""
+        body = await self.read_body(request)
+        big = len(body) >= TRIM_BYTES
+        request.state.lcx_body_bytes = len(body)
+        try:
+            return await self.cpu(functools.partial(parse_body, scanned=True), model, body, self.limits,
+                                  inline=len(body) < INLINE_BYTES)
+        except APIError as e:
+            # Its traceback holds the parse frames, and so the body; the error ends up in the
+            # request's scope, which the handler frames also hold: a cycle that would keep the
+            # body until the next garbage collection. Cut it here.
+            raise e.with_traceback(None) from None
+        finally:
+            del body
+            if big:
+                await self.cpu(release_memory)

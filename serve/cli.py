@@ -31,7 +31,7 @@ from lcx.threads import add_threads_argument, resolve_threads
 
 from .body import DEFAULT_MAX_BODY_BYTES
 from .connections import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
-from .context import DEFAULT_MAX_N, WORK_FACTOR
+from .sampling import DEFAULT_MAX_N, WORK_FACTOR
 from .engine_process import MAX_RESTARTS, RESTART_WINDOW_S
 from .lengths import RULE as LENGTH_RULE
 from .pacing import DEFAULT_SHARE

@@ -39,7 +39,7 @@ _HEALTH_DOC = {503: {"model": Health, "description": "the engine is not running,
 
 @router.get("/health", responses=_HEALTH_DOC)
 async def health(c: ServerContext = Depends(ctx)) -> Health:
-    problem = c.engine_problem()
+    problem = c.jobs.engine_problem()
     if problem is not None:
         return JSONResponse({"status": problem}, status_code=503)
     return Health(status="ok")
@@ -49,7 +49,7 @@ async def health(c: ServerContext = Depends(ctx)) -> Health:
              responses={200: {"description": "the engine is running and responding (no body)"},
                         503: {"description": "the engine is not running, restarting or not responding (no body)"}})
 async def health_head(c: ServerContext = Depends(ctx)) -> Response:
-    return Response(status_code=200 if c.engine_problem() is None else 503)
+    return Response(status_code=200 if c.jobs.engine_problem() is None else 503)
 
 
 @router.get("/stats", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
@@ -57,4 +57,4 @@ async def health_head(c: ServerContext = Depends(ctx)) -> Response:
                                  **errors(401)})
 async def stats(c: ServerContext = Depends(ctx)) -> JSONResponse:
     return JSONResponse(dict(c.sched.snapshot(), http=c.stats.to_dict(), loop_pacer=c.pacer.to_dict(),
-                             tidied_after_bursts=c.tidied, prompts=dict(c.prompt_stats)))
+                             tidied_after_bursts=c.tidied, prompts=dict(c.checks.prompt_stats)))

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
 from lcx.engine import Engine, EngineConfig, SamplingParams, StepEvent  # noqa: E402
-from lcx.serve.context import engine_error  # noqa: E402
+from lcx.serve.jobs import engine_error  # noqa: E402
 from lcx.serve.engine_process import (  # noqa: E402
     EngineDeadError,
     EngineProcess,
