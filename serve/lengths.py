@@ -38,13 +38,11 @@ def prompt_token_bytes(model_config: Any, dtype_bytes: int) -> int:
     """Bytes one prompt token costs during prefill, upper estimate: its keys and values in every
     layer, the layer's activations (4 x hidden + 3 x intermediate, the MLP's three projections),
     and its logits with their log-softmax (float32)."""
-    c = model_config
-    layers = int(c.num_hidden_layers)
-    heads = int(c.num_attention_heads)
-    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-    hidden, inter = int(c.hidden_size), int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size)
-    return dtype_bytes * (2 * layers * kv_heads * head_dim + 4 * hidden + 3 * inter) + LOGIT_BYTES * int(c.vocab_size)
+    from lcx.hf.models import model_shape
+
+    s = model_shape(model_config)
+    inter = s.intermediate_size or 4 * s.hidden_size
+    return s.kv_bytes_per_token(dtype_bytes) + dtype_bytes * (4 * s.hidden_size + 3 * inter) + LOGIT_BYTES * s.vocab_size
 
 
 def available_memory(device: Any) -> int:

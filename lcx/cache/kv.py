@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..hf import decoder as _decoder
-from ..hf import head_dim_of
+from ..hf import model_shape
 from ..hf.rope_patch import rope_basis
 
 def same_basis(a: tuple[torch.Tensor, float] | None, b: tuple[torch.Tensor, float] | None) -> bool:
@@ -65,9 +65,8 @@ def forward_flops(config: Any, n_new: int, n_past: int) -> float:
     visible key) pair for QK^T and AV, with query i seeing n_past + i + 1 keys. The LM head is
     not counted: cache updates never need logits.
     """
-    d, L = config.hidden_size, config.num_hidden_layers
-    H, Hkv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    D = head_dim_of(config)
+    shape = model_shape(config)
+    d, L, H, Hkv, D = shape.hidden_size, shape.layers, shape.heads, shape.kv_heads, shape.head_dim
     per_layer = d * H * D + 2 * d * Hkv * D + H * D * d + 3 * d * config.intermediate_size
     pairs = n_new * n_past + n_new * (n_new + 1) / 2
     return 2.0 * per_layer * L * n_new + 4.0 * L * H * D * pairs
@@ -109,8 +108,8 @@ class PositionedKVCache:
     def empty(cls, model: nn.Module, batch_size: int = 1) -> "PositionedKVCache":
         cfg = model.config
         p = next(model.parameters())
-        Hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        D = head_dim_of(cfg)
+        shape = model_shape(cfg)
+        Hkv, D = shape.kv_heads, shape.head_dim
         z = torch.zeros(batch_size, Hkv, 0, D, dtype=p.dtype, device=p.device)
         return cls(keys=[z.clone() for _ in range(cfg.num_hidden_layers)],
                    values=[z.clone() for _ in range(cfg.num_hidden_layers)],

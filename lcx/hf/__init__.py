@@ -2,8 +2,9 @@
 
 - `lcx.hf.models`: the supported model families (`FAMILIES`, one line each; families left out
   and why: `LEFT_OUT`), and where a `*ForCausalLM` keeps its decoder stack, its rotary module
-  and its attention layers (`decoder`, `rotary`, `attention_layers`, `head_dim_of`,
-  `layer_types`). Every module that touches an HF model's insides (the patches below, the
+  and its attention layers (`decoder`, `rotary`, `attention_layers`, `layer_types`), and its
+  shape (`model_shape`: head_dim, KV heads, per-layer types and windows, derived once here;
+  `head_dim_of`). Every module that touches an HF model's insides (the patches below, the
   KV-cache tools `lcx.cache.kv`, the engine) asks here.
 - `lcx.hf.rope_patch`: the RoPE patch (`resolve_rope`, `patch_rope`, `unpatch_rope`, `current_spec`,
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec
@@ -58,16 +59,18 @@ from .models import (
     FAMILIES,
     LEFT_OUT,
     ROPE_MODEL_TYPES,
+    ModelShape,
     attention_layers,
     check_model_type,
     decoder,
     head_dim_of,
     layer_types,
+    model_shape,
     rotary,
 )
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTN_IMPLEMENTATION", "BoundedKVCache", "FAMILIES", "GenerationResult",
-           "LEFT_OUT", "ROPE_MODEL_TYPES", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
+           "LEFT_OUT", "ModelShape", "ROPE_MODEL_TYPES", "model_shape", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
            "check_model_type", "current_attention", "current_patch", "decoder", "greedy_decode_ref", "greedy_generate",
            "head_dim_of", "layer_methods", "layer_rope_bases", "layer_rope_types", "layer_types", "own_windows",
            "patch_attention", "rotary",

@@ -179,10 +179,55 @@ def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, 
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape facts of an HF decoder config that lcx derives, derived once (`model_shape`).
+
+    heads / kv_heads: query and key/value heads (kv_heads = heads without GQA); head_dim: the
+    config's `head_dim`, else hidden_size // heads (Gemma's is independent of hidden_size);
+    intermediate_size: the MLP's (None when the config has none); layer_types: per layer (Gemma 3:
+    "sliding_attention" / "full_attention"), None when all layers are alike; windows: per layer,
+    the family's own sliding window on a hybrid local/global model, None on its global layers
+    and on every layer of a model whose layers are all alike."""
+
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int | None
+    layer_types: tuple[str, ...] | None
+    windows: tuple[int | None, ...]
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes one token's keys and values take in every layer's cache."""
+        return dtype_bytes * 2 * self.layers * self.kv_heads * self.head_dim
+
+
+def model_shape(model_or_config: Any) -> ModelShape:
+    """`ModelShape` of an HF model or its config (the one place lcx derives head_dim, KV heads and
+    the per-layer parameters)."""
+    c = getattr(model_or_config, "config", model_or_config)
+    heads, layers = int(c.num_attention_heads), int(c.num_hidden_layers)
+    types_ = layer_types(c)
+    hybrid = types_ is not None and "sliding_attention" in types_ and "full_attention" in types_
+    w = getattr(c, "sliding_window", None)
+    inter = getattr(c, "intermediate_size", None)
+    return ModelShape(
+        layers=layers, hidden_size=int(c.hidden_size), heads=heads,
+        kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+        vocab_size=int(c.vocab_size), intermediate_size=int(inter) if inter else None,
+        layer_types=tuple(types_[:layers]) if types_ is not None else None,
+        windows=tuple(int(w) if hybrid and types_[i] == "sliding_attention" else None for i in range(layers)))
+
+
 def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """`model_shape(config).head_dim`."""
+    return model_shape(config).head_dim
 
 
-__all__ = ["ATTENTION_MODEL_TYPES", "FAMILIES", "Family", "LEFT_OUT", "ROPE_MODEL_TYPES", "attention_layers",
-           "check_model_type", "decoder", "global_layer_type", "head_dim_of", "layer_types", "rope_layer_types",
-           "rotary", "tiny_model"]
+__all__ = ["ATTENTION_MODEL_TYPES", "FAMILIES", "Family", "LEFT_OUT", "ModelShape", "ROPE_MODEL_TYPES",
+           "attention_layers", "check_model_type", "decoder", "global_layer_type", "head_dim_of", "layer_types",
+           "model_shape", "rope_layer_types", "rotary", "tiny_model"]

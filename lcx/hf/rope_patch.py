@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..rope import ROPE_TYPES, PartialRopeSpec, RopeSpec, compute_inv_freq, rope_angles
-from .models import check_model_type, decoder, global_layer_type, head_dim_of, rope_layer_types
+from .models import check_model_type, decoder, global_layer_type, model_shape, rope_layer_types
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
 
@@ -133,7 +133,7 @@ def patch_rope(model: nn.Module, spec: RopeSpec) -> nn.Module:
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else None
     own_rotary = original[0] if original is not None else inner.rotary_emb
-    new = LcxRotaryEmbedding(spec, head_dim_of(model.config), device=device, layer_type=layer_type,
+    new = LcxRotaryEmbedding(spec, model_shape(model).head_dim, device=device, layer_type=layer_type,
                              others=own_rotary if layer_type is not None else None)
     if original is None:
         setattr(model, _ORIG_ATTR, (inner.rotary_emb, base_config))

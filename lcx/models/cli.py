@@ -70,9 +70,10 @@ def _list() -> int:
 
 def summarize(model: Any) -> dict[str, Any]:
     """Architecture facts of a loaded HF causal LM, as a flat dict (used by `--load`)."""
+    from lcx.hf.models import model_shape
+
     c = model.config
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    shape = model_shape(c)
     rope = getattr(c, "rope_parameters", None) or {
         "rope_theta": getattr(c, "rope_theta", None), **(getattr(c, "rope_scaling", None) or {})}
     return {
@@ -80,9 +81,9 @@ def summarize(model: Any) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "layers": c.num_hidden_layers,
         "hidden_size": c.hidden_size,
-        "heads": heads,
-        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
-        "head_dim": head_dim,
+        "heads": shape.heads,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
         "vocab_size": c.vocab_size,
         "max_position_embeddings": c.max_position_embeddings,
         "rope_parameters": dict(rope),

@@ -64,13 +64,14 @@ def build_model(mc: ModelConfig, *, seed: int | None = None, **token_ids: int) -
 def model_config_of(config: Any) -> ModelConfig:
     """The `ModelConfig` of an HF Llama config (a model written by `lcx train lm`, or any plain
     Llama-family checkpoint with default RoPE); SWAT configs map to attention="swat"."""
+    from lcx.hf.models import model_shape
     from lcx.hf.swat import is_swat
 
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"init: only default RoPE can be fine-tuned here, got rope_parameters={rope}")
     swat = is_swat(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = model_shape(config).head_dim
     return ModelConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
