@@ -11,11 +11,11 @@ downloaded.
 Methods come from `--model_args` keys:
 - RoPE: `rope_type` and any other `RopeSpec` key (`factor`, `rope_theta`,
   `original_max_position_embeddings`, `beta_fast`, ..., lists as `short_factor=[...]`), Hugging
-  Face names; unset keys come from the model (`lcx.patch`). Without `rope_type` the model runs
-  as loaded.
-- Attention (`attention=<name>` plus that method's keys): LM-Infinite (`lm_infinite`: n_global,
-  n_local, limit_distance), sliding windows (`sliding_window`: window) and StreamingLLM
-  (`sinks`: n_sink, window), from `lcx.methods`; composable with any RoPE spec.
+  Face names; unset keys come from the model (`lcx.patch`). RoPE keys without `rope_type` are
+  refused; with none the model runs as loaded.
+- Attention (`attention=<name>` plus that method's keys): any method of the registry
+  `lcx.methods.ATTENTION_METHODS` (`lcx serve --help` lists each with its keys, e.g.
+  `attention=lm_infinite,n_global=10,n_local=256`); composable with any RoPE spec.
   `attn_backend` picks the `lcx.attention` backend of its calls (default `flash`: torch's fused
   flash kernels composed into the windowed mask, the fastest exact CPU route; `blockwise`,
   `sdpa`, `ref`, ...) and `attn_decode_backend` the one of single-token calls (default: the same).

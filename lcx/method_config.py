@@ -1,7 +1,7 @@
 """`lcx.MethodConfig`: what lcx applies to a model, as one frozen, validated value.
 
 A method config is a RoPE spec (`lcx.rope.PartialRopeSpec`: HF keys, possibly partial: unset keys come from
-the model) plus an attention method (`lcx.methods`: LM-Infinite, sliding window, sinks, SWAT, ...)
+the model) plus an attention method (any of the registry `lcx.methods.ATTENTION_METHODS`)
 plus the `lcx.attention` backends of the attention method's calls. Every entry point takes it
 in the same formats:
 

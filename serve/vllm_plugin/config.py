@@ -23,10 +23,9 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
   manager then frees blocks that left every window; the overrides set `sliding_window` and
   `layer_types` (all "sliding_attention") in the HF config, which vLLM's Llama reads.
 - `attention: causal`: the unpatched model (a control).
-- every other method: `lm_infinite` (Λ-mask, capped global distance), `sinks` (StreamingLLM),
-  `self_extend` (grouped positions) — the methods that change distances
-  (`lcx.methods.UNROTATED_METHODS`) — and those vLLM's kernels lack (`swat`: sigmoid + ALiBi):
-  the layer computes the lcx method itself (`.method_attention`, exact, vLLM's CPU backend
+- every other method of the registry (`lcx.methods.ATTENTION_METHODS`), e.g. `lm_infinite`,
+  `sinks`, `self_extend` — the methods that change distances (`lcx.methods.UNROTATED_METHODS`) —
+  and those vLLM's kernels lack (`swat`: sigmoid + ALiBi): the layer computes the lcx method itself (`.method_attention`, exact, vLLM's CPU backend
   only, the KV cache keeps every block). Methods with a `decode_rule` cache keys rotated at
   their true positions by the layer's rotary (lcx's table) and re-rotate only the keys the
   method moves; the others (SWAT, LM-Infinite with top-k) skip vLLM's rotary and cache

@@ -7,14 +7,19 @@ scripts/install_vllm_cpu.sh, or .venv-vllm / $LCX_VLLM_VENV): the scoring worker
 attention supports), float32 on both sides.
 
 Checks:
-- for each method in METHODS, vLLM's prompt logprobs equal lcx's within 1e-4 (float32), on
-  prompts longer than the model's 256-token context so the RoPE methods and the window matter;
+- for each config in METHODS (every registered RoPE type and every registered attention
+  method's examples the plugin runs, generated from the registries, plus two compositions),
+  vLLM's prompt logprobs equal lcx's within 1e-4 (float32), on prompts longer than the model's
+  256-token context so the RoPE methods and the window matter;
   lcx's side is the `Engine` where it runs the method, and always the HF model patched with
-  lcx.hf.rope_patch / lcx.methods;
+  lcx.patched (RoPE) / lcx.hf.attention_patch (attention);
 - the same prompts give *different* logprobs without the method (so the check can fail);
 - vLLM's greedy decode (paged cache, one query per step) gives lcx's greedy tokens;
 - with `--tensor-parallel-size 2` (CPU backend, two worker processes) the plugin's methods
-  (TP_METHODS, both cache layouts) still equal lcx's logprobs and greedy tokens, i.e. TP=1's;
+  (TP_METHODS: the first example of every method the plugin computes itself, both cache
+  layouts) still equal lcx's logprobs and greedy tokens, i.e. TP=1's;
+- the grids cover the registries: a registered RoPE type or method is left out only when the
+  plugin refuses it (length-dependent RoPE) or it is the model itself;
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
   text equals lcx's greedy decode, echo+logprobs equal lcx's prompt logprobs;
 - bad method configurations are refused before vLLM starts;
@@ -23,8 +28,8 @@ Checks:
 
 The default test run skips this module (pyproject addopts `-m "not vllm and not slow"`); without vLLM
 it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing vLLM fails.
-Cost: one vLLM start per method (~30-80 s each on 2 busy cores, TP=2 starts ~1.5-4 min), about
-20-30 minutes in all (20 tests).
+Cost: one vLLM start per config (~30-80 s each on 2 busy cores, TP=2 starts ~1.5-4 min), about
+40-50 minutes in all (~33 tests; the grid grows with the registries).
 """
 
 from __future__ import annotations
@@ -35,12 +40,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from lcx.methods import examples, method_id
+from lcx.rope import ROPE_TYPES
 from lcx.serve.vllm_plugin import check_vllm_methods
+from lcx.serve.vllm_plugin.config import runs_lcx_attention
+from lcx.testing import example_rope_spec
 from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python, vllm_env
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
@@ -52,30 +62,50 @@ MAX_MODEL_LEN = 1024
 TOL = 1e-4  # |logprob_vllm - logprob_lcx|, float32
 # Prompt lengths: short, around the model's 256-token context, and 2-4x past it.
 PROMPT_LENS = (2, 63, 257, 517, 1000)
-METHODS = {
-    "truncate": {"rope": {"rope_type": "truncate"}},  # a RoPE type vLLM lacks
-    "ntk_x4": {"rope": {"rope_type": "ntk", "factor": 4}},  # static NTK: vLLM lacks it too
-    "yarn_x4": {"rope": {"rope_type": "yarn", "factor": 4}},
-    "sliding_window_48": {"attention": {"type": "sliding_window", "window": 48}},
+MODEL_CONTEXT, HEAD_DIM = 256, 64  # tiny-5m's max_position_embeddings and head_dim
+# What the plugin's refusal check (`check_vllm_methods`) is asked against: a config like
+# tiny-5m's (the check depends on the types and keys only).
+_HF_CONFIG = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                                   max_position_embeddings=MODEL_CONTEXT)
+
+
+def _runs_in_vllm(methods: dict) -> bool:
+    """The plugin takes `methods` (its refusal check: length-dependent RoPE types are refused)
+    and they change the model (not `causal`, which it folds to the model as loaded)."""
+    try:
+        return not check_vllm_methods(methods, _HF_CONFIG).is_identity
+    except ValueError:
+        return False
+
+
+# The parity grid, generated from the registries so that a new RoPE type or attention method
+# (or example) is checked inside vLLM with no edit here: every registered RoPE type (example
+# values, 4x tiny-5m's context; `default` is the model itself) and every registered method's
+# examples (`lcx.methods.examples()`), each kept when the plugin runs it ...
+REGISTRY_CASES = {
+    **{f"rope_{t}": {"rope": example_rope_spec(t, head_dim=HEAD_DIM, original_max_position_embeddings=MODEL_CONTEXT)}
+       for t in sorted(ROPE_TYPES) if t != "default"},
+    **{method_id(m): {"attention": m.to_dict()} for m in examples()},
+}
+# ... plus compositions of a RoPE spec with an attention method, whose long windows pass the
+# model's context (the registry's examples have windows of a few keys).
+COMBINED = {
     "truncate+sliding_window_100": {"rope": {"rope_type": "truncate"},
                                     "attention": {"type": "sliding_window", "window": 100}},
-    # Unrotated path (lcx.serve.vllm_plugin.method_attention): Λ-mask with capped distance ...
-    "lm_infinite_8_128": {"attention": {"type": "lm_infinite", "n_global": 8, "n_local": 128}},
     "yarn_x2+lm_infinite_4_200": {"rope": {"rope_type": "yarn", "factor": 2},
                                   "attention": {"type": "lm_infinite", "n_global": 4, "n_local": 200}},
-    # ... and StreamingLLM's renumbered positions (both: keys cached after RoPE, the globals /
-    # sinks re-rotated per step) ...
-    "sinks_4_96": {"attention": {"type": "sinks", "n_sink": 4, "window": 96}},
-    # ... and Self-Extend's grouped positions (every key past the window re-rotated per step).
-    "self_extend_4_64": {"attention": {"type": "self_extend", "group_size": 4, "window": 64}},
 }
+METHODS = {name: d for name, d in {**REGISTRY_CASES, **COMBINED}.items() if _runs_in_vllm(d)}
 # Tensor parallelism (--tensor-parallel-size 2 on vLLM's CPU backend: two worker processes, each
-# with half the heads and its own paged cache): every method the plugin computes itself, both
-# cache layouts (keys after RoPE: LM-Infinite, sinks, Self-Extend; unrotated: SWAT's sigmoid).
-TP_METHODS = {
-    **{name: METHODS[name] for name in ("lm_infinite_8_128", "sinks_4_96", "self_extend_4_64")},
-    "swat_128": {"attention": {"type": "swat", "window": 128}},
-}
+# with half the heads and its own paged cache): the first example of every registered method the
+# plugin computes itself (not vLLM's kernels), so both cache layouts (keys after RoPE: LM-Infinite,
+# sinks, Self-Extend; unrotated: SWAT's sigmoid) and a new method are covered.
+TP_METHODS = {}
+for _m in examples():
+    _d = {"attention": _m.to_dict()}
+    if _runs_in_vllm(_d) and runs_lcx_attention(check_vllm_methods(_d, _HF_CONFIG)) and \
+            _m.name not in {m["attention"]["type"] for m in TP_METHODS.values()}:
+        TP_METHODS[method_id(_m)] = _d
 GEN = 6  # greedy tokens decoded by vLLM for GEN_PROMPTS (its decode path over the paged cache)
 GEN_PROMPTS = (3, 5)  # prompts of 257 and 1000 tokens: decode past the context, across blocks
 WORKER_TIMEOUT_S = 420
@@ -238,10 +268,34 @@ def test_unsupported_methods_refused(methods, match):
                                                        "max_position_embeddings": 256})())
 
 
+
+def test_grids_cover_the_registries():
+    """Every registered RoPE type and attention method is in the parity grid unless the plugin
+    refuses it for a stated reason (a length-dependent RoPE type) or it is the model as loaded
+    (`default` RoPE, `causal` attention); every method the plugin computes itself is in the TP grid."""
+    from lcx.methods import ATTENTION_METHODS
+
+    left_out = sorted(set(REGISTRY_CASES) - set(METHODS))
+    want = sorted([f"rope_{t}" for t, e in ROPE_TYPES.items() if e.length_dependent] +
+                  [method_id(m) for m in examples() if m.name == "causal"])
+    assert left_out == want
+    in_grid = {d["attention"]["type"] for d in METHODS.values() if "attention" in d}
+    assert in_grid == set(ATTENTION_METHODS) - {"causal"}
+    tp = {d["attention"]["type"] for d in TP_METHODS.values()}
+    assert tp == {n for n in in_grid if runs_lcx_attention(check_vllm_methods({"attention": {"type": n, **_args(n)}},
+                                                                               _HF_CONFIG))}
+
+
+def _args(name: str) -> dict:
+    """The parameters of `name`'s first example (a valid instance of the method)."""
+    first = next(m for m in examples() if m.name == name).to_dict()
+    first.pop("type")
+    return first
+
 # ------------------------------------------------------------------ lcx serve --engine vllm
 
 SERVED = "tiny-vllm"
-SERVE_METHODS = METHODS["truncate+sliding_window_100"]
+SERVE_METHODS = COMBINED["truncate+sliding_window_100"]
 
 
 @pytest.fixture(scope="module")
