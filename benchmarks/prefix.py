@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lcx.bench.harness import Benchmark
+from benchmarks.harness import Benchmark
 
 DESCRIPTION = "lcx's engine with vs without its prefix cache: shared system prompt and passkey-sweep loads"
 BENCH = Benchmark("prefix", DESCRIPTION, __doc__, out="results/prefix_cpu.json", threads="1",

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lcx.bench.harness import Benchmark
+from benchmarks.harness import Benchmark
 
 DESCRIPTION = "one long prefill of a whole model, per method, against the unpatched model"
 BENCH = Benchmark("prefill", DESCRIPTION, __doc__, out="results/prefill_cpu.json", threads="1",
@@ -68,7 +68,7 @@ def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
     """(CPU seconds, wall seconds, peak RSS increase in MB) of one forward."""
     import torch
 
-    from lcx.measure import reset_peak, status_bytes
+    from benchmarks.measure import reset_peak, status_bytes
 
     reset_peak()
     before = status_bytes("VmRSS")

@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
-from lcx.bench.harness import Benchmark
-from lcx.bench.harness import progress as _progress
+from benchmarks.harness import Benchmark
+from benchmarks.harness import progress as _progress
 
-SCHEMA = "lcx.bench.kernels/1"
+SCHEMA = "benchmarks.kernels/1"
 THRESHOLD = 0.10
 # Relative to the working directory (the repository root when run from a checkout), never to
 # this file: an installed lcx lives in site-packages, where results do not belong.

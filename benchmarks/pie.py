@@ -23,7 +23,7 @@ paired difference of its true-line exact match to recompute's (Newcombe interval
 
 For every sample: a window of real code, a random edit (insertion / deletion / multi-place),
 each strategy's cache update (cost recorded) and a greedy next-line completion; see
-`lcx.studies.code_edit` for the protocol. Prints a table and writes JSON (config,
+`studies.code_edit` for the protocol. Prints a table and writes JSON (config,
 environment, git SHA, summary, per-sample records; rewritten atomically after every sample,
 so an interrupted run keeps what it finished) and a PNG plot next to it.
 """
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lcx.bench.harness import Benchmark, figure
+from benchmarks.harness import Benchmark, figure
 from lcx.data import io
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,7 +177,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--targets", choices=("any", "context"), default="any",
                     help="target lines: any non-comment line of >= 8 characters, or 'context': only lines "
                          "whose every identifier (keywords, builtins, self, cls aside) occurs in the prompt "
-                         "(lcx.studies.code_edit.TARGET_POLICIES)")
+                         "(studies.code_edit.TARGET_POLICIES)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--backend", default="ref", help="re-rotation backend: ref | triton | cuda")
     ap.add_argument("--timing-repeats", type=int, default=1,
@@ -212,8 +212,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from lcx.bench.harness import config_dict
-    from lcx.studies.code_edit import SampleResult, evaluate, make_samples, stdlib_files, summarize
+    from benchmarks.harness import config_dict
+    from studies.code_edit import SampleResult, evaluate, make_samples, stdlib_files, summarize
 
     BENCH.resolve_threads(args)
     device = torch.device(args.device)
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summaries(results: list, ctx_tokens: list[int], strategies: list[str]) -> dict:
-    from lcx.studies.code_edit import summarize
+    from studies.code_edit import summarize
 
     by_ctx = {f"ctx_{c}": summarize([r for r in results if r.sample["ctx_tokens"] == c], strategies)
               for c in ctx_tokens if any(r.sample["ctx_tokens"] == c for r in results)}
@@ -301,7 +301,7 @@ MERGE_FREE = ("ctx_tokens", "threads", "out")  # settings in which merged runs m
 def merge(paths: list[Path], out: Path, plot_it: bool = True) -> int:
     """One record from finished runs that differ only in `MERGE_FREE` settings and hold
     disjoint context lengths: their samples, the summary over all of them, per-run provenance."""
-    from lcx.studies.code_edit import SampleResult
+    from studies.code_edit import SampleResult
 
     records = [io.read_json(p) for p in paths]
     for p, r in zip(paths, records):
@@ -343,7 +343,7 @@ def compare(first: Path, second: Path, out: Path) -> int:
     true-line exact match with its Wilson interval and the paired difference (second - first:
     Newcombe interval, McNemar p). The runs must be finished, differ only in `COMPARE_FREE`
     settings and hold the same samples (`SAMPLE_KEYS`: both models use one tokenizer)."""
-    from lcx.studies.code_edit import exact_match, paired_difference, wilson_interval
+    from studies.code_edit import exact_match, paired_difference, wilson_interval
 
     recs = [io.read_json(p) for p in (first, second)]
     for p, r in zip((first, second), recs):
@@ -393,7 +393,7 @@ def compare(first: Path, second: Path, out: Path) -> int:
 def rescore(path: Path, plot_it: bool = True) -> int:
     """Recompute `path`'s summary from its per-sample records (completions, targets, costs are
     stored; nothing is re-run) with the current `summarize`, and rewrite it (and its plot)."""
-    from lcx.studies.code_edit import SampleResult
+    from studies.code_edit import SampleResult
 
     record = io.read_json(path)
     cfg = record["config"]

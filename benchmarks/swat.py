@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lcx.bench.harness import Benchmark, figure, log, progress
+from benchmarks.harness import Benchmark, figure, log, progress
 
 DESCRIPTION = ("held-out perplexity vs context length: SWAT (sigmoid, 128-key window, balanced ALiBi + RoPE) "
                "vs the softmax model with vanilla RoPE and with RoPE scaling at inference")

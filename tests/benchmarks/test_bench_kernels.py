@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lcx.bench import kernels as bk
+from benchmarks import kernels as bk
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""`lcx.bench.harness`: the common flags, the run record (frozen config, atomic save after every
+"""`benchmarks.harness`: the common flags, the run record (frozen config, atomic save after every
 case, plot beside the JSON), the module skeleton every `lcx bench` command follows, and the
 kernel benchmark's CUDA timing path (`triton.testing.do_bench`) driven on the CPU by a stand-in."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lcx.bench.harness import OFF, Benchmark, config_dict, figure, replot
+from benchmarks.harness import OFF, Benchmark, config_dict, figure, replot
 from lcx.cli import COMMANDS
 
 BENCH_MODULES = [(path[1], module) for path, module, _ in COMMANDS if path[0] == "bench"]
@@ -217,7 +217,7 @@ class FakeDoBench:
 def test_kernel_timing_through_do_bench(t_ms, repeats, expect_calls):
     """The CUDA path's logic: our warm-up calls first (compilation outside do_bench's estimate), a
     probe, then a budget of max(100 ms, (repeats + 1) t); every call takes the next input buffer."""
-    from lcx.bench.kernels import DO_BENCH_MIN_MS, Prepared, time_case
+    from benchmarks.kernels import DO_BENCH_MIN_MS, Prepared, time_case
 
     seen = []
     prep = Prepared(run=seen.append, n_buffers=4, bytes=1.0, flops=0.0)
@@ -230,7 +230,7 @@ def test_kernel_timing_through_do_bench(t_ms, repeats, expect_calls):
 
 
 def test_kernel_timing_on_the_cpu_is_wall_clock_of_repeats_calls():
-    from lcx.bench.kernels import Prepared, time_case
+    from benchmarks.kernels import Prepared, time_case
 
     seen = []
     times = time_case(Prepared(run=seen.append, n_buffers=1, bytes=1.0, flops=0.0), "cpu", warmup=1, repeats=3)
@@ -257,6 +257,6 @@ def test_committed_records_have_the_config_of_their_benchmark(name, path):
     if not file.exists():
         pytest.skip(f"{file} is not in this checkout")
     stored = read_json(file)["config"]
-    cfg = strict_from_dict(import_module(f"lcx.bench.{name}").Config, stored)  # no key unknown or missing
+    cfg = strict_from_dict(import_module(f"benchmarks.{name}").Config, stored)  # no key unknown or missing
     assert list(config_dict(cfg)) == list(stored)  # written back in the same order
     assert config_dict(cfg) == stored

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from lcx.bench.harness import Benchmark
+from benchmarks.harness import Benchmark
 
 DESCRIPTION = "which torch thread count is fastest on this machine, idle and under load"
 BENCH = Benchmark("threads", DESCRIPTION, __doc__, out="results/threads_cpu.json",

@@ -22,9 +22,9 @@ A benchmark module keeps what is its own (cases, measurement, table, plot) and d
         print(table(results))
         rec.finish(results, plot=plot) # the record (path printed), then plot(record, <out>.png)
 
-    main = BENCH.command(add_arguments, run)   # `python -m lcx.bench.prefill ...`
+    main = BENCH.command(add_arguments, run)   # `python -m benchmarks.prefill ...`
 
-The record is `lcx.bench.record.build_record`'s one shape (description, config, environment with
+The record is `benchmarks.record.build_record`'s one shape (description, config, environment with
 the git SHA, extra keys, results). Benchmarks whose committed records have a shape of their own
 (`kernels`: a versioned schema compared against stored baselines; `pie`: per-sample records that
 `--resume`/`--merge`/`--compare` read; `lmeval`: a folder of files) write it with `Run.write`,
@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from lcx.bench.record import build_record
+from benchmarks.record import build_record
 
 
 class _Off:
@@ -128,7 +128,7 @@ class Benchmark:
 
     def command(self, add_arguments: Callable[[argparse.ArgumentParser], None],
                 run: Callable[[argparse.Namespace], int]) -> Callable[[list[str] | None], int]:
-        """`main(argv)` of the module: `python -m lcx.bench.<name>` parses as `lcx bench <name>`."""
+        """`main(argv)` of the module: `python -m benchmarks.<name>` parses as `lcx bench <name>`."""
 
         def main(argv: list[str] | None = None) -> int:
             parser = argparse.ArgumentParser(prog=f"lcx bench {self.name}", description=self.description)

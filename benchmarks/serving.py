@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lcx.bench.harness import Benchmark
+from benchmarks.harness import Benchmark
 
 DESCRIPTION = "throughput and latency of lcx serve (batched vs --max-batch 1) and vLLM under a fixed concurrent load"
 BENCH = Benchmark("serving", DESCRIPTION, __doc__, out="results/serving_cpu.json", threads=1,

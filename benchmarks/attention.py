@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lcx.bench.harness import Benchmark, figure, replot
+from benchmarks.harness import Benchmark, figure, replot
 
 DESCRIPTION = "CPU attention time and peak memory: Λ-mask / LM-Infinite per lcx.attention backend vs dense causal SDPA"
 BENCH = Benchmark("attention", DESCRIPTION, __doc__, out="results/attention_cpu.json", threads=1, plot=True,
@@ -89,7 +89,7 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
 
     from lcx.attention import AttentionSpec, Rotary, attention
     from lcx.masks import lambda_mask
-    from lcx.measure import reset_peak, status_bytes
+    from benchmarks.measure import reset_peak, status_bytes
     from lcx.rope import RopeSpec, compute_inv_freq
 
     torch.set_num_threads(threads)
@@ -144,10 +144,13 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
 
 
 def run_case(case: str, T: int, args, threads: int) -> dict:
-    """One case in a fresh interpreter (`python -m lcx.bench.attention --child ...`, same
-    working directory and PYTHONPATH, so the same lcx), its memory measured in isolation."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "lcx.bench.attention", "--child", case, "--child-length", str(T),
+    """One case in a fresh interpreter (`python -m benchmarks.attention --child ...`, same
+    working directory and PYTHONPATH, so the same lcx, with this checkout's root in front so that
+    `benchmarks` is found from any directory), its memory measured in isolation."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "benchmarks.attention", "--child", case, "--child-length", str(T),
            "--global", str(args.n_global), "--local", str(args.n_local), "--repeats", str(args.repeats),
            "--budget-s", str(args.budget_s), "--threads", str(threads)]
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from lcx.bench.decode import CASES, main, visible_keys
+from benchmarks.decode import CASES, main, visible_keys
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window
 
 

@@ -123,7 +123,7 @@ class RunConfig:
 STUDY_SEEDS = (0, 1, 2)
 # (recipe, position), cheapest first (a study cut short loses the expensive tail). baseline under
 # every position encoding, robust under the three that can represent order (a bidirectional
-# NoPE encoder is order-blind, see lcx.studies.modadd.model), single interventions added to the
+# NoPE encoder is order-blind, see studies.modadd.model), single interventions added to the
 # baseline and removed from robust, both with learned positions (consistency alone is void:
 # without offsets or templates the two renderings of a pair are identical), and robust_nl.
 STUDY_CONFIGS: tuple[tuple[str, str], ...] = (

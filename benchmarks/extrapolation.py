@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lcx.bench.harness import Benchmark, figure
+from benchmarks.harness import Benchmark, figure
 
 DESCRIPTION = ("perplexity and passkey vs context length per attention / RoPE method on tiny-5m, applied at "
                "inference without fine-tuning")

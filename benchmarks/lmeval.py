@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lcx.bench.harness import Benchmark, figure
+from benchmarks.harness import Benchmark, figure
 
 DESCRIPTION = "passkey (depth x length) and perplexity by length of RoPE methods, through lm_eval --model lcx"
 OUT = Path("results") / "lmeval"  # relative to the working directory

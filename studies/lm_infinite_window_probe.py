@@ -12,7 +12,7 @@ With --check, every layer of an `lmi` run checks sampled rows of lcx's attention
 report's backend) against a dense float64 Λ written out here (not lcx.attention): the last row,
 rows around window/chunk boundaries and random rows; the max error is recorded per layer.
 
-    nice -n 5 python scripts/lm_infinite_window_probe.py --length 16384 --depth 0.9 \\
+    nice -n 5 python studies/lm_infinite_window_probe.py --length 16384 --depth 0.9 \\
         --exp lmi:8192 --exp cut:8192 --check --out results/lm_infinite_16k_probe.json
 """
 
@@ -172,7 +172,7 @@ def main() -> int:
     print(json.dumps(info))
     prev = json.loads(a.out.read_text()) if a.out.exists() else {"runs": []}
     runs = [r for r in prev["runs"] if not (r["info"] == info and r["exp"] in a.exp)]
-    command = "python scripts/lm_infinite_window_probe.py " + " ".join(sys.argv[1:])
+    command = "python studies/lm_infinite_window_probe.py " + " ".join(sys.argv[1:])
 
     def save() -> None:  # atomically; keeps what earlier invocations wrote (summary, commands)
         atomic_write_json(a.out, {**prev, "description": __doc__.split("\n\n")[0], "runs": runs})

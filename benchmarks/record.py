@@ -6,7 +6,7 @@
 Paths are relative to the working directory (run from the repository root to update the
 committed `results/`; see results/README.md), never to the installed package. A benchmark that
 saves after every case (so a run cut off keeps what it measured) calls this each time with
-`quiet=True` and once more at the end; `lcx.bench.harness.Run.save` does both for the ported
+`quiet=True` and once more at the end; `benchmarks.harness.Run.save` does both for the ported
 benchmarks.
 """
 

@@ -36,7 +36,7 @@ def test_bench_module_interface(name, module):
 
 def test_moved_benchmarks_import_without_optional_packages():
     """vLLM (and httpx, torch, transformers) stay unimported until one of these benchmarks runs."""
-    code = ("import sys; " + "; ".join(f"import lcx.bench.{m}" for m in MOVED)
+    code = ("import sys; " + "; ".join(f"import benchmarks.{m}" for m in MOVED)
             + "; print([m for m in ('vllm', 'httpx', 'torch', 'transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -44,7 +44,7 @@ def test_moved_benchmarks_import_without_optional_packages():
 
 def test_extrapolation_rows_that_are_presets():
     from lcx import presets
-    from lcx.bench.extrapolation import TRAIN_LEN, methods
+    from benchmarks.extrapolation import TRAIN_LEN, methods
 
     rows = methods(16)
     assert rows["vanilla"] == {}
@@ -57,7 +57,7 @@ def test_extrapolation_rows_that_are_presets():
 
 def test_swat_methods_are_presets_but_dynamic():
     from lcx import presets
-    from lcx.bench.swat import METHODS, TRAIN_LENGTH, method_config
+    from benchmarks.swat import METHODS, TRAIN_LENGTH, method_config
 
     for name, preset in METHODS.items():
         if preset is not None:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from lcx.bench import scale
+from benchmarks import scale
 
 CPU_CASES = [c.name for c in scale.CASES]
 # The CPU run of the test: SmolLM2's shape cut to 2 layers, 512 tokens beyond a 128-token

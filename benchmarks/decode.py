@@ -21,7 +21,7 @@ Cases (`CASES`; each an `lcx.MethodConfig` the engine applies):
   sinks/L0             `lcx.presets` sinks (4 + L0 - 4)
   self_extend          `lcx.presets` self_extend (W = L0 / 4, the smallest G reaching the longest length)
 
-The model is the shape's LlamaForCausalLM with random weights (`lcx.bench.scale.SHAPES`; no
+The model is the shape's LlamaForCausalLM with random weights (`benchmarks.scale.SHAPES`; no
 download): decode cost does not depend on the weights' values, only on their shapes and on what
 each method reads, so the table holds for the trained model (the record says so). Each case
 runs on its own copy of the model's modules sharing one set of weights (a method patches the
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lcx.bench.harness import Benchmark, figure
-from lcx.bench.scale import visible_keys  # the one count of the keys a query sees
+from benchmarks.harness import Benchmark, figure
+from benchmarks.scale import visible_keys  # the one count of the keys a query sees
 
 DESCRIPTION = "decode tokens/s per method through lcx.engine vs vanilla, one thread, SmolLM2-135M's shape"
 BENCH = Benchmark("decode", DESCRIPTION, __doc__, out="results/decode_cpu.json", threads=1, seed=0, plot=True)
@@ -63,7 +63,7 @@ class Config:
     seed: int
     cases: dict[str, dict]  # name -> its lcx.MethodConfig dict
     dtype: str = "float32"
-    weights: str = "random (lcx.bench.scale.build_model): decode cost depends on shapes, not on weight values"
+    weights: str = "random (benchmarks.scale.build_model): decode cost depends on shapes, not on weight values"
     timing: str = ("per step: process CPU time (tokens_per_s, ratio) and wall time (*_wall), median over "
                    "--tokens steps, cases interleaved round by round")
     ideal: str = "bytes per decode step = weights (layers + LM head) + visible keys x KV bytes per token"
@@ -117,9 +117,9 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
     """Every case at prompt length T: prefill each, then decode interleaved (module docstring)."""
     import torch
 
-    from lcx.bench.scale import IdTokenizer
+    from benchmarks.scale import IdTokenizer
     from lcx.engine import Engine, EngineConfig, SamplingParams
-    from lcx.measure import reset_peak, status_bytes
+    from benchmarks.measure import reset_peak, status_bytes
 
     g = torch.Generator().manual_seed(args.seed + T)
     prompt = torch.randint(0, facts["vocab"], (T,), generator=g).tolist()
@@ -177,7 +177,7 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     BENCH.add_arguments(ap)
-    ap.add_argument("--shape", default="smollm2-135m", help="model shape of lcx.bench.scale.SHAPES (default: %(default)s)")
+    ap.add_argument("--shape", default="smollm2-135m", help="model shape of benchmarks.scale.SHAPES (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (quick checks)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--tokens", type=int, default=24, help="timed decode steps per case and length (default: %(default)s)")
@@ -190,7 +190,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lcx.bench.scale import SHAPES, build_model, shape_facts
+    from benchmarks.scale import SHAPES, build_model, shape_facts
 
     if args.merge:
         return merge(args)

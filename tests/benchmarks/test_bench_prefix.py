@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lcx.bench.prefix import Config, passkey_load, system_prompt_load
+from benchmarks.prefix import Config, passkey_load, system_prompt_load
 from lcx.cli import main
 
 CFG = Config("tiny-5m", requests=6, concurrency=2, system_tokens=48, question_tokens=5, passkey_length=120,
