@@ -63,7 +63,7 @@ class Config:
     seed: int
     cases: dict[str, dict]  # name -> its lcx.MethodConfig dict
     dtype: str = "float32"
-    weights: str = "random (benchmarks.scale.build_model): decode cost depends on shapes, not on weight values"
+    weights: str = "random (lcx.bench.scale.build_model): decode cost depends on shapes, not on weight values"
     timing: str = ("per step: process CPU time (tokens_per_s, ratio) and wall time (*_wall), median over "
                    "--tokens steps, cases interleaved round by round")
     ideal: str = "bytes per decode step = weights (layers + LM head) + visible keys x KV bytes per token"

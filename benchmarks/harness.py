@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import sys
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -294,4 +295,175 @@ def replot(path: str | Path, plot: Callable[[dict, Path], None]) -> Path:
     return png
 
 
-__all__ = ["OFF", "Benchmark", "Run", "config_dict", "figure", "log", "progress", "replot"]
+# ----------------------------------------------------------------------------- GPU timing
+# Shared by `lcx bench kernels` (one module per kernel, benchmarks/kernels/) and `lcx bench scale`:
+# what a timed call is (`Prepared`), the timer (`time_case`: triton's do_bench on CUDA, wall clock on
+# the CPU), the roofline ceilings measured in the same run, input buffers that defeat the L2 cache,
+# and the GPU's name as a file name. torch is imported inside, so `lcx bench <name> --help` stays light.
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What a case's setup returns: a call over buffer `i`, and its roofline numbers."""
+
+    run: Callable[[int], Any]  # run(i): one call on input set i % n_buffers
+    n_buffers: int
+    bytes: float  # minimum HBM traffic of one call
+    flops: float  # useful FLOPs of one call (0 for pure data movement)
+    shape: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Skip(Exception):
+    """Raised by a case's setup when its implementation is unavailable or refuses the shape."""
+
+
+def n_buffers(nbytes: float, device: str) -> int:
+    """Input sets to rotate over so that together they exceed 4 x L2 (at most 16)."""
+    if device != "cuda":
+        return 1
+    import math
+
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    return int(min(16, max(1, math.ceil(4 * l2 / max(nbytes, 1)))))
+
+
+def randn(shape, dtype, device, n, seed=0) -> list:
+    """`n` standard-normal tensors of `shape` (drawn in float32, then cast), reproducible by `seed`."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype) for _ in range(n)]
+
+
+def need_cuda(device: str, what: str) -> None:
+    if device != "cuda":
+        raise Skip(f"{what} needs a CUDA GPU")
+
+
+def need_triton(device: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise Skip("triton is not installed")
+    need_cuda(device, "triton")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+DO_BENCH_MIN_MS = 100.0  # do_bench's time budget at the least (its default `rep`)
+
+
+def time_case(prep: Prepared, device: str, *, warmup: int, repeats: int,
+              do_bench: Callable[..., Any] | None = None) -> list[float]:
+    """Milliseconds of the timed calls, after `warmup` calls: on CUDA through
+    `triton.testing.do_bench` (CUDA events per call, L2 flushed before each), on the CPU the wall clock of `repeats` calls.
+    `do_bench` stands in for triton's (tests drive the CUDA path's logic on the CPU with it)."""
+    for i in range(warmup):
+        prep.run(i)
+    _sync(device)
+    if device == "cuda" or do_bench is not None:
+        if do_bench is None:
+            from triton.testing import do_bench  # triton comes with torch's CUDA builds
+        return _time_do_bench(prep, do_bench, warmup=warmup, repeats=repeats)
+    times = []
+    for i in range(warmup, warmup + repeats):
+        t0 = time.perf_counter()
+        prep.run(i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _time_do_bench(prep: Prepared, do_bench: Callable[..., Any], *, warmup: int, repeats: int) -> list[float]:
+    """do_bench counts in milliseconds, this benchmark in calls: a probe (do_bench's one timed call)
+    gives a call's time t, then the budget is max(100 ms, (repeats + 1) t), i.e. about `repeats`
+    calls for slow kernels and more for fast ones. Each call takes the next input buffer."""
+    calls = iter(range(warmup, 1 << 62))
+
+    def fn() -> Any:
+        return prep.run(next(calls))
+
+    t = float(do_bench(fn, warmup=0, rep=0, return_mode="median"))
+    times = do_bench(fn, warmup=0, rep=max(DO_BENCH_MIN_MS, (repeats + 1) * t), return_mode="all")
+    return [float(x) for x in times]
+
+
+def measure_ceilings(device: str, *, tiny: bool = False) -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + write counted) and bf16 matmul TFLOP/s, medians of 10."""
+    import statistics
+
+    import torch
+
+    n = 2**20 if tiny else 2**28  # 1 GiB of float32 on the GPU
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy = Prepared(lambda i: dst.copy_(src), 1, 2.0 * n * 4, 0.0)
+    t_copy = statistics.median(time_case(copy, device, warmup=3, repeats=10))
+    s = 256 if tiny else 8192
+    mm_dt = torch.bfloat16 if device == "cuda" else torch.float32
+    a, b = (torch.randn(s, s, device=device).to(mm_dt) for _ in range(2))
+    mm = Prepared(lambda i: a @ b, 1, 0.0, 2.0 * s**3)
+    t_mm = statistics.median(time_case(mm, device, warmup=3, repeats=10))
+    return {"copy_GBps": round(copy.bytes / t_copy / 1e6, 1), "matmul_TFLOPs": round(mm.flops / t_mm / 1e9, 2),
+            "matmul_dtype": str(mm_dt).removeprefix("torch.")}
+
+
+
+
+def roofline(prep: Prepared, times: list[float], ceilings: dict[str, float]) -> dict[str, Any]:
+    """A timed call's row: median/min/every time (ms), bytes and FLOPs, GB/s and TFLOP/s, and their
+    percentage of the ceilings measured in the same run (`measure_ceilings`)."""
+    import statistics
+
+    med = statistics.median(times)
+    row: dict[str, Any] = {
+        "shape": prep.shape,
+        "median_ms": round(med, 5), "min_ms": round(min(times), 5), "times_ms": [round(t, 5) for t in times],
+        "n_buffers": prep.n_buffers, "bytes": prep.bytes, "flops": prep.flops,
+        "GBps": round(prep.bytes / med / 1e6, 1), "TFLOPs": round(prep.flops / med / 1e9, 3),
+    }
+    row["pct_bandwidth"] = round(100 * row["GBps"] / ceilings["copy_GBps"], 1) if ceilings.get("copy_GBps") else None
+    row["pct_matmul"] = round(100 * row["TFLOPs"] / ceilings["matmul_TFLOPs"], 1) if ceilings.get("matmul_TFLOPs") else None
+    return row
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (the baseline file's name)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-gpu"
+
+
+def versions() -> dict[str, Any]:
+    """`lcx.data.io.environment()` plus triton and CUDA versions; degrades to the essentials on
+    a machine without transformers/tokenizers (GPU machines may have only torch + triton)."""
+    import platform
+
+    import torch
+
+    from lcx.data.io import environment, git_info
+
+    try:
+        env = environment()
+    except ImportError as e:
+        env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+               "git": git_info(), "note": f"partial environment ({e})"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+        env["triton"] = f"unavailable ({type(e).__name__})"
+    env["torch_cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return env
+
+
+
+
+__all__ = ["OFF", "Benchmark", "DO_BENCH_MIN_MS", "Prepared", "Run", "Skip", "config_dict", "figure", "gpu_slug",
+           "log", "measure_ceilings", "n_buffers", "need_cuda", "need_triton", "progress", "randn", "replot",
+           "roofline", "time_case", "versions"]

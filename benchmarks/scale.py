@@ -29,7 +29,7 @@ step must read (weights + the keys/values the method lets the query see: all T f
 Self-Extend, G + L for LM-Infinite, the window for the others) and the FLOPs of the prefill
 (2 x parameters x T + the attention's 4 x H x D per visible query-key pair), with the ratios
 they predict and the copy bandwidth / bf16 matmul rate measured in the same run
-(`benchmarks.kernels.measure_ceilings`). A cell whose memory estimate does not fit the device
+(`benchmarks.harness.measure_ceilings`). A cell whose memory estimate does not fit the device
 is recorded as not fitting, before anything is allocated; a backend that cannot run on this
 device is recorded with its reason.
 
@@ -433,7 +433,7 @@ def default_out(device: str) -> Path:
     import torch
 
     if device == "cuda":
-        from benchmarks.kernels import gpu_slug
+        from benchmarks.harness import gpu_slug
 
         return Path("results") / "scale" / f"{gpu_slug(torch.cuda.get_device_name())}.json"
     return Path("results") / "scale" / "cpu.json"
@@ -521,7 +521,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"--resume: {out} has other settings; starting afresh")
     if not args.no_ceilings:
-        from benchmarks.kernels import measure_ceilings
+        from benchmarks.harness import measure_ceilings
 
         rec.environment["ceilings"] = measure_ceilings(device, tiny=not gpu)
 

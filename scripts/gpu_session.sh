@@ -99,7 +99,7 @@ EOF
 CUDA=0
 $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1 && CUDA=1
 if [ $CUDA = 1 ]; then
-  SLUG=$($PY -c "from benchmarks.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
+  SLUG=$($PY -c "from benchmarks.harness import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
 else SLUG=cpu; fi
 summary "PASS env: $(grep -E '^(python|torch|transformers|triton) ' "$OUT/env.txt" | tr '\n' ' ')gpu=$([ $CUDA = 1 ] && echo "$SLUG" || echo none)"
 

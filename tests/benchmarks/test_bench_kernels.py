@@ -1,5 +1,6 @@
 """`lcx bench kernels`: the regression compare (pure, synthetic JSON), the result schema, the
-CLI, and a CPU smoke run of a few cases. The GPU benchmark itself runs in scripts/gpu_session.sh."""
+registry of per-kernel cases, the CLI, and a CPU smoke run of a few cases. The GPU benchmark
+itself runs in scripts/gpu_session.sh."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import kernels as bk
+from benchmarks.kernels.common import bandwidth_goal
+from benchmarks.kernels.lambda_prefill import prefill_goal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,15 +81,28 @@ def test_gpu_slug_and_registry():
         assert not c.baseline or c.baseline in names, c.name
     groups = {c.group for c in bk.CASES}
     assert groups == {"rerotate", "lambda_prefill", "lambda_decode", "swat", "rope"}
+    # one module per kernel, each in the registry (KERNELS) and holding exactly its own group's cases
+    modules = {p.stem for p in (ROOT / "benchmarks" / "kernels").glob("*.py")} - {"__init__", "__main__", "common",
+                                                                                    "baseline"}
+    assert {m.__name__.rsplit(".", 1)[1] for m in bk.KERNELS} == modules == groups
+    for m in bk.KERNELS:
+        assert {c.group for c in m.CASES} == {m.__name__.rsplit(".", 1)[1]}
     assert {c.impl for c in bk.CASES if c.group == "lambda_decode"} >= {"cuda", "triton_backend", "sdpa_full_cache"}
 
 
 def test_goals():
     rows = {"p/sdpa": {"median_ms": 100.0},
             "p/tri": {"median_ms": 10.0, "baseline": "p/sdpa", "shape": {"T": 32768, "G": 64, "L": 4096}}}
-    g = bk._prefill_goal(rows["p/tri"], rows)
+    g = prefill_goal(rows["p/tri"], rows)
     assert g["target"] == pytest.approx(0.6 * 32768 / (2 * 4160), abs=1e-3) and g["met"]  # 10x >= 2.36
-    assert bk._bandwidth_goal({"pct_bandwidth": 69.9}, {})["met"] is False
+    assert bandwidth_goal({"pct_bandwidth": 69.9}, {})["met"] is False
+
+
+def test_python_m_runs_the_same_command():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--list"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == [c.name for c in bk.CASES]
 
 
 def _cli(*args, timeout=300):

@@ -217,7 +217,7 @@ class FakeDoBench:
 def test_kernel_timing_through_do_bench(t_ms, repeats, expect_calls):
     """The CUDA path's logic: our warm-up calls first (compilation outside do_bench's estimate), a
     probe, then a budget of max(100 ms, (repeats + 1) t); every call takes the next input buffer."""
-    from benchmarks.kernels import DO_BENCH_MIN_MS, Prepared, time_case
+    from benchmarks.harness import DO_BENCH_MIN_MS, Prepared, time_case
 
     seen = []
     prep = Prepared(run=seen.append, n_buffers=4, bytes=1.0, flops=0.0)
@@ -230,7 +230,7 @@ def test_kernel_timing_through_do_bench(t_ms, repeats, expect_calls):
 
 
 def test_kernel_timing_on_the_cpu_is_wall_clock_of_repeats_calls():
-    from benchmarks.kernels import Prepared, time_case
+    from benchmarks.harness import Prepared, time_case
 
     seen = []
     times = time_case(Prepared(run=seen.append, n_buffers=1, bytes=1.0, flops=0.0), "cpu", warmup=1, repeats=3)
