@@ -4,7 +4,8 @@
     lcx bench swat --threads 2               # writes results/swat_vs_softmax.{json,png}
     lcx bench swat --quick --out /tmp/s.json # 256..1024, a small token budget
 
-Both models are the bundled ones: tiny-swat-5m (lcx/assets/tiny-swat-5m; SWAT: sigmoid
+Both models are the bundled ones: tiny-swat-5m (a recipe in lcx/assets/tiny-swat-5m: `lcx train build
+tiny-swat-5m` first, docs/models.md; SWAT: sigmoid
 attention over a 128-key window, balanced ALiBi + RoPE) and tiny-5m (lcx/assets/tiny-llama-5m;
 softmax, full causal attention, RoPE), trained with the same corpus, tokenizer, steps, batch
 and 256-token sequences.

@@ -22,6 +22,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "RoPE extrapolation table: perplexity of the bundled model at 256..4k tokens per RoPE type"),
     (("train", "lm"), "lcx.train.lm.cli",
      "train a small Llama-style LM on public-domain text (Shakespeare + KJV Bible)"),
+    (("train", "build"), "lcx.train.build",
+     "build a bundled model that lcx keeps as a recipe (tiny-swat-5m) into the lcx cache: its committed weights"
+     " from git's history, or retrained"),
     (("train", "stream"), "lcx.train.stream",
      "train + evaluate the streaming word-transduction task: group vs interleaved positions"),
     (("train", "modadd"), "studies.modadd.cli",

@@ -84,6 +84,9 @@ def test_wheel_contains_mapped_packages_and_no_generic_top_level(tmp_path):
 # of it, so a call can also carry lm-eval's wheels (~18 MB) or a model: the bundled models are
 # stored compressed (lcx.models.loading), large per-sample records gzipped, plots as palette PNGs.
 DEVICE_PAYLOAD_BUDGET = 32 * 2**20
+# ... and keeps 8 MiB of that free for what the next issues add (#45): tiny-swat-5m and the modadd
+# decoder keep their weights' provenance in the tree, not the weights (`lcx train build`, weights.json).
+HEADROOM = 8 * 2**20
 
 
 def test_tracked_tree_fits_the_gpu_machines_payload():
@@ -96,13 +99,16 @@ def test_tracked_tree_fits_the_gpu_machines_payload():
     sizes = {f: f.lstat().st_size for f in files if f.is_file()}
     total = sum(sizes.values())
     largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
-    assert total <= DEVICE_PAYLOAD_BUDGET, (
-        f"tracked files take {total / 2**20:.2f} MiB, over the {DEVICE_PAYLOAD_BUDGET / 2**20:.0f} MiB a GPU call "
-        f"can carry; largest: {[f'{f.relative_to(ROOT)} {sizes[f] / 2**20:.1f} MiB' for f in largest]}")
+    limit = DEVICE_PAYLOAD_BUDGET - HEADROOM
+    assert total <= limit, (
+        f"tracked files take {total / 2**20:.2f} MiB, over the {limit / 2**20:.0f} MiB that leave "
+        f"{HEADROOM / 2**20:.0f} MiB free of the {DEVICE_PAYLOAD_BUDGET / 2**20:.0f} MiB a GPU call can carry; "
+        f"largest: {[f'{f.relative_to(ROOT)} {sizes[f] / 2**20:.1f} MiB' for f in largest]}")
 
 
-# results/README.md, "Budget": what results/ may take of the tracked tree.
-RESULTS_BUDGET = int(7.5 * 2**20)
+# results/README.md, "Budget": what results/ may take of the tracked tree (with the library, tests,
+# docs and the two bundled models' 18.0 MiB, at most 24 MiB: the 8 MiB of headroom above).
+RESULTS_BUDGET = 6 * 2**20
 
 
 def test_results_keep_to_their_budget():

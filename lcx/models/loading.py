@@ -201,6 +201,22 @@ def _asset(name: str):
     return lambda: Path(str(resources.files("lcx") / "assets" / name))
 
 
+def built_dir(name: str) -> Path:
+    """Where `lcx train build NAME` puts a bundled model that lcx keeps as a recipe (lcx.train.build)."""
+    return cache_root() / "built" / name
+
+
+def _asset_or_built(asset: str, name: str):
+    # A model kept as a recipe: lcx/assets/<asset>/ holds its config, tokenizer, train_config.json
+    # and weights.json (the committed weights' sha256), not the weights. Weights trained into that
+    # directory win; else its build in the lcx cache (written complete or not at all).
+    def locate() -> Path:
+        here = _asset(asset)()
+        return here if any((here / w).is_file() for w in ("model.safetensors", "model.safetensors.xz")) else built_dir(name)
+
+    return locate
+
+
 MODELS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
@@ -252,9 +268,10 @@ MODELS: dict[str, ModelPreset] = {
             format="hf",
             description="lcx's bundled ~5M SWAT Llama (sigmoid attention, 128-key window, balanced "
                         "ALiBi + RoPE), same data and budget as tiny-5m",
-            how_to_get="Create it with `lcx train lm --attention swat --window 128 --tokenizer "
-                       "lcx/assets/tiny-llama-5m --out lcx/assets/tiny-swat-5m`.",
-            locate=_asset("tiny-swat-5m"),
+            how_to_get="lcx keeps it as a recipe (lcx/assets/tiny-swat-5m/, no weights): build it with "
+                       "`lcx train build tiny-swat-5m` (in a git checkout: the committed weights from git's "
+                       "history, seconds; else retrained from its train_config.json, ~45 min on one core).",
+            locate=_asset_or_built("tiny-swat-5m", "tiny-swat-5m"),
             license="Apache-2.0 (lcx's own weights)",
         ),
     )
@@ -304,6 +321,7 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         p = p.resolve()
         if p.is_dir():
             if (p / "config.json").is_file():
+                _check_weights_present(p)
                 return "hf", unpacked_dir(p)
             ggufs = sorted(x.name for x in p.glob("*.gguf"))
             hint = (f"; it contains GGUF file(s) {ggufs}, pass one of those files instead"
@@ -321,6 +339,16 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         return preset.format, unpacked_dir(path) if preset.format == "hf" else path
     raise ValueError(f"{name!r} is neither an existing path nor a model preset; presets: "
                      f"{_preset_list()}")
+
+
+def _check_weights_present(path: Path) -> None:
+    """A directory that keeps only its weights' provenance (`weights.json`: their sha256, where git
+    holds them, the command that restores them; issue #45) and not the weights: say how to get them."""
+    prov = path / "weights.json"
+    if prov.is_file() and not any(path.glob("model*.safetensors*")):
+        restore = json.loads(prov.read_text()).get("restore", "see weights.json")
+        raise FileNotFoundError(f"{path} holds its weights' provenance (weights.json), not the weights: "
+                                f"restore them with `{restore}`")
 
 
 def hf_directory(name_or_path: str | os.PathLike) -> Path:
