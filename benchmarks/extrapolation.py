@@ -142,6 +142,8 @@ def passkey(model, tok, lengths: list[int], depths: list[float], samples: int, s
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from lcx.presets import add_presets_argument  # torch: imported when the command is built
+
     BENCH.add_arguments(ap)
     ap.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
@@ -149,7 +151,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-tokens", type=int, default=32768, help="perplexity token budget per length")
     ap.add_argument("--depths", type=int, default=5, help="passkey depth grid size (0..100%%)")
     ap.add_argument("--samples", type=int, default=4, help="passkey prompts per depth")
-    ap.add_argument("--methods", nargs="+", default=None, help="subset of method names")
+    add_presets_argument(ap, default=None, nargs="+", metavar="NAME",
+                         help=f"subset of the method names of `methods()` (default all)")
     ap.add_argument("--quick", action="store_true", help="lengths 256..1024, 4k tokens, 2 depths")
     ap.add_argument("--resume", action="store_true", help="keep (method, metric) entries already in --out")
     ap.add_argument("--redo", nargs="+", default=[], choices=("perplexity", "passkey"),
@@ -160,10 +163,10 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.lengths, args.max_tokens, args.depths = [256, 512, 1024], 4096, 2
     all_methods = methods(args.n_global)
-    unknown = set(args.methods or []) - set(all_methods)
+    unknown = set(args.presets or []) - set(all_methods)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; known: {list(all_methods)}")
-    todo = {k: v for k, v in all_methods.items() if args.methods is None or k in args.methods}
+    todo = {k: v for k, v in all_methods.items() if args.presets is None or k in args.presets}
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bundled models only: never the network
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

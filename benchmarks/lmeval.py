@@ -19,7 +19,7 @@ runs the full grid up to 8x its context; SmolLM2-135M (context 8192) takes ~10 s
 measures what each method costs where no extrapolation is needed, not extrapolation).
 
     lcx bench lmeval                         # both models, each its PLANS methods
-    lcx bench lmeval --models tiny-5m --methods vanilla,yarn --quick --out /tmp/x
+    lcx bench lmeval --models tiny-5m --presets vanilla,yarn --quick --out /tmp/x
 
 The record keeps the shape of the committed results/lmeval/lmeval_results.json (`config`,
 `environment` with the git SHA, `runs`), written atomically through `lcx.data.io`.
@@ -207,10 +207,12 @@ def table(record: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from lcx.presets import add_presets_argument  # torch: imported when the command is built
+
     BENCH.add_arguments(p)
     p.add_argument("--models", default=",".join(PLANS), help="comma-separated presets (default: %(default)s)")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated, from {sorted(METHODS)} (default: each model's list in PLANS)")
+    add_presets_argument(p, default=None,
+                         help=f"comma-separated, from {sorted(METHODS)} (default: each model's list in PLANS)")
     p.add_argument("--quick", action="store_true",
                    help="plumbing check: 2 depths, 1 sample, 2 ppl docs, the 3 shortest lengths")
 
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in models if m not in PLANS]
     if bad:
         raise ValueError(f"unknown model(s) {bad}; known: {sorted(PLANS)}")
-    methods_of = {m: ([x for x in args.methods.split(",") if x] if args.methods else PLANS[m]["methods"])
+    methods_of = {m: ([x for x in args.presets.split(",") if x] if args.presets else PLANS[m]["methods"])
                   for m in models}
     bad = sorted({x for ms in methods_of.values() for x in ms if x not in METHODS})
     if bad:

@@ -1,7 +1,7 @@
 """`lcx bench prefill`: one long prefill of a whole model, per method, against the unpatched model.
 
     lcx bench prefill --model smollm2-135m --length 16384           # -> results/prefill_cpu.json
-    lcx bench prefill --model tiny-ret-5m --length 2048 --methods vanilla,lm_infinite --out /tmp/p.json
+    lcx bench prefill --model tiny-ret-5m --length 2048 --presets vanilla,lm_infinite --out /tmp/p.json
 
 The question it answers (issue: "a 16k prefill of a windowed method must not be slower than
 dense causal attention"): how long does the forward over an L-token prompt take with each
@@ -53,12 +53,13 @@ class Config:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lcx.attention import BACKENDS
     from lcx.method_config import INFERENCE_BACKEND
+    from lcx.presets import add_presets_argument
 
     BENCH.add_arguments(parser)
     parser.add_argument("--model", default="smollm2-135m", help="model preset or directory (default: %(default)s)")
     parser.add_argument("--length", type=int, default=16384, help="prompt tokens (default: %(default)s)")
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                        help="comma-separated lcx.presets names (default: %(default)s)")
+    add_presets_argument(parser, default=",".join(DEFAULT_METHODS),
+                         help="comma-separated lcx.presets names (default: %(default)s)")
     parser.add_argument("--attn-backend", default=INFERENCE_BACKEND, choices=sorted(BACKENDS),
                         help="lcx.attention backend of the attention methods (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards per method; median kept (default 1)")
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     threads = BENCH.resolve_threads(args)
     if args.repeats < 1 or args.length < 16:
         raise ValueError("--repeats must be >= 1 and --length >= 16")
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    names = [m.strip() for m in args.presets.split(",") if m.strip()]
     for m in names:
         presets.get(m)  # a clear error for an unknown name, before loading anything
     if "vanilla" not in names:

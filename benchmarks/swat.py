@@ -72,12 +72,14 @@ def method_config(name: str, s: float) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from lcx.presets import add_presets_argument  # torch: imported when the command is built
+
     BENCH.add_arguments(p)
     p.add_argument("--swat", default="tiny-swat-5m", help="SWAT model: preset or directory (default: %(default)s)")
     p.add_argument("--softmax", default="tiny-5m", help="softmax model: preset or directory (default: %(default)s)")
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="comma-separated context lengths")
     p.add_argument("--max-tokens", type=int, default=32768, help="token budget per length (default 32768)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"softmax RoPE methods (default {','.join(METHODS)})")
+    add_presets_argument(p, default=",".join(METHODS), help=f"softmax RoPE methods (default {','.join(METHODS)})")
     p.add_argument("--factor", type=float, default=None, help="static RoPE factor (default max(lengths)/256)")
     p.add_argument("--quick", action="store_true", help="lengths 256,512,1024 and 4096 tokens per length")
 
@@ -149,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bundled models only: never the network
     lengths = [256, 512, 1024] if args.quick else sorted({int(x) for x in args.lengths.split(",")})
     max_tokens = 4096 if args.quick else args.max_tokens
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in args.presets.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or "default" not in methods:
-        raise ValueError(f"--methods: unknown {unknown} (known {list(METHODS)}); 'default' is required")
+        raise ValueError(f"--presets: unknown {unknown} (known {list(METHODS)}); 'default' is required")
     factor = args.factor or max(lengths) / TRAIN_LENGTH
 
     import torch
