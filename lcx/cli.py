@@ -8,8 +8,10 @@ without importing torch or transformers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from importlib import import_module
+from pathlib import Path
 
 # (command path, module, one-line help). The module is imported only when the command runs
 # or its --help is asked for.
@@ -20,9 +22,12 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "RoPE extrapolation table: perplexity of the bundled model at 256..4k tokens per RoPE type"),
     (("train", "lm"), "lcx.train.lm.cli",
      "train a small Llama-style LM on public-domain text (Shakespeare + KJV Bible)"),
+    (("train", "build"), "lcx.train.build",
+     "build a bundled model that lcx keeps as a recipe (tiny-swat-5m) into the lcx cache: its committed weights"
+     " from git's history, or retrained"),
     (("train", "stream"), "lcx.train.stream",
      "train + evaluate the streaming word-transduction task: group vs interleaved positions"),
-    (("train", "modadd"), "lcx.studies.modadd.cli",
+    (("train", "modadd"), "studies.modadd.cli",
      "modular-addition robustness study (position shift, template OOD): encoder recipes, decoder export"),
     (("eval", "ppl"), "lcx.eval.perplexity",
      "perplexity of a model on held-out text at several context lengths, with a RoPE spec"),
@@ -34,36 +39,36 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "OpenAI-compatible server (completions, chat, streaming, logprobs) over lcx's batching engine"),
     (("vllm-args",), "lcx.serve.vllm_plugin.args",
      "print vLLM arguments that run lcx methods (lm-eval --model vllm model_args JSON, vllm serve flags)"),
-    (("bench", "threads"), "lcx.bench.threads",
+    (("bench", "threads"), "benchmarks.threads",
      "which torch thread count is fastest here, idle and with one core busy -> results/threads_cpu.json"),
-    (("bench", "prefill"), "lcx.bench.prefill",
+    (("bench", "prefill"), "benchmarks.prefill",
      "one long prefill per method vs the unpatched model (CPU time, memory) -> results/prefill_cpu.json"),
-    (("bench", "pie"), "lcx.bench.pie",
+    (("bench", "pie"), "benchmarks.pie",
      "PIE code editing on stdlib code: recompute vs PIE vs stale cache, accuracy with CIs and cost"
      " -> results/pie_code_edit.json"),
-    (("bench", "kernels"), "lcx.bench.kernels",
+    (("bench", "kernels"), "benchmarks.kernels",
      "time the GPU kernels (triton do_bench, roofline), write results/kernels/<gpu>.json; --check for regressions"),
-    (("bench", "attention"), "lcx.bench.attention",
+    (("bench", "attention"), "benchmarks.attention",
      "Λ-mask / LM-Infinite attention per backend vs dense causal SDPA on CPU (time, peak memory)"
      " -> results/attention_cpu.{json,png}"),
-    (("bench", "decode"), "lcx.bench.decode",
+    (("bench", "decode"), "benchmarks.decode",
      "decode tok/s per method through lcx's engine vs vanilla, 4k-32k, SmolLM2-135M's shape, with the"
      " memory-traffic ideal -> results/decode_cpu.{json,png}"),
-    (("bench", "extrapolation"), "lcx.bench.extrapolation",
+    (("bench", "extrapolation"), "benchmarks.extrapolation",
      "perplexity and likelihood passkey to 8k per attention / RoPE method on tiny-5m"
      " -> results/extrapolation_tiny.{json,png}"),
-    (("bench", "swat"), "lcx.bench.swat",
+    (("bench", "swat"), "benchmarks.swat",
      "held-out perplexity to 8k: the SWAT model vs the softmax model under every RoPE method"
      " -> results/swat_vs_softmax.{json,png}"),
-    (("bench", "lmeval"), "lcx.bench.lmeval",
+    (("bench", "lmeval"), "benchmarks.lmeval",
      "passkey (depth x length) and perplexity per RoPE method through the lm_eval CLI -> results/lmeval/"),
-    (("bench", "scale"), "lcx.bench.scale",
+    (("bench", "scale"), "benchmarks.scale",
      "every method at GPU scale on random weights (llama-3-8b, 32k-128k): prefill, decode tok/s, KV, memory vs"
      " vanilla -> results/scale/<device>.json"),
-    (("bench", "prefix"), "lcx.bench.prefix",
+    (("bench", "prefix"), "benchmarks.prefix",
      "lcx's engine with vs without its prefix cache: shared-system-prompt and passkey-sweep loads (throughput,"
      " time to first token) -> results/prefix_cpu.json"),
-    (("bench", "serving"), "lcx.bench.serving",
+    (("bench", "serving"), "benchmarks.serving",
      "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
      " -> results/serving_cpu.json"),
 ]
@@ -75,26 +80,56 @@ _GROUP_HELP = {
 }
 
 
-# Packages that are not in the wheel (pyproject.toml): experiments on the library, run from a
-# source checkout.
-SOURCE_ONLY = ("lcx.bench", "lcx.studies")
+# Experiments: top-level packages of a source checkout, beside lcx/ (docs/contributing.md,
+# "Layout"): benchmarks/ (`lcx bench ...`) and studies/ (`lcx train modadd`, the PIE study). They
+# use the library and are no part of it: the wheel ships neither, and nothing in lcx imports them
+# (tests/test_layers.py). Their commands are listed here so that `lcx --help` shows them everywhere.
+EXPERIMENTS = ("benchmarks", "studies")
 
 
 class SourceOnlyCommand(RuntimeError):
-    """A command whose code ships only in a source checkout, run from an installed wheel."""
+    """An experiment's command (`lcx bench ...`) run where there is no source checkout (a wheel)."""
+
+
+def checkout_root() -> Path | None:
+    """The source checkout lcx was imported from (the folder holding lcx/, benchmarks/ and
+    studies/), or None for an installed wheel."""
+    root = Path(import_module("lcx").__file__).resolve().parent.parent
+    return root if all((root / name / "__init__.py").is_file() for name in EXPERIMENTS) else None
+
+
+def import_experiment(module: str):
+    """Import `benchmarks.<name>` / `studies.<name>` from the checkout lcx itself comes from.
+
+    The experiment packages are registered from that checkout by path (not looked up on
+    sys.path, where an unrelated `benchmarks` distribution could shadow them), both at once, since
+    a benchmark may run a study (`lcx bench pie` runs studies.code_edit).
+    """
+    missing = [name for name in EXPERIMENTS if name not in sys.modules]
+    if missing:
+        root = checkout_root()
+        if root is None:
+            raise SourceOnlyCommand(
+                f"{module} is not installed: `lcx bench` and the studies are experiments that run from a "
+                "source checkout of lcx (git clone ...; bash scripts/setup.sh, which installs it editable): "
+                "they live in its top-level benchmarks/ and studies/, which the wheel leaves out; the wheel "
+                "ships the library, the engine, the server, the lm-eval tasks and `lcx report`")
+        for name in missing:
+            init = root / name / "__init__.py"
+            spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            try:
+                spec.loader.exec_module(mod)
+            except BaseException:
+                del sys.modules[name]
+                raise
+    return import_module(module)
 
 
 def _lazy_command(parser: argparse.ArgumentParser, module: str) -> None:
     """Attach a module's arguments. Imported here, i.e. only when this command is chosen."""
-    try:
-        mod = import_module(module)
-    except ModuleNotFoundError as e:
-        if module.startswith(SOURCE_ONLY) and e.name is not None and e.name.startswith(SOURCE_ONLY):
-            raise SourceOnlyCommand(
-                f"{module} is not installed: `lcx bench` and the studies run from a source checkout of lcx "
-                "(git clone ...; bash scripts/setup.sh, which installs it editable); the wheel ships the "
-                "library, the engine, the server, the lm-eval tasks and `lcx report`") from None
-        raise
+    mod = import_experiment(module) if module.split(".")[0] in EXPERIMENTS else import_module(module)
     mod.add_arguments(parser)
     parser.set_defaults(_run=mod.run)
 

@@ -3,7 +3,7 @@
 `strict_from_dict(cls, d)` is the one builder of a config dataclass from a mapping: an unknown
 key raises `ValueError` naming it and the accepted ones (never silently ignored), a missing
 required key one naming it (not a `TypeError` from the constructor). Its users: `EngineConfig`,
-the training and study configs (`lcx.train.lm`, `lcx.studies.modadd`), the benchmarks' stored
+the training and study configs (`lcx.train.lm`, `studies.modadd`), the benchmarks' stored
 configs (`lcx bench decode --merge`). Configs with richer spellings (`lcx.MethodConfig`, `lcx.rope.RopeSpec`, `lcx.methods.method_from_dict`)
 validate their own keys the same way.
 """

@@ -32,6 +32,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .presets import add_presets_argument
+
 TRAIN_LENGTH = 256
 LENGTHS = (256, 512, 1024, 2048, 4096)
 QUICK_LENGTHS = (256, 1024)
@@ -55,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"CI smoke run: lengths {','.join(map(str, QUICK_LENGTHS))}, "
                              f"{QUICK_MAX_TOKENS} tokens per length; writes files only with --out")
-    parser.add_argument("--methods", default=None,
-                        help=f"comma-separated subset of {','.join(METHODS)} (default all)")
+    add_presets_argument(parser, default=None, help=f"comma-separated subset of {','.join(METHODS)} (default all)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help=f"token budget per length (default {MAX_TOKENS}, --quick {QUICK_MAX_TOKENS})")
     parser.add_argument("--out", default=None,
@@ -110,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from .threads import resolve_threads
 
     resolve_threads(args.threads)
-    methods = list(METHODS) if not args.methods else [ALIASES.get(m.strip(), m.strip())
-                                                       for m in args.methods.split(",") if m.strip()]
+    methods = list(METHODS) if not args.presets else [ALIASES.get(m.strip(), m.strip())
+                                                       for m in args.presets.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")

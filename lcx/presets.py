@@ -41,7 +41,9 @@ preset that scales with the model's depth (`depth_scaled`) reads `n_layers` when
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -59,7 +61,7 @@ class Preset:
     n_layers None: the model's depth is not known). `siblings`: for methods that need a model trained
     with them, model name -> that model (the preset then runs on the sibling, as loaded: the
     sibling's config records the method, `lcx.hf.recorded`). `in_report`: one of `lcx report`'s
-    default methods (`lcx.report.DEFAULT_METHODS`; False: run only when `--methods` names it)."""
+    default methods (`lcx.report.DEFAULT_METHODS`; False: run only when `--presets` names it)."""
 
     name: str
     build: Callable[..., dict[str, Any]]
@@ -163,4 +165,27 @@ def resolve(name: str, model: str, *, L0: int, factor: float, n_layers: int | No
     return PresetRun(name, model, p.config(L0, factor, n_layers))
 
 
-__all__ = ["PRESETS", "Preset", "PresetRun", "config", "get", "resolve"]
+# ------------------------------------------------------------------ the command-line flag
+# One meaning per flag (#45): `--methods` is an `lcx.MethodConfig` as JSON (`lcx serve`, `lcx eval
+# ppl`, the vLLM scorer), `--presets` a list of preset names (`lcx report`, `lcx demo`, the
+# benchmarks). `--methods` still takes a preset list on those commands, as a deprecated spelling:
+# committed results and older notes quote commands written with it.
+class _DeprecatedPresetsAlias(argparse.Action):
+    """`--methods LIST` on a command whose preset list is `--presets`: stored there, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} for a list of presets is deprecated, use --presets "
+              f"(--methods means an lcx.MethodConfig as JSON, as in `lcx serve`)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_presets_argument(parser: argparse.ArgumentParser, *, default: Any, help: str, nargs: str | None = None,
+                         metavar: str = "NAME,...") -> None:
+    """`--presets` (dest `presets`): the names of the presets (or, for a benchmark, of its own named
+    settings) to run; `--methods` is its deprecated alias (it warns)."""
+    parser.add_argument("--presets", dest="presets", default=default, nargs=nargs, metavar=metavar, help=help)
+    parser.add_argument("--methods", dest="presets", nargs=nargs, metavar=metavar, action=_DeprecatedPresetsAlias,
+                        default=argparse.SUPPRESS, help="deprecated spelling of --presets")
+
+
+__all__ = ["PRESETS", "Preset", "PresetRun", "add_presets_argument", "config", "get", "resolve"]

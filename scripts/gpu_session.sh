@@ -99,12 +99,12 @@ EOF
 CUDA=0
 $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1 && CUDA=1
 if [ $CUDA = 1 ]; then
-  SLUG=$($PY -c "from lcx.bench.kernels import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
+  SLUG=$($PY -c "from benchmarks.harness import gpu_slug; import torch; print(gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null)
 else SLUG=cpu; fi
 summary "PASS env: $(grep -E '^(python|torch|transformers|triton) ' "$OUT/env.txt" | tr '\n' ' ')gpu=$([ $CUDA = 1 ] && echo "$SLUG" || echo none)"
 
 # make `import lcx` (with lcx.kernels -> kernels/) work without network
-if ! $PY -c "import lcx.kernels.cuda, lcx.bench.kernels" >/dev/null 2>&1; then
+if ! $PY -c "import lcx.kernels.cuda, benchmarks.kernels" >/dev/null 2>&1; then
   if ! pip install --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1; then
     # fallback: pyproject's package-dir mapping by symlinks inside this (disposable) copy
     for d in kernels eval_tasks serve; do [ -e "lcx/$d" ] || ln -s "../$d" "lcx/$d"; done
@@ -138,7 +138,7 @@ def no_network(*a, **k):
 socket.socket.connect = no_network
 socket.create_connection = no_network
 mods = ["lcx", "lcx.kernels.cuda", "lcx.kernels.cuda.lambda_decode", "lcx.kernels.cuda.rerotate",
-        "lcx.bench.kernels", "lcx.bench.scale", "lcx.engine", "lcx.methods", "lcx.attention",
+        "benchmarks.kernels", "benchmarks.scale", "lcx.engine", "lcx.methods", "lcx.attention",
         "lcx.attention.flash_backend", "lcx.attention.triton_backend", "lcx.hf", "lcx.hf.attention_patch",
         "lcx.models", "lcx.presets", "transformers", "transformers.models.llama.modeling_llama"]
 if importlib.util.find_spec("triton") is not None:

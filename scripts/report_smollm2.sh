@@ -11,6 +11,6 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec lcx report --model smollm2-135m --lengths 4096,8192,16384 --tasks passkey,ppl \
-  --methods vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
+  --presets vanilla,yarn,dynamic,truncate,lm_infinite,lm_infinite+yarn,sinks \
   --depths 0.1,0.37,0.63,0.9 --samples-per-depth 1 --ppl-docs 2 --decode-tokens 16 \
   --threads "${1:-1}" --out results/report/smollm2-135m "${@:2}"

@@ -11,8 +11,8 @@
 #   the RoPE factor and the perplexity windows follow the longest length)
 #   bash scripts/report_smollm2_n16.sh 16384            # (default) the 16k cells
 #   bash scripts/report_smollm2_n16.sh 8192,12288,16384 --render   # tables from what is measured
-#   bash scripts/report_smollm2_n16.sh 8192,16384 --methods vanilla,self_extend  # a second process on the
-#       other core: extra flags override (the last --methods wins); give the two processes disjoint
+#   bash scripts/report_smollm2_n16.sh 8192,16384 --presets vanilla,self_extend  # a second process on the
+#       other core: extra flags override (the last --presets wins); give the two processes disjoint
 #       cells (here: methods whose 16k cells exist), cells run length by length, shortest first
 # Cells are fingerprinted by the library versions: run it with the environment the existing
 # cells name (transformers 5.23 from scripts/setup.sh, not the 5.19 vLLM's install pins).
@@ -22,6 +22,6 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 reuse=--reuse  # measuring: keep every stored cell; --render measures nothing and takes no --reuse
 for a in "${@:2}"; do [ "$a" = --render ] && reuse=; done
 exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths none --tasks passkey,ppl \
-  --methods lm_infinite_topk,lm_infinite,self_extend,vanilla,yarn,dynamic,sinks \
+  --presets lm_infinite_topk,lm_infinite,self_extend,vanilla,yarn,dynamic,sinks \
   --depths 8 --samples-per-depth 2 --ppl-docs 4 --threads 1 \
   $reuse --keep-other-code --out results/report/smollm2-135m-n16 "${@:2}"

@@ -19,7 +19,7 @@ PACKAGE_DIRS = {"lcx": ROOT / "lcx", "lcx.kernels": ROOT / "kernels", "lcx.serve
 # __init__ re-exports lazily from every layer) is outside them. docs/contributing.md states
 # this order in the line that `layers_line()` renders.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("rope", "masks", "data", "configs", "threads", "stats", "measure"),
+    ("rope", "masks", "data", "configs", "threads", "stats"),
     ("kernels", "testing"),
     ("attention",),
     ("methods",),
@@ -28,10 +28,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "presets"),
     ("engine", "eval", "_lmeval_hook"),
     ("eval_tasks", "lmeval_model", "serve", "demo"),
-    ("report", "train"),
-    ("studies",),
-    ("bench", "cli"),
+    ("report", "train", "cli"),
 )
+# The experiments: top-level packages beside lcx/, outside its layers (lcx.cli.EXPERIMENTS). They
+# import anything from lcx; lcx never imports them, and a study never imports a benchmark.
+EXPERIMENT_DIRS = {"benchmarks": ROOT / "benchmarks", "studies": ROOT / "studies"}
 
 
 def _modules() -> dict[str, Path]:
@@ -226,3 +227,32 @@ def test_test_module_names_are_unique():
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         other = seen.setdefault(path.name, str(path.relative_to(ROOT)))
         assert other == str(path.relative_to(ROOT)), f"{path.relative_to(ROOT)} and {other} share a basename"
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every absolute module name a file imports (anywhere in its body, TYPE_CHECKING left out)."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_library_never_imports_an_experiment():
+    """lcx (and lcx.kernels, lcx.serve, lcx.eval_tasks) never imports benchmarks/ or studies/;
+    studies never import benchmarks/."""
+    bad = [f"{mod} imports {name}" for mod, path in sorted(_modules().items()) for name in sorted(_imported_names(path))
+           if name.split(".")[0] in EXPERIMENT_DIRS]
+    bad += [f"{path.relative_to(ROOT)} imports {name}" for path in sorted(EXPERIMENT_DIRS["studies"].rglob("*.py"))
+            for name in sorted(_imported_names(path)) if name.split(".")[0] == "benchmarks"]
+    assert not bad, "\n".join(bad)
+    from lcx.cli import EXPERIMENTS
+
+    assert set(EXPERIMENTS) == set(EXPERIMENT_DIRS)
+    assert all((d / "__init__.py").is_file() for d in EXPERIMENT_DIRS.values())

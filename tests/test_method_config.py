@@ -226,7 +226,7 @@ def test_bench_prefill_runs_presets_against_vanilla(tmp_path):
 
     out = tmp_path / "p.json"
     assert main(["bench", "prefill", "--model", "tiny-ret-5m", "--length", "300", "--threads", "1",
-                 "--methods", "yarn,lm_infinite,self_extend", "--out", str(out)]) == 0
+                 "--presets", "yarn,lm_infinite,self_extend", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec) == {"description", "config", "environment", "results"} and rec["environment"]["git"]["sha"]
     res = rec["results"]

@@ -263,7 +263,7 @@ def test_custom_method_errors_name_the_method(kwargs, match):
 
 def test_custom_methods_from_the_command_line():
     """`--method NAME=CONFIG` takes JSON or lm-eval's flat form, stores the canonical nested dict,
-    and runs after the presets; `--methods none` runs only custom methods; a finished config's
+    and runs after the presets; `--presets none` runs only custom methods; a finished config's
     to_dict leaves the field out when empty (older interrupted runs still resume)."""
     import argparse
 
@@ -271,7 +271,7 @@ def test_custom_methods_from_the_command_line():
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    a = p.parse_args(["--methods", "vanilla", "--method",
+    a = p.parse_args(["--presets", "vanilla", "--method",
                       'cap={"attention": {"type": "lm_infinite", "n_global": 10, "n_local": 64, "limit_distance": 16}}',
                       "--method", "y4=rope_type=yarn,factor=4"])
     from lcx.report.cli import _custom_methods
@@ -288,4 +288,34 @@ def test_custom_methods_from_the_command_line():
             p.parse_args(["--method", bad])
     with pytest.raises(ValueError, match="given twice"):
         _custom_methods([("a", {}), ("a", {})])
-    assert p.parse_args(["--methods", "none", "--method", "v={}"]).methods == "none"
+    assert p.parse_args(["--presets", "none", "--method", "v={}"]).presets == "none"
+
+
+# The scripts that ran committed reports: their `lcx report` line, spelled with `--presets` (#45),
+# still selects the methods of the committed run, so its cells resume rather than re-measure.
+REPORT_SCRIPTS = {"scripts/report_smollm2.sh": "results/report/smollm2-135m",
+                  "scripts/report_smollm2_n16.sh": "results/report/smollm2-135m-n16"}
+
+
+@pytest.mark.parametrize("script,out", list(REPORT_SCRIPTS.items()), ids=list(REPORT_SCRIPTS))
+def test_report_scripts_select_the_presets_of_their_committed_runs(script, out):
+    import argparse
+    import re
+    import shlex
+    from pathlib import Path
+
+    from lcx.report.cli import add_arguments
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / script).read_text()
+    line = text[text.index("exec lcx report") + len("exec lcx report"):].split("\n\n")[0].replace("\\\n", " ")
+    line = re.sub(r'"?\$\{\d:-([^}]*)\}"?', r"\1", line)  # "${1:-16384}" -> its default
+    argv = [a for a in shlex.split(line) if "$" not in a]  # $reuse, "${@:2}": extra flags
+    assert "--methods" not in argv and "--presets" in argv
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(argv)
+    stored = json.loads((root / out / "cells" / "run.json").read_text())["config"]
+    assert [m for m in args.presets.split(",") if m] == stored["methods"]
+    depths = list(args.depths) if isinstance(args.depths, tuple) else args.depths
+    assert args.model == stored["model"] and depths == stored["depths"]

@@ -1,6 +1,6 @@
 """Python code from the running interpreter's standard library, split by file for training and eval.
 
-The code-edit benchmark (`lcx.studies.code_edit`) samples windows from stdlib files; a model
+The code-edit benchmark (`studies.code_edit`) samples windows from stdlib files; a model
 fine-tuned on stdlib code must never have seen the files it is evaluated on. The split is
 therefore by *unit*, never by lines inside a file:
 

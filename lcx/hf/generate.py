@@ -11,7 +11,7 @@ detokenization). This is the small loop beside it, for two jobs the engine canno
   (tests/engine/test_engine.py: `test_batched_equals_unbatched_equals_hf_generate`);
 - **decoding over a cache that is not the engine's.** `lcx bench decode` times HF's own cache
   classes (DynamicCache vs BoundedKVCache), and the PIE code-edit eval
-  (`lcx.studies.code_edit.greedy_line`) decodes after an edit of a `PositionedKVCache`; the
+  (`studies.code_edit.greedy_line`) decodes after an edit of a `PositionedKVCache`; the
   engine builds its cache from token ids and has no way to take either.
 
 The loop (what `greedy_decode_ref` does, nothing more)::

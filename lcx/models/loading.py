@@ -18,6 +18,7 @@ once into the store). This module resolves a name or path to a plain HF director
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ import torch
 
 from .compressed import COMPRESSED_SUFFIX, XZ_LZMA2_OPTIONS, compress_file, is_compressed, unpacked_dir
 from .gguf import build_gguf_cache, gguf_cache_dir, is_gguf_cached
-from .presets import GEMMA3_DIST, GEMMA3_PACKAGE, MODELS, SMOLLM2_GGUF, ModelPreset, preset_list
+from .presets import GEMMA3_DIST, GEMMA3_PACKAGE, MODELS, SMOLLM2_GGUF, ModelPreset, built_dir, preset_list
 from .store import CACHE_FORMAT, MANIFEST, cache_root, entry_valid
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         p = p.resolve()
         if p.is_dir():
             if (p / "config.json").is_file():
+                _check_weights_present(p)
                 return "hf", unpacked_dir(p)
             ggufs = sorted(x.name for x in p.glob("*.gguf"))
             hint = (f"; it contains GGUF file(s) {ggufs}, pass one of those files instead"
@@ -90,6 +92,16 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         return preset.format, unpacked_dir(path) if preset.format == "hf" else path
     raise ValueError(f"{name!r} is neither an existing path nor a model preset; presets: "
                      f"{preset_list()}")
+
+
+def _check_weights_present(path: Path) -> None:
+    """A directory that keeps only its weights' provenance (`weights.json`: their sha256, where git
+    holds them, the command that restores them; issue #45) and not the weights: say how to get them."""
+    prov = path / "weights.json"
+    if prov.is_file() and not any(path.glob("model*.safetensors*")):
+        restore = json.loads(prov.read_text()).get("restore", "see weights.json")
+        raise FileNotFoundError(f"{path} holds its weights' provenance (weights.json), not the weights: "
+                                f"restore them with `{restore}`")
 
 
 def hf_directory(name_or_path: str | os.PathLike) -> Path:
@@ -158,6 +170,6 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 # what this module exported before it was split (lcx.models.loading.X keeps working)
-__all__ = ["CACHE_FORMAT", "COMPRESSED_SUFFIX", "GEMMA3_DIST", "GEMMA3_PACKAGE", "MANIFEST", "MODELS", "ModelPreset",
+__all__ = ["CACHE_FORMAT", "COMPRESSED_SUFFIX", "GEMMA3_DIST", "GEMMA3_PACKAGE", "MANIFEST", "MODELS", "ModelPreset", "built_dir",
            "SMOLLM2_GGUF", "XZ_LZMA2_OPTIONS", "cache_root", "compress_file", "gguf_cache_dir", "hf_directory",
            "is_compressed", "is_gguf_cached", "load_model", "model_family", "resolve_source", "unpacked_dir"]

@@ -146,6 +146,22 @@ def _asset(name: str):
     return lambda: Path(str(resources.files("lcx") / "assets" / name))
 
 
+def built_dir(name: str) -> Path:
+    """Where `lcx train build NAME` puts a bundled model that lcx keeps as a recipe (lcx.train.build)."""
+    return cache_root() / "built" / name
+
+
+def _asset_or_built(asset: str, name: str):
+    # A model kept as a recipe: lcx/assets/<asset>/ holds its config, tokenizer, train_config.json
+    # and weights.json (the committed weights' sha256), not the weights. Weights trained into that
+    # directory win; else its build in the lcx cache (written complete or not at all).
+    def locate() -> Path:
+        here = _asset(asset)()
+        return here if any((here / w).is_file() for w in ("model.safetensors", "model.safetensors.xz")) else built_dir(name)
+
+    return locate
+
+
 MODELS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
@@ -197,9 +213,10 @@ MODELS: dict[str, ModelPreset] = {
             format="hf",
             description="lcx's bundled ~5M SWAT Llama (sigmoid attention, 128-key window, balanced "
                         "ALiBi + RoPE), same data and budget as tiny-5m",
-            how_to_get="Create it with `lcx train lm --attention swat --window 128 --tokenizer "
-                       "lcx/assets/tiny-llama-5m --out lcx/assets/tiny-swat-5m`.",
-            locate=_asset("tiny-swat-5m"),
+            how_to_get="lcx keeps it as a recipe (lcx/assets/tiny-swat-5m/, no weights): build it with "
+                       "`lcx train build tiny-swat-5m` (in a git checkout: the committed weights from git's "
+                       "history, seconds; else retrained from its train_config.json, ~45 min on one core).",
+            locate=_asset_or_built("tiny-swat-5m", "tiny-swat-5m"),
             license="Apache-2.0 (lcx's own weights)",
         ),
     )

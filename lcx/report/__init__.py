@@ -2,7 +2,7 @@
 
     lcx report                                   # bundled tiny-ret-5m (retrieves at L0 = 256); RULER at 1024/2048 adds hours on CPU
     lcx report --tasks passkey,ppl               # passkey, perplexity, decoding only: ~25 min on 2 CPU cores
-    lcx report --model smollm2-135m --lengths 2048,4096,8192 --methods vanilla,yarn,lm_infinite
+    lcx report --model smollm2-135m --lengths 2048,4096,8192 --presets vanilla,yarn,lm_infinite
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
 
 For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..presets import PRESETS
+from ..presets import PRESETS, add_presets_argument
 from .config import DEFAULT_METHODS, ReportConfig
 from .render import markdown
 from .run import run_report
@@ -64,15 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = doc.split("\n\n")[0] + "\n\n" + doc.split("\n\n", 2)[2].split("Output")[0]
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help="comma-separated presets, a subset of: " + ", ".join(PRESETS) + " (default: "
-                        + ", ".join(DEFAULT_METHODS) + "); none: only the --method configs")
+    add_presets_argument(p, default=",".join(DEFAULT_METHODS),
+                         help="comma-separated presets, a subset of: " + ", ".join(PRESETS) + " (default: "
+                              + ", ".join(DEFAULT_METHODS) + "); none: only the --method configs")
     p.add_argument("--method", action="append", default=[], metavar="NAME=CONFIG", type=_custom_method,
                    help="also run a method config of your own under NAME (repeatable), on the report's model "
                         "with the same prompts: CONFIG is an lcx.MethodConfig as JSON, e.g. "
                         "'lmi_cap={\"attention\": {\"type\": \"lm_infinite\", \"n_global\": 10, \"n_local\": 8192, "
                         "\"limit_distance\": 2048}}', or in lm-eval's flat form, e.g. 'yarn4=rope_type=yarn,factor=4'. "
-                        "--methods none runs only these")
+                        "--presets none runs only these")
     p.add_argument("--lengths", type=_int_list, default=None,
                    help="context lengths for passkey/perplexity (default: L0 x 1,2,4,8)")
     p.add_argument("--decode-lengths", type=_int_list, default=None,
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     extra = dict(QUICK) if args.quick else {}
     try:
         cfg = ReportConfig(
-            model=args.model, methods=() if args.methods == "none" else tuple(m for m in args.methods.split(",") if m),
+            model=args.model, methods=() if args.presets == "none" else tuple(m for m in args.presets.split(",") if m),
             custom_methods=_custom_methods(args.method), lengths=args.lengths,
             decode_lengths=args.decode_lengths,
             depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,

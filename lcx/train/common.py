@@ -1,5 +1,5 @@
 """What lcx's training loops share (`lcx train lm` / `stream` / `retrieval` through `lcx.train.lm`,
-and the modular-addition study `lcx.studies.modadd`): the learning-rate schedule and AdamW's
+and the modular-addition study `studies.modadd`): the learning-rate schedule and AdamW's
 parameter groups (strict config dicts: `lcx.configs.strict_from_dict`). Each caller keeps its own hyperparameters; only the
 formulas live here, so a fix reaches every loop.
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--methods", default="{}", help="JSON {name: params} (see lcx.serve.vllm_plugin.config)")
+    p.add_argument("--methods", default="{}", help="an lcx.MethodConfig as JSON, as `lcx serve --methods` (see lcx.serve.vllm_plugin.config)")
     p.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
     p.add_argument("--out", required=True)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -9,8 +9,6 @@ every slot; deeper layers are an approximation. `recompute` is exact in every la
 from __future__ import annotations
 
 import random
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,6 @@ from lcx.cache import (
     update_cache,
 )
 from lcx.hf.rope_patch import rope_basis
-from lcx.studies.code_edit import evaluate, make_samples, next_line, summarize, token_edits
 from lcx import patch, patched
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq, rotate_by_positions_ref
 
@@ -130,7 +127,6 @@ def test_apply_edits_matches_list_splicing():
         for e in reversed(edits):  # right to left: original coordinates stay valid
             expect[e.start:e.end] = e.new_token_ids
         assert apply_edits(old, edits) == expect
-        assert apply_edits(old, token_edits(old, expect)) == expect  # diff-derived edits round-trip
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -343,29 +339,3 @@ def test_pie_next_tokens_close_to_recompute(model):
             agree[name] += int(logits[name].argmax() == logits["recompute"].argmax())
     assert sum(err["pie"]) < sum(err["conflict"]), err
     assert agree["pie"] >= agree["conflict"] and agree["pie"] >= n_trials // 2, agree
-
-
-@pytest.mark.parametrize("text,expected", [
-    ("\n    x = 1\n", ("    x = 1", True)),  # the line after the generated line break
-    ("\n    x = 1", ("    x = 1", False)),  # not finished yet
-    ("\n\n  y\n", ("  y", True)),  # blank lines are skipped
-    (")\n", ("", False)),
-    ("abc", ("", False)),
-])
-def test_next_line(text, expected):
-    assert next_line(text) == expected
-
-
-def test_code_edit_eval_smoke(tiny_model):
-    """The stdlib code-editing evaluation end to end on 3 tiny samples (one per edit kind)."""
-    model, tok = tiny_model
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    samples = make_samples(tok, 3, 200, seed=1, files=[stdlib / "textwrap.py", stdlib / "argparse.py"])
-    assert [s.kind for s in samples] == ["insertion", "deletion", "multi"]
-    for s in samples:
-        assert apply_edits(s.old_ids[:-1], s.edits) == s.new_ids[:-1]
-    summary = summarize(evaluate(model, tok, samples, max_new_tokens=4))
-    rec, pie = summary["all"]["recompute"], summary["all"]["pie"]
-    assert rec["em_vs_recompute"] == 1.0 and rec["tokens_ratio_to_recompute"] == 1.0
-    assert pie["tokens_encoded_sum"] < rec["tokens_encoded_sum"]
-    assert set(summary) == {"all", "insertion", "deletion", "multi"}

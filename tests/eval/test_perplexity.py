@@ -190,7 +190,7 @@ def test_demo_quick_on_the_bundled_model(tmp_path, capsys):
     from lcx.cli import main
 
     # "default" is the demo's old name of the `vanilla` preset, still accepted
-    rc = main(["demo", "--quick", "--methods", "default,dynamic", "--max-tokens", "1024", "--threads", "2",
+    rc = main(["demo", "--quick", "--presets", "default,dynamic", "--max-tokens", "1024", "--threads", "2",
                "--out", str(tmp_path / "demo"), "--no-progress"])
     assert rc == 0
     rec = json.loads((tmp_path / "demo.json").read_text())

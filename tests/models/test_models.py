@@ -386,14 +386,15 @@ def test_compressed_weights_unpack_once_to_the_same_bytes(tmp_path, monkeypatch,
 
 
 def test_bundled_models_load_in_float32_from_compressed_weights():
-    """The bundled models are stored compressed (tiny-5m and tiny-swat-5m in bfloat16,
-    tiny-ret-5m in float16) and load as float32 by default."""
+    """The bundled models that ship weights store them compressed (tiny-5m in bfloat16, tiny-ret-5m
+    in float16; tiny-swat-5m is a recipe, `lcx train build`: tests/train/test_build.py) and load
+    as float32 by default."""
     import torch
 
     from lcx.models import load_model
     from lcx.models.loading import MODELS, is_compressed
 
-    for name in ("tiny-5m", "tiny-ret-5m", "tiny-swat-5m"):
+    for name in ("tiny-5m", "tiny-ret-5m"):
         assert is_compressed(MODELS[name].path()), name
     model, _ = load_model("tiny-5m")
     p = next(model.parameters())

@@ -253,7 +253,7 @@ def test_method_config_runs_through_entry_point(case, entry, tiny_model_dir, ref
     if entry == "report":
         out = tmp_path / "report"
         spec = json.dumps(d) if how == "json" else MethodConfig.from_dict(d).to_model_args()
-        _run([sys.executable, "-m", "lcx.cli", "report", "--model", model, "--methods", "none",
+        _run([sys.executable, "-m", "lcx.cli", "report", "--model", model, "--presets", "none",
               "--method", f"m={spec}", "--lengths", "320", "--decode-lengths", "none", "--depths", "1",
               "--samples-per-depth", "1", "--ppl-docs", "1", "--threads", "1", "--out", str(out)], log)
         rep = json.loads((out / "report.json").read_text())

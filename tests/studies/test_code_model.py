@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lcx.studies.code_edit import SampleResult, paired_difference, stdlib_files, summarize, wilson_interval
+from studies.code_edit import SampleResult, paired_difference, stdlib_files, summarize, wilson_interval
 from lcx.data.code import CODE_SPLITS, code_split, code_unit, load_code_corpus, split_of, split_record, stdlib_root
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ EXPECTED_SPLIT = {"argparse": "eval", "threading": "eval", "unittest": "eval", "
 
 
 def _bench():
-    from lcx.bench import pie
+    from benchmarks import pie
 
     return pie
 

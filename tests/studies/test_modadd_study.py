@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from lcx.data import modadd
-from lcx.studies.modadd.model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
-from lcx.studies.modadd import study as study_module
-from lcx.studies.modadd.aggregate import aggregate
-from lcx.studies.modadd.cli import _study_from_arg
-from lcx.studies.modadd.config import RunConfig, StudyConfig, load_run
-from lcx.studies.modadd.data import DIGIT_IDS, MASK_ID, batch_at, mask_characters, pack, sample_texts
-from lcx.studies.modadd.decoder import DecoderConfig, decoder_accuracy, train_decoder
-from lcx.studies.modadd.evaluation import CURVE_SPLITS, PLACE_VALUE_SHIFTS, place_value_errors
-from lcx.studies.modadd.recipes import INTERVENTIONS, Recipe, recipe_by_name
-from lcx.studies.modadd.study import DEFAULT_STUDY, run_study
-from lcx.studies.modadd.training import make_optimizer, build_model, loss_fn, symmetric_kl, train_run
+from studies.modadd.model import POSITION_ENCODINGS, EncoderConfig, ModAddEncoder
+from studies.modadd import study as study_module
+from studies.modadd.aggregate import aggregate
+from studies.modadd.cli import _study_from_arg
+from studies.modadd.config import RunConfig, StudyConfig, load_run
+from studies.modadd.data import DIGIT_IDS, MASK_ID, batch_at, mask_characters, pack, sample_texts
+from studies.modadd.decoder import DecoderConfig, decoder_accuracy, train_decoder
+from studies.modadd.evaluation import CURVE_SPLITS, PLACE_VALUE_SHIFTS, place_value_errors
+from studies.modadd.recipes import INTERVENTIONS, Recipe, recipe_by_name
+from studies.modadd.study import DEFAULT_STUDY, run_study
+from studies.modadd.training import make_optimizer, build_model, loss_fn, symmetric_kl, train_run
 
 ROOT = Path(__file__).resolve().parents[2]
 PE_NAMES = sorted(POSITION_ENCODINGS)
@@ -495,7 +495,7 @@ def test_lm_eval_cli_on_the_committed_decoder(tmp_path):
 
 
 def test_sinusoidal_position_init_has_relative_structure():
-    from lcx.studies.modadd.model import sinusoidal_table
+    from studies.modadd.model import sinusoidal_table
 
     t = sinusoidal_table(64, 8).double()  # [P, D]: pairs (sin, cos) per frequency
     assert t.pow(2).mean().sqrt().item() == pytest.approx(0.02, rel=1e-6)

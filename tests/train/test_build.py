@@ -1,0 +1,92 @@
+"""`lcx train build`: a bundled model kept as a recipe (lcx/assets/<dir>/ with weights.json, no
+weights) is put into the lcx cache, restored bitwise from git's history or retrained from its
+train_config.json; until then its preset names the command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lcx.train.build import PROVENANCE, RECIPE_FILES, WEIGHTS, build, recipe_dir, recipes
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = recipes()  # every model kept as a recipe: each gets every test below
+
+
+def test_tiny_swat_is_a_recipe():
+    assert "tiny-swat-5m" in RECIPES
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_is_complete_and_ships_no_weights(name):
+    from lcx.models.loading import MODELS
+
+    recipe = recipe_dir(name)
+    for f in RECIPE_FILES:
+        assert (recipe / f).is_file(), f"{recipe.name}/{f}"
+    assert not list(recipe.glob(f"{WEIGHTS}*")), "a recipe's weights are built, not shipped"
+    prov = json.loads((recipe / PROVENANCE).read_text())
+    assert len(prov[WEIGHTS]["sha256"]) == 64 and prov[WEIGHTS]["dtype"] in ("bfloat16", "float16", "float32")
+    assert len(prov["git"]["commit"]) == 40 and prov["git"]["path"].startswith("lcx/assets/")
+    assert f"lcx train build {name}" in MODELS[name].how_to_get
+    tracked = subprocess.run(["git", "ls-files", str(recipe.relative_to(ROOT))], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert not [t for t in tracked if Path(t).name.startswith(WEIGHTS)], tracked
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_an_unbuilt_recipe_names_the_build_command(name, tmp_path, monkeypatch):
+    from lcx.models import load_model
+
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"lcx train build {name}"):
+        load_model(name)
+    with pytest.raises(ValueError, match="not a model lcx keeps as a recipe"):
+        recipe_dir("tiny-5m")
+
+
+def _git_has(prov: dict) -> bool:
+    r = subprocess.run(["git", "cat-file", "-e", f"{prov['git']['commit']}:{prov['git']['path']}"], cwd=ROOT,
+                       capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_build_restores_the_committed_weights_from_git(name, tmp_path, monkeypatch, capsys):
+    from lcx.models import load_model
+
+    prov = json.loads((recipe_dir(name) / PROVENANCE).read_text())
+    if not _git_has(prov):
+        pytest.skip(f"this checkout's git has no {prov['git']['commit'][:12]} (a shallow clone)")
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path))
+    entry = build(name)
+    record = json.loads((entry / "build.json").read_text())
+    assert record["how"] == "restored" and record["identical_to_committed"] is True
+    assert record["sha256"] == prov[WEIGHTS]["sha256"] and "bitwise the committed weights" in capsys.readouterr().out
+    assert sorted(p.name for p in entry.iterdir()) == sorted([*RECIPE_FILES, WEIGHTS, "build.json"])
+    model, _ = load_model(name)
+    recorded = json.loads((recipe_dir(name) / "config.json").read_text()).get("lcx_attention")
+    assert model.config.to_dict().get("lcx_attention") == recorded  # the method the model was trained with
+    with pytest.raises(ValueError, match="--force"):
+        build(name)
+    assert not list(tmp_path.joinpath("built").glob(".*"))  # no temporary directory left behind
+
+
+@pytest.mark.slow
+def test_retrain_runs_the_recipe_and_says_it_is_not_the_committed_model(tmp_path, monkeypatch, capsys):
+    """The retrain path end to end on a few steps (~1 min: most of it encodes the corpus)."""
+    from lcx.models import load_model
+
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path))
+    entry = build("tiny-swat-5m", progress=False, overrides=dict(steps=2, batch_size=2, eval_every=2, val_windows=2,
+                                                                 ckpt_every=2, warmup_steps=0))
+    record = json.loads((entry / "build.json").read_text())
+    assert record["how"] == "retrained" and record["identical_to_committed"] is False
+    assert "NOT bitwise the committed weights" in capsys.readouterr().out
+    log = json.loads((entry / "build_train_log.json").read_text())
+    assert log["step"][-1] == 2
+    model, _ = load_model("tiny-swat-5m")
+    assert model.config.to_dict()["lcx_attention"]["type"] == "swat"
