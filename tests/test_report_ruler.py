@@ -89,3 +89,16 @@ def test_markdown_section_and_heatmap(tmp_path):
     assert "| yarn | 4/4 (+0.50, 2:0, p=0.500) | 3/4 (+0.75, 3:0, p=0.250) | 0.88 (+0.62, 5:0, p=0.062) |" in text
     plot_heatmap({**RECORD, "ruler_intervals": ruler_intervals(RECORD)}, tmp_path)
     assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0
+
+
+def test_headline_picture_puts_ruler_beside_passkey(tmp_path):
+    """headline.png (the README's first picture): RULER's headline by length beside passkey where the
+    report has both, RULER alone in a RULER-only report; a method with no RULER cell yet is left out."""
+    from lcx.report.render import plot_headline
+
+    only = {**RECORD, "config": {**RECORD["config"], "tasks": ["ruler"]}}
+    assert plot_headline(only, tmp_path) == ["RULER"] and (tmp_path / "headline.png").stat().st_size > 0
+    both = {**RECORD, "config": {**RECORD["config"], "tasks": list(TASKS)}}
+    (tmp_path / "headline.png").unlink()
+    assert plot_headline(both, tmp_path / "") == ["passkey", "RULER"]
+    assert (tmp_path / "headline.png").stat().st_size > 0

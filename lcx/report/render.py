@@ -140,6 +140,7 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
 
         plot_heatmap(record, out)
         if "passkey" not in record["config"]["tasks"] and not record["config"]["decode_lengths"]:
+            plot_headline(record, out)
             return  # a RULER-only report: no passkey, perplexity or decode plots
     res, ctx = record["results"], record["config"]["context"]
     names = list(res)
@@ -174,27 +175,13 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), constrained_layout=True)
     ivs = passkey_intervals(record)
-    for i, name in enumerate(names):
-        pts = [(L, ivs[name][str(L)]) for L in lengths if str(L) in ivs.get(name, {})]
-        if not pts:
-            continue
-        xs = [L * 2 ** (0.2 * (i - (len(names) - 1) / 2) / max(1, len(names) - 1)) for L, _ in pts]  # dodge
-        acc = [iv["acc"] for _, iv in pts]
-        err = [[a - iv["lo"] for a, (_, iv) in zip(acc, pts)], [iv["hi"] - a for a, (_, iv) in zip(acc, pts)]]
-        ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name,
-                    ls="-" if i < 10 else "--", color=f"C{i % 10}")
-    ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(L) for L in lengths])
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("passkey accuracy (Wilson 95% interval)")
-    ns = sorted({iv["n"] for m in ivs.values() for iv in m.values()})
+    _accuracy_by_length(ax, names, lengths, ctx, ivs, "passkey accuracy (Wilson 95% interval)")
     ax.set_title(f"passkey accuracy by context length · {record['config']['model']} · n = "
-                 f"{', '.join(map(str, ns)) or '—'} prompts per point", fontsize=10)
+                 f"{_ns(ivs)} prompts per point", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     atomic_savefig(fig, out / "passkey_by_length.png", dpi=110)
     plt.close(fig)
+    plot_headline(record, out)
 
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
     ppl = {name: [_get(record, name, "lmeval", L, "ppl", PPL_METRIC) for L in lengths] for name in names}
@@ -230,6 +217,72 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
     fig.suptitle(f"decoding with lcx.engine after a prompt of L tokens · {record['config']['model']}", fontsize=10)
     atomic_savefig(fig, out / "decode_by_length.png", dpi=110)
     plt.close(fig)
+
+
+def _ns(ivs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    return ", ".join(map(str, sorted({iv["n"] for m in ivs.values() for iv in m.values()}))) or "—"
+
+
+def _accuracy_by_length(ax: Any, names: list[str], lengths: list[int], ctx: int,
+                        ivs: dict[str, dict[str, dict[str, Any]]], ylabel: str) -> None:
+    """One line per method: accuracy by length (log2 axis) with Wilson 95% error bars, the points of
+    the methods dodged sideways so equal intervals stay visible; the trained context dotted."""
+    for i, name in enumerate(names):
+        pts = [(L, ivs[name][str(L)]) for L in lengths if str(L) in ivs.get(name, {})]
+        if not pts:
+            continue
+        xs = [L * 2 ** (0.2 * (i - (len(names) - 1) / 2) / max(1, len(names) - 1)) for L, _ in pts]  # dodge
+        acc = [iv["acc"] for _, iv in pts]
+        err = [[max(0.0, a - iv["lo"]) for a, (_, iv) in zip(acc, pts)],
+               [max(0.0, iv["hi"] - a) for a, (_, iv) in zip(acc, pts)]]
+        ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name,
+                    ls="-" if i < 10 else "--", color=f"C{i % 10}")
+    ax.axvline(ctx, color="k", lw=1, ls=":", label=f"trained context {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(L) for L in lengths])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+
+
+def plot_headline(record: dict[str, Any], out: Path) -> list[str]:
+    """headline.png, the report's first picture (the README shows it): passkey accuracy by length
+    per method and, where the report has RULER cells, RULER's headline (the mean over its tasks,
+    Wilson interval of the pooled prompts) by length beside it, on the same length axis. Returns
+    the panels drawn ("passkey", "RULER")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..data.io import atomic_savefig
+
+    c = record["config"]
+    names, ctx = list(record["results"]), c["context"]
+    panels = []
+    if "passkey" in c.get("tasks", ["passkey"]):
+        panels.append(("passkey", passkey_intervals(record), [int(L) for L in c["lengths"]]))
+    if c.get("ruler_lengths"):
+        from .ruler import ruler_intervals
+
+        ruler = {m: {L: e["headline"] for L, e in by_len.items() if "headline" in e}
+                 for m, by_len in ruler_intervals(record).items()}
+        lengths = sorted({int(L) for L in c["lengths"]} | {int(L) for L in c["ruler_lengths"]})
+        panels.append(("RULER", ruler, lengths))
+    if not panels:
+        return []
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False,
+                             constrained_layout=True, sharey=True)
+    for ax, (what, ivs, lengths) in zip(axes.flat, panels):
+        label = ("passkey accuracy" if what == "passkey" else "RULER: mean accuracy over its tasks")
+        _accuracy_by_length(ax, names, lengths, ctx, ivs, label + " (Wilson 95%)")
+        ax.set_title(f"{what} by context length · n = {_ns(ivs)} prompts per point", fontsize=10)
+    axes.flat[-1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{c['model']} (trained context {ctx}): every method beyond its context (lcx report)",
+                 fontsize=11)
+    atomic_savefig(fig, out / "headline.png", dpi=100)
+    plt.close(fig)
+    return [what for what, _, _ in panels]
 
 
 def _fmt(x: float, spec: str) -> str:
