@@ -1,6 +1,6 @@
-"""A small native inference engine: batched prefill + decode with a KV cache over an HF Llama-family
-model, with lcx methods (RoPE specs; `lcx.methods` attention methods: LM-Infinite, sliding window,
-StreamingLLM sinks, Self-Extend, SWAT) chosen at start-up.
+"""A small native inference engine: batched prefill + decode with a KV cache over an HF decoder of
+any supported family (`lcx.hf.FAMILIES`), with lcx methods (RoPE specs; `lcx.methods` attention
+methods: LM-Infinite, sliding window, StreamingLLM sinks, Self-Extend, SWAT) chosen at start-up.
 
     engine = Engine.from_pretrained("tiny-5m", EngineConfig(methods={"rope": {"rope_type": "yarn", "factor": 4}}))
     outs = engine.generate([engine.encode("ROMEO:"), engine.encode("JULIET:")],
@@ -21,6 +21,11 @@ rotates with. After the prefill the rows' keys and values move into the running 
 rotated once at their positions (unpatched models: as HF rotated them), a ring of the method's
 window for bounded methods, so a decode step writes each row's new key into its own slot and
 runs one attention per layer for the whole batch, never copying or re-rotating the cache.
+Each layer is bounded by what it runs (`lcx.engine.kv.KVLayout`): on a hybrid local/global
+model (Gemma 3) the sliding layers hold a ring of their own window on their own RoPE base,
+even for the model as loaded, and the global layers the method's window (or every key), so a
+bounded method on the global layers makes the whole cache constant (`Engine.layer_cache_lens`,
+`Engine.layer_kv_cache_bytes`).
 Padding is exact: empty slots get zero weight, so a request's tokens and logprobs do not depend
 on what it is batched with (up to float rounding of differently shaped matmuls; in float64
 batched == unbatched token for token).

@@ -14,7 +14,7 @@ from torch import nn
 
 from .batch import _hf_cache
 from .detok import Detokenizer, find_stop, stable_end
-from .kv import CacheLayout, DecodeStep, KVStore
+from .kv import CacheLayout, KVLayout, ModelKV
 from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
 from ..hf.recorded import recorded_method
 from ..method_config import INFERENCE_BACKEND, MethodConfig
@@ -71,7 +71,7 @@ class _Seq:
 # ============================================================================================
 
 class Engine:
-    """Batched prefill/decode over an HF Llama-family `*ForCausalLM` (see the module docstring).
+    """Batched prefill/decode over an HF `*ForCausalLM` of a supported family (module docstring).
 
     Not thread-safe: one thread owns an engine (the server's worker). `validate` touches no
     model state and may be called from anywhere.
@@ -100,7 +100,10 @@ class Engine:
         # what the engine runs: the config applied, plus the attention method the model records
         self.methods: MethodConfig = methods
         self._recorded = recorded
-        self.cache_layout = _cache_layout(model, methods, recorded)
+        # what each layer runs (the method, a hybrid model's own windows), its cache layout, and
+        # the union of the layers' windows (what a row's held KV keeps between prefill calls)
+        self._layer_methods = _layer_methods(model, methods, recorded)
+        self.cache_layout: KVLayout = _kv_layout(model, methods, self._layer_methods, recorded)
         self._hook = self.cache_layout.rotated and methods.attention is None
         if self._hook:
             from ..hf.attention_patch import install_decode_hook
@@ -124,9 +127,11 @@ class Engine:
         self._waiting: list[_Seq] = []
         self._prefilling: list[_Seq] = []  # admitted, prompt partly prefilled (chunked prefill)
         # prefix reuse and chunked prefill (`lcx.engine.prefix`): why not, or None
-        self.prefix_cache_refusal: str | None = reuse_refusal(model, methods, self.cache_layout,
-                                                              _static_basis(model) is not None)
-        self._window = methods.kv_window  # what a bounded method's held KV keeps
+        self.prefix_cache_refusal: str | None = reuse_refusal(methods, _static_bases(model) is not None)
+        self._window = _union_window([_kv_window(m) for m in self._layer_methods])
+        # an unpatched model with its own sliding windows: a prefill continuing from held KV
+        # gets masks built from positions per layer type (HF's mask slots by index)
+        self._own_windows = _loaded_windows(model) if methods.attention is None else None
         self._chunkable = self.prefix_cache_refusal is None and not (
             methods.attention is not None and methods.attention.last_query_extra)
         self.prefix_cache: PrefixCache | None = None
@@ -139,7 +144,7 @@ class Engine:
         self._ids: set[str] = set()
         # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)
         self._seqs: list[_Seq] = []
-        self._store: KVStore | None = None
+        self._store: ModelKV | None = None
         self._detok = Detokenizer(tokenizer)
 
     def methods_info(self) -> dict[str, Any]:
@@ -537,16 +542,22 @@ class Engine:
         cache = DynamicCache() if held_k is None else _hf_cache(held_k, held_v)
         pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
         out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
-                            use_cache=True, **self._mask_kwargs(pos >= 0, pos))
+                            use_cache=True, **self._mask_kwargs(pos >= 0, pos, n_new=C if held_k is not None else 0))
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
         return keys, values, pos, out.last_hidden_state
 
-    def _mask_kwargs(self, mask: torch.Tensor, pos: torch.Tensor | None) -> dict[str, Any]:
+    def _mask_kwargs(self, mask: torch.Tensor, pos: torch.Tensor | None, *, n_new: int = 0) -> dict[str, Any]:
         """Visibility of the cached + new slots for the model's forward: a 2D attention mask, or
-        for attention methods the per-row key positions (-1 where not visible)."""
+        for attention methods the per-row key positions (-1 where not visible). An unpatched
+        model with its own sliding windows continuing from held KV (`n_new` new slots after the
+        held ones; padding between them, where HF's masks, by slot index, would shift a window):
+        4D masks from the positions (`_position_masks`)."""
         if self._row_attention:
             return {"lcx_key_positions": pos.masked_fill(~mask, -1)}
+        if n_new and self._own_windows is not None and any(w is not None for w in self._own_windows):
+            return {"attention_mask": _position_masks(self.model, self._own_windows, pos.masked_fill(~mask, -1),
+                                                      n_new, self.dtype)}
         return {"attention_mask": mask.long()}
 
     # ------------------------------------------------------------------ decode
@@ -589,19 +600,21 @@ class Engine:
             self._drop_rows(done)
         return events
 
-    def _decode_forward(self, store: KVStore, seqs: list[_Seq]) -> torch.Tensor:
+    def _decode_forward(self, store: ModelKV, seqs: list[_Seq]) -> torch.Tensor:
         """One decode forward of `seqs` (the rows of `store`, in order): feeds each row's last
         sampled token at its position, writes its key/value into `store` and returns logits
-        `[b, V]`. Fast path (`store.layout.rotated`): one `DecodeStep` handed to every layer.
+        `[b, V]`. Fast path (`store.layout.rotated`): one `ModelStep` handed to every layer (each
+        attends with its layer group's `DecodeStep`).
         General path: each row's visible keys gathered in position order into an HF cache for
         the method's own attention (`lcx_key_positions`), the new column written back after."""
         ids = torch.tensor([[s.out_ids[-1]] for s in seqs], device=self.device)  # [b, 1]
         p_q = torch.tensor([s.next_position for s in seqs], device=self.device)  # [b]
         if store.layout.rotated:
             self._check_hook()
-            step = DecodeStep.build(store, p_q, self.dtype)
+            step = store.decode_step(p_q, self.dtype)
             out = self._decoder(input_ids=ids, position_ids=p_q[:, None], use_cache=False, lcx_decode=step)
             return self._lm_head(out.last_hidden_state[:, -1])  # [b, V]
+        store = store.only  # the general path: one layout on every layer
         keys, values, kpos = store.gathered(p_q)  # [b, Hkv, T, D], [b, T]
         cache = _hf_cache(keys, values)
         kpos = torch.cat([kpos, p_q[:, None]], 1)  # [b, T+1]
@@ -615,10 +628,11 @@ class Engine:
     def _check_hook(self) -> None:
         """The fast path needs every attention layer to take `lcx_decode`: the patch's forward, or
         the hook installed at start-up (re-installed if an unpatch removed it)."""
-        from ..hf.attention_patch import current_patch, has_decode_hook, install_decode_hook
+        from ..hf.attention_patch import current_patch, has_decode_hook, install_decode_hook, layer_methods
 
         patched = current_patch(self.model) is not None
-        if patched != (self.methods.attention is not None and not self._recorded):
+        if patched != (self.methods.attention is not None and not self._recorded) or (
+                patched and layer_methods(self.model) != self._layer_methods):
             raise RuntimeError("the model's attention patch changed after the engine was built; build a new Engine")
         if not patched and not has_decode_hook(self.model):
             install_decode_hook(self.model)
@@ -629,7 +643,7 @@ class Engine:
         dropped right after)."""
         B = len(self._seqs)
         failed: dict[int, BaseException] = {}
-        parts: list[KVStore] = []
+        parts: list[ModelKV] = []
         logits: list[torch.Tensor | None] = []
         for i in range(B):
             sub = self._store.rows([i])
@@ -639,7 +653,7 @@ class Engine:
                 failed[i] = e
                 logits.append(None)
             parts.append(sub)
-        self._store = KVStore.cat(parts)
+        self._store = ModelKV.cat(parts)
         ok = [x for x in logits if x is not None]
         if not ok:
             return None, failed
@@ -649,8 +663,8 @@ class Engine:
     def _merge(self, seqs: list[_Seq], keys, values, pos) -> None:
         """Append prefilled rows (their prefill call's cache, pos -1 on padding) to the running batch."""
         budget = torch.tensor([len(s.prompt_ids) + s.params.max_tokens for s in seqs])
-        new = KVStore.from_prefill(self.cache_layout, keys, values, pos, budget)
-        self._store = new if self._store is None else KVStore.cat([self._store, new])
+        new = ModelKV.from_prefill(self.cache_layout, keys, values, pos, budget)
+        self._store = new if self._store is None else ModelKV.cat([self._store, new])
         self._seqs += seqs
 
     def _drop_rows(self, rows: list[int]) -> None:
@@ -669,8 +683,19 @@ class Engine:
 
     @property
     def cache_len(self) -> int:
-        """Slots per row of the running batch's KV cache (0 when idle)."""
+        """Slots per row of the running batch's KV cache in its widest layer (0 when idle)."""
         return 0 if self._store is None else self._store.slots
+
+    @property
+    def layer_cache_lens(self) -> list[int]:
+        """Slots per row of each layer's KV cache (zeros when idle): a hybrid model's sliding
+        layers hold their window, whatever the length (`lcx.engine.kv`)."""
+        return [0] * self.cache_layout.n_layers if self._store is None else self._store.layer_slots()
+
+    @property
+    def layer_kv_cache_bytes(self) -> list[int]:
+        """Bytes of each layer's cached keys and values (zeros when idle)."""
+        return [0] * self.cache_layout.n_layers if self._store is None else self._store.layer_nbytes()
 
     # ------------------------------------------------------------------ logits, tokens, events
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
@@ -740,33 +765,125 @@ class Engine:
         return self._event(s)
 
 
-def _cache_layout(model: nn.Module, methods: MethodConfig, recorded: bool) -> CacheLayout:
-    """The engine's `CacheLayout` for a model and the methods it runs.
+def _layer_methods(model: nn.Module, methods: MethodConfig, recorded: bool) -> list[Any]:
+    """What each attention layer runs: the patched model's `layer_methods` (a hybrid model's
+    sliding layers: their own window), the recorded method on every layer, or None (unpatched)."""
+    from ..hf import decoder, layer_methods
 
-    Keys are cached rotated once (the fast path) unless the method has no `DecodeRule` (SWAT),
-    the RoPE basis changes with the length (dynamic NTK, longrope: a key rotated once would
-    keep an old basis, which an attention method's reference does not do), an explicit
-    `decode_backend` asks for the method's own attention, the method is one a model records
-    (it runs its own attention forward), or the unpatched model has its own sliding window."""
-    if methods.attention is None:
-        cfg = model.config
-        window = getattr(cfg, "sliding_window", None)
-        if window and getattr(cfg, "use_sliding_window", True):
-            return CacheLayout(rotated=False)  # HF masks its window; the general path hands it the mask
-        return CacheLayout.unpatched()
-    return CacheLayout.for_method(methods.attention, basis=_static_basis(model),
-                                  general=recorded or methods.decode_backend is not None)
+    if recorded:
+        return [methods.attention] * len(decoder(model).layers)
+    return layer_methods(model) if methods.attention is not None else [None] * len(decoder(model).layers)
 
 
-def _static_basis(model: nn.Module) -> tuple[torch.Tensor, float] | None:
-    """The model's RoPE basis if it does not depend on the sequence length, else None."""
+def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], recorded: bool) -> KVLayout:
+    """The engine's `KVLayout` for a model and the methods its layers run (`lcx.engine.kv`).
+
+    The fast path (keys rotated once, per group of layers running the same method on the same
+    RoPE basis): unpatched models (every layer as loaded; layers with their own sliding window a
+    ring of that window) and every layer's method with a `DecodeRule`. The general path, one
+    layout for every layer keeping the union of the layers' windows, when some layer's method has
+    no rule (SWAT), the RoPE basis changes with the length (dynamic NTK, longrope: a key rotated
+    once would keep an old basis, which an attention method's reference does not do), an explicit
+    `decode_backend` asks for the method's own attention, or the method is one a model records
+    (it runs its own attention forward)."""
     from ..hf import decoder
-    from ..hf.rope_patch import LcxRotaryEmbedding, rope_basis
+    from ..hf.rope_patch import layer_rope_types
+
+    n = len(decoder(model).layers)
+    if methods.attention is None:
+        groups: dict[Any, list[int]] = {}
+        for i, w in enumerate(_loaded_windows(model)):
+            groups.setdefault(w, []).append(i)
+        return KVLayout(tuple((CacheLayout.unpatched() if w is None else CacheLayout.own_window(w), tuple(g))
+                              for w, g in groups.items()))
+    bases = _static_bases(model)
+    if (recorded or methods.decode_backend is not None or bases is None
+            or any(m.decode_rule() is None for m in per_layer)):
+        return KVLayout.single(CacheLayout.general(_union_window([m.cache_window for m in per_layer])), n)
+    types_ = layer_rope_types(model)
+    by_key: dict[Any, list[int]] = {}
+    for i, m in enumerate(per_layer):
+        by_key.setdefault((m, types_[i]), []).append(i)
+    return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]]), tuple(g)) for (m, _), g in by_key.items()))
+
+
+def _loaded_windows(model: nn.Module) -> list[int | None]:
+    """Per layer, the sliding window the model as loaded runs (keys: the query and the w - 1
+    before it, transformers' sliding masks), or None: a hybrid model's sliding layers
+    (`lcx.hf.own_windows`), or every layer of a model with one `sliding_window` for all."""
+    from ..hf import decoder, own_windows
+
+    own = own_windows(model)
+    if any(w is not None for w in own):
+        return own
+    cfg = model.config
+    w = getattr(cfg, "sliding_window", None)
+    types_ = getattr(cfg, "layer_types", None)
+    if not w or not getattr(cfg, "use_sliding_window", True) or (types_ and "sliding_attention" not in types_):
+        return [None] * len(decoder(model).layers)
+    return [int(w)] * len(decoder(model).layers)
+
+
+def _position_masks(model: nn.Module, windows: list[int | None], pos: torch.Tensor, n_new: int,
+                    dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive 4D masks `[b, 1, C, N + C]` of a prefill call from its slots' positions `pos`
+    `[b, N + C]` (-1: padding; the C = n_new new tokens last): a query sees the keys at positions
+    <= its own, within its layer's window (the query and the w - 1 before it, as transformers'
+    sliding masks); a padding query sees itself only (never read, but finite). One mask when
+    every layer has the same window, else {layer type: mask} (hybrid models take a mask per
+    layer type)."""
+    from ..hf import layer_types
+
+    T = pos.shape[1]
+    q = pos[:, -n_new:, None]  # [b, C, 1]
+    k = pos[:, None, :]  # [b, 1, T]
+    seen = (k >= 0) & (k <= q)  # [b, C, T]
+    own = torch.zeros(n_new, T, dtype=torch.bool, device=pos.device)
+    own[torch.arange(n_new), T - n_new + torch.arange(n_new)] = True
+    own = own[None] & (q < 0)
+    neg = torch.finfo(dtype).min
+
+    def mask(w: int | None) -> torch.Tensor:
+        vis = (seen if w is None else seen & (k > q - w)) | own
+        return torch.zeros(vis.shape, dtype=dtype, device=pos.device).masked_fill_(~vis, neg)[:, None]
+
+    if len(set(windows)) == 1:
+        return mask(windows[0])
+    by_type: dict[str, int | None] = {}
+    for t, w in zip(layer_types(model), windows):
+        if by_type.setdefault(t, w) != w:
+            raise ValueError(f"layers of type {t!r} run different windows; cannot mask them per layer type")
+    return {t: mask(w) for t, w in by_type.items()}
+
+
+def _union_window(windows: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """(n_first, n_recent) covering every layer's window (None if a layer keeps every key)."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w[0] for w in windows), max(w[1] for w in windows)
+
+
+def _kv_window(method: Any) -> tuple[int, int] | None:
+    """The window a bounded cache of `method` keeps exactly (`MethodConfig.kv_window`), or None."""
+    if method is None:
+        return None
+    try:
+        method.check_bounded()
+    except ValueError:
+        return None
+    return method.cache_window
+
+
+def _static_bases(model: nn.Module) -> list[tuple[torch.Tensor, float]] | None:
+    """Each layer's RoPE basis (`lcx.hf.layer_rope_bases`) if none depends on the sequence
+    length, else None."""
+    from ..hf import decoder, layer_rope_bases
+    from ..hf.rope_patch import LcxRotaryEmbedding
 
     rot = decoder(model).rotary_emb
     if isinstance(rot, LcxRotaryEmbedding) and rot.spec.is_length_dependent:
         return None
     try:
-        return rope_basis(model)
+        return layer_rope_bases(model)
     except ValueError:  # an unpatched length-dependent HF rope type
         return None

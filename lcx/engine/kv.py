@@ -2,7 +2,7 @@
 
 Layout (stated once; `lcx.engine`'s docstring points here). Per layer, up to two stores of keys
 and values `[B, H_kv, C, D]` (HF's head-major layout), with the position each slot holds,
-`[B, C]` long, shared by every layer (-1: empty):
+`[B, C]` long, shared by every layer of a layer group (below; -1: empty):
 
     main  the window branch of the method's `DecodeRule`: a ring of `window` slots (a key at
           position p sits in slot p % window, so the key a step writes overwrites the one that
@@ -12,8 +12,16 @@ and values `[B, H_kv, C, D]` (HF's head-major layout), with the position each sl
 
     LM-Infinite G=2, L=4, after position 9:   main  [8 9 6 7]  (slot p % 4)   side  [0 1]
 
-A position is a token's index in its request. Slot order carries no meaning: attention is a sum
-over slots, and each key carries its position in its rotation. So rows of different lengths
+**Per-layer layouts** (`KVLayout`, `ModelKV`): the layers of a model are grouped by what they
+run, and each group has its own `CacheLayout` and its own stores (and slot positions). A model
+whose layers are all alike is one group. A hybrid local/global model (Gemma 3) is two or more:
+its sliding layers run their own window (a ring of `sliding_window` slots: KV constant in those
+layers, even for the model as loaded) on their own RoPE base, its global layers the method (or
+every key); with `layers="all"` every layer runs the method, still one group per RoPE base.
+A decode step builds one `DecodeStep` per group (`ModelStep`); each layer attends with its own.
+
+A position is a token's index in its request. Slot order carries no meaning to attention, a sum
+over slots where each key carries its position in its rotation. So rows of different lengths
 share the tensors without padding at the front (their unused slots are empty), a decode step
 writes each row's new key into its own slot (`index_put`, no copy of the cache), and a bounded
 method's cache never grows past window + side slots per row.
@@ -26,9 +34,12 @@ Two ways to decode (`CacheLayout`):
   `side_query(p_q)` for the side branch) and the new key, then runs one softmax over
   [main | side] per layer for the whole batch (`DecodeStep`). Unpatched models (vanilla, RoPE
   scaling) are the case window=None, no side, rotated by the model's own rotary embedding
-  exactly as transformers rotates them.
+  exactly as transformers rotates them; their layers with their own sliding window (Gemma 3's
+  sliding layers, Mistral's `sliding_window`) a ring of that window (`CacheLayout.own_window`).
 - **unrotated** (the general path: SWAT, methods without a rule, a length-dependent RoPE basis
-  with an attention method, or an explicit `decode_backend`). Keys are stored unrotated; a step
+  with an attention method, or an explicit `decode_backend`; one layout for every layer, keeping
+  the union of the layers' windows, each layer's `attend` picking its own keys). Keys are stored
+  unrotated; a step
   gathers each row's visible keys in position order and runs the method's own `attend` on them
   (`lcx.hf.attention_patch`, `lcx_key_positions`): exact for every method, at the cost of a copy
   and a rotation of the visible keys per step.
@@ -85,6 +96,24 @@ class CacheLayout:
         return cls()
 
     @classmethod
+    def own_window(cls, window: int) -> "CacheLayout":
+        """A layer of an unpatched model that runs its own sliding window of `window` keys (the
+        query and the window - 1 before it, as transformers' sliding masks): a ring of `window`
+        slots, keys rotated by the model (the family's per-layer rotation)."""
+        from ..methods.sliding_window import sliding_window
+
+        return cls(window, 0, True, sliding_window(window=window).decode_rule(), None)
+
+    @classmethod
+    def general(cls, window: tuple[int, int] | None) -> "CacheLayout":
+        """The general path (unrotated keys, gathered per step) keeping `window` (n_first,
+        n_recent) per row, or every key for None."""
+        if window is None:
+            return cls(None, 0, False)
+        n_first, n_recent = window
+        return cls(n_recent, n_first, False)
+
+    @classmethod
     def for_method(cls, method: Any, *, basis: tuple[torch.Tensor, float] | None,
                    general: bool = False) -> "CacheLayout":
         """The layout of an `lcx.methods` attention method. `basis`: the model's RoPE basis when
@@ -93,11 +122,40 @@ class CacheLayout:
         rule = None if general or basis is None else method.decode_rule()
         if rule is not None:  # (a top-k branch may pick any older key: the side store keeps them all)
             return cls(rule.window, None if rule.top_k else rule.side, True, rule, basis)
-        window = method.cache_window
-        if window is None:
-            return cls(None, 0, False)
-        n_first, n_recent = window
-        return cls(n_recent, n_first, False)
+        return cls.general(method.cache_window)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A model's cache layout: groups of layers, each with one `CacheLayout` (module docstring).
+
+    groups: (layout, the model layers it holds, increasing) per group; every layer in one group.
+    """
+
+    groups: tuple[tuple[CacheLayout, tuple[int, ...]], ...]
+
+    def __post_init__(self) -> None:
+        layers = sorted(i for _, g in self.groups for i in g)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"every layer must be in exactly one group; got {[g for _, g in self.groups]}")
+        if len(self.groups) > 1 and not self.rotated:
+            raise ValueError("the general path (unrotated keys) runs one layout on every layer")
+
+    @classmethod
+    def single(cls, layout: CacheLayout, n_layers: int) -> "KVLayout":
+        return cls(((layout, tuple(range(n_layers))),))
+
+    @property
+    def rotated(self) -> bool:
+        """The fast path (every group stores rotated keys)."""
+        return all(lay.rotated for lay, _ in self.groups)
+
+    @property
+    def n_layers(self) -> int:
+        return sum(len(g) for _, g in self.groups)
+
+    def of_layer(self, layer: int) -> CacheLayout:
+        return next(lay for lay, g in self.groups if layer in g)
 
 
 # ============================================================================================
@@ -171,13 +229,22 @@ class KVStore:
     which caps how far an unbounded store grows.
     """
 
-    def __init__(self, layout: CacheLayout, main: _Store, side: _Store | None, budget: torch.Tensor):
+    def __init__(self, layout: CacheLayout, main: _Store, side: _Store | None, budget: torch.Tensor,
+                 layers: tuple[int, ...] | None = None):
         self.layout, self.main, self.side, self.budget = layout, main, side, budget
+        # the model layers this store holds, in the order of its per-layer lists (None: every
+        # layer, list index = layer index)
+        self.layers = layers
+        self._local = None if layers is None else {layer: i for i, layer in enumerate(layers)}
+
+    def local(self, layer: int) -> int:
+        """Index of model layer `layer` in this store's per-layer lists."""
+        return layer if self._local is None else self._local[layer]
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_prefill(cls, layout: CacheLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
-                     pos: torch.Tensor, budget: torch.Tensor) -> "KVStore":
+                     pos: torch.Tensor, budget: torch.Tensor, layers: tuple[int, ...] | None = None) -> "KVStore":
         """Rows prefilled together: keys/values per layer `[b, Hkv, T, D]` (unrotated for a patched
         model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding, anywhere: a row
         continued from held KV, `lcx.engine.prefix`, may hold only a bounded method's kept keys)."""
@@ -199,18 +266,18 @@ class KVStore:
                 keep_side, Cs = valid & (pos < layout.side), min(layout.side, max(most, int(n.max()) + 1))
             side_key = layout.rule.side_key if layout.rule is not None else (lambda p: p)
             side = _scatter(keys, values, pos, keep_side, Cs, None, layout.side, _rotation(layout, side_key))
-        return cls(layout, main, side, budget.to(pos.device))
+        return cls(layout, main, side, budget.to(pos.device), layers)
 
     @staticmethod
     def cat(parts: list["KVStore"]) -> "KVStore":
         side = _Store.cat([p.side for p in parts]) if parts[0].side is not None else None
         return KVStore(parts[0].layout, _Store.cat([p.main for p in parts]), side,
-                       torch.cat([p.budget for p in parts]))
+                       torch.cat([p.budget for p in parts]), parts[0].layers)
 
     def rows(self, rows: list[int]) -> "KVStore":
         sel = torch.tensor(rows, device=self.main.pos.device)
         return KVStore(self.layout, self.main.rows(sel), None if self.side is None else self.side.rows(sel),
-                       self.budget[sel])
+                       self.budget[sel], self.layers)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -224,6 +291,11 @@ class KVStore:
     def slots(self) -> int:
         """Slots per row (main + side capacity)."""
         return self.main.capacity + (self.side.capacity if self.side is not None else 0)
+
+    def layer_nbytes(self, i: int) -> int:
+        """Bytes of the keys and values of this store's i-th layer (all rows)."""
+        st = [self.main] + ([self.side] if self.side is not None else [])
+        return sum(x.k[i].nbytes + x.v[i].nbytes for x in st)
 
     def held(self) -> torch.Tensor:
         """Keys each row holds `[B]` (a key in both stores counts twice)."""
@@ -437,7 +509,7 @@ class DecodeStep:
             rows = self.slots.side_rows
             if rows.numel():
                 ks = apply_rotary_ref(k[rows], *self.tables["side_key"])[:, 0]
-        layer = attn.layer_idx
+        layer = store.local(attn.layer_idx)  # index in this group's per-layer lists
         self.slots.write(layer, km[:, 0], v[:, 0], ks)
         side = None
         if self.side_len:
@@ -448,7 +520,7 @@ class DecodeStep:
             vis = self.main_visible if side is None else torch.cat([self.main_visible, self.side_visible], -1)
             self.hidden = ~vis[:, None, None, :]
         extra = None
-        if self.mid_len and store.layout.rule.top_k_in_layer(layer):
+        if self.mid_len and store.layout.rule.top_k_in_layer(attn.layer_idx):  # the rule counts model layers
             extra = self._top_k(q, store.side.k[layer], store.side.v[layer], store.layout.rule.top_k, attn.scaling)
         n = self.main_len
         return decode_attention(qm, store.main.k[layer][:, :, :n], store.main.v[layer][:, :, :n], self.main_visible,
@@ -468,6 +540,94 @@ class DecodeStep:
         best = best.masked_fill(~self.mid_rows, NEG_INF)
         vals = v[:, :, :n].unsqueeze(2).expand(B, Hkv, H // Hkv, n, v.shape[-1])
         return best, vals.gather(3, idx[..., None].expand(*idx.shape, v.shape[-1]))
+
+
+# ============================================================================================
+# A whole model: one store per group of layers
+# ============================================================================================
+
+class ModelKV:
+    """The running batch's cache of a whole model in a `KVLayout`: one `KVStore` per group of
+    layers (module docstring), every group holding the same rows in the same order. The engine's
+    only handle on its cache: built from a prefill (`from_prefill`), merged (`cat`), narrowed
+    (`rows`), stepped (`decode_step` on the fast path; `only` is the one store of the general
+    path)."""
+
+    def __init__(self, layout: KVLayout, parts: list[KVStore]):
+        self.layout, self.parts = layout, parts
+
+    @classmethod
+    def from_prefill(cls, layout: KVLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     pos: torch.Tensor, budget: torch.Tensor) -> "ModelKV":
+        """Rows prefilled together: keys/values per model layer `[b, Hkv, T, D]`, pos `[b, T]`
+        (`KVStore.from_prefill`); each group keeps what its layout keeps of its layers."""
+        return cls(layout, [KVStore.from_prefill(lay, [keys[i] for i in g], [values[i] for i in g], pos, budget,
+                                                 layers=g) for lay, g in layout.groups])
+
+    @staticmethod
+    def cat(parts: list["ModelKV"]) -> "ModelKV":
+        return ModelKV(parts[0].layout, [KVStore.cat([p.parts[j] for p in parts]) for j in range(len(parts[0].parts))])
+
+    def rows(self, rows: list[int]) -> "ModelKV":
+        return ModelKV(self.layout, [p.rows(rows) for p in self.parts])
+
+    @property
+    def only(self) -> KVStore:
+        """The one store of a single-group layout (the general path)."""
+        if len(self.parts) != 1:
+            raise RuntimeError(f"this cache has {len(self.parts)} layer groups, not one")
+        return self.parts[0]
+
+    @property
+    def batch(self) -> int:
+        return self.parts[0].batch
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    @property
+    def slots(self) -> int:
+        """Slots per row of the widest layer (`layer_slots` gives every layer's)."""
+        return max(p.slots for p in self.parts)
+
+    def layer_slots(self) -> list[int]:
+        """Slots per row of each model layer (main + side capacity of its group)."""
+        out = [0] * self.layout.n_layers
+        for p, (_, g) in zip(self.parts, self.layout.groups):
+            for layer in g:
+                out[layer] = p.slots
+        return out
+
+    def layer_nbytes(self) -> list[int]:
+        """Bytes of each model layer's keys and values (all rows)."""
+        out = [0] * self.layout.n_layers
+        for p, (_, g) in zip(self.parts, self.layout.groups):
+            for i, layer in enumerate(g):
+                out[layer] = p.layer_nbytes(i)
+        return out
+
+    def held(self) -> torch.Tensor:
+        """Keys each row holds in its widest layer `[B]`."""
+        return torch.stack([p.held() for p in self.parts]).max(0).values
+
+    def decode_step(self, p_q: torch.Tensor, dtype: torch.dtype) -> "ModelStep":
+        """The fast path's step for new tokens at p_q `[B]`: one `DecodeStep` per group."""
+        steps = [DecodeStep.build(p, p_q, dtype) for p in self.parts]
+        return ModelStep({layer: st for st, (_, g) in zip(steps, self.layout.groups) for layer in g})
+
+
+class ModelStep:
+    """A decode step of a whole model (`lcx_decode`): each attention layer attends with its
+    group's `DecodeStep` (same `attend` signature)."""
+
+    per_layer = True  # each layer attends with its own group's cache (`lcx.hf.attention_patch`)
+
+    def __init__(self, by_layer: dict[int, DecodeStep]):
+        self.by_layer = by_layer
+
+    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        return self.by_layer[attn.layer_idx].attend(attn, q, k, v, position_embeddings)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
@@ -521,4 +681,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out.reshape(B, 1, H, v.shape[-1]).to(v.dtype)
 
 
-__all__ = ["CacheLayout", "DecodeStep", "KVStore", "StepSlots", "decode_attention", "rotate_rows"]
+__all__ = ["CacheLayout", "DecodeStep", "KVLayout", "KVStore", "ModelKV", "ModelStep", "StepSlots", "decode_attention",
+           "rotate_rows"]

@@ -14,15 +14,21 @@ where the method allows it:
   basis and every registered attention method whose `call_dependence` is None. Refused (one
   call per prompt, the cache bypassed, the reason in `Engine.prefix_cache_refusal`): a RoPE
   basis that follows the length (`RopeSpec.is_length_dependent`: dynamic NTK, longrope), a
-  method whose rows depend on the call's length (LM-Infinite with limit_distance > n_local), an
-  unpatched model with its own sliding window (HF masks it by slot index, which holes in a
-  padded continuation would break). A method whose last query of a call sees more
+  method whose rows depend on the call's length (LM-Infinite with limit_distance > n_local). An
+  unpatched model with its own sliding windows (Gemma 3's sliding layers, Mistral) is cut and
+  reused like any other: a continuation's masks are built from the slots' positions per layer
+  type (`lcx.engine.core._position_masks`), since HF's, by slot index, would shift a window
+  across the padding between held and new slots. A method whose last query of a call sees more
   (`last_query_extra`, LM-Infinite's top-k) is never cut, but may reuse a prefix: the cache holds
   only rows that were not the last of their call (below).
 - **Bounded methods hold bounded KV**: after each call a row keeps only the keys its next query
   can see, `lcx.hf.bounded_cache.kept_slots` (the first n_first and the last n_recent - 1
   positions; `MethodConfig.kv_window`), so a 16k-token prompt prefilled in chunks under
   LM-Infinite holds G + L - 1 keys per layer between chunks, exactly as the bounded cache does.
+  The prefill form is one set of slots for every layer, so on a model whose layers differ
+  (Gemma 3's sliding layers and the method on the global ones) it keeps the union of the
+  layers' windows (first max n_first, last max n_recent - 1); each layer's attention picks its
+  own keys from them. The decode cache is bounded per layer (`lcx.engine.kv`).
 
 The prefix cache (`PrefixCache`, vLLM's automatic prefix caching on lcx's layout). A prompt's KV
 is kept in blocks of `block_size` tokens; block j is keyed by a hash chained over the tokens
@@ -252,17 +258,13 @@ class PrefixCache:
                 "evicted_blocks": s.evicted_blocks}
 
 
-def reuse_refusal(model: Any, methods: Any, cache_layout: Any, static_basis: bool) -> str | None:
+def reuse_refusal(methods: Any, static_basis: bool) -> str | None:
     """Why a prompt of this engine may not be cut into calls nor reuse a cached prefix (module
-    docstring), or None."""
+    docstring), or None. `static_basis`: every layer's RoPE basis is independent of the length."""
     if not static_basis:
         return "the RoPE basis follows the sequence length (dynamic NTK / longrope): a prefix's keys depend on what follows"
     method = methods.attention
-    if method is None:
-        if not cache_layout.rotated:
-            return "the model masks its own sliding window by slot index (HF): a padded continuation would break it"
-        return None
-    return method.call_dependence
+    return None if method is None else method.call_dependence
 
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "RowKV", "reuse_refusal", "stack_rows"]

@@ -68,8 +68,10 @@ Semantics stated once:
   numbers of queries and keys share one call), exactly as an unpadded row with a
   `BoundedKVCache` would; padded query slots get zeros. A layer running its own window raises
   if a row's keys do not cover that window (a cache bounded by another layer's method).
-- **The engine's decode step** (`lcx_decode`, `lcx.engine.kv.DecodeStep`): the attention
-  function hands the layer's new q/k/v (unrotated) and the family's (cos, sin) to `step.attend`.
+- **The engine's decode step** (`lcx_decode`, `lcx.engine.kv.ModelStep`): the attention
+  function hands the layer's new q/k/v (unrotated) and the family's (cos, sin) of that layer to
+  `step.attend`, which attends with the layer's own cache and rule (per-layer windows and RoPE
+  bases on a hybrid model; a step declares it with `per_layer = True`).
   `install_decode_hook` gives an unpatched model the same route for decode calls only (every
   other call runs the model's own rotation and attention implementation, its own masks).
 
@@ -248,11 +250,11 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H(kv), D]
     step = kwargs.get("lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
-        if st.own_window:
+        if st.own_window and not getattr(step, "per_layer", False):
             raise NotImplementedError(
                 f"layer {module.layer_idx} runs the family's own window ({st.method.describe()}), the model's "
-                f"method is {st.chosen.describe()}: lcx.engine's decode step runs one method on every layer "
-                "(per-layer windows: lcx.hf.layer_methods)")
+                f"method is {st.chosen.describe()}: a decode step that runs one method on every layer cannot "
+                "run it (lcx.engine's per-layer step, lcx.engine.kv.ModelStep, can; lcx.hf.layer_methods)")
         return step.attend(module, q, k, v, call.cos_sin), None
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")

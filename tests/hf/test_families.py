@@ -68,7 +68,6 @@ GRID_D_SLOW = [(f, name) for f in FAMILY_NAMES for name in METHODS if (f, name) 
 KNOWN_ENGINE_DEFECTS = {("qwen3", "lm_infinite(n_global=1,n_local=3,limit_distance=2,top_k=3,top_k_from_layer=0,"
                                   "top_k_insert_at=5)")}
 
-
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -224,16 +223,20 @@ def test_bounded_cache_decoding_equals_full_cache(family):
 # ------------------------------------------------------------------------------ (d) the engine
 
 
-def _engine_case(family: str, name: str | None):
-    """(engine tokens, reference tokens, errors) of two ragged prompts under method `name`
-    (None: the model as loaded)."""
-    from lcx.engine import Engine, EngineConfig, SamplingParams
-    from lcx.models.tiny import byte_tokenizer
+PROMPT_LENS = (3, 14)  # ragged: left-padded in the batch
+# hybrid cases with the prefix cache: a third prompt shares 3 blocks of 4 with the second (reused a
+# step later), and a token budget cuts prompts into chunks continuing from held KV
+REUSE = dict(prefix_block_size=4, max_num_batched_tokens=8)
 
-    model = _model(family)
-    method = METHODS[name] if name is not None else None
-    prompts = [[5 + i for i in range(n)] for n in (3, 14)]  # ragged: left-padded in the batch
-    gen = 16
+
+def _prompts(reuse: bool) -> list[list[int]]:
+    prompts = [[5 + i for i in range(n)] for n in PROMPT_LENS]
+    return prompts + [prompts[1][:12] + [40, 41, 42]] if reuse else prompts
+
+
+def _reference_tokens(model, method, prompts, gen: int, layers: str = "global") -> list[list[int]]:
+    """Each prompt alone through the reference loop (`greedy_generate`): over a `BoundedKVCache`
+    (each layer bounded by its own method) where one reproduces the method, else a full cache."""
     want = []
     for p in prompts:
         cache = None
@@ -243,50 +246,66 @@ def _engine_case(family: str, name: str | None):
                 cache = BoundedKVCache(method)
             except ValueError:
                 pass
-        with attention_patched(model, method):
+        with attention_patched(model, method, layers=layers):
             want.append(greedy_generate(model, torch.tensor([p]), gen, cache=cache).tokens[0].tolist())
+    return want
+
+
+def _run_engine(engine, prompts, gen: int, *, each_step=None):
+    """(tokens per prompt, error messages) of the engine's greedy decoding of `prompts`."""
+    from lcx.engine import SamplingParams
+
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True)
+    rids = [engine.add_request(p, sp) for p in prompts]
+    got = {r: [] for r in rids}
+    errors = []
+    while engine.has_work():
+        for ev in engine.step():
+            got[ev.request_id] += ev.token_ids
+            if getattr(ev, "error", None):
+                errors.append(str(ev.error))
+        if each_step is not None:
+            each_step(engine)
+    return [got[r] for r in rids], errors
+
+
+def _engine_case(family: str, name: str | None, *, layers: str | None = None, reuse: bool = False,
+                 prefix_caching: bool = True):
+    """(engine tokens, reference tokens, errors, engine stats) of ragged prompts under method
+    `name` (None: the model as loaded); `reuse`: a third prompt reusing the second's prefix,
+    prompts prefilled in chunks (`REUSE`)."""
+    from lcx.engine import Engine, EngineConfig
+    from lcx.models.tiny import byte_tokenizer
+
+    model = _model(family)
+    method = METHODS[name] if name is not None else None
+    prompts = _prompts(reuse)
+    gen = 16
+    want = _reference_tokens(model, method, prompts, gen, layers or "global")
     methods = {"attention": method.to_dict()} if method is not None else {}
+    if layers is not None:
+        methods["layers"] = layers
     try:
-        engine = Engine(model, byte_tokenizer(), EngineConfig(methods=methods, max_model_len=64))
-        sp = SamplingParams(max_tokens=gen, ignore_eos=True)
-        rids = [engine.add_request(p, sp) for p in prompts]
-        got = {r: [] for r in rids}
-        errors = []
-        while engine.has_work():
-            for ev in engine.step():
-                got[ev.request_id] += ev.token_ids
-                if getattr(ev, "error", None):
-                    errors.append(str(ev.error))
-        return [got[r] for r in rids], want, errors
+        engine = Engine(model, byte_tokenizer(), EngineConfig(methods=methods, max_model_len=64,
+                                                              prefix_caching=prefix_caching,
+                                                              **(REUSE if reuse else {})))
+        got, errors = _run_engine(engine, prompts, gen)
+        return got, want, errors, engine
     finally:
         unpatch_attention(model)
 
 
-def _engine_covers(family: str, method) -> bool:
-    """Whether the engine, which bounds every layer by the method's window, keeps what each
-    layer sees: on a hybrid model's sliding layers (their own window) only if the method's
-    window covers it (per-layer windows in the engine: not yet)."""
-    model = _model(family)
-    if not any(_is_sliding(model, i) for i in range(model.config.num_hidden_layers)):
-        return True
-    window = method.cache_window
-    return window is None or window[1] >= model.config.sliding_window
-
-
-def _check_engine(family: str, name: str):
-    got, want, errors = _engine_case(family, name)
-    if _engine_covers(family, METHODS[name]):
-        assert not errors and got == want
-    else:  # refused loudly (the engine's per-layer windows are not there yet), never other tokens
-        assert len(errors) == 2 and all("own sliding window" in e for e in errors), errors
+def _check_engine(family: str, name: str | None, **kw):
+    got, want, errors, engine = _engine_case(family, name, **kw)
+    assert not errors and got == want
+    return engine
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_engine_vanilla_equals_reference_loop(family):
     """The model as loaded: the engine's decode hook (decode calls through the family's own
     q/k/v, every other call stock) decodes what transformers does."""
-    got, want, errors = _engine_case(family, None)
-    assert not errors and got == want
+    _check_engine(family, None)
 
 
 @pytest.mark.parametrize("family,name", GRID_D, ids=[f"{f}-{n}" for f, n in GRID_D])
@@ -300,6 +319,91 @@ def test_engine_greedy_equals_reference_loop(family, name):
                  if (f, n) in KNOWN_ENGINE_DEFECTS else ()) for f, n in GRID_D_SLOW])
 def test_engine_greedy_equals_reference_loop_every_example(family, name):
     _check_engine(family, name)
+
+
+# ------------------------------------------------------------------------------ (d) hybrid models
+
+HYBRID_NAMES = [None] + list(METHODS)  # the model as loaded, then every registered example
+
+
+def _hybrid_id(name):
+    return "vanilla" if name is None else name
+
+
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("name", HYBRID_NAMES, ids=_hybrid_id)
+def test_engine_hybrid_prefix_reuse_equals_reference_loop(family, name):
+    """Gemma 3 × every method and the model as loaded, prefix cache on and reused, prompts cut
+    into chunks: the engine's per-layer caches (sliding layers: their own window and RoPE base;
+    global layers: the method) decode what the reference loop decodes, on the fast path
+    wherever every layer's method has a decode rule."""
+    engine = _check_engine(family, name, reuse=True)
+    method = METHODS[name] if name is not None else None
+    assert engine.cache_layout.rotated == (method is None or method.decode_rule() is not None)
+    assert engine.prefix_cache_refusal is not None or engine.stats.prefix_cache_hit_tokens >= REUSE["prefix_block_size"]
+    assert engine.stats.prefill_chunks > 0 or engine.prefix_cache_refusal is not None or (
+        method is not None and method.last_query_extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("name", HYBRID_NAMES, ids=_hybrid_id)
+@pytest.mark.parametrize("mode", ["no-prefix-cache", "all-layers"])
+def test_engine_hybrid_variants_equal_reference_loop(family, name, mode):
+    """The same without the prefix cache, and with the method on every layer (`layers="all"`)."""
+    if mode == "all-layers" and name is None:
+        pytest.skip("layers= needs an attention method")
+    if mode == "no-prefix-cache":
+        engine = _check_engine(family, name, reuse=True, prefix_caching=False)
+        assert engine.prefix_cache is None
+    else:
+        _check_engine(family, name, reuse=True, layers="all")
+
+
+@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("name", [None, "sinks(n_sink=2,window=3)", "lm_infinite(n_global=3,n_local=5)"],
+                         ids=_hybrid_id)
+def test_engine_hybrid_sliding_layers_hold_their_window(family, name):
+    """KV bytes per layer, measured on the engine's cache after a prompt longer than the sliding
+    window and while decoding past it: the sliding layers hold their window (a ring of
+    `sliding_window` slots per row) whatever the length, even for the model as loaded; the global
+    layers hold every key (model as loaded) or the method's window (G + L slots), so a bounded
+    method makes the whole cache constant."""
+    from lcx.engine import Engine, EngineConfig
+    from lcx.models.tiny import byte_tokenizer
+
+    model = _model(family)
+    w = model.config.sliding_window
+    method = METHODS[name] if name is not None else None
+    prompt = [5 + i for i in range(3 * w)]  # 24 tokens, 3 windows
+    gen = 20
+    want = _reference_tokens(model, method, [prompt], gen)
+    methods = {"attention": method.to_dict()} if method is not None else {}
+    sliding = [_is_sliding(model, i) for i in range(model.config.num_hidden_layers)]
+    seen: list[tuple[list[int], list[int], int]] = []
+    try:
+        engine = Engine(model, byte_tokenizer(), EngineConfig(methods=methods, max_model_len=64))
+        got, errors = _run_engine(engine, [prompt], gen, each_step=lambda e: seen.append(
+            (e.layer_cache_lens, e.layer_kv_cache_bytes, e.kv_cache_bytes)) if e.num_running else None)
+    finally:
+        unpatch_attention(model)
+    assert not errors and got == want
+    assert len(seen) == gen - 1  # the last step finishes the request (and drops its cache)
+    per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 8  # k + v, float64
+    bound = None if method is None else sum(method.cache_window)
+    for step, (lens, nbytes, total) in enumerate(seen):
+        n = len(prompt) + step + 1  # positions held after this step's token
+        for i, is_sliding in enumerate(sliding):
+            if is_sliding:
+                assert lens[i] == w, (step, i, lens)
+            elif bound is not None:
+                assert lens[i] == bound, (step, i, lens)
+            else:
+                assert lens[i] >= n, (step, i, lens)
+            assert nbytes[i] == lens[i] * per_token
+        assert total == sum(nbytes)
+    if bound is not None:  # constant: every layer bounded
+        assert len({t for _, _, t in seen}) == 1
 
 
 def test_patch_unpatch_leaves_every_family_as_loaded():
