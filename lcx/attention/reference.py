@@ -156,6 +156,15 @@ def _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activatio
     return s, visible, off
 
 
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest `scores` along the last dim, ties to the lower index (the earlier
+    key): the one tie rule of LM-Infinite's top-k middle keys, here and in `lcx.engine` (whose
+    slots are in position order). torch.topk leaves ties unspecified, and a tie is no corner case:
+    a query of zeros (a token whose embedding is zero, e.g. the pad token's) scores every middle
+    key 0. -> `[..., k]` long."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def lambda_topk_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -182,7 +191,8 @@ def lambda_topk_attention_ref(
 
     (every middle key at relative distance `top_k_insert_at`, whatever its real distance), and
     their logits ARE those scores: one softmax over [global (capped) | top-k middle | local].
-    When the middle span holds fewer than `top_k` keys the last row is plain Λ. Ties: torch.topk.
+    When the middle span holds fewer than `top_k` keys the last row is plain Λ. Ties go to the
+    earlier key (`top_k_indices`).
 
         keys:   0 .. G-1  | G ............. i-L | i-L+1 ... i
         row i:  global    | k best by m_j       | local (true distance)
@@ -204,7 +214,7 @@ def lambda_topk_attention_ref(
         q_near = rotate_to(q[:, -1:], rotary, top_k_insert_at)  # [B, 1, H, D]
         k_mid = rotate_to(k[:, lo:hi], rotary, 0)  # [B, M, Hkv, D]
         m = gqa_scores(q_near, k_mid).to(s.dtype) * sc  # [B, H, 1, M]
-        best = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, m.topk(top_k, dim=-1).indices, True)
+        best = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, top_k_indices(m, top_k), True)
         s, visible = s.clone(), visible.clone()
         s[..., -1:, lo:hi] = m
         visible[..., -1:, lo:hi] = best

@@ -21,7 +21,8 @@ every key); with `layers="all"` every layer runs the method, still one group per
 A decode step builds one `DecodeStep` per group (`ModelStep`); each layer attends with its own.
 
 A position is a token's index in its request. Slot order carries no meaning to attention, a sum
-over slots where each key carries its position in its rotation. So rows of different lengths
+over slots where each key carries its position in its rotation (LM-Infinite's top-k choice
+breaks score ties by position; an unbounded store's slot is the position). So rows of different lengths
 share the tensors without padding at the front (their unused slots are empty), a decode step
 writes each row's new key into its own slot (`index_put`, no copy of the cache), and a bounded
 method's cache never grows past window + side slots per row.
@@ -53,6 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..attention.reference import top_k_indices
 from ..rope import apply_rotary_ref, rope_cos_sin
 
 NEG_INF = float("-inf")
@@ -536,7 +538,8 @@ class DecodeStep:
         qt = apply_rotary_ref(q, *self.tables["top_k_query"]).reshape(B, Hkv, H // Hkv, D)
         m = torch.matmul(qt.to(wide), k[:, :, :n].to(wide).transpose(-1, -2)) * scale  # [B, Hkv, g, n]
         m = m.masked_fill_(~self.mid_visible, NEG_INF)
-        best, idx = m.topk(top_k, dim=-1)  # per query head
+        idx = top_k_indices(m, top_k)  # per query head; ties to the earlier key (slots are in position order)
+        best = m.gather(-1, idx)
         best = best.masked_fill(~self.mid_rows, NEG_INF)
         vals = v[:, :, :n].unsqueeze(2).expand(B, Hkv, H // Hkv, n, v.shape[-1])
         return best, vals.gather(3, idx[..., None].expand(*idx.shape, v.shape[-1]))

@@ -118,3 +118,34 @@ def test_unbounded_rows_free_what_the_long_row_held():
     short = store.rows([0])
     assert short.main.capacity == 3 and short.nbytes() < store.nbytes() / 5
     torch.testing.assert_close(short.main.k[0][0], k[0, :, 6:])
+
+
+def test_top_k_ties_go_to_the_earlier_key():
+    """LM-Infinite's top-k middle keys with every score tied (a query of zeros, as a token whose
+    embedding is zero makes): the decode step picks the same keys as the reference, the earliest
+    (`lcx.attention.reference.top_k_indices`); torch.topk would leave the choice unspecified."""
+    from lcx.attention.reference import top_k_indices
+
+    assert top_k_indices(torch.tensor([[0.0, 2.0, 0.0, 0.0, 2.0]]), 3).tolist() == [[1, 4, 0]]
+    method = lm_infinite(1, 3, limit_distance=2, top_k=3, top_k_from_layer=0, top_k_insert_at=5)
+    g = torch.Generator().manual_seed(3)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    layout = CacheLayout.for_method(method, basis=(inv_freq, 1.0))
+    n = 12
+    k = torch.randn(1, HKV, n, D, generator=g, dtype=torch.float64)
+    v = torch.randn(1, HKV, n, D, generator=g, dtype=torch.float64)
+    store = KVStore.from_prefill(layout, [k], [v], torch.arange(n)[None], torch.tensor([n + 1]))
+    attn = _Attn(12, g)
+    q = torch.zeros(1, 1, H, D, dtype=torch.float64)  # every middle key scores 0
+    kn = torch.randn(1, 1, HKV, D, generator=g, dtype=torch.float64)
+    vn = torch.randn(1, 1, HKV, D, generator=g, dtype=torch.float64)
+    got = DecodeStep.build(store, torch.tensor([n]), torch.float64).attend(attn, q, kn, vn, None)
+    kk, vv = torch.cat([k.transpose(1, 2), kn], 1), torch.cat([v.transpose(1, 2), vn], 1)  # [1, n + 1, Hkv, D]
+    want = method.attend(q, kk, vv, rotary=Rotary(inv_freq, torch.arange(n + 1), 1.0), scale=attn.scaling,
+                         layer_idx=0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # and the chosen keys matter: the latest three middle keys instead give another output
+    late = method.attend(q, torch.cat([kk[:, :1], kk[:, 1:10].flip(1), kk[:, 10:]], 1),
+                         torch.cat([vv[:, :1], vv[:, 1:10].flip(1), vv[:, 10:]], 1),
+                         rotary=Rotary(inv_freq, torch.arange(n + 1), 1.0), scale=attn.scaling, layer_idx=0)
+    assert (late - want).abs().max() > 1e-3

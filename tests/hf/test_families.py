@@ -62,11 +62,6 @@ GRID_B = [(f, name) for f in FAMILY_NAMES for name in METHODS]
 FIRST = {cls_name: m for m in reversed(examples()) for cls_name in [m.name]}
 GRID_D = [(f, method_id(m)) for f in FAMILY_NAMES for m in FIRST.values()]
 GRID_D_SLOW = [(f, name) for f in FAMILY_NAMES for name in METHODS if (f, name) not in GRID_D]
-# Known defect, found by this grid's first full run (session 22) and open under issue #43: the
-# engine's greedy tokens leave the reference loop's at token 12 for qwen3 with top-k LM-Infinite
-# from layer 0 (every other family passes this example). strict: the mark fails once it is fixed.
-KNOWN_ENGINE_DEFECTS = {("qwen3", "lm_infinite(n_global=1,n_local=3,limit_distance=2,top_k=3,top_k_from_layer=0,"
-                                  "top_k_insert_at=5)")}
 
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -314,9 +309,7 @@ def test_engine_greedy_equals_reference_loop(family, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,name", [
-    pytest.param(f, n, id=f"{f}-{n}", marks=pytest.mark.xfail(strict=True, reason="known defect, issue #43")
-                 if (f, n) in KNOWN_ENGINE_DEFECTS else ()) for f, n in GRID_D_SLOW])
+@pytest.mark.parametrize("family,name", GRID_D_SLOW, ids=[f"{f}-{n}" for f, n in GRID_D_SLOW])
 def test_engine_greedy_equals_reference_loop_every_example(family, name):
     _check_engine(family, name)
 
