@@ -3,6 +3,8 @@
     lcx bench decode                       # SmolLM2-135M's shape, fp32, one thread, 4k-32k -> results/decode_cpu.{json,png}
     lcx bench decode --lengths 2048 --layers 2 --tokens 8 --out /tmp/d.json     # a quick check
     lcx bench decode --merge a.json b.json --out results/decode_cpu.json       # lengths run in two processes
+    lcx bench decode --shape gemma3-270m --lengths 2048 8192 16384 --tokens 8 \
+        --out results/gemma3-270m/decode_cpu.json    # Gemma 3's hybrid shape: the method on global vs all layers
 
 What is measured is `lcx.engine` (what `lcx serve`, `lcx report`'s decode cells and the lm-eval
 `lcx` model run): for each prompt length, every case's engine prefills the same prompt, then the
@@ -23,15 +25,24 @@ Cases (`CASES`; each an `lcx.MethodConfig` the engine applies):
 
 The model is the shape's LlamaForCausalLM with random weights (`benchmarks.scale.SHAPES`; no
 download): decode cost does not depend on the weights' values, only on their shapes and on what
-each method reads, so the table holds for the trained model (the record says so). Each case
+each method reads, so the table holds for the trained model (the record says so).
+
+`--shape gemma3-270m` (`HYBRID_SHAPES`): Gemma 3 270M's shape (gemma3_text: 18 layers, a
+512-token sliding window in 15 of them and full attention in layers 5, 11, 17, 4 query heads /
+1 KV head of 256, two RoPE bases, the full 262k vocabulary unless `--vocab`), random weights.
+Its cases (`DEFAULT_CASES`): vanilla (the sliding layers already hold 512 keys each in the
+engine), LM-Infinite and sinks with a window of 1024 on the global layers (lcx's default,
+`MethodConfig.layers = "global"`: the whole cache constant) and on every layer (`/all`: the
+sliding layers then see the method's keys instead of their own 512). Each case
 runs on its own copy of the model's modules sharing one set of weights (a method patches the
 attention modules it runs on).
 
 Beside each ratio, the memory-traffic ideal: a decode step must read the weights once (the
-layers' and the LM head's) and the keys/values its query can see; ideal ratio = (weights +
-vanilla's KV) / (weights + the method's visible KV). Also per case: KV bytes the engine holds
-after the last step (exact tensor sizes), prefill time, and the resident-memory peak of the
-prefill (VmHWM over VmRSS, reset before each prefill; the other cases' caches are resident then).
+layers' and the LM head's) and the keys/values its query can see, layer by layer; ideal ratio =
+(weights + vanilla's KV) / (weights + the method's visible KV). Also per case: KV bytes the engine
+holds after the last step (exact tensor sizes; per layer in `kv_bytes_per_layer`), prefill time,
+and the resident-memory peak of the prefill (VmHWM over VmRSS, reset before each prefill; the
+other cases' caches are resident then).
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from typing import Any
 from benchmarks.harness import Benchmark, figure
 from benchmarks.scale import visible_keys  # the one count of the keys a query sees
 
-DESCRIPTION = "decode tokens/s per method through lcx.engine vs vanilla, one thread, SmolLM2-135M's shape"
+DESCRIPTION = "decode tokens/s per method through lcx.engine vs vanilla, one thread, SmolLM2-135M's (or Gemma 3's) shape"
 BENCH = Benchmark("decode", DESCRIPTION, __doc__, out="results/decode_cpu.json", threads=1, seed=0, plot=True)
 
 
@@ -63,17 +74,18 @@ class Config:
     seed: int
     cases: dict[str, dict]  # name -> its lcx.MethodConfig dict
     dtype: str = "float32"
-    weights: str = "random (lcx.bench.scale.build_model): decode cost depends on shapes, not on weight values"
+    weights: str = "random (benchmarks.scale.build_model): decode cost depends on shapes, not on weight values"
     timing: str = ("per step: process CPU time (tokens_per_s, ratio) and wall time (*_wall), median over "
                    "--tokens steps, cases interleaved round by round")
     ideal: str = "bytes per decode step = weights (layers + LM head) + visible keys x KV bytes per token"
     merged_from: dict[str, dict] | None = None  # --merge: each record's lengths and git SHA
+    vocab: int | None = None  # --vocab: the shape's vocabulary replaced (None: the shape's own)
 
     def to_dict(self) -> dict[str, Any]:
-        order = ("shape", "layers", "lengths", "tokens", "threads", "seed", "dtype", "cases", "weights", "timing",
-                 "ideal", "merged_from")
+        order = ("shape", "layers", "vocab", "lengths", "tokens", "threads", "seed", "dtype", "cases", "weights",
+                 "timing", "ideal", "merged_from")
         d = dataclasses.asdict(self)
-        return {k: d[k] for k in order if k != "merged_from" or d[k] is not None}
+        return {k: d[k] for k in order if k not in ("merged_from", "vocab") or d[k] is not None}
 
 
 @dataclass(frozen=True)
@@ -83,12 +95,13 @@ class Case:
     name: str
     preset: str | None = None
     attention: dict[str, Any] | None = None
+    layers: str | None = None  # `MethodConfig.layers` (a hybrid model: "all" = the sliding layers too)
 
     def method_config(self, L0: int, max_len: int):
         from lcx import MethodConfig, presets
 
         if self.attention is not None:
-            return MethodConfig.from_dict({"attention": self.attention})
+            return MethodConfig.from_dict({"attention": self.attention, **({"layers": self.layers} if self.layers else {})})
         if self.preset is None:
             return MethodConfig()
         return presets.config(self.preset, L0=L0, factor=max(1.0, max_len / L0))
@@ -103,8 +116,51 @@ CASES: tuple[Case, ...] = (
     Case("lm_infinite/L0", preset="lm_infinite"),
     Case("sinks/L0", preset="sinks"),
     Case("self_extend", preset="self_extend"),
+    Case("lm_infinite/w1024/all", attention={"type": "lm_infinite", "n_global": 10, "n_local": 1024}, layers="all"),
+    Case("sinks/w1024/all", attention={"type": "sinks", "n_sink": 4, "window": 1020}, layers="all"),
 )
 BASELINE = "vanilla"
+
+# Shapes beside `benchmarks.scale.SHAPES` (Llama): hybrid local/global models, as `AutoConfig` kwargs.
+HYBRID_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma3-270m": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                        sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True),  # layer_types, rope_parameters: HF's defaults
+}
+# The cases a shape runs by default: a hybrid shape the method on its global layers vs on all
+# (L0 presets would cover Gemma 3's 32k context, i.e. equal vanilla at these lengths); a
+# Llama shape every case but the `/all` ones (its layers are alike: the same as without).
+DEFAULT_CASES: dict[str, tuple[str, ...]] = {
+    "gemma3-270m": ("vanilla", "lm_infinite/w1024", "lm_infinite/w1024/all", "sinks/w1024", "sinks/w1024/all"),
+}
+
+
+def default_cases(shape: str) -> list[str]:
+    return list(DEFAULT_CASES.get(shape, [c.name for c in CASES if c.layers is None]))
+
+
+def build_model(shape: str, *, layers: int | None, vocab: int | None, seed: int):
+    """The shape's `*ForCausalLM` with random weights, float32 on the CPU, SDPA attention: a Llama
+    shape as `benchmarks.scale.build_model` builds it, a hybrid one from `HYBRID_SHAPES`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.scale import SHAPES
+    from benchmarks.scale import build_model as build_llama
+
+    if shape in SHAPES and vocab is None:
+        return build_llama(shape, layers=layers, dtype=torch.float32, device="cpu", seed=seed)
+    kw = dict(SHAPES[shape]) if shape in SHAPES else dict(HYBRID_SHAPES[shape])
+    model_type = kw.pop("model_type", "llama")
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    if vocab is not None:
+        kw["vocab_size"] = vocab
+    config = AutoConfig.for_model(model_type, **kw, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+                                  attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def _share_weights_copy(model):
@@ -126,7 +182,7 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
     L0 = int(model.config.max_position_embeddings)
     elem = torch.finfo(next(model.parameters()).dtype).bits // 8
     weight_bytes = (facts["params_per_token"] + facts["lm_head_params"]) * elem
-    kv_per_token = facts["kv_elems_per_token"] * elem
+    kv_per_layer_token = facts["kv_elems_per_token"] // facts["layers"] * elem
     engines, out = {}, {}
     for case in cases:
         cfg = case.method_config(L0, max(args.lengths))
@@ -140,12 +196,13 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
         with torch.inference_mode():
             eng.step()  # prefill + the first token
         prefill_s = time.perf_counter() - t0
-        method = cfg.attention
-        vis = visible_keys(method, T + 1)
+        # the keys each layer's query sees (a hybrid model's sliding layers: their own window)
+        vis = [T + 1 if w is None else min(T + 1, sum(w)) for w in eng.layer_windows]
         out[case.name] = {"config": cfg.to_dict(), "prefill_s": round(prefill_s, 3),
                           "prefill_peak_mb": round((status_bytes("VmHWM") - before) / 2**20, 1),
-                          "fast_path": eng.cache_layout.rotated, "visible_keys": vis,
-                          "ideal_bytes_per_step": weight_bytes + vis * kv_per_token,
+                          "fast_path": eng.cache_layout.rotated, "visible_keys": max(vis),
+                          **({"visible_keys_per_layer": vis} if len(set(vis)) > 1 else {}),
+                          "ideal_bytes_per_step": weight_bytes + sum(vis) * kv_per_layer_token,
                           "cpu_s": [], "wall_s": [], "tokens": []}
         engines[case.name] = eng
         print(f"  T={T} {case.name}: prefill {prefill_s:.1f} s", flush=True)
@@ -161,6 +218,7 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
     for name, eng in engines.items():
         r = out[name]
         r["kv_bytes"] = eng.kv_cache_bytes  # the cache after T + tokens positions
+        r["kv_bytes_per_layer"] = eng.layer_kv_cache_bytes
         r["tokens_per_s"] = 1.0 / statistics.median(r["cpu_s"])
         r["tokens_per_s_wall"] = 1.0 / statistics.median(r["wall_s"])
         r["cpu_s"] = [round(x, 5) for x in r["cpu_s"]]
@@ -177,11 +235,15 @@ def run_length(model, facts: dict[str, int], cases: list[Case], T: int, args) ->
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     BENCH.add_arguments(ap)
-    ap.add_argument("--shape", default="smollm2-135m", help="model shape of benchmarks.scale.SHAPES (default: %(default)s)")
+    ap.add_argument("--shape", default="smollm2-135m",
+                    help="model shape of benchmarks.scale.SHAPES or HYBRID_SHAPES (gemma3-270m) (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (quick checks)")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="override the shape's vocabulary size (quick checks; the LM head is part of a step's cost)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--tokens", type=int, default=24, help="timed decode steps per case and length (default: %(default)s)")
-    ap.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
+    ap.add_argument("--cases", nargs="+", default=None, choices=[c.name for c in CASES],
+                    help="default: the shape's (DEFAULT_CASES; a Llama shape: every case but the /all ones)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: join records of the same settings run for different --lengths "
                          "(e.g. the longest length in a second process) into --out")
@@ -190,24 +252,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.scale import SHAPES, build_model, shape_facts
+    from benchmarks.scale import SHAPES, shape_facts
 
     if args.merge:
         return merge(args)
     if args.tokens < 3:
         raise ValueError(f"--tokens must be >= 3, got {args.tokens}")
-    if args.shape not in SHAPES:
-        raise ValueError(f"unknown shape {args.shape!r}; known: {list(SHAPES)}")
+    if args.shape not in SHAPES and args.shape not in HYBRID_SHAPES:
+        raise ValueError(f"unknown shape {args.shape!r}; known: {list(SHAPES) + list(HYBRID_SHAPES)}")
     threads = BENCH.resolve_threads(args)
-    cases = [c for c in CASES if c.name in args.cases]
-    if BASELINE not in args.cases:
+    names = args.cases if args.cases is not None else default_cases(args.shape)
+    cases = [c for c in CASES if c.name in names]
+    if BASELINE not in names:
         cases = [CASES[0]] + cases
-    model = build_model(args.shape, layers=args.layers, dtype=torch.float32, device="cpu", seed=args.seed)
+    model = build_model(args.shape, layers=args.layers, vocab=args.vocab, seed=args.seed)
     facts = shape_facts(model.config)
     L0 = int(model.config.max_position_embeddings)
     rec = BENCH.start(args, Config(
-        shape=args.shape, layers=model.config.num_hidden_layers, lengths=sorted(args.lengths), tokens=args.tokens,
-        threads=threads, seed=args.seed,
+        shape=args.shape, layers=model.config.num_hidden_layers, vocab=args.vocab, lengths=sorted(args.lengths),
+        tokens=args.tokens, threads=threads, seed=args.seed,
         cases={c.name: c.method_config(L0, max(args.lengths)).to_dict() for c in cases}))
     results: dict[str, Any] = {}
     for T in rec.progress(sorted(args.lengths), unit="length"):
@@ -226,7 +289,7 @@ def merge(args: argparse.Namespace) -> int:
     from lcx.data.io import read_json
 
     recs = [read_json(f) for f in args.merge]
-    same = ("shape", "layers", "tokens", "threads", "seed", "dtype")
+    same = ("shape", "layers", "vocab", "tokens", "threads", "seed", "dtype")
     for f, r in zip(args.merge[1:], recs[1:]):
         diff = [k for k in same if r["config"].get(k) != recs[0]["config"].get(k)]
         a, b = recs[0]["config"]["cases"], r["config"]["cases"]
@@ -254,7 +317,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [f"{'case':<22}" + "".join(f"{T:>22}" for T in results)]
+    lines = [f"{'case':<24}" + "".join(f"{T:>22}" for T in results)]
     names = list(dict.fromkeys(n for row in results.values() for n in row))
     for name in names:
         cells = []
@@ -262,7 +325,7 @@ def table(results: dict[str, Any]) -> str:
             r = row.get(name)
             cells.append("—" if r is None else
                          f"{r['tokens_per_s']:7.2f} {r.get('ratio', float('nan')):5.2f}x ({r.get('ideal_ratio', float('nan')):4.2f})")
-        lines.append(f"{name:<22}" + "".join(f"{c:>22}" for c in cells))
+        lines.append(f"{name:<24}" + "".join(f"{c:>22}" for c in cells))
     lines.append("(tok/s, ratio to vanilla, memory-traffic ideal ratio in parentheses)")
     return "\n".join(lines)
 
@@ -271,7 +334,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     """tokens/s per case vs length; the ratio to vanilla beside the memory-traffic ideal (dotted)."""
     results, cfg = record["results"], record["config"]
     names = list(dict.fromkeys(n for row in results.values() for n in row))
-    title = f"lcx.engine decoding, {cfg['shape']} shape (random weights), fp32, {cfg['threads']} thread(s)"
+    vocab = f", vocab {cfg['vocab']}" if cfg.get("vocab") else ""
+    title = f"lcx.engine decoding, {cfg['shape']} shape (random weights{vocab}), fp32, {cfg['threads']} thread(s)"
     with figure(path, 1, 2, figsize=(12, 4.4), title=title) as (fig, axes):
         for name in names:
             lengths = [int(T) for T, row in results.items() if name in row]

@@ -693,6 +693,15 @@ class Engine:
         return [0] * self.cache_layout.n_layers if self._store is None else self._store.layer_slots()
 
     @property
+    def layer_windows(self) -> list[tuple[int, int] | None]:
+        """Per layer, (n_first, n_recent): the keys its query sees are among the first n_first and
+        the last n_recent (its method's `cache_window`; a layer running its own sliding window w:
+        (0, w)), or None: every key."""
+        if self.methods.attention is None:
+            return [None if w is None else (0, w) for w in _loaded_windows(self.model)]
+        return [m.cache_window for m in self._layer_methods]
+
+    @property
     def layer_kv_cache_bytes(self) -> list[int]:
         """Bytes of each layer's cached keys and values (zeros when idle)."""
         return [0] * self.cache_layout.n_layers if self._store is None else self._store.layer_nbytes()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.decode import CASES, main, visible_keys
+from benchmarks.decode import CASES, default_cases, main, visible_keys
 from lcx.methods import lm_infinite, self_extend, sinks, sliding_window
 
 
@@ -25,7 +25,7 @@ def test_bench_decode_record(tmp_path):
     assert set(rec["results"]) == {"48", "96"}
     kv = {}
     for T, row in rec["results"].items():
-        assert set(row) == {c.name for c in CASES}
+        assert set(row) == set(default_cases("smollm2-135m")) == {c.name for c in CASES if c.layers is None}
         for name, r in row.items():
             assert r["fast_path"], name  # every case decodes on the cache of rotated keys
             assert len(r["cpu_s"]) == 3 and r["tokens_per_s"] > 0
@@ -56,3 +56,25 @@ def test_bench_decode_merge(tmp_path):
 
     with pytest.raises(ValueError, match="only lengths"):
         main(["--merge", str(a), str(c), "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_decode_gemma3_shape(tmp_path):
+    """Gemma 3's hybrid shape (6 of its layers: sliding 0-4, global 5; a small vocabulary): the
+    record holds KV bytes per layer, and past the 512-token window vanilla's sliding layers hold
+    512 slots while its global layer holds every position; the method on all layers reaches them."""
+    from benchmarks.decode import DEFAULT_CASES
+
+    assert set(DEFAULT_CASES["gemma3-270m"]) <= {c.name for c in CASES}
+    out = tmp_path / "g.json"
+    T, tokens = 520, 3
+    assert main(["--shape", "gemma3-270m", "--layers", "6", "--vocab", "256", "--lengths", str(T), "--tokens",
+                 str(tokens), "--cases", "vanilla", "sinks/w1024/all", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["config"]["shape"] == "gemma3-270m" and rec["config"]["vocab"] == 256
+    row = rec["results"][str(T)]
+    per_slot = 2 * 1 * 256 * 4  # k + v, 1 KV head of 256, float32
+    van, every = row["vanilla"]["kv_bytes_per_layer"], row["sinks/w1024/all"]["kv_bytes_per_layer"]
+    assert van[:5] == [512 * per_slot] * 5 and van[5] > T * per_slot
+    assert row["vanilla"]["visible_keys_per_layer"] == [512] * 5 + [T + 1]
+    assert all(b > 512 * per_slot for b in every) and row["sinks/w1024/all"]["fast_path"]
+    assert sum(van) == row["vanilla"]["kv_bytes"]
