@@ -353,6 +353,28 @@ def test_engine_hybrid_variants_equal_reference_loop(family, name, mode):
         _check_engine(family, name, reuse=True, layers="all")
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["whole-prompts", "prefix-reuse"])
+def test_engine_uniform_sliding_window_as_loaded(reuse):
+    """A model whose every layer has the same `sliding_window` (Mistral's), as loaded: the engine
+    holds a ring of that window per layer and decodes what transformers does, prefix cache
+    reused and prompts cut into chunks included."""
+    from lcx.engine import Engine, EngineConfig
+    from lcx.models.tiny import byte_tokenizer
+
+    model = tiny_model("mistral", seed=7, max_position_embeddings=64, sliding_window=6).double()
+    prompts = _prompts(reuse)
+    want = _reference_tokens(model, None, prompts, 16)
+    engine = Engine(model, byte_tokenizer(), EngineConfig(max_model_len=64, **(REUSE if reuse else {})))
+    lens = []
+    got, errors = _run_engine(engine, prompts, 16, each_step=lambda e: lens.append(e.layer_cache_lens))
+    assert not errors and got == want
+    assert [lay.window for lay, _ in engine.cache_layout.groups] == [6]
+    assert max(max(x) for x in lens) == 6  # a ring of the window, whatever the length
+    assert engine.prefix_cache_refusal is None
+    if reuse:
+        assert engine.stats.prefix_cache_hit_tokens >= REUSE["prefix_block_size"] and engine.stats.prefill_chunks
+
+
 @pytest.mark.parametrize("family", HYBRID)
 @pytest.mark.parametrize("name", [None, "sinks(n_sink=2,window=3)", "lm_infinite(n_global=3,n_local=5)"],
                          ids=_hybrid_id)
