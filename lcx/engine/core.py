@@ -150,14 +150,15 @@ class Engine:
     def methods_info(self) -> dict[str, Any]:
         """What the engine runs, for people and records (the server's model card): `methods` in
         the nested form, the RoPE spec resolved against the model, and the per-row KV window
-        (`[n_first, n_recent]`; None: every key is kept)."""
+        (`[n_first, n_recent]` covering every layer's: on Gemma 3 the sliding layers' 512 too;
+        None: some layer keeps every key)."""
         from ..hf.rope_patch import current_spec
 
         d = self.methods.to_dict()
         spec = current_spec(self.model)
         if spec is not None:
             d["rope"] = spec.to_dict()
-        window = self.methods.kv_window
+        window = self._window
         d["kv_window"] = list(window) if window is not None else None
         return d
 

@@ -419,6 +419,9 @@ def test_engine_hybrid_sliding_layers_hold_their_window(family, name):
         assert total == sum(nbytes)
     if bound is not None:  # constant: every layer bounded
         assert len({t for _, _, t in seen}) == 1
+    # the model card's window covers every layer's (the sliding layers' w too)
+    assert engine.methods_info()["kv_window"] == (
+        None if method is None else [method.cache_window[0], max(method.cache_window[1], w)])
 
 
 def test_patch_unpatch_leaves_every_family_as_loaded():
