@@ -242,7 +242,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The committed record of each benchmark whose config is its `Config` (the same keys, in order):
 # what `--resume`, `--merge`, `--compare` and the README read back.
 COMMITTED = [("threads", "threads_cpu.json"), ("prefill", "prefill_cpu.json"), ("attention", "attention_cpu.json"),
-             ("decode", "decode_cpu.json"), ("decode", "decode_cpu_32k.json"),
+             ("decode", "decode_cpu.json"), ("decode", "decode_cpu_32k.json"), ("decode", "gemma3-270m/decode_cpu.json"),
              ("extrapolation", "extrapolation_tiny.json"), ("swat", "swat_vs_softmax.json"),
              ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json"),
              ("serving", "serving_cpu.json")]
