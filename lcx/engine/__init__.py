@@ -110,7 +110,7 @@ engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Im
 """
 
 from .core import Engine
-from .kv import CacheLayout, DecodeStep, KVStore
+from .kv import CacheLayout, DecodeStep, KVLayout, KVStore, ModelKV, ModelStep
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob
 from .params import FINISH_REASONS, INT64_MAX, INT64_MIN, MAX_LOGPROBS, ContextLengthError, EngineConfig, SamplingParams
 
@@ -125,7 +125,10 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineStats",
+    "KVLayout",
     "KVStore",
+    "ModelKV",
+    "ModelStep",
     "RequestOutput",
     "SamplingParams",
     "StepEvent",
