@@ -21,7 +21,7 @@ from lcx.testing import assert_within_budget
 F64, F32 = torch.float64, torch.float32
 INV_FREQ = compute_inv_freq(RopeSpec(rope_type="default", rope_theta=500.0), 8, 4096)[0]
 
-# (n_global, n_local): chunk_size(256) = 128 (r = 2), chunk_size(512) = 128 (r = 4)
+# (n_global, n_local): chunk_size(256) = 64 (r = 4), chunk_size(512) = 64 (r = 8), 300: r = 5, W % C != 0
 WINDOWS = ((5, 256), (0, 256), (3, 512), (7, 300))
 # (Tk, Tq): full prefill, chunked prefill off the grid, short chunk, decode, odd lengths
 SHAPES = ((700, 700), (701, 301), (1100, 1100), (257, 257), (513, 130), (900, 1), (1031, 517))
@@ -77,10 +77,11 @@ def test_flash_bounded_cache_positions():
 
 
 def test_chunk_size_and_mask_structure():
-    # the smallest multiple of 64 >= W / 8 and >= 128 (<= W); need not divide W (r = ceil(W / C))
-    assert chunk_size(1024) == 128 and chunk_size(256) == 128 and chunk_size(300) == 128
-    assert chunk_size(17) == 17 and chunk_size(128) == 128 and chunk_size(200) == 128
-    assert chunk_size(8192) == 1024 and chunk_size(8188) == 1024 and chunk_size(1100) == 192
+    # 64 below W = 4096, then W / 8 rounded up to 64 and >= 768; W <= 64: W; need not divide W
+    assert chunk_size(1024) == 64 and chunk_size(256) == 64 and chunk_size(300) == 64
+    assert chunk_size(17) == 17 and chunk_size(64) == 64 and chunk_size(128) == 64 and chunk_size(1100) == 64
+    assert chunk_size(4095) == 64 and chunk_size(4096) == 768 and chunk_size(6200) == 832
+    assert chunk_size(8192) == 1024 and chunk_size(8188) == 1024
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
     assert mask_structure(AttentionSpec(mask=sliding_window(left=7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=lambda_mask(4, 16))) == (4, 15)
