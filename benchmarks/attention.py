@@ -28,6 +28,20 @@ call (`/proc/self/clear_refs` 5) and read after it (VmHWM); glibc's mmap thresho
 64 KiB (MALLOC_MMAP_THRESHOLD_) so every tensor above that is its own mapping, returned to
 the OS when freed, so the figure is what the call really touched (live tensors, temporaries
 and allocator overhead, at page granularity), not memory cached from earlier calls.
+`--interleave ROUNDS` (the ≥ 10× record, results/attention_flash_32k_cpu.json):
+
+    lcx bench attention --lengths 32768 --cases dense_sdpa lambda/flash lm_infinite/flash --interleave 5 \
+        --out results/attention_flash_32k_cpu.json
+
+runs every case in this one process instead, ROUNDS rounds per length, each round every case
+once (order reversed on odd rounds), so a change of the shared machine's load hits all cases
+alike; per case the CPU times, their median, and `paired_speedup`: the median over rounds of
+dense_sdpa's time over the case's in the same round (the 1-minute load average after each
+round is recorded). No memory figures in this mode. The record adds `ceiling` per length (the
+FLOPs of dense causal attention, of the Λ-mask and of what the flash backend computes, this
+process's float32 GEMM rate, the FLOP ratios, each side's achieved GFLOP/s) and `profile`
+(torch.profiler: each op's share of one call's self CPU time, per Λ case).
+
 Guards: a case whose projection from its previous length (x (T/T_prev)^2, conservative for
 linear cases) exceeds --mem-limit-gb or --time-limit-s is skipped, with the projection
 recorded. Timings on a shared 2-core machine are noisy; compare ratios within one run.

@@ -29,9 +29,14 @@ path (no mask, or `is_causal`), merged by their lse (`lcx.attention.merge`):
       chunk c-1         chunk c            e.g. W = 4, query t = 1 of chunk c (index cW + 1)
       . . x x   |   x x . .                sees keys cW-2, cW-1 (previous) and cW, cW+1
 
+  (On the CPU the window body is the chunked, strided form of this in `_window_body`: query
+  chunks of C, each reading the r + 1 key chunks of its window through one shared mask.)
+
   The global keys (j < G, outside the query's window: i - j > left): queries i >= G + left
   see all G of them -> one unmasked call; the first G + left queries take one masked call.
-  LM-Infinite runs this pass with its capped query and unrotated global keys
+  On the CPU's chunked body they are instead two thin matmuls per block of rows with the lse
+  merge folded in (`_add_global_keys`; at G = 64 a kernel call over 64 keys plus a merge cost
+  twice as much). LM-Infinite runs this pass with its capped query and unrotated global keys
   (`lcx.attention.rotary.lambda_inputs`), exactly as `lambda_two_pass` does.
 
 Queries that do not start at a chunk boundary (chunked prefill) are padded in front to one;
