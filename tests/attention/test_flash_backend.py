@@ -52,13 +52,16 @@ def test_flash_long_windows_float64(G, L, Tk, Tq):
         torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12, msg=lambda m: f"{name} lse: {m}")
 
 
-def test_flash_float32_within_budget():
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16, torch.float16], ids=str)
+def test_flash_low_precision_within_budget(dtype):
+    """The chunked body's global-key matmuls and merge run in float32 for half inputs."""
     exact = _qkv(1031, 1031, H=8, Hkv=2, D=64)
-    low = tuple(x.to(F32) for x in exact)
+    low = tuple(x.to(dtype) for x in exact)
     for _, spec, rot in _specs(9, 512):
         want = attention_ref_spec(*exact, spec, rotary=rot)
         ref32 = attention_ref_spec(*low, spec, rotary=rot)
         got = attention(*low, spec, backend="flash", rotary=rot)
+        assert got.dtype == dtype
         assert_within_budget(got, ref32, want, what=f"flash {spec.name}")
 
 
