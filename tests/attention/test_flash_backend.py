@@ -21,7 +21,7 @@ from lcx.testing import assert_within_budget
 F64, F32 = torch.float64, torch.float32
 INV_FREQ = compute_inv_freq(RopeSpec(rope_type="default", rope_theta=500.0), 8, 4096)[0]
 
-# (n_global, n_local): chunk_size(256) = 128 (r = 2), chunk_size(512) = 128 (r = 4)
+# (n_global, n_local): chunk_size(256) = 64 (r = 4), chunk_size(512) = 64 (r = 8), 300: r = 5, W % C != 0
 WINDOWS = ((5, 256), (0, 256), (3, 512), (7, 300))
 # (Tk, Tq): full prefill, chunked prefill off the grid, short chunk, decode, odd lengths
 SHAPES = ((700, 700), (701, 301), (1100, 1100), (257, 257), (513, 130), (900, 1), (1031, 517))
@@ -52,13 +52,16 @@ def test_flash_long_windows_float64(G, L, Tk, Tq):
         torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12, msg=lambda m: f"{name} lse: {m}")
 
 
-def test_flash_float32_within_budget():
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16, torch.float16], ids=str)
+def test_flash_low_precision_within_budget(dtype):
+    """The chunked body's global-key matmuls and merge run in float32 for half inputs."""
     exact = _qkv(1031, 1031, H=8, Hkv=2, D=64)
-    low = tuple(x.to(F32) for x in exact)
+    low = tuple(x.to(dtype) for x in exact)
     for _, spec, rot in _specs(9, 512):
         want = attention_ref_spec(*exact, spec, rotary=rot)
         ref32 = attention_ref_spec(*low, spec, rotary=rot)
         got = attention(*low, spec, backend="flash", rotary=rot)
+        assert got.dtype == dtype
         assert_within_budget(got, ref32, want, what=f"flash {spec.name}")
 
 
@@ -77,10 +80,11 @@ def test_flash_bounded_cache_positions():
 
 
 def test_chunk_size_and_mask_structure():
-    # the smallest multiple of 64 >= W / 8 and >= 128 (<= W); need not divide W (r = ceil(W / C))
-    assert chunk_size(1024) == 128 and chunk_size(256) == 128 and chunk_size(300) == 128
-    assert chunk_size(17) == 17 and chunk_size(128) == 128 and chunk_size(200) == 128
-    assert chunk_size(8192) == 1024 and chunk_size(8188) == 1024 and chunk_size(1100) == 192
+    # 64 below W = 4096, then W / 8 rounded up to 64 and >= 768; W <= 64: W; need not divide W
+    assert chunk_size(1024) == 64 and chunk_size(256) == 64 and chunk_size(300) == 64
+    assert chunk_size(17) == 17 and chunk_size(64) == 64 and chunk_size(128) == 64 and chunk_size(1100) == 64
+    assert chunk_size(4095) == 64 and chunk_size(4096) == 768 and chunk_size(6200) == 832
+    assert chunk_size(8192) == 1024 and chunk_size(8188) == 1024
     assert mask_structure(AttentionSpec(mask=causal_mask)) == (0, None)
     assert mask_structure(AttentionSpec(mask=sliding_window(left=7))) == (0, 7)
     assert mask_structure(AttentionSpec(mask=lambda_mask(4, 16))) == (4, 15)
