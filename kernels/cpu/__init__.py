@@ -5,8 +5,8 @@
   identity rows) and masked softmax fused; the vLLM plugin's decode and prefill for LM-Infinite,
   StreamingLLM sinks and Self-Extend (keys cached after RoPE, only moved keys re-rotated) and on
   unrotated caches. The same extension holds `write_kv` (the plugin's cache write) and
-  `rule_plan` (the plugin's per-step plan of the rotated layout, equal to its numpy reference
-  `lcx.serve.vllm_plugin.step_plan._rule_decode`).
+  `rule_plan` (the decode plan's "cpp" backend, `lcx.methods.plan`: equal bit for bit to its
+  numpy reference `step_plan_ref`; the vLLM plugin calls it fused with its block-table lookup).
 
 Compiled on first use by `torch.utils.cpp_extension.load` (cached); importing this package
 compiles nothing.

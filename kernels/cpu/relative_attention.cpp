@@ -344,9 +344,10 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   });
 }
 
-// The vLLM plugin's step plan of the rotated layout under a method's window + side decode rule
-// (`lcx.serve.vllm_plugin.method_attention._rule_decode`, whose numpy code is the reference and
-// states the rule): every query row of the requests `req` reads its side keys (the first `side`
+// The decode step plan under a method's window + side decode rule: the "cpp" backend of
+// `lcx.methods.plan.step_plan` (whose numpy `step_plan_ref` is the reference and states the
+// rule; tests/methods/test_plan.py checks them bit for bit), fused with the vLLM plugin's
+// block-table lookup (`lcx.serve.vllm_plugin.step_plan._rule_decode_cpp`): every query row of the requests `req` reads its side keys (the first `side`
 // positions outside its window; side < 0: all of them) and its window keys (p_q - window < p_k
 // <= p_q; window < 0: every key), padded to the longest row with invisible keys. A side key
 // moves by delta = a[p_k] - b[p_q] (float64 shift tables of the rule's key / query maps); window

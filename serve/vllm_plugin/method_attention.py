@@ -11,7 +11,7 @@ chunked prefill and decode).
 
 Two cache layouts (`switch_to_method(..., rotated=)`, chosen by the model class from the method):
 
-- **rotated** (every method with a window + side `DecodeRule`, `rotated_rule`: LM-Infinite
+- **rotated** (every method with a window + side `DecodeRule`, `rotated_refusal`: LM-Infinite
   without top-k, sinks, Self-Extend).
   The layer runs its rotary embedding as plain vLLM does (lcx's cos/sin table, `.model`), so q
   and k arrive rotated at their true positions and the paged cache holds keys rotated ONCE, when
@@ -91,7 +91,7 @@ from lcx.kernels.cpu.relative_attention import DTYPES as FUSED_DTYPES, load_exte
 from lcx.methods.last_query import RelativeKeys
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 
-from .step_plan import _cache_rows, _delta_keys, _RuleDecode, _step_plan, rotated_rule
+from .step_plan import _cache_rows, _delta_keys, _RuleDecode, _step_plan, rotated_refusal
 
 _log = logging.getLogger(__name__)
 
@@ -268,9 +268,8 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     """Make vLLM `Attention` layer `attn_layer` run `method` (see module doc): on q/k rotated at
     their true positions by the layer's rotary embedding (`rotated`, the method must have a
     `decode_rule`), or on unrotated q/k. `inv_freq`, `attention_factor`: the layer's RoPE basis."""
-    if rotated and rotated_rule(method) is None:
-        raise ValueError(f"attention method {method.describe()} has no window + side decode rule: "
-                         "it needs unrotated keys")
+    if rotated and (reason := rotated_refusal(method)) is not None:
+        raise ValueError(f"attention method {method.describe()} cannot run on rotated keys: {reason}")
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     impl = attn_layer.impl

@@ -6,12 +6,14 @@ first layer and cached on the metadata object (`_step_plan`), so every layer of 
 it, as it shares the rotation tables built from it (`_memo_basis`):
 
 - rotated layout: `_RuleDecode`, every decode row (and, where `rule_covers_prefill`, every
-  banded prefill row) under the method's `DecodeRule` — window keys read as cached, side keys
-  re-rotated by delta = a(p_k) - b(p_q) (`_RuleMaps`: the rule's position maps as memoised shift
-  tables; `_RotationRows`: cos/sin rows of the distinct deltas kept across steps). Where the C++
-  kernel runs the step the plan is one call of the extension's `rule_plan` (`_rule_decode_cpp`);
-  the numpy `_rule_decode` is its reference (tests/serve/test_vllm_plugin_decode.py checks them
-  bit for bit).
+  banded prefill row) under the method's `DecodeRule`, as the shared decode plan says
+  (`lcx.methods.plan.step_plan`, the one definition of which keys a row reads and their
+  re-rotation delta = a(p_k) - b(p_q); `RuleShifts` memoised per method; `_RotationRows`: cos/sin
+  rows of the distinct deltas kept across steps), its key positions mapped to cache slots through
+  the block table. Where the C++ kernel runs the step the plan is one call of the extension's
+  `rule_plan` (`_rule_decode_cpp`, the plan's "cpp" backend fused with the slot lookup), checked
+  bit for bit against the reference route (tests/serve/test_vllm_plugin_decode.py). Methods the
+  layout cannot run are refused by one check, `rotated_refusal`.
 - unrotated layout: `_DecodeGroup`s, decode requests grouped by the length of their compressed
   cache (`lcx.hf.bounded_cache.kept_slots`, the one eviction rule), and `_MultiQueryGroup`s,
   prefills / chunks of equal shape run as one call over their whole caches.
@@ -34,6 +36,7 @@ from lcx.hf.bounded_cache import kept_slots
 from lcx.kernels.cpu.relative_attention import load_extension
 from lcx.methods import AttentionMethod
 from lcx.methods.last_query import LastQueryPlan, RelativeKeys
+from lcx.methods.plan import RuleShifts, step_plan_ref
 from lcx.rope import rope_cos_sin
 
 
@@ -152,17 +155,14 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     prefill queries too (`rule_covers_prefill`): its query at position p is read as the last
     query of a history of p + 1 keys.
 
-    A row with n keys (the query the last, p_q = n - 1) reads its window keys
-    p_q - window < p_k <= p_q and its side keys p_k <= p_q - window (among the first `side`);
-    with a bounded rule (window and side both set) that is at most side + window keys: the
-    first min(side, n - window) and the last window.
-
-    Index arithmetic in numpy on views of the metadata (a step's plan is a few dozen ops on
-    arrays of ~B x K entries: torch's per-op dispatch would cost more than the attention of a
-    short batch); the rule's position maps are evaluated once per new position (`_RuleMaps`).
-    With `cache_shape` (the C++ kernel runs the step), the same plan comes from one call of the
-    extension's `rule_plan` (this code is its reference: tests/serve/test_vllm_plugin_decode.py),
-    with the cache rows for that shape and the kernel's index."""
+    Which keys a row reads and how far each is re-rotated is the shared decode plan
+    (`lcx.methods.plan.step_plan`: with a bounded rule the first min(side, n - window) keys and
+    the last window, padded to the longest row with invisible keys); this function only turns
+    the step's metadata into each row's key count and the plan's key positions into cache slots
+    through the block table. With `cache_shape` (the C++ kernel runs the step), the same plan
+    comes from one call of the extension's `rule_plan` (the plan's "cpp" backend, here fused
+    with the block-table lookup and the cache rows for that shape; tests/serve/
+    test_vllm_plugin_decode.py checks it against this code bit for bit)."""
     rule = rotated_rule(method)
     if cache_shape is not None:
         return _rule_decode_cpp(query_start_loc, seq_lens, block_table, req, method, rule, block_size,
@@ -174,33 +174,14 @@ def _rule_decode(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     first = np.repeat(np.cumsum(n_q) - n_q, n_q)  # [B] each row's request's first row
     t = np.arange(first.shape[0]) - first  # [B] the row's query index inside its request
     rows = np.repeat(start, n_q) + t  # [B] token rows of `query` / `output`
-    n = (np.repeat(seq_lens.numpy().astype(np.int64)[req_a] - n_q, n_q) + t + 1)[:, None]  # [B, 1] keys each row sees
+    n = np.repeat(seq_lens.numpy().astype(np.int64)[req_a] - n_q, n_q) + t + 1  # [B] keys each row sees
     row_req = np.repeat(req_a, n_q)  # [B] each row's request
-    B = row_req.shape[0]
-    W, S = rule.window, rule.side
-    if W is None or S is None:  # every key may be read (Self-Extend's grouped keys)
-        idx = np.broadcast_to(np.arange(int(n.max())), (B, int(n.max())))
-    else:
-        j = np.arange(min(int(n.max()), S + W))[None]
-        idx = np.where(j < S, j, j + np.maximum(n - (S + W), 0))  # [B, K]: [0, S) then the last W
-    valid = idx < n
-    p_q = n - 1
-    in_window = np.ones_like(valid) if W is None else idx > p_q - W
-    side = ~in_window if S is None else ~in_window & (idx < S)
-    visible = valid & (in_window | side)
-    delta = np.zeros(idx.shape, dtype=np.float64)
-    if rule.has_side:
-        moved_rows = side & visible
-        if moved_rows.any():  # delta = a(p_k) - b(p_q), both maps memoised per method
-            maps = _rule_maps(method)
-            a = maps.key_shift(int(n.max()) if S is None else min(int(n.max()), S))  # side keys are among these
-            b = maps.query_shift(int(n.max()))
-            delta = np.where(moved_rows, a[np.minimum(idx, a.shape[0] - 1)] - b[p_q], 0.0)
-    idx = np.where(valid, idx, 0)  # padding reads a real slot (never used: invisible)
+    plan = step_plan_ref(rule, n, _rule_maps(method))
+    idx = plan.keys.numpy()  # [B, K] key positions (padding: 0, a real slot, never used: invisible)
     table = block_table.numpy()
     blocks = np.take(table.reshape(-1), row_req[:, None] * table.shape[1] + idx // block_size).astype(np.int64)
     return _RuleDecode(torch.from_numpy(rows), torch.from_numpy(blocks), torch.from_numpy(idx % block_size),
-                       torch.from_numpy(visible), torch.from_numpy(delta))
+                       plan.visible, plan.delta)
 
 
 def _rule_decode_cpp(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -208,20 +189,13 @@ def _rule_decode_cpp(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bloc
     """`_rule_decode` by the C++ extension's `rule_plan` (one call), for a cache of `cache_shape`."""
     W = -1 if rule.window is None else rule.window
     S = -1 if rule.side is None else rule.side
-    a = b = _NO_SHIFT
-    if rule.has_side:
-        n_max = int(seq_lens.numpy().max()) if seq_lens.numel() else 0  # covers every row's keys
-        maps = _rule_maps(method)
-        a = torch.from_numpy(maps.key_shift(n_max if rule.side is None else min(n_max, rule.side)))
-        b = torch.from_numpy(maps.query_shift(n_max))
+    n_max = int(seq_lens.numpy().max()) if seq_lens.numel() else 0  # covers every row's keys
+    a, b = (torch.from_numpy(x) for x in _rule_maps(method).tables(n_max))
     rows, blocks, offsets, visible, delta, cache_rows, index, uniq = load_extension().rule_plan(
         query_start_loc.contiguous(), seq_lens.contiguous(), block_table.contiguous(),
         torch.tensor(req, dtype=torch.int64), W, S, a, b, block_size, cache_shape[1])
     return _RuleDecode(rows, blocks, offsets, visible, delta, row_index={cache_shape: cache_rows},
                        moved=(index, uniq))
-
-
-_NO_SHIFT = torch.zeros(0, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -399,45 +373,32 @@ def _build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     return _StepPlan(tuple(groups), tuple(multi_groups), rule_decode)
 
 
-class _RuleMaps:
-    """A rotated rule's position maps as shifts, memoised across steps: a(p) = side_key(p) - p
-    for key positions, b(p) = side_query(p) - p for query positions, both as tables over
-    0..m-1 (grown by doubling). A side key's re-rotation is a(p_k) - b(p_q); the maps are torch
-    ops on float64 (the rule's own elementwise functions, `lcx.methods.base.DecodeRule`),
-    evaluated here once per position instead of on every step's [B, K] array (torch's per-op
-    cost inside vLLM's worker is several us)."""
-
-    def __init__(self, rule):
-        self.rule = rule
-        self.a = np.empty(0, dtype=np.float64)
-        self.b = np.empty(0, dtype=np.float64)
-
-    def key_shift(self, m: int) -> np.ndarray:
-        """a(0..m-1) `[m]` (a longer prefix may be returned)."""
-        if self.a.shape[0] < m:
-            p = torch.arange(max(m, 2 * self.a.shape[0]), dtype=torch.float64)
-            self.a = (self.rule.side_key(p) - p).numpy()
-        return self.a
-
-    def query_shift(self, m: int) -> np.ndarray:
-        """b(0..m-1) `[m]` (a longer prefix may be returned)."""
-        if self.b.shape[0] < m:
-            p = torch.arange(max(m, 2 * self.b.shape[0]), dtype=torch.float64)
-            self.b = (self.rule.side_query(p) - p).numpy()
-        return self.b
-
-
 @functools.lru_cache(maxsize=64)
-def _rule_maps(method: AttentionMethod) -> _RuleMaps:
-    return _RuleMaps(rotated_rule(method))
+def _rule_maps(method: AttentionMethod) -> RuleShifts:
+    """The rule's shift tables (`lcx.methods.plan.RuleShifts`), kept per method across steps."""
+    return RuleShifts(rotated_rule(method))
+
+
+def rotated_refusal(method: AttentionMethod) -> str | None:
+    """Why the rotated layout cannot run `method`, or None: the one check of that layout.
+
+    It runs the decode plan's fixed set of keys per row (`lcx.methods.plan.StepPlan.visible`,
+    window + side) as one softmax. A method without a rule (SWAT's sigmoid) is not softmax over
+    rotated keys; LM-Infinite's top-k middle keys are chosen per query head by their scores
+    (the plan's `middle` candidates), a selection the plugin's kernels (C++ and torch) do not
+    make, so such a method runs on the unrotated layout (`attend` over the request's keys)."""
+    rule = method.decode_rule()
+    if rule is None:
+        return f"{method.name} has no decode rule (not softmax over keys rotated once)"
+    if rule.top_k:
+        return (f"{method.name}'s top-k middle keys are picked per query head by score; the rotated "
+                "layout's kernels attend a fixed set of keys per row")
+    return None
 
 
 def rotated_rule(method: AttentionMethod):
-    """The method's `DecodeRule` if the rotated layout runs it (window + side branches), else None:
-    no rule (SWAT), or a rule with a top-k branch (LM-Infinite's top-k middle keys, chosen per
-    query head by score, which this module's fixed-subset decode does not compute)."""
-    rule = method.decode_rule()
-    return None if rule is None or rule.top_k else rule
+    """The method's `DecodeRule` if the rotated layout runs it (`rotated_refusal` is None), else None."""
+    return None if rotated_refusal(method) is not None else method.decode_rule()
 
 
 @functools.lru_cache(maxsize=64)

@@ -23,7 +23,7 @@ from lcx.attention import Rotary
 from lcx.methods import AttentionMethod, LMInfinite, examples, lm_infinite, method_id, self_extend, sinks, sliding_window, swat
 from lcx.rope import apply_rotary_ref, rope_cos_sin
 from lcx.serve.vllm_plugin.method_attention import _MethodAttention, attention_kernel, prefill_backend
-from lcx.serve.vllm_plugin.step_plan import _build_plan, rotated_rule, rule_covers_prefill
+from lcx.serve.vllm_plugin.step_plan import _build_plan, rotated_refusal, rotated_rule, rule_covers_prefill
 from lcx.testing import assert_within_budget
 
 H, HKV, D, BLOCK = 4, 2, 16, 8
@@ -250,6 +250,22 @@ def test_cpp_rule_plan_equals_numpy_plan(name, int64):
         assert torch.equal(a.cache_rows(shape), b.cache_rows(shape))
         ka, kb = a.relative_keys(INV_FREQ, torch.float32), b.relative_keys(INV_FREQ, torch.float32)
         assert torch.equal(ka.index, kb.index) and torch.equal(ka.cos, kb.cos) and torch.equal(ka.sin, kb.sin)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_rotated_layout_refused_by_one_check_naming_why(name):
+    """`rotated_refusal` is the rotated layout's one check: it runs exactly the methods whose
+    decode plan is a fixed set of keys per row (`lcx.methods.plan`: a rule without top-k), and
+    refuses the others naming why (no rule: SWAT; top-k middle keys picked by score)."""
+    method = METHODS[name]
+    rule, reason = method.decode_rule(), rotated_refusal(method)
+    if rule is None:
+        assert "no decode rule" in reason
+    elif rule.top_k:
+        assert "top-k" in reason and "per query head" in reason
+    else:
+        assert reason is None and rotated_rule(method) is not None
+    assert (rotated_rule(method) is None) is (reason is not None)
 
 
 @pytest.mark.parametrize("name", list(EDGE_CASES))
