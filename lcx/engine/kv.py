@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.reference import top_k_indices
+from ..methods.plan import branches
 from ..rope import apply_rotary_ref, rope_cos_sin
 
 NEG_INF = float("-inf")
@@ -460,26 +461,30 @@ class DecodeStep:
         # Read only slots that can hold a visible key: a key's slot is at most its position, so
         # nothing past the newest key (a store may be allocated for the rows' whole budget); a
         # side store only up to the newest key outside the window.
+        # Which held key is in which branch is the rule's (`lcx.methods.plan.branches`, the one
+        # statement of it, shared with the vLLM plugin's plan); a slot's position -1 is empty.
         main_len = min(store.main.capacity, int(p_q.max()) + 1)  # (a ring's slot is p % window <= p)
-        main_visible = store.main.pos[:, :main_len] >= 0  # a ring holds only its window
-        side_len, side_visible = 0, None
         rule = lay.rule
+        pos = store.main.pos[:, :main_len]
+        main_visible = pos >= 0  # a ring holds only its window, an unbounded store every key
+        if rule is not None:
+            main_visible &= branches(rule, pos, p_q[:, None])[0]
+        side_len, side_visible = 0, None
         mid = {}
-        if store.side is not None:
+        if store.side is not None:  # (a rotated layout with a side store has a rule: `CacheLayout.for_method`)
             reach = max(0, min(store.side.capacity, int(p_q.max()) - lay.window + 1))  # keys <= p_q - window
-            older = store.side.pos[:, :reach]
-            older = (older >= 0) & (older <= p_q[:, None] - lay.window)
-            side_len = reach if rule is None or not rule.top_k else min(reach, rule.side)
+            pos = store.side.pos[:, :reach]
+            _, side, middle = branches(rule, pos, p_q[:, None])
+            side, middle = side & (pos >= 0), middle & (pos >= 0)
+            side_len = min(reach, rule.side) if rule.top_k else reach  # a top-k side store keeps every key
             if side_len:
-                side_visible = older[:, :side_len]
-                if rule is not None and rule.top_k:
-                    side_visible = side_visible & (store.side.pos[:, :side_len] < rule.side)
-            if rule is not None and rule.top_k and reach > rule.side:
+                side_visible = side[:, :side_len]
+            if rule.top_k and reach > rule.side:
                 # LM-Infinite's middle: side <= p <= p_q - window, in rows holding >= k of them
-                rows = (p_q - lay.window - rule.side + 1) >= rule.top_k
-                if bool(rows.any()) and reach >= rule.top_k:
+                rows = middle.sum(1) >= rule.top_k
+                if bool(rows.any()):
                     mid = dict(mid_len=reach, mid_rows=rows[:, None, None, None],
-                               mid_visible=(older & (store.side.pos[:, :reach] >= rule.side))[:, None, None, :])
+                               mid_visible=middle[:, None, None, :])
         step = cls(slots, main_len, side_len, main_visible, side_visible, **mid)
         if lay.basis is not None:  # lcx rotates (patched model); else the model's position_embeddings
             inv_freq, af = lay.basis
