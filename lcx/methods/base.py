@@ -262,16 +262,15 @@ class DecodeRule:
         """For a query at p_q = n_keys - 1 over keys 0..n_keys-1: (visible `[n_keys]` bool,
         relative position key - query `[n_keys]` float64), what `last_query_keys` gives on a
         contiguous history (the test of this rule)."""
+        from .plan import branches  # the rule's branches, stated once (`lcx.methods.plan`)
+
         p = torch.arange(n_keys, dtype=torch.float64)
         pq = p[-1:]
-        in_window = torch.ones(n_keys, dtype=torch.bool) if self.window is None else p > pq - self.window
+        window, side, _ = branches(self, p, pq)
         rel = p - pq
-        visible = in_window.clone()
         if self.has_side:
-            side = ~in_window & (p < self.side if self.side is not None else torch.ones_like(in_window))
             rel = torch.where(side, self.side_key(p) - self.side_query(pq), rel)
-            visible |= side
-        return visible, rel
+        return window | side, rel
 
 
 @functools.lru_cache(maxsize=256)

@@ -41,12 +41,13 @@ runs the rule and the extension builds, else "ref".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
-from .base import DecodeRule
+if TYPE_CHECKING:  # annotations only: `lcx.methods.base` reads its rule's branches from here
+    from .base import DecodeRule
 
 
 def branches(rule: DecodeRule, p_k, p_q):

@@ -30,6 +30,7 @@ GRIDS = (
     "tests/methods/test_last_query.py::test_last_query_equals_attend",
     "tests/methods/test_last_query.py::test_query_keys_reproduce_attend_for_every_query",
     "tests/methods/test_decode_rule.py::test_rule_equals_last_query_keys",
+    "tests/methods/test_plan.py::test_plan_equals_attend",
     "tests/kernels/test_relative_attention_cpu.py::test_smoke_equals_attend",
     "tests/engine/test_kv_store.py::test_decode_steps_equal_attend",
     "tests/engine/test_engine_attention.py::test_engine_batch_equals_bounded_cache_rows",
