@@ -18,6 +18,8 @@ and the reference decode loop are the HF adapter's (`lcx.hf`), one layer up.
   `examples()`, the cases every test grid over methods is generated from. Everything the registry
   imports from a method's module is exported here.
 - `lcx.methods.last_query`: the last query of a call as plain softmax attention (decode fast path).
+- `lcx.methods.plan`: the decode step plan of a `DecodeRule` (which keys each row sees, in which
+  branch, re-rotated by how much), the one definition `lcx.engine` and the vLLM plugin read.
 """
 
 from . import registry

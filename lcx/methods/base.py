@@ -41,7 +41,9 @@ window L; side G, side_key 0, side_query min(limit, p_q) (the distance cap). A m
 not a softmax over rotated keys (SWAT's sigmoid with a distance bias) has no rule (None).
 
 Positions are a token's index in its sequence (0, 1, ...); the rule equals `last_query_keys` on
-a contiguous history (tests/methods/test_decode_rule.py) and so `attend`.
+a contiguous history (tests/methods/test_decode_rule.py) and so `attend`. `lcx.methods.plan`
+states which branch a key is in (`branches`) and a step's plan (`step_plan`: keys, visibility,
+re-rotations, top-k candidates), once, for every cache that runs the rule.
 
 Bounded cache (`lcx.hf.bounded_cache`): a method that only ever looks at the first
 `n_first` keys and the last `n_recent` keys (the query included) can decode with a cache of
