@@ -5,6 +5,8 @@ length around the examples' windows; the C++ backend equals the reference bit fo
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ N_KEYS = (1, 2, 3, 4, 5, 6, 7, 9, 13, 31, 40)  # odd lengths around each example
 LAYERS = (0, 1)
 RULED = [m for m in examples() if m.decode_rule() is not None]
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
 
 
 def _qkv(n: int, seed: int):
@@ -73,8 +76,8 @@ def test_plan_equals_attend(method):
         assert (plan.delta[r][pad] == 0).all() and (plan.keys[r][pad] < n).all()
 
 
-@pytest.mark.parametrize("method", [m for m in RULED if PLAN_BACKENDS["cpp"].supports(m.decode_rule()) is None
-                                    or m.decode_rule().top_k], ids=method_id)
+@pytest.mark.skipif(not _TOOLCHAIN, reason="no C++ compiler or ninja: the extension cannot build")
+@pytest.mark.parametrize("method", RULED, ids=method_id)
 def test_cpp_plan_equals_ref(method):
     """The C++ backend gives the reference's every field bit for bit, or refuses (top-k) naming why."""
     rule = method.decode_rule()
@@ -85,6 +88,7 @@ def test_cpp_plan_equals_ref(method):
             step_plan(rule, torch.tensor(N_KEYS), backend="cpp")
         assert step_plan(rule, torch.tensor(N_KEYS), backend="auto").middle.any()  # ref ran
         return
+    assert reason is None
     shifts = RuleShifts(rule)
     for n in (torch.tensor(N_KEYS), torch.tensor(N_KEYS[::-1]), torch.tensor([1]), torch.tensor([40] * 3)):
         ref = step_plan(rule, n, shifts=shifts)
