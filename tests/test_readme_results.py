@@ -20,7 +20,7 @@ README = ROOT / "README.md"
 # the model named in a column header -> the committed report its numbers come from
 REPORTS = {"tiny-ret-5m": "results/report", "SmolLM2": "results/report/smollm2-135m-n16"}
 # RULER columns ("<model> RULER <length>": the headline, mean over tasks) come from these reports
-RULER_REPORTS = {"tiny-ret-5m": "results/report/ruler"}
+RULER_REPORTS = {"tiny-ret-5m": "results/report"}
 HEADER = re.compile(r"(?P<model>\S+) (?P<metric>passkey|ppl|RULER) (?P<length>\d+)")
 
 
