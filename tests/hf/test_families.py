@@ -582,3 +582,33 @@ def test_gemma3_270m_shape():
     assert torch.equal(bounded.tokens, full.tokens)
     assert [int(layer.keys.shape[-2]) for layer in cache.layers] == [
         511 if t == "sliding_attention" else 4 + 128 - 1 for t in cfg.layer_types]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_shape_engine_as_loaded():
+    """Gemma-3-270m's shape as loaded (random weights, small vocabulary, float32), a 600-token
+    prompt past the 512 window: the engine's fast path (sliding layers on flash in O(T * w))
+    scores the prompt and decodes as transformers' own masked pass does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.hf import current_patch
+    from lcx.models.tiny import byte_tokenizer
+
+    cfg = AutoConfig.for_model("gemma3_text", vocab_size=512, hidden_size=640, intermediate_size=2048,
+                               num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                               sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
+                               attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want_lp = model(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    want = greedy_generate(model, ids, 4).tokens[0].tolist()
+    engine = Engine(model, byte_tokenizer(), EngineConfig(max_model_len=1024))
+    assert current_patch(model).method == causal()
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0))[0]
+    got_lp = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-4, atol=1e-4)
+    assert out.token_ids == want
