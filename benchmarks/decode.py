@@ -15,7 +15,9 @@ median CPU time of a step; the ratio is against `vanilla` at the same length in 
 
 Cases (`CASES`; each an `lcx.MethodConfig` the engine applies):
 
-  vanilla              the model as built (HF SDPA prefill; the engine's cache of rotated keys)
+  vanilla              the model as built (HF SDPA prefill; the engine's cache of rotated keys; a
+                       hybrid shape: as the engine runs it, every layer on lcx's flash backend,
+                       `lcx.hf.attention_patch.as_loaded_method`)
   lm_infinite/w1024    LM-Infinite, 10 global keys + a window of 1024 (the issue's short window)
   sinks/w1024          StreamingLLM, 4 sinks + a window of 1020 (1024 keys in all)
   sliding_window/w1024 a window of 1024 keys

@@ -2,6 +2,8 @@
 
     lcx bench prefill --model smollm2-135m --length 16384           # -> results/prefill_cpu.json
     lcx bench prefill --model tiny-ret-5m --length 2048 --presets vanilla,lm_infinite --out /tmp/p.json
+    lcx bench prefill --shape gemma3-270m --length 16384 --presets vanilla --repeats 1 \
+        --out results/gemma3-270m/prefill_as_loaded_16384.json  # Gemma 3's shape, random weights
 
 The question it answers (issue: "a 16k prefill of a windowed method must not be slower than
 dense causal attention"): how long does the forward over an L-token prompt take with each
@@ -31,9 +33,18 @@ one request of `--lengths` tokens, `SamplingParams(max_tokens=1)`, stepped until
 each method on its own copy of the model (the engine patches it in place). `--repeats` rounds,
 methods interleaved in each; medians; ratios against vanilla at the same length.
 
+Without `--engine`, a hybrid local/global model (Gemma 3) also gets the row `vanilla/lcx`: the model as loaded,
+run the way `lcx.engine` runs it when no method is asked for (`lcx.hf.attention_patch.
+as_loaded_method`: causal attention on the global layers and each sliding layer's own window,
+every layer on `--attn-backend`), against transformers' masked pass (`vanilla`). `--shape`
+builds a shape of `benchmarks.decode` with random weights instead of loading `--model` (the
+prompt: random token ids; prefill cost depends on shapes, not on weight values; with
+`logits_to_keep=1` the LM head is one row, so the full vocabulary costs nothing here).
+
 Timing: `time.process_time` (CPU time of this process, all threads) around
 `model(input_ids, use_cache=False, logits_to_keep=1)` in `torch.inference_mode`, after one
-warm-up at a short length; the median over `--repeats`. CPU time, not wall time, because the
+warm-up at a short length; the median over `--repeats`, the cases interleaved round by round (a
+change in the machine's load hits every case alike). CPU time, not wall time, because the
 machine is shared: with one thread it is the work the forward did (wall medians are recorded
 too). Also the process's peak RSS increase during the forward. Ratios are against `vanilla` of
 the same run.
@@ -68,7 +79,7 @@ TIME_MEASURE = ("median process CPU time of one forward (use_cache=False, logits
 
 @dataclass(frozen=True)
 class Config:
-    model: str
+    model: str  # a preset or directory, or `shape:<name>` (--shape: random weights)
     length: int
     context: int  # the model's L0
     factor: float  # length / L0 (at least 1): the presets' scaling
@@ -85,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     BENCH.add_arguments(parser)
     parser.add_argument("--model", default="smollm2-135m", help="model preset or directory (default: %(default)s)")
+    parser.add_argument("--shape", default=None,
+                        help="instead of --model: a shape of benchmarks.decode (gemma3-270m, smollm2-135m, ...) "
+                             "with random weights and a random prompt (not with --engine)")
     parser.add_argument("--length", type=int, default=16384, help="prompt tokens (default: %(default)s)")
     add_presets_argument(parser, default=None,
                          help=f"comma-separated lcx.presets names (default: {','.join(DEFAULT_METHODS)}; "
@@ -101,6 +115,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=1024,
                         help="--engine: size the methods' windows as the presets do for a model of this context "
                              "(default: %(default)s)")
+
+
+AS_LOADED = "vanilla/lcx"  # the row of a hybrid model as loaded on lcx's backend
+
+
+def as_loaded_config(model: Any, backend: str):
+    """The `MethodConfig` `lcx.engine` applies to `model` when no method is asked for, if it
+    patches anything (a hybrid local/global model: `as_loaded_method`), else None."""
+    from lcx import MethodConfig
+    from lcx.hf.attention_patch import as_loaded_method
+
+    m = as_loaded_method(model, backend)
+    return None if m is None else MethodConfig(attention=m, backend=backend, layers="global")
 
 
 def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
@@ -211,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if args.engine:
+        if args.shape is not None:
+            raise ValueError("--shape is for the forward benchmark; --engine loads --model")
         return run_engine(args)
     if args.repeats is None:
         args.repeats = 1
@@ -227,25 +256,45 @@ def run(args: argparse.Namespace) -> int:
         presets.get(m)  # a clear error for an unknown name, before loading anything
     if "vanilla" not in names:
         names.insert(0, "vanilla")
-    model, tok = load_model(args.model)
+    if args.shape is not None:
+        from benchmarks.decode import build_model
+
+        model, tok = build_model(args.shape, layers=None, vocab=None, seed=0), None
+        model_name = f"shape:{args.shape}"
+    else:
+        model, tok = load_model(args.model)
+        model_name = args.model
     L0 = int(model.config.max_position_embeddings)
     factor = max(1.0, args.length / L0)
-    rec = BENCH.start(args, Config(args.model, args.length, L0, factor, args.attn_backend, args.repeats, threads))
-    ids = torch.tensor([_prompt_ids(tok, args.length)])
+    rec = BENCH.start(args, Config(model_name, args.length, L0, factor, args.attn_backend, args.repeats, threads))
+    if tok is None:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, int(model.config.vocab_size), (1, args.length), generator=g)
+    else:
+        ids = torch.tensor([_prompt_ids(tok, args.length)])
     rows: dict[str, Any] = {}
-    for name in rec.progress(names, unit="method"):
-        r = presets.resolve(name, args.model, L0=L0, factor=factor)
-        if isinstance(r, str) or r.model != args.model:
+    cfgs: dict[str, Any] = {}
+    for name in names:
+        r = presets.resolve(name, model_name, L0=L0, factor=factor)
+        if isinstance(r, str) or r.model != model_name:
             rows[name] = {"skipped": r if isinstance(r, str) else f"runs on another model ({r.model})"}
             continue
-        cfg = r.config.with_default_backend(args.attn_backend)
-        with cfg.apply(model):
-            _forward_s(model, ids[:, :256])  # warm-up (kernel selection, allocator)
-            runs = [_forward_s(model, ids) for _ in range(args.repeats)]
-        rows[name] = {"config": cfg.to_dict(), "cpu_s": statistics.median(x[0] for x in runs),
-                      "wall_s": statistics.median(x[1] for x in runs), "peak_mb": max(x[2] for x in runs)}
-        rec.log(f"{name:>18}: {rows[name]['cpu_s']:.1f} s CPU, {rows[name]['wall_s']:.1f} s wall, "
-                f"peak +{rows[name]['peak_mb']:.0f} MB")
+        cfgs[name] = r.config.with_default_backend(args.attn_backend)
+        if name == "vanilla" and (fast := as_loaded_config(model, args.attn_backend)) is not None:
+            cfgs[AS_LOADED] = fast  # what lcx.engine runs for the model as loaded
+    runs: dict[str, list] = {name: [] for name in cfgs}
+    for rnd in rec.progress(range(args.repeats), unit="round"):
+        for name, cfg in cfgs.items():  # interleaved: every case once per round
+            with cfg.apply(model):
+                if rnd == 0:
+                    _forward_s(model, ids[:, :256])  # warm-up (kernel selection, allocator)
+                runs[name].append(_forward_s(model, ids))
+            x = runs[name][-1]
+            rec.log(f"{name:>18}: {x[0]:.1f} s CPU, {x[1]:.1f} s wall, peak +{x[2]:.0f} MB")
+    for name, cfg in cfgs.items():
+        rs = runs[name]
+        rows[name] = {"config": cfg.to_dict(), "cpu_s": statistics.median(x[0] for x in rs),
+                      "wall_s": statistics.median(x[1] for x in rs), "peak_mb": max(x[2] for x in rs)}
     base = rows["vanilla"]["cpu_s"]
     for row in rows.values():
         if "cpu_s" in row:

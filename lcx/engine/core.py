@@ -97,6 +97,18 @@ class Engine:
             # model already runs it, per row on `lcx_key_positions` like a patched model)
             methods = dataclasses.replace(methods, attention=own.attention, backend=own.backend,
                                           decode_backend=own.decode_backend)
+        elif methods.attention is None and _static_bases(model) is not None:
+            # a hybrid local/global model as loaded (Gemma 3), exactly, on lcx's fastest exact
+            # backend: the sliding layers their own window in O(T * w) instead of transformers'
+            # masked O(T^2) pass, the global layers causal (`lcx.hf.attention_patch.as_loaded_method`;
+            # only for a static RoPE basis: HF's length-dependent rope rotates each key once, at
+            # the basis of the call that computed it, which an attention method does not)
+            from ..hf.attention_patch import as_loaded_method, patch_attention
+
+            fast = as_loaded_method(model, INFERENCE_BACKEND)
+            if fast is not None:
+                methods = dataclasses.replace(methods, attention=fast, backend=INFERENCE_BACKEND, layers="global")
+                patch_attention(model, fast, backend=INFERENCE_BACKEND, layers="global")
         # what the engine runs: the config applied, plus the attention method the model records
         self.methods: MethodConfig = methods
         self._recorded = recorded

@@ -48,6 +48,14 @@ every layer either way (Mistral's `sliding_window`, the same on every layer, is 
 method). `layer_methods(model)` says what each layer runs: what `lcx.engine` needs to bound each
 layer's cache to that layer's own window (`cache_window` per layer).
 
+**A hybrid model as loaded, faster** (`as_loaded_method`): transformers runs a sliding layer as
+a masked pass over the whole prompt (O(T^2) work for a window of w keys). `patch_attention(model,
+causal())` runs the same model exactly (causal attention on the global layers, each sliding layer
+its own window) with every layer on lcx's backend: on `flash` the sliding layers cost O(T * w)
+and the global layers take the same fused causal kernel as SDPA. `lcx.engine` does this for a
+hybrid model with no attention method (so `lcx serve`, `lcx report` and `lm_eval --model lcx`,
+whose loglikelihood forwards run the engine's patched model, all get it).
+
 Semantics stated once:
 - **The KV cache holds keys BEFORE RoPE** in every patched layer (whatever `Cache` it is
   given). Do not mix a cache filled by a patched model with an unpatched one, or vice versa.
@@ -486,6 +494,38 @@ def own_windows(model: nn.Module) -> list[int | None]:
     return [w if hybrid and types_[i] == "sliding_attention" else None for i in range(n)]
 
 
+def as_loaded_method(model: nn.Module, backend: str) -> AttentionMethod | None:
+    """The attention method under which `patch_attention(model, m, backend=backend)` runs a hybrid
+    local/global model exactly as loaded, but faster: `causal()`, so that the full-attention
+    layers run causal attention (on `backend` as on transformers' SDPA: the same fused kernel on
+    the CPU) and every sliding layer its own window as `sliding_window(window)`, O(T * w) work
+    on `backend` where transformers' masked pass over the whole prompt costs O(T^2) (Gemma 3 at
+    16k: 15 of 18 layers). What `lcx.engine` runs for such a model when no method is asked for.
+
+    None (run the model as loaded): a model whose layers are all alike, attention-logit
+    soft-capping, or a `backend` that cannot run these calls on the model's device, dtype and
+    heads (`supports()`; e.g. flash on CUDA in float32), where the masked pass stays faster
+    than a fallback."""
+    from lcx.attention import CallInfo
+    from lcx.methods.causal import causal
+
+    windows = [w for w in own_windows(model) if w is not None]
+    if not windows or backend not in BACKENDS or getattr(model.config, "attn_logit_softcapping", None):
+        return None
+    attn = attention_layers(model)[0]
+    p = next(model.parameters())
+    n_heads = int(model.config.num_attention_heads)
+    n_kv = int(getattr(model.config, "num_key_value_heads", None) or n_heads)
+    call = CallInfo(device_type=p.device.type, dtype=p.dtype, requires_grad=False, return_lse=False,
+                    n_heads=n_heads, n_kv_heads=n_kv, head_dim=int(attn.head_dim), n_queries=2 * max(windows),
+                    n_keys=2 * max(windows), q_offset=0, rotary=True)
+    supports = BACKENDS[backend].supports
+    for m in (causal(), *(sliding_window(window=int(w)) for w in set(windows))):
+        if m.supports(backend) is not None or any(supports(spec, call) for spec in m._call_specs()):
+            return None
+    return causal()
+
+
 def _layer_plan(model: nn.Module, method: AttentionMethod, layers: str) -> list[tuple[AttentionMethod, str | None]]:
     """(method, RoPE layer type) of every layer."""
     rope_types = rope_layer_types(model)
@@ -586,6 +626,6 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
                             layers=prev.layers)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "attention_patched", "current_attention", "current_call",
+__all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "as_loaded_method", "attention_patched", "current_attention", "current_call",
            "current_patch", "has_decode_hook", "install_decode_hook", "iter_rows", "layer_methods",
            "lcx_attention", "own_windows", "patch_attention", "register", "unpatch_attention"]

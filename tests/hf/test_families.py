@@ -424,9 +424,95 @@ def test_engine_hybrid_sliding_layers_hold_their_window(family, name):
         None if method is None else [method.cache_window[0], max(method.cache_window[1], w)])
 
 
+# ------------------------------------------------------------------------------ hybrid models as loaded, fast
+
+# (family, MethodConfig dict without attention, the engine runs the fast path): every family (a
+# hybrid one takes it, the others stay as loaded), and on hybrid ones a static RoPE spec (the
+# global layers' rope patched; still exact) and a length-dependent one (HF's dynamic rope rotates
+# each key once at its call's basis: stays as loaded)
+AS_LOADED = [(f, {}, f in HYBRID) for f in FAMILY_NAMES] + [
+    (f, {"rope": {"rope_type": r, "factor": 2.0}}, r != "dynamic") for f in HYBRID for r in ("yarn", "dynamic")]
+
+
+def _as_loaded_id(case):
+    family, cfg, _ = case
+    return family + "".join(f"-{cfg['rope']['rope_type']}" for _ in [0] if "rope" in cfg)
+
+
+@pytest.mark.parametrize("case", AS_LOADED, ids=[_as_loaded_id(c) for c in AS_LOADED])
+def test_engine_as_loaded_hybrid_fast_path(case):
+    """No attention method on a hybrid local/global model (Gemma 3): the engine runs the model as
+    loaded on lcx's flash backend (`as_loaded_method`: causal on the global layers, each sliding
+    layer its own window, O(T * w) instead of a masked O(T^2) pass) and equals the unpatched
+    model: prompt logprobs, greedy tokens and their logprobs, and the patched model's own
+    forward (what `lm_eval --model lcx` scores loglikelihoods with) past the window."""
+    from lcx import MethodConfig, unpatch
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.hf import current_patch
+    from lcx.hf.attention_patch import as_loaded_method
+    from lcx.models.tiny import byte_tokenizer
+
+    family, cfg, fast = case
+    model = _model(family)
+    prompt = [5 + (7 * i) % 50 for i in range(19)]  # 19 tokens: past Gemma's tiny window of 8
+    gen = 8
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), MethodConfig.from_dict(cfg).apply(model):  # the unpatched model (its RoPE spec)
+        assert current_patch(model) is None
+        want_logits = model(ids).logits.log_softmax(-1)  # [1, T, V]
+        want = greedy_generate(model, ids, gen).tokens[0].tolist()
+        full = torch.tensor([prompt + want[:-1]])
+        want_gen_lp = model(full).logits.log_softmax(-1)[0, len(prompt) - 1:]  # [gen, V]
+    try:
+        engine = Engine(model, byte_tokenizer(), EngineConfig(methods=cfg, max_model_len=64))
+        out = engine.generate([prompt], SamplingParams(max_tokens=gen, ignore_eos=True, logprobs=0,
+                                                      prompt_logprobs=0))[0]
+        patch = current_patch(model)
+        layers = layer_methods(model)
+        with torch.no_grad():
+            got_logits = model(ids).logits.log_softmax(-1)
+    finally:
+        unpatch(model)  # attention and RoPE: the model as loaded for the other tests
+    assert out.token_ids == want
+    got_plp = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]], dtype=torch.float64)
+    want_plp = want_logits[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(got_plp, want_plp, rtol=1e-5, atol=1e-5)
+    got_lp = torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64)
+    torch.testing.assert_close(got_lp, want_gen_lp.gather(-1, torch.tensor(want)[:, None])[:, 0],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    if not fast:
+        assert patch is None and engine.methods.attention is None
+        return
+    assert as_loaded_method(model, "flash") == causal()
+    assert (patch.method, patch.backend, patch.layers) == (causal(), "flash", "global")
+    w = model.config.sliding_window
+    assert layers == [sliding_window(window=w) if _is_sliding(model, i) else causal() for i in range(len(layers))]
+    assert engine.methods_info()["attention"] == {"type": "causal"}
+
+
+def test_as_loaded_method_refusals():
+    """`as_loaded_method` leaves a model as loaded where lcx does not run it faster or exactly:
+    layers all alike (nothing quadratic to save), an unknown backend, attention-logit soft-capping
+    (which lcx.attention does not compute)."""
+    from lcx.hf.attention_patch import as_loaded_method
+
+    for family in FAMILY_NAMES:
+        assert as_loaded_method(_model(family), "flash") == (causal() if family in HYBRID else None), family
+    for family in HYBRID:
+        model = _model(family)
+        assert as_loaded_method(model, "no-such-backend") is None
+        model.config.attn_logit_softcapping = 50.0
+        try:
+            assert as_loaded_method(model, "flash") is None
+        finally:
+            model.config.attn_logit_softcapping = None
+
+
 def test_patch_unpatch_leaves_every_family_as_loaded():
     for family in FAMILY_NAMES:
-        model = _model(family)
+        # a fresh model: the shared ones carry the engine's decode hook from the engine tests
+        model = tiny_model(family, seed=7, max_position_embeddings=64).double()
         ids = _ids(7)
         impl = model.config._attn_implementation
         with torch.no_grad():
@@ -496,3 +582,33 @@ def test_gemma3_270m_shape():
     assert torch.equal(bounded.tokens, full.tokens)
     assert [int(layer.keys.shape[-2]) for layer in cache.layers] == [
         511 if t == "sliding_attention" else 4 + 128 - 1 for t in cfg.layer_types]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_shape_engine_as_loaded():
+    """Gemma-3-270m's shape as loaded (random weights, small vocabulary, float32), a 600-token
+    prompt past the 512 window: the engine's fast path (sliding layers on flash in O(T * w))
+    scores the prompt and decodes as transformers' own masked pass does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.hf import current_patch
+    from lcx.models.tiny import byte_tokenizer
+
+    cfg = AutoConfig.for_model("gemma3_text", vocab_size=512, hidden_size=640, intermediate_size=2048,
+                               num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                               sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
+                               attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want_lp = model(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    want = greedy_generate(model, ids, 4).tokens[0].tolist()
+    engine = Engine(model, byte_tokenizer(), EngineConfig(max_model_len=1024))
+    assert current_patch(model).method == causal()
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0))[0]
+    got_lp = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-4, atol=1e-4)
+    assert out.token_ids == want
