@@ -245,7 +245,9 @@ COMMITTED = [("threads", "threads_cpu.json"), ("prefill", "prefill_cpu.json"), (
              ("decode", "decode_cpu.json"), ("decode", "decode_cpu_32k.json"), ("decode", "gemma3-270m/decode_cpu.json"),
              ("extrapolation", "extrapolation_tiny.json"), ("swat", "swat_vs_softmax.json"),
              ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json"),
-             ("serving", "serving_cpu.json")]
+             ("serving", "serving_cpu.json"), ("attention", "attention_flash_32k_cpu.json"),
+             ("prefix", "prefix_cpu.json"),  # (prefill_engine_cpu.json: `--engine` mode, its own config)
+             *[("prefill", f"gemma3-270m/prefill_as_loaded_{n}.json") for n in (2048, 8192, 16384)]]
 
 
 @pytest.mark.parametrize("name,path", COMMITTED, ids=[p for _, p in COMMITTED])
