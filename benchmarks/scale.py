@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from lcx.models.loading import _as_dtype
+    from lcx.models.loading import as_dtype
 
     threads = BENCH.resolve_threads(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -494,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown shape {s!r}; known: {list(SHAPES)}")
     if any(T < 16 for T in lengths) or args.repeats < 1:
         raise ValueError("--lengths must be >= 16 and --repeats >= 1")
-    dtype = _as_dtype(args.dtype or ("bfloat16" if gpu else "float32"))
+    dtype = as_dtype(args.dtype or ("bfloat16" if gpu else "float32"))
     args.context = args.context if args.context is not None else (None if gpu else 512)
     if args.context is not None and args.context < 16:
         raise ValueError(f"--context must be >= 16, got {args.context}")

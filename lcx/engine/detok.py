@@ -76,9 +76,9 @@ def _byte_decoder(tokenizer: Any) -> dict[str, int] | None:
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     if decoder is None or "ByteLevel" not in type(decoder).__name__ and "ByteLevel" not in repr(decoder):
         return None
-    from ..models.tiny import _gpt2_bytes_to_unicode
+    from ..models.tiny import gpt2_bytes_to_unicode
 
-    return {c: b for b, c in _gpt2_bytes_to_unicode().items()}
+    return {c: b for b, c in gpt2_bytes_to_unicode().items()}
 
 
 __all__ = ["Detokenizer", "find_stop", "stable_end"]

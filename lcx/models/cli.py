@@ -105,12 +105,12 @@ def export_model(src: str, out: str, dtype: str = "float16", *, compress: bool =
     from lcx.data.io import atomic_write_files
     from lcx.hf.swat import from_pretrained_kwargs
 
-    from .loading import _as_dtype, compress_file, unpacked_dir
+    from .loading import as_dtype, compress_file, unpacked_dir
 
     if not (Path(src) / "config.json").is_file():
         raise FileNotFoundError(f"--export: {src} is not an HF model directory (no config.json)")
     src_p = unpacked_dir(Path(src))
-    model = AutoModelForCausalLM.from_pretrained(src_p, dtype=_as_dtype(dtype), local_files_only=True,
+    model = AutoModelForCausalLM.from_pretrained(src_p, dtype=as_dtype(dtype), local_files_only=True,
                                                  **from_pretrained_kwargs(src_p))
     tokenizer = AutoTokenizer.from_pretrained(src_p, local_files_only=True)
 

@@ -56,7 +56,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
         FileNotFoundError: a known preset whose files are missing (the message says how to
             get them).
     """
-    dtype = _as_dtype(dtype)
+    dtype = as_dtype(dtype)
     kind, path = resolve_source(name_or_path)
     t0 = time.perf_counter()
     if kind == "gguf":
@@ -157,7 +157,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> tu
         return _load_hf_dir(entry, dtype, device)
 
 
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name ("float32", "fp32", "bf16", ...); ValueError naming it."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -170,6 +171,6 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 # what this module exported before it was split (lcx.models.loading.X keeps working)
-__all__ = ["CACHE_FORMAT", "COMPRESSED_SUFFIX", "GEMMA3_DIST", "GEMMA3_PACKAGE", "MANIFEST", "MODELS", "ModelPreset", "built_dir",
+__all__ = ["CACHE_FORMAT", "COMPRESSED_SUFFIX", "GEMMA3_DIST", "GEMMA3_PACKAGE", "MANIFEST", "MODELS", "ModelPreset", "as_dtype", "built_dir",
            "SMOLLM2_GGUF", "XZ_LZMA2_OPTIONS", "cache_root", "compress_file", "gguf_cache_dir", "hf_directory",
            "is_compressed", "is_gguf_cached", "load_model", "model_family", "resolve_source", "unpacked_dir"]

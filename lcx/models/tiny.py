@@ -66,7 +66,7 @@ def byte_tokenizer():
 
     # ByteLevel maps each byte to a printable unicode char (GPT-2's table); order the vocab by
     # byte value so that id == 3 + byte.
-    byte_to_char = _gpt2_bytes_to_unicode()
+    byte_to_char = gpt2_bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({byte_to_char[b]: N_SPECIAL + b for b in range(256)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -85,7 +85,7 @@ def byte_tokenizer():
     )
 
 
-def _gpt2_bytes_to_unicode() -> dict[int, str]:
+def gpt2_bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-char table (the one `ByteLevel` uses)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1))
