@@ -294,7 +294,8 @@ def test_custom_methods_from_the_command_line():
 # The scripts that ran committed reports: their `lcx report` line, spelled with `--presets` (#45),
 # still selects the methods of the committed run, so its cells resume rather than re-measure.
 REPORT_SCRIPTS = {"scripts/report_smollm2.sh": "results/report/smollm2-135m",
-                  "scripts/report_smollm2_n16.sh": "results/report/smollm2-135m-n16"}
+                  "scripts/report_smollm2_n16.sh": "results/report/smollm2-135m-n16",
+                  "scripts/report_smollm2_ruler.sh": "results/report/smollm2-135m-ruler"}
 
 
 @pytest.mark.parametrize("script,out", list(REPORT_SCRIPTS.items()), ids=list(REPORT_SCRIPTS))
@@ -315,6 +316,14 @@ def test_report_scripts_select_the_presets_of_their_committed_runs(script, out):
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(argv)
+    if not (root / out / "cells" / "run.json").exists():  # a sweep not started yet: its line is a valid config
+        from lcx.report import ReportConfig
+
+        cfg = ReportConfig(model=args.model, methods=tuple(args.presets.split(",")), lengths=args.lengths,
+                           tasks=tuple(args.tasks.split(",")), ruler_samples=args.ruler_samples,
+                           ruler_tasks=tuple(args.ruler_tasks.split(",")))
+        assert cfg.ruler_lengths == tuple(args.lengths)
+        return
     stored = json.loads((root / out / "cells" / "run.json").read_text())["config"]
     assert [m for m in args.presets.split(",") if m] == stored["methods"]
     depths = list(args.depths) if isinstance(args.depths, tuple) else args.depths

@@ -102,3 +102,29 @@ def test_headline_picture_puts_ruler_beside_passkey(tmp_path):
     (tmp_path / "headline.png").unlink()
     assert plot_headline(both, tmp_path / "") == ["passkey", "RULER"]
     assert (tmp_path / "headline.png").stat().st_size > 0
+
+
+def test_ruler_tasks_subset_is_checked_recorded_and_rendered(tmp_path):
+    """`--ruler-tasks`: a subset of RULER_TASKS (named errors otherwise), kept in RULER_TASKS' order,
+    in the RULER cells' settings and the run's config only when it is not all of them (so the
+    committed RULER cells still match), and the README section and heatmap show just those tasks."""
+    from lcx.presets import PresetRun
+    from lcx.method_config import MethodConfig
+    from lcx.report.cells import cell_settings
+
+    with pytest.raises(ValueError, match="ruler_tasks must be a non-empty subset"):
+        ReportConfig(ruler_tasks=("niah_single_1", "qa_squad"))
+    with pytest.raises(ValueError, match="ruler_tasks"):
+        ReportConfig(ruler_tasks=())
+    sub = ReportConfig(lengths=LENGTHS, ruler_tasks=(T2, T1)).resolved(256)
+    assert sub.ruler_tasks == (T1, T2) and sub.to_dict()["ruler_tasks"] == [T1, T2]
+    full = ReportConfig(lengths=LENGTHS).resolved(256)
+    assert "ruler_tasks" not in full.to_dict()
+    run = PresetRun("vanilla", "tiny-ret-5m", MethodConfig())
+    assert cell_settings("ruler", "tiny-ret-5m", "vanilla", run, full, 1024)["tasks"] == list(RULER_TASKS)
+    assert cell_settings("ruler", "tiny-ret-5m", "vanilla", run, sub, 1024)["tasks"] == [T1, T2]
+    rec = {**RECORD, "config": {**RECORD["config"], "ruler_tasks": [T1, T2]}}
+    text = "\n".join(markdown_section(rec))
+    assert "2 tasks" in text and "--ruler-tasks" in text
+    plot_heatmap({**rec, "ruler_intervals": ruler_intervals(rec)}, tmp_path)
+    assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0

@@ -109,7 +109,7 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
               "length": length, "device": cfg.device, "dtype": cfg.dtype,
               "attn_backend": cfg.attn_backend if run.config.attention else None}
     if kind == "ruler":
-        return {**common, "tasks": list(RULER_TASKS), "samples": cfg.ruler_samples}
+        return {**common, "tasks": list(cfg.ruler_tasks), "samples": cfg.ruler_samples}
     if kind == "lmeval":
         return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
                 "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}

@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--ruler-samples", type=int, default=ReportConfig.ruler_samples,
                    help="prompts per RULER task and length (default: %(default)s)")
+    p.add_argument("--ruler-tasks", default=",".join(ReportConfig.ruler_tasks), metavar="TASKS",
+                   help="comma-separated subset of lcx's ruler_offline tasks to run (default: all 11), e.g. the "
+                        "tasks a model does above floor inside its context")
     p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
     p.add_argument("--fresh", action="store_true",
                    help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
             ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),
             seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend,
             tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
-            ruler_samples=extra.get("ruler_samples", args.ruler_samples))
+            ruler_samples=extra.get("ruler_samples", args.ruler_samples),
+            ruler_tasks=tuple(x.strip() for x in args.ruler_tasks.split(",") if x.strip()))
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2

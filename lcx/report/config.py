@@ -61,6 +61,8 @@ class ReportConfig:
     custom_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     tasks: tuple[str, ...] = TASKS  # what to measure (TASKS); ruler only at lengths >= RULER_MIN_LENGTH
     ruler_samples: int = 30  # prompts per (RULER task, length): the first n of each task's 500
+    # which of RULER_TASKS to run (e.g. the tasks a model does above floor inside its context)
+    ruler_tasks: tuple[str, ...] = RULER_TASKS
 
     def __post_init__(self) -> None:
         tasks = tuple(self.tasks)
@@ -69,6 +71,10 @@ class ReportConfig:
         if ("passkey" in tasks) != ("ppl" in tasks):
             raise ValueError("tasks: passkey and ppl are measured together (one lm-eval cell); name both or neither")
         object.__setattr__(self, "tasks", tuple(t for t in TASKS if t in tasks))
+        rt = tuple(self.ruler_tasks)
+        if not rt or any(t not in RULER_TASKS for t in rt):
+            raise ValueError(f"ruler_tasks must be a non-empty subset of {list(RULER_TASKS)}, got {list(rt)}")
+        object.__setattr__(self, "ruler_tasks", tuple(t for t in RULER_TASKS if t in rt))
         unknown = [m for m in self.methods if m not in PRESETS]
         if unknown:
             raise ValueError(f"unknown report method(s) {unknown}; known: {list(PRESETS)}")
@@ -139,6 +145,8 @@ class ReportConfig:
             del d["tasks"], d["ruler_samples"]
         elif "ruler" not in d["tasks"]:
             del d["ruler_samples"]
+        if "ruler_samples" not in d or tuple(d["ruler_tasks"]) == RULER_TASKS:  # (all of them: as before the option)
+            del d["ruler_tasks"]
         return d
 
 

@@ -33,7 +33,7 @@ def _unbuildable(task: Any, length: int) -> str | None:
 
 
 def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
-    """Every task of `RULER_TASKS` at `length` through lm-eval's `simple_evaluate` with the `lcx`
+    """Every task of `cfg.ruler_tasks` (default: all of `RULER_TASKS`) at `length` through lm-eval's `simple_evaluate` with the `lcx`
     model: the first `cfg.ruler_samples` prompts of each (lm-eval's generator, seeded as lm-eval
     seeds it, so every method gets the same prompts), each task's own generation budget. A task
     RULER cannot build at this length is recorded with the reason instead of samples."""
@@ -55,9 +55,9 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -
     out: dict[str, Any] = {"tasks": {}}
     t0 = time.perf_counter()
     tm = TaskManager(metadata=meta)  # (indexing lm-eval's tasks takes a while: once per cell)
-    loaded = tm.load(list(RULER_TASKS))["tasks"]
+    loaded = tm.load(list(cfg.ruler_tasks))["tasks"]
     run_tasks = []
-    for name in RULER_TASKS:
+    for name in cfg.ruler_tasks:
         why = _unbuildable(loaded[name], length)
         if why is not None:
             out["tasks"][name] = {"skipped": why}
@@ -72,7 +72,7 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -
             samples.append({"index": smp["doc"]["index"], "score": float(smp[L]), "correct": float(smp[L]) == 1.0,
                             "prompt_tokens": smp["doc"]["length"], "output": resps[0]})
         out["tasks"][name] = {"samples": samples}
-    out["tasks"] = {n: out["tasks"][n] for n in RULER_TASKS}
+    out["tasks"] = {n: out["tasks"][n] for n in cfg.ruler_tasks}
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -157,7 +157,9 @@ def markdown_section(record: dict[str, Any]) -> list[str]:
     lengths = [str(L) for L in record["config"].get("ruler_lengths", [])]
     n = record["config"].get("ruler_samples") or max(
         (iv["n"] for m in ivs.values() for c in m.values() for iv in c["tasks"].values()), default=0)
-    lines = [f"## RULER (lcx's `ruler_offline`: {len(RULER_TASKS)} tasks, {n} prompts each per length)", "",
+    n_tasks = len(record["config"].get("ruler_tasks") or RULER_TASKS)
+    which = "`ruler_offline`" if n_tasks == len(RULER_TASKS) else "`ruler_offline`, `--ruler-tasks`"
+    lines = [f"## RULER (lcx's {which}: {n_tasks} tasks, {n} prompts each per length)", "",
              "A prompt is correct when every expected answer is in the output (RULER's score 1). Headline: the "
              "mean over the tasks measured at that length, as RULER averages, with the Wilson 95% interval of the "
              "pooled prompts. Lengths below 1024 fit no RULER sample.", "",
@@ -206,6 +208,7 @@ def plot_heatmap(record: dict[str, Any], out: Path) -> None:
     if not names:
         return
     lengths = [str(L) for L in record["config"].get("ruler_lengths", [])]
+    shown = list(record["config"].get("ruler_tasks") or RULER_TASKS)  # (a report's --ruler-tasks)
     ncol = min(4, len(names))
     nrow = math.ceil(len(names) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(max(6.0, 1.2 + 1.6 * (1 + len(lengths)) * ncol), 3.4 * nrow), squeeze=False,
@@ -213,14 +216,14 @@ def plot_heatmap(record: dict[str, Any], out: Path) -> None:
     im = None
     for ax, name in zip(axes.flat, names):
         grid = [[(ivs[name].get(L, {}).get("tasks", {}).get(t) or {}).get("acc", float("nan")) for L in lengths]
-                for t in RULER_TASKS]
+                for t in shown]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for r, t in enumerate(RULER_TASKS):
+        for r, t in enumerate(shown):
             for c, L in enumerate(lengths):
                 iv = ivs[name].get(L, {}).get("tasks", {}).get(t)
                 ax.text(c, r, "n/a" if iv is None else f"{iv['k']}/{iv['n']}", ha="center", va="center", fontsize=6)
         ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
-        ax.set_yticks(range(len(RULER_TASKS)), RULER_TASKS, fontsize=6)
+        ax.set_yticks(range(len(shown)), shown, fontsize=6)
         ax.set_title(name, fontsize=9)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")

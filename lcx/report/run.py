@@ -123,7 +123,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
                    "methods_resolved": {n: run_settings(r, cfg.model) for n, r in runs.items()}, "methods_skipped": skipped,
                    "tasks": (["passkey", "lcx_ppl"] if cfg.lmeval_lengths else []) + list(
-                       RULER_TASKS if cfg.ruler_lengths else ()), "ppl_metric": PPL_METRIC,
+                       cfg.ruler_tasks if cfg.ruler_lengths else ()), "ppl_metric": PPL_METRIC,
                    **({"ruler_lengths": list(cfg.ruler_lengths)} if cfg.ruler_lengths else {})},
         "environment": environment(), "git": git_info(Path(__file__).resolve().parents[2]),
         "fingerprint": fingerprint, "run_id": run_id,
