@@ -30,6 +30,7 @@ import lzma
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from importlib import resources
@@ -78,7 +79,8 @@ def committed_weights(recipe: Path, prov: dict[str, Any]) -> tuple[bytes | None,
         blob = subprocess.run(["git", "-C", top, "cat-file", "blob", f"{git['commit']}:{git['path']}"],
                               capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+        err = getattr(e, "stderr", None) or b""  # (text from rev-parse, bytes from cat-file)
+        detail = (err.decode(errors="replace") if isinstance(err, bytes) else err).strip().splitlines()
         return None, (f"git does not have {git['path']} at {git['commit'][:12]} here"
                       f"{' (' + detail[-1] + ')' if detail else ''}")
     data = lzma.decompress(blob) if git["path"].endswith(".xz") else blob
@@ -118,8 +120,10 @@ def retrain(recipe: Path, out: Path, *, threads: int | str = 1, progress: bool =
 
 
 def build(name: str, *, retrain_model: bool = False, threads: int | str = 1, progress: bool = True,
-          overrides: dict[str, Any] | None = None, force: bool = False) -> Path:
-    """Build the preset `name` into `$LCX_CACHE_DIR/built/<name>/` (module docstring); returns it."""
+          overrides: dict[str, Any] | None = None, force: bool = False, restore_only: bool = False) -> Path:
+    """Build the preset `name` into `$LCX_CACHE_DIR/built/<name>/` (module docstring); returns it.
+    `restore_only`: a ValueError saying why instead of retraining where git does not hold the
+    committed weights (what scripts/setup.sh asks: seconds or nothing, never 45 minutes)."""
     from lcx.models.cli import export_model
     from lcx.models.loading import built_dir
 
@@ -135,6 +139,8 @@ def build(name: str, *, retrain_model: bool = False, threads: int | str = 1, pro
         staged = tmp / "entry"
         staged.mkdir()
         data, how = (None, "--retrain") if retrain_model or overrides else committed_weights(recipe, prov)
+        if data is None and restore_only:
+            raise ValueError(f"{name}: not restored ({how}); `lcx train build {name}` retrains it (~45 min on one core)")
         if data is not None:
             (staged / WEIGHTS).write_bytes(data)
             record = {"how": "restored", "detail": how}
@@ -171,11 +177,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrain", action="store_true",
                         help="train it again from its train_config.json even where git holds the committed weights")
     parser.add_argument("--force", action="store_true", help="replace an existing build")
+    parser.add_argument("--restore-only", action="store_true",
+                        help="restore the committed weights from git or fail (exit 2) saying why; never retrain")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar while retraining")
     add_threads_argument(parser, default=1)
 
 
 def run(args: argparse.Namespace) -> int:
-    build(args.name, retrain_model=args.retrain, threads=args.threads, progress=not args.no_progress,
-          force=args.force)
+    if args.retrain and args.restore_only:
+        print("lcx train build: --retrain and --restore-only exclude each other", file=sys.stderr)
+        return 2
+    try:
+        build(args.name, retrain_model=args.retrain, threads=args.threads, progress=not args.no_progress,
+              force=args.force, restore_only=args.restore_only)
+    except ValueError as e:
+        print(f"lcx train build: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -75,6 +75,30 @@ def test_build_restores_the_committed_weights_from_git(name, tmp_path, monkeypat
     assert not list(tmp_path.joinpath("built").glob(".*"))  # no temporary directory left behind
 
 
+def test_restore_only_never_retrains(tmp_path, monkeypatch, capsys):
+    """`--restore-only` (what scripts/setup.sh runs): where git does not hold the committed weights
+    (a recipe pointing at a commit no git has), exit 2 naming why, nothing built, no training."""
+    import shutil
+
+    import lcx.train.build as b
+
+    fake = tmp_path / "assets" / "tiny-swat-5m"
+    shutil.copytree(recipe_dir("tiny-swat-5m"), fake)
+    prov = json.loads((fake / PROVENANCE).read_text())
+    prov["git"]["commit"] = "0" * 40
+    (fake / PROVENANCE).write_text(json.dumps(prov))
+    monkeypatch.setattr(b, "recipe_dir", lambda name: fake)
+    monkeypatch.setattr(b, "retrain", lambda *a, **k: pytest.fail("--restore-only retrained"))
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path / "cache"))
+    from lcx.cli import main
+
+    assert main(["train", "build", "tiny-swat-5m", "--restore-only"]) == 2
+    err = capsys.readouterr().err
+    assert "not restored" in err and "git does not have" in err
+    assert not (tmp_path / "cache" / "built" / "tiny-swat-5m").exists()
+    assert main(["train", "build", "tiny-swat-5m", "--restore-only", "--retrain"]) == 2
+
+
 @pytest.mark.slow
 def test_retrain_runs_the_recipe_and_says_it_is_not_the_committed_model(tmp_path, monkeypatch, capsys):
     """The retrain path end to end on a few steps (~1 min: most of it encodes the corpus)."""
