@@ -30,7 +30,8 @@ number; `passkey_intervals`: each passkey cell's correct count k, prompts n and 
 interval, recomputed from the stored per-prompt results at every render; `passkey_paired`: every
 pair of methods compared prompt by prompt at each length, the paired difference with its interval
 and the exact McNemar p), `passkey_heatmap.png`
-(k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars),
+(k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars), `headline.png`
+(the README's first picture: passkey and, with RULER cells, RULER's headline by length),
 `ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one gzipped JSON per (method, measurement, length)
 (`X.json.gz`; plain `X.json` cells of earlier versions are still read), written atomically as it finishes, plus `cells/run.json`, the run they belong to.
 
