@@ -143,6 +143,24 @@ class LcxLM(HFLM):
         super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **hflm)
         self.pretrained = pretrained  # a name for lm-eval's results, not the model object
 
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """HFLM's `generate_until`, at batch size 1 run one request at a time in the order
+        `Engine.reuse_chain` gives (each prompt after the one it shares the most with: a passkey or
+        RULER sweep's prompts of one length share the instruction and the haystack up to their
+        needle), so the engine's prefix cache reuses that prefix instead of prefilling it again.
+        Each request goes through HFLM's own code as before and the cache is exact, so the answers
+        are the same as in HFLM's order (tests/eval_tasks/test_lmeval_reuse.py); other batch sizes
+        keep HFLM's order and batching."""
+        if self.batch_size != 1 or len(requests) < 3 or self.lcx_engine.prefix_cache is None:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        from tqdm import tqdm
+
+        order = self.lcx_engine.reuse_chain([self.tok_encode(r.args[0]) for r in requests])
+        out: list[Any] = [None] * len(requests)
+        for i in tqdm(order, disable=(disable_tqdm or self.rank != 0), desc="Running generate_until requests"):
+            out[i] = super().generate_until([requests[i]], disable_tqdm=True)[0]
+        return out
+
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
         """HFLM's generation hook, run by `lcx.engine`: `context` `[B, T]` (left-padded; HFLM passes

@@ -309,20 +309,27 @@ class Engine:
         if self.prefix_cache is None or n < 2:
             return list(range(n))
         bs = self.config.prefix_block_size
-
-        def lcp(a, b) -> int:
-            lo, hi = 0, (min(len(a), len(b)) - 1) // bs  # whole blocks below each prompt's last token
-            while lo < hi:  # binary search on the number of equal leading blocks
-                mid = (lo + hi + 1) // 2
-                if a[:mid * bs] == b[:mid * bs]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo
-
-        score = [sum(lcp(prompts[i], prompts[j]) for j in range(n) if j != i) for i in range(n)]
+        score = [sum(_block_lcp(prompts[i], prompts[j], bs) for j in range(n) if j != i) for i in range(n)]
         lead = max(range(n), key=lambda i: (score[i], -i))
         return [lead] + [i for i in range(n) if i != lead]
+
+    def reuse_chain(self, prompts: list[Sequence[int]]) -> list[int]:
+        """An order for running `prompts` one at a time so that each reuses the most of the one
+        before it from the prefix cache (which may hold little more than one long prompt): the
+        lead of `_reuse_order`, then repeatedly the remaining prompt sharing the most whole blocks
+        with the previous one (ties: the given order). A passkey sweep runs deepest needle first,
+        each prompt reusing the haystack up to its own needle. As given without the cache."""
+        order = self._reuse_order(prompts)
+        if self.prefix_cache is None or len(prompts) < 3:
+            return order
+        bs = self.config.prefix_block_size
+        chain, left = [order[0]], sorted(order[1:])
+        while left:
+            prev = prompts[chain[-1]]
+            nxt = max(left, key=lambda j: (_block_lcp(prev, prompts[j], bs), -j))
+            chain.append(nxt)
+            left.remove(nxt)
+        return chain
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -909,3 +916,16 @@ def _static_bases(model: nn.Module) -> list[tuple[torch.Tensor, float]] | None:
         return layer_rope_bases(model)
     except ValueError:  # an unpatched length-dependent HF rope type
         return None
+
+
+def _block_lcp(a: Sequence[int], b: Sequence[int], bs: int) -> int:
+    """How many whole `bs`-token blocks `a` and `b` share from their start, below each one's last
+    token (the blocks a prefix cache can hand from one to the other)."""
+    lo, hi = 0, (min(len(a), len(b)) - 1) // bs
+    while lo < hi:  # binary search on the number of equal leading blocks
+        mid = (lo + hi + 1) // 2
+        if list(a[:mid * bs]) == list(b[:mid * bs]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

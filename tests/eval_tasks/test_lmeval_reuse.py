@@ -1,0 +1,68 @@
+"""The `lcx` lm-eval model's generate_until at batch size 1 runs its requests in the engine's
+reuse chain (#46 item 2): a passkey sweep's prompts deepest needle first, each reusing the
+haystack up to its own needle from the prefix cache. Answers equal HFLM's own order; fewer prompt
+tokens are computed."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DEPTHS = (0.2, 0.9, 0.5, 0.7, 0.35)  # needle depths, given out of order
+# Keys of different lengths, as tokenization makes a real sweep's prompts differ by a token or two:
+# HFLM's order (longest first) then mixes the depths, and consecutive prompts share less.
+
+
+def _prompts(keys=(5123401, 60712, 33321987, 7001, 481502)) -> list[str]:
+    hay = FILLER * 12
+    out = []
+    for d, k in zip(DEPTHS, keys):
+        cut = hay.index(". ", int(len(hay) * d)) + 2  # at a sentence end
+        out.append("There is a pass key hidden in this text. Find it and remember it. " + hay[:cut]
+                   + f"A pass key is {k}. Remember it. {k} is the pass key. " + hay[cut:]
+                   + "What is the pass key? The pass key is")
+    return out
+
+
+def test_reuse_chain_runs_a_passkey_sweep_deepest_needle_first():
+    import lcx
+    from lcx.engine import Engine, EngineConfig
+
+    model, tok = lcx.load_model("tiny-ret-5m")
+    engine = Engine(model, tok, EngineConfig(max_model_len=2048))
+    ids = [tok(p, add_special_tokens=False).input_ids for p in _prompts()]
+    deepest_first = sorted(range(len(DEPTHS)), key=lambda i: -DEPTHS[i])
+    assert engine.reuse_chain(ids) == deepest_first
+    off = Engine(model, tok, EngineConfig(max_model_len=2048, prefix_caching=False))
+    assert off.reuse_chain(ids) == list(range(len(ids)))  # no cache: as given
+
+
+def test_generate_until_in_the_reuse_chain_answers_as_hflm_and_computes_less():
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from lcx.lmeval_model import LcxLM
+
+    lm = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048)
+    reqs = [Instance("generate_until", doc={}, arguments=(p, {"until": ["\n", "."], "max_gen_toks": 8}), idx=i)
+            for i, p in enumerate(_prompts())]
+    engine = lm.lcx_engine
+    # a cache that holds about one prompt, as 1 GiB holds one or two of SmolLM2's 16k prompts
+    from lcx.hf.models import model_shape
+
+    n_tok = [len(lm.tok_encode(r.args[0])) for r in reqs]
+    engine.prefix_cache.max_bytes = model_shape(engine.model.config).kv_bytes_per_token(4) * (max(n_tok) + 32)
+
+    def run(fn):
+        engine.prefix_cache.clear()
+        hit0 = engine.stats.prefix_cache_hit_tokens
+        out = fn(lm, reqs, disable_tqdm=True)
+        return out, engine.stats.prefix_cache_hit_tokens - hit0
+
+    chain, chain_hits = run(LcxLM.generate_until)
+    hflm, hflm_hits = run(HFLM.generate_until)
+    assert chain == hflm  # the same answers, each request through HFLM's own code
+    # deepest first: each later prompt reuses the instruction and the haystack up to its needle
+    assert chain_hits > hflm_hits and chain_hits >= 0.3 * sum(n_tok)
