@@ -181,9 +181,22 @@ def perplexity_of_stream(
 
 
 def _patched(model, spec):
-    from lcx.method_config import patched
+    """`spec` applied for the scoring. With no attention method, a hybrid local/global model (Gemma 3)
+    runs as loaded but on lcx's fastest exact backend, as `lcx.engine` runs it: each sliding layer
+    its own window in O(T * w) instead of transformers' masked O(T^2) pass, the global layers causal
+    (`lcx.hf.attention_patch.as_loaded_method`). Exact for any RoPE here: a window is scored in one
+    forward, so every key is rotated on the basis of that call, as transformers rotates it."""
+    import dataclasses
 
-    return patched(model, spec)
+    from lcx.hf.attention_patch import as_loaded_method
+    from lcx.method_config import INFERENCE_BACKEND, MethodConfig
+
+    cfg = MethodConfig.from_dict(spec)
+    if cfg.attention is None:
+        fast = as_loaded_method(model, INFERENCE_BACKEND)
+        if fast is not None:
+            cfg = dataclasses.replace(cfg, attention=fast, backend=INFERENCE_BACKEND, layers="global")
+    return cfg.apply(model)
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -612,3 +612,23 @@ def test_gemma3_270m_shape_engine_as_loaded():
     got_lp = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
     torch.testing.assert_close(got_lp, want_lp, rtol=1e-4, atol=1e-4)
     assert out.token_ids == want
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_perplexity_scores_a_hybrid_model_as_loaded_on_the_fast_path(family):
+    """`lcx eval ppl` with no method (`lcx.eval.perplexity._patched`): a hybrid model (Gemma 3)
+    runs its sliding layers on lcx's backend as the engine does, a model whose layers are alike
+    stays as loaded; the score equals the unpatched model's, past the sliding window."""
+    from lcx.eval.perplexity import _patched, perplexity_of_stream
+    from lcx.hf import current_patch
+
+    model = _model(family)
+    ids = torch.tensor([5 + (7 * i) % 50 for i in range(19)])  # one window of 19: past Gemma's tiny window of 8
+    with torch.no_grad():
+        logp = model(ids[None]).logits.log_softmax(-1)[0]
+    want = -logp[:-1].gather(-1, ids[1:, None]).mean().item()
+    with _patched(model, None):
+        assert (current_patch(model) is not None) == (family == "gemma3_text")
+    assert current_patch(model) is None  # restored on exit
+    (res,) = perplexity_of_stream(model, ids, [19], progress=False).values()
+    assert res.windows == 1 and res.nll == pytest.approx(want, abs=1e-5)
