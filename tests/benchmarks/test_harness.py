@@ -162,17 +162,19 @@ def test_write_any_json_and_replot_from_the_record(tmp_path):
 
     import matplotlib.pyplot as plt
 
+    before = plt.get_fignums()  # (figures another test left open are not this one's)
     assert replot(tmp_path / "r.json", plot) == tmp_path / "r.png"
-    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG" and plt.get_fignums() == []
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG" and plt.get_fignums() == before
 
 
 def test_figure_closes_and_writes_nothing_when_the_plot_fails(tmp_path):
     import matplotlib.pyplot as plt
 
+    before = plt.get_fignums()  # (figures another test left open are not this one's)
     with pytest.raises(ZeroDivisionError):
         with figure(tmp_path / "x.png") as (fig, ax):
             1 / 0
-    assert not (tmp_path / "x.png").exists() and plt.get_fignums() == []
+    assert not (tmp_path / "x.png").exists() and plt.get_fignums() == before
 
 
 # ----------------------------------------------------------------------------- every benchmark
