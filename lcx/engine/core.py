@@ -308,8 +308,8 @@ class Engine:
         n = len(prompts)
         if self.prefix_cache is None or n < 2:
             return list(range(n))
-        bs = self.config.prefix_block_size
-        score = [sum(_block_lcp(prompts[i], prompts[j], bs) for j in range(n) if j != i) for i in range(n)]
+        chains = _block_chains(prompts, self.config.prefix_block_size)
+        score = [sum(_shared_blocks(chains[i], chains[j]) for j in range(n) if j != i) for i in range(n)]
         lead = max(range(n), key=lambda i: (score[i], -i))
         return [lead] + [i for i in range(n) if i != lead]
 
@@ -322,11 +322,11 @@ class Engine:
         order = self._reuse_order(prompts)
         if self.prefix_cache is None or len(prompts) < 3:
             return order
-        bs = self.config.prefix_block_size
+        chains = _block_chains(prompts, self.config.prefix_block_size)
         chain, left = [order[0]], sorted(order[1:])
         while left:
-            prev = prompts[chain[-1]]
-            nxt = max(left, key=lambda j: (_block_lcp(prev, prompts[j], bs), -j))
+            prev = chains[chain[-1]]
+            nxt = max(left, key=lambda j: (_shared_blocks(prev, chains[j]), -j))
             chain.append(nxt)
             left.remove(nxt)
         return chain
@@ -918,13 +918,28 @@ def _static_bases(model: nn.Module) -> list[tuple[torch.Tensor, float]] | None:
         return None
 
 
-def _block_lcp(a: Sequence[int], b: Sequence[int], bs: int) -> int:
-    """How many whole `bs`-token blocks `a` and `b` share from their start, below each one's last
-    token (the blocks a prefix cache can hand from one to the other)."""
-    lo, hi = 0, (min(len(a), len(b)) - 1) // bs
-    while lo < hi:  # binary search on the number of equal leading blocks
+
+def _block_chains(prompts: list[Sequence[int]], bs: int) -> list[list[int]]:
+    """Per prompt, a chained hash of each whole `bs`-token block below its last token (the blocks a
+    prefix cache can hand on): equal k-th entries mean equal first k blocks. Computed once per
+    prompt, so comparing two prompts copies nothing."""
+    out = []
+    for p in prompts:
+        h, chain = 0, []
+        for k in range((len(p) - 1) // bs):
+            h = hash((h, tuple(p[k * bs:(k + 1) * bs])))
+            chain.append(h)
+        out.append(chain)
+    return out
+
+
+def _shared_blocks(a: list[int], b: list[int]) -> int:
+    """How many leading blocks two `_block_chains` entries share (binary search: the chain makes
+    equality a prefix property)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        if list(a[:mid * bs]) == list(b[:mid * bs]):
+        if a[mid - 1] == b[mid - 1]:
             lo = mid
         else:
             hi = mid - 1
