@@ -20,15 +20,33 @@ runs (an engine per setting, built once; the cache is emptied before each run), 
 cache / no_cache from the same run. Both settings give the same tokens (checked; the exactness
 tests are tests/engine/test_prefix_cache.py). vLLM's prefix caching on the same loads is not run
 here yet.
+
+`--cell PRESET` measures instead what the cache saves a report cell: the passkey part of an
+`lcx report` cell (lm-eval's `simple_evaluate` on lcx's `passkey` task through `--model lcx`,
+batch size 1, `--passkey-length`, `--depths` x `--samples-per-depth` prompts, the report's preset
+`PRESET` with the RoPE factor of that length) run once with the prefix cache and once without,
+each in its own process: the process's CPU seconds (user + system, model load included), wall
+time and answers. The two must answer identically, and equal `--compare CELL` (a committed
+report cell, e.g. results/report/smollm2-135m-n16/cells/self_extend.lmeval.16384.json.gz) where
+given. -> results/prefix_cell_<model>_<preset>_<length>.json
+
+    lcx bench prefix --cell self_extend --model smollm2-135m --passkey-length 16384 \
+        --compare results/report/smollm2-135m-n16/cells/self_extend.lmeval.16384.json.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Benchmark
@@ -66,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", type=int, default=8, help="passkey_sweep needle depths (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting (default: %(default)s)")
+    parser.add_argument("--cell", metavar="PRESET", default=None,
+                        help="measure a report passkey cell of this preset (lcx report --presets) with and "
+                             "without the cache instead of the two loads (see the description)")
+    parser.add_argument("--samples-per-depth", type=int, default=2,
+                        help="--cell: passkey prompts per depth (default: %(default)s; the n16 sweep's 16 prompts)")
+    parser.add_argument("--compare", type=Path, default=None,
+                        help="--cell: a committed report cell (.json.gz) whose passkey answers must be reproduced")
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -141,9 +166,112 @@ def _run_load(engine: Any, prompts: list[list[int]], concurrency: int, max_token
             "tokens": [tokens[r] for r in sorted(tokens, key=index.get)]}
 
 
+def _cell_run(model: str, preset: str, length: int, depths: int, per_depth: int) -> tuple[Any, Any]:
+    """The report's (config, preset run) of one passkey cell."""
+    from lcx.report import ReportConfig
+    from lcx.report.run import plan_runs
+
+    cfg, runs, skipped, _, _ = plan_runs(ReportConfig(model=model, methods=(preset,), lengths=(length,), depths=depths,
+                                                      samples_per_depth=per_depth, decode_lengths=()))
+    if preset not in runs:
+        raise ValueError(f"--cell {preset}: {skipped[preset]}")
+    return cfg, runs[preset]
+
+
+def cell_worker(spec: dict[str, Any], out: str) -> None:
+    """In a child process: one passkey cell (`spec`), its answers and engine counters -> `out`."""
+    import torch
+
+    from lcx.data.io import atomic_write_json
+    from lcx.report.measure import lmeval_model, run_lmeval_cell
+
+    torch.set_num_threads(spec["threads"])
+    cfg, run = _cell_run(spec["model"], spec["preset"], spec["length"], spec["depths"], spec["per_depth"])
+    lm = lmeval_model(run, cfg, prefix_caching=spec["cache"])
+    res = run_lmeval_cell(spec["model"], run, cfg, spec["length"], lm=lm, ppl=False)
+    st = lm.lcx_engine.stats
+    res["prompt_tokens_computed"] = st.prompt_tokens_computed
+    res["prefix_cache_hit_rate"] = round(st.prefix_cache_hit_rate, 4)
+    res["prefix_cache_on"] = lm.lcx_engine.prefix_cache is not None
+    res["method"] = run.config.to_dict()
+    atomic_write_json(Path(out), res)
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run `cell_worker` in a fresh process; its CPU seconds from the kernel's child accounting."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cell.json")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        code = f"import json; from benchmarks.prefix import cell_worker; cell_worker(json.loads({json.dumps(spec)!r}), {out!r})"
+        root = Path(__file__).resolve().parents[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        res = json.loads(Path(out).read_text())
+    res["cpu_s"] = round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2)
+    res["process_wall_s"] = round(wall, 2)
+    return res
+
+
+def _answers(cell: dict[str, Any]) -> list[tuple[float, str, float, Any]]:
+    return sorted((float(s["depth"]), str(s["key"]), float(s["correct"]), s["output"]) for s in cell["passkey_samples"])
+
+
+def run_cell(args: argparse.Namespace, threads: int) -> int:
+    """`--cell PRESET`: a report passkey cell with and without the prefix cache (module doc)."""
+    import gzip
+
+    for name in ("passkey_length", "depths", "samples_per_depth"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _cell_run(args.model, args.cell, args.passkey_length, args.depths, args.samples_per_depth)  # validate
+    committed = None
+    if args.compare is not None:
+        opener = gzip.open if args.compare.suffix == ".gz" else open
+        with opener(args.compare, "rt") as f:
+            committed = json.load(f)
+    cfg = {"model": args.model, "preset": args.cell, "length": args.passkey_length, "depths": args.depths,
+           "samples_per_depth": args.samples_per_depth, "threads": threads,
+           "compare": str(args.compare) if args.compare else None}
+    out = args.out if args.out != Path(BENCH.out) else Path(
+        f"results/prefix_cell_{args.model}_{args.cell}_{args.passkey_length}.json")
+    rec = BENCH.start(args, cfg, out=out)
+    results: dict[str, Any] = {}
+    for s in rec.progress(["no_cache", "cache"], unit="setting"):
+        spec = {"model": args.model, "preset": args.cell, "length": args.passkey_length, "depths": args.depths,
+                "per_depth": args.samples_per_depth, "cache": s == "cache", "threads": threads}
+        r = _child(spec)
+        results[s] = {k: r[k] for k in ("cpu_s", "process_wall_s", "wall_s", "passkey", "passkey_docs",
+                                        "prompt_tokens_computed", "prefix_cache_hit_rate", "prefix_cache_on")}
+        results[s]["answers"] = _answers(r)
+        rec.log(f"{s}: {results[s]['cpu_s']} CPU s, passkey {r['passkey']:.3f}")
+        rec.save(results)
+    same = results["cache"]["answers"] == results["no_cache"]["answers"]
+    results["same_answers"] = same
+    if committed is not None:
+        results["same_as_committed"] = _answers(committed["result"]) == results["cache"]["answers"]
+        results["committed_wall_s"] = committed["result"].get("wall_s")
+    results["ratio_cache_vs_no_cache"] = {
+        "cpu_s": round(results["cache"]["cpu_s"] / results["no_cache"]["cpu_s"], 3),
+        "prompt_tokens_computed": round(results["cache"]["prompt_tokens_computed"]
+                                        / max(1, results["no_cache"]["prompt_tokens_computed"]), 3)}
+    rec.log(f"cache / no cache: {results['ratio_cache_vs_no_cache']}, same answers {same}"
+            + (f", as committed {results['same_as_committed']}" if committed is not None else ""))
+    rec.finish(results)
+    if not same or results.get("same_as_committed") is False:
+        print("the answers differ (see the record)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from lcx.engine import Engine, EngineConfig
     from lcx.models import load_model
+
+    if args.cell is not None:
+        return run_cell(args, BENCH.resolve_threads(args))
 
     for name in ("requests", "concurrency", "system_tokens", "question_tokens", "passkey_length", "depths",
                  "max_tokens", "repeats"):

@@ -109,6 +109,15 @@ def _sampling_params(kwargs: dict[str, Any], max_tokens: int, stop: list[str]) -
         repetition_penalty=float(kwargs.get("repetition_penalty", 1.0)))
 
 
+def _flag(name: str, value: bool | str) -> bool:
+    """A boolean model_arg: lm-eval passes `True`/`False` parsed, or the string as typed."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"lcx model: {name} must be true or false, got {value!r}")
+
+
 def _device(device: str | None) -> str:
     # lm-eval's CLI defaults to cuda:0; like HFLM, fall back to the CPU when there is no GPU.
     if device and device.startswith("cuda") and not torch.cuda.is_available():
@@ -122,7 +131,7 @@ class LcxLM(HFLM):
     """lm-eval model `lcx`: `HFLM` over `lcx.load_model(pretrained)` with lcx methods applied."""
 
     def __init__(self, pretrained: str, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-                 **kwargs: Any) -> None:
+                 prefix_caching: bool | str = True, **kwargs: Any) -> None:
         import lcx
         from lcx.hf.rope_patch import current_spec
 
@@ -130,10 +139,12 @@ class LcxLM(HFLM):
         if not isinstance(pretrained, str):
             raise TypeError("lcx model: pretrained must be a path or preset name (a string)")
         dtype = torch.float32 if dtype in (None, "auto") else dtype
+        prefix_caching = _flag("prefix_caching", prefix_caching)
         model, tokenizer = lcx.load_model(pretrained, dtype=dtype, device=_device(device))
         # the engine applies the methods (as `cfg.apply` would) and keeps them for HFLM's forwards
         self.lcx_engine = Engine(model, tokenizer, EngineConfig(
-            methods=cfg, max_model_len=int(hflm.get("max_length") or DEFAULT_MAX_LENGTH)))
+            methods=cfg, max_model_len=int(hflm.get("max_length") or DEFAULT_MAX_LENGTH),
+            prefix_caching=prefix_caching))
         self.lcx_config = cfg
         self.lcx_spec = current_spec(model)  # the RoPE spec resolved against the model, or None
         if cfg.rope is not None:

@@ -19,23 +19,31 @@ def _tasks_dir() -> str:
     return str(TASKS_DIR)
 
 
-def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+def lmeval_model(run: PresetRun, cfg: ReportConfig, *, prefix_caching: bool = True) -> Any:
+    """The `lcx` lm-eval model a cell of `run` evaluates (batch size 1: prompts in prefix-reuse
+    order; `prefix_caching=False`: the engine without its prefix cache)."""
+    from ..lmeval_model import LcxLM
+
+    return LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
+                 prefix_caching=prefix_caching, **run.config.with_default_backend(cfg.attn_backend).to_flat())
+
+
+def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
+                    lm: Any = None, ppl: bool = True) -> dict[str, Any]:
     """passkey + lcx_ppl at one context length through lm-eval's `simple_evaluate` with the
-    `lcx` model. Perplexity windows are cut at max(cfg.lengths) tokens (`window_tokens`), so a
-    length scores the same text whether it runs alone or in a sweep."""
+    `lcx` model (`lm`: one from `lmeval_model`, built here when None). Perplexity windows are cut
+    at max(cfg.lengths) tokens (`window_tokens`), so a length scores the same text whether it runs
+    alone or in a sweep. `ppl=False`: passkey only (`lcx bench prefix --cell`)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from ..lmeval_model import LcxLM
-
-    lm = LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
-               **run.config.with_default_backend(cfg.attn_backend).to_flat())
+    lm = lmeval_model(run, cfg) if lm is None else lm
     meta = {"tokenizer": run.model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
             "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
     t0 = time.perf_counter()
     tm = TaskManager(include_path=_tasks_dir(), include_defaults=False, metadata=meta)
-    res = simple_evaluate(model=lm, tasks=["passkey", "lcx_ppl"], task_manager=tm,
+    res = simple_evaluate(model=lm, tasks=["passkey", "lcx_ppl"] if ppl else ["passkey"], task_manager=tm,
                           metadata=meta, log_samples=True, verbosity="WARNING")
     wall = time.perf_counter() - t0
     L = str(length)
@@ -47,16 +55,18 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) 
         resps = smp.get("filtered_resps") or [None]  # one generation per request (one length)
         samples.append({"depth": smp["doc"]["depth"], "key": smp["doc"]["key"], "correct": float(smp[L]),
                         "output": resps[0]})
-    ppl = res["results"]["lcx_ppl"]
-    return {
+    out = {
         "passkey": res["results"]["passkey"][f"{L},none"],
         "passkey_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items(), key=lambda kv: float(kv[0]))},
         "passkey_docs": len(samples),
         "passkey_samples": samples,
-        "ppl": {m: ppl[f"{m}_{L},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")},
-        "ppl_docs": res["n-samples"]["lcx_ppl"]["effective"],
-        "wall_s": round(wall, 2),
     }
+    if ppl:
+        scores = res["results"]["lcx_ppl"]
+        out["ppl"] = {m: scores[f"{m}_{L},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+        out["ppl_docs"] = res["n-samples"]["lcx_ppl"]["effective"]
+    out["wall_s"] = round(wall, 2)
+    return out
 
 
 def _prompt_ids(tokenizer: Any, n: int) -> list[int]:

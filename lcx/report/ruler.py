@@ -41,15 +41,14 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -
     from lm_eval.tasks import TaskManager
 
     from .. import _lmeval_hook
-    from ..lmeval_model import LcxLM
-
     import lm_eval.tasks.manager
+
+    from .measure import lmeval_model
 
     # what the start-up hook does (also without it): lcx's tasks indexed, RULER's tokenizer and nltk data offline
     _lmeval_hook.patch_task_manager(lm_eval.tasks.manager)
     _lmeval_hook.patch_ruler()
-    lm = LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
-               **run.config.with_default_backend(cfg.attn_backend).to_flat())
+    lm = lmeval_model(run, cfg)
     meta = {"tokenizer": run.model, "max_seq_lengths": [length]}
     L = str(length)
     out: dict[str, Any] = {"tasks": {}}

@@ -28,6 +28,26 @@ from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired
 # The run
 # ============================================================================================
 
+def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], dict[str, str], int, float]:
+    """What a report of `cfg` runs: (cfg with its lengths resolved, name -> preset run, name ->
+    why it is skipped, the model's context L0, the RoPE factor max(lengths) / L0)."""
+    hf_config = model_hf_config(cfg.model)
+    context, n_layers = int(hf_config["max_position_embeddings"]), hf_config.get("num_hidden_layers")
+    cfg = cfg.resolved(context)
+    factor = max(cfg.lengths) / context
+    runs: dict[str, PresetRun] = {}
+    skipped: dict[str, str] = {}
+    for name in cfg.methods:
+        r = resolve_preset(name, cfg.model, L0=context, factor=max(1.0, factor), n_layers=n_layers)
+        if isinstance(r, str):
+            skipped[name] = r
+        else:
+            runs[name] = r
+    for name, conf in cfg.custom_methods.items():  # the user's own configs, on the report's model
+        runs[name] = PresetRun(name, cfg.model, MethodConfig.from_dict(conf))
+    return cfg, runs, skipped, context, factor
+
+
 def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
                keep_other_code: bool = False, progress: bool = True,
                log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -40,21 +60,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     from ..data.io import atomic_write_json, environment, git_info
 
     t_start = time.perf_counter()
-    hf_config = model_hf_config(cfg.model)
-    context, n_layers = int(hf_config["max_position_embeddings"]), hf_config.get("num_hidden_layers")
-    cfg = cfg.resolved(context)
-    factor = max(cfg.lengths) / context
-    runs: dict[str, PresetRun] = {}
-    skipped: dict[str, str] = {}
-    for name in cfg.methods:
-        r = resolve_preset(name, cfg.model, L0=context, factor=max(1.0, factor), n_layers=n_layers)
-        if isinstance(r, str):
-            skipped[name] = r
-            log(f"skipping {name}: {r}")
-        else:
-            runs[name] = r
-    for name, conf in cfg.custom_methods.items():  # the user's own configs, on the report's model
-        runs[name] = PresetRun(name, cfg.model, MethodConfig.from_dict(conf))
+    cfg, runs, skipped, context, factor = plan_runs(cfg)
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
     fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model != cfg.model])
     if render:
         run_id, keep, why = "render", None, "--render: stored cells with matching settings and fingerprint"

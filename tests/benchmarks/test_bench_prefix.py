@@ -39,3 +39,21 @@ def test_bench_prefix_end_to_end(tmp_path):
         assert row["no_cache"]["hit_rate"] == 0 and row["cache"]["hit_rate"] > 0
         assert row["cache"]["prompt_tokens_computed"] < row["no_cache"]["prompt_tokens_computed"]
         assert set(row["ratio_cache_vs_no_cache"]) == {"gen_tok_s", "ttft_p50", "prompt_tokens_computed"}
+
+
+def test_bench_prefix_cell_reproduces_a_committed_report_cell(tmp_path):
+    """`--cell`: the report's passkey cell with and without the cache, each in its own process,
+    answers identical to each other and to the committed cell (LM-Infinite's preset depends on the
+    model's context only, not on the sweep's longest length)."""
+    from pathlib import Path
+
+    cell = Path(__file__).resolve().parents[2] / "results/report/cells/lm_infinite.lmeval.1024.json.gz"
+    out = tmp_path / "cell.json"
+    assert main(["bench", "prefix", "--cell", "lm_infinite", "--model", "tiny-ret-5m", "--passkey-length", "1024",
+                 "--depths", "6", "--samples-per-depth", "5", "--compare", str(cell), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["same_answers"] is True and res["same_as_committed"] is True
+    assert res["cache"]["prefix_cache_on"] and not res["no_cache"]["prefix_cache_on"]
+    assert len(res["cache"]["answers"]) == 30 and res["cache"]["prefix_cache_hit_rate"] > 0
+    assert res["cache"]["prompt_tokens_computed"] < res["no_cache"]["prompt_tokens_computed"]
+    assert res["cache"]["cpu_s"] > 0 and res["ratio_cache_vs_no_cache"]["cpu_s"] > 0

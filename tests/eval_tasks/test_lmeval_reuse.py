@@ -66,3 +66,12 @@ def test_generate_until_in_the_reuse_chain_answers_as_hflm_and_computes_less():
     assert chain == hflm  # the same answers, each request through HFLM's own code
     # deepest first: each later prompt reuses the instruction and the haystack up to its needle
     assert chain_hits > hflm_hits and chain_hits >= 0.3 * sum(n_tok)
+
+
+def test_prefix_caching_model_arg_turns_the_cache_off_and_is_checked():
+    from lcx.lmeval_model import LcxLM
+
+    assert LcxLM(pretrained="tiny-ret-5m", prefix_caching="false").lcx_engine.prefix_cache is None
+    assert LcxLM(pretrained="tiny-ret-5m", prefix_caching=True).lcx_engine.prefix_cache is not None
+    with pytest.raises(ValueError, match="prefix_caching must be true or false"):
+        LcxLM(pretrained="tiny-ret-5m", prefix_caching="sometimes")
