@@ -328,3 +328,20 @@ def test_report_scripts_select_the_presets_of_their_committed_runs(script, out):
     assert [m for m in args.presets.split(",") if m] == stored["methods"]
     depths = list(args.depths) if isinstance(args.depths, tuple) else args.depths
     assert args.model == stored["model"] and depths == stored["depths"]
+
+
+def test_ppl_max_length_limits_perplexity_to_the_shorter_cells():
+    """Gemma 3's tokenizer makes no held-out work 48k tokens long: cells beyond --ppl-max-length
+    measure passkey alone, and the windows are cut at the longest perplexity length."""
+    run = method_run("yarn", "m", 32, 2.0)
+    plain = ReportConfig(lengths=(64, 128)).resolved(64)
+    assert plain.ppl_lengths == (64, 128) and plain.ppl_window == 128 and "ppl_max_length" not in plain.to_dict()
+    # unchanged settings without the option: committed cells stay reusable
+    assert cell_settings("lmeval", "m", "yarn", run, plain, 64)["window_tokens"] == 128
+    cfg = ReportConfig(lengths=(64, 128, 256), ppl_max_length=128).resolved(64)
+    assert cfg.ppl_lengths == (64, 128) and cfg.ppl_window == 128 and cfg.to_dict()["ppl_max_length"] == 128
+    s64, s256 = (cell_settings("lmeval", "m", "yarn", run, cfg, L) for L in (64, 256))
+    assert (s64["window_tokens"], s64["ppl_docs"]) == (128, cfg.ppl_docs)
+    assert (s256["window_tokens"], s256["ppl_docs"]) == (None, 0)
+    with pytest.raises(ValueError, match="ppl_max_length"):
+        ReportConfig(ppl_max_length=8)

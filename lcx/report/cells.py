@@ -111,8 +111,9 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
     if kind == "ruler":
         return {**common, "tasks": list(cfg.ruler_tasks), "samples": cfg.ruler_samples}
     if kind == "lmeval":
-        return {**common, "window_tokens": max(cfg.lengths), "depths": cfg.to_dict()["depths"],
-                "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs}
+        ppl = length in cfg.ppl_lengths
+        return {**common, "window_tokens": cfg.ppl_window if ppl else None, "depths": cfg.to_dict()["depths"],
+                "samples_per_depth": cfg.samples_per_depth, "ppl_docs": cfg.ppl_docs if ppl else 0}
     return {**common, "decode_tokens": cfg.decode_tokens, "timing": DECODE_TIMING}
 
 

@@ -110,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ruler-tasks", default=",".join(ReportConfig.ruler_tasks), metavar="TASKS",
                    help="comma-separated subset of lcx's ruler_offline tasks to run (default: all 11), e.g. the "
                         "tasks a model does above floor inside its context")
+    p.add_argument("--ppl-max-length", type=int, default=None, metavar="TOKENS",
+                   help="measure perplexity only at lengths <= TOKENS (longer cells: passkey alone); windows are "
+                        "cut at the longest such length, and a held-out work must be that long (default: every length)")
     p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
     p.add_argument("--fresh", action="store_true",
                    help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend,
             tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
             ruler_samples=extra.get("ruler_samples", args.ruler_samples),
-            ruler_tasks=tuple(x.strip() for x in args.ruler_tasks.split(",") if x.strip()))
+            ruler_tasks=tuple(x.strip() for x in args.ruler_tasks.split(",") if x.strip()),
+            ppl_max_length=args.ppl_max_length)
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2

@@ -63,6 +63,10 @@ class ReportConfig:
     ruler_samples: int = 30  # prompts per (RULER task, length): the first n of each task's 500
     # which of RULER_TASKS to run (e.g. the tasks a model does above floor inside its context)
     ruler_tasks: tuple[str, ...] = RULER_TASKS
+    # perplexity only at lengths <= this (None: every passkey length); longer cells measure passkey
+    # alone. The windows are cut at the longest perplexity length: a held-out work must be that long
+    # (about 27k tokens for a 262k-vocabulary tokenizer such as Gemma 3's)
+    ppl_max_length: int | None = None
 
     def __post_init__(self) -> None:
         tasks = tuple(self.tasks)
@@ -111,6 +115,8 @@ class ReportConfig:
             if not d or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in d):
                 raise ValueError(f"depths must be a grid size or fractions in [0, 1], got {self.depths!r}")
             object.__setattr__(self, "depths", tuple(sorted({float(x) for x in d})))
+        if self.ppl_max_length is not None and (not isinstance(self.ppl_max_length, int) or self.ppl_max_length < 16):
+            raise ValueError(f"ppl_max_length must be an integer >= 16, got {self.ppl_max_length!r}")
         for name, lo in (("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2), ("ruler_samples", 1)) + (
                 (("depths", 1),) if not isinstance(self.depths, tuple) else ()):
             v = getattr(self, name)
@@ -129,6 +135,16 @@ class ReportConfig:
         return tuple(self.lengths or ()) if "passkey" in self.tasks else ()
 
     @property
+    def ppl_lengths(self) -> tuple[int, ...]:
+        """The passkey lengths whose cells also measure perplexity."""
+        return tuple(L for L in self.lmeval_lengths if self.ppl_max_length is None or L <= self.ppl_max_length)
+
+    @property
+    def ppl_window(self) -> int:
+        """Where perplexity windows are cut: the longest perplexity length (every length when none)."""
+        return max(self.ppl_lengths or self.lengths)
+
+    @property
     def ruler_lengths(self) -> tuple[int, ...]:
         """Lengths of the RULER cells: the report's lengths that fit RULER's scaffold."""
         return tuple(L for L in self.lengths or () if L >= RULER_MIN_LENGTH) if "ruler" in self.tasks else ()
@@ -145,6 +161,8 @@ class ReportConfig:
             del d["tasks"], d["ruler_samples"]
         elif "ruler" not in d["tasks"]:
             del d["ruler_samples"]
+        if d["ppl_max_length"] is None:  # (as before the option)
+            del d["ppl_max_length"]
         if "ruler_samples" not in d or tuple(d["ruler_tasks"]) == RULER_TASKS:  # (all of them: as before the option)
             del d["ruler_tasks"]
         return d

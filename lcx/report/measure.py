@@ -29,16 +29,18 @@ def lmeval_model(run: PresetRun, cfg: ReportConfig, *, prefix_caching: bool = Tr
 
 
 def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
-                    lm: Any = None, ppl: bool = True) -> dict[str, Any]:
+                    lm: Any = None, ppl: bool | None = None) -> dict[str, Any]:
     """passkey + lcx_ppl at one context length through lm-eval's `simple_evaluate` with the
     `lcx` model (`lm`: one from `lmeval_model`, built here when None). Perplexity windows are cut
-    at max(cfg.lengths) tokens (`window_tokens`), so a length scores the same text whether it runs
-    alone or in a sweep. `ppl=False`: passkey only (`lcx bench prefix --cell`)."""
+    at `cfg.ppl_window` tokens (`window_tokens`), so a length scores the same text whether it runs
+    alone or in a sweep. `ppl`: whether to measure perplexity (default: at `cfg.ppl_lengths`;
+    False: passkey only, as `lcx bench prefix --cell` runs it)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     lm = lmeval_model(run, cfg) if lm is None else lm
-    meta = {"tokenizer": run.model, "max_seq_lengths": [length], "window_tokens": max(cfg.lengths),
+    ppl = length in cfg.ppl_lengths if ppl is None else ppl
+    meta = {"tokenizer": run.model, "max_seq_lengths": [length], "window_tokens": cfg.ppl_window,
             "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
     t0 = time.perf_counter()

@@ -364,7 +364,8 @@ def _passkey_ppl_sections(record: dict[str, Any], n_pk: int) -> list[str]:
                                                  for L in lengths) + " |")
     lines += ["", "![passkey accuracy by length](passkey_by_length.png)", "",
               "![passkey heatmap](passkey_heatmap.png)", "",
-              f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: {c['ppl_docs']} windows of held-out text per length)", "",
+              f"## Perplexity ({PPL_METRIC}, `lcx_ppl`: {c['ppl_docs']} windows of held-out text per length"
+              + (f"; measured at lengths <= {c['ppl_max_length']} only" if c.get("ppl_max_length") else "") + ")", "",
               "| method | " + " | ".join(str(L) for L in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for name in res:
         lines.append(f"| {name} | " + " | ".join(_fmt(_get(record, name, "lmeval", L, "ppl", PPL_METRIC), ".1f")
