@@ -45,6 +45,20 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    """A Hugging Face directory holding a tiny random Gemma 3 (`gemma3_text`: one sliding layer of
+    window 32 with its own RoPE base, one global layer; context 128, q/k norms,
+    `query_pre_attn_scalar` scaling) with the tiny Llama's byte tokenizer (read-only)."""
+    from lcx.hf.models import tiny_model
+    from lcx.models.tiny import tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-gemma3") / "model"
+    tiny_model("gemma3_text", seed=0, vocab_size=259, max_position_embeddings=128, sliding_window=32).save_pretrained(path)
+    tiny_llama(seed=0)[1].save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module's tests, restored afterwards: two OpenMP threads on a shared

@@ -19,6 +19,10 @@ the vLLM tier (marker `vllm`). A server must start and answer a greedy completio
 of the in-process `lcx.engine.Engine` on the same weights and config (float64 both sides); the
 eval entry points must exit 0 with finite numbers for the config they were given.
 
+Models (`FAMILY_MODELS`): the tiny Llama, and a tiny Gemma 3 (hybrid local/global: q/k norms,
+its own scaling, a sliding layer with its own window and RoPE base) on which every config runs
+in-process in the default tier and rope+attention through the CLI entry points in the slow tier.
+
 Tiers (on 2 shared cores a server start costs 6-25 s, `lm_eval` ~25-40 s):
     default  every config (presets: REPRESENTATIVE_PRESET) x `create_app`, and every config's
              pickle round trip (what the engine process's spawn does with it: the defect of
@@ -124,8 +128,23 @@ def _tier(case: str, entry: str) -> str | None:
     return "slow" if os.environ.get("LCX_FULL_SERVE_MATRIX") == "1" else None
 
 
-MATRIX = [pytest.param(c, e, id=f"{e}-{c}", marks=() if t == "default" else pytest.mark.slow)
-          for e in ENTRY_POINTS for c in CASES if (t := _tier(c, e)) is not None]
+# The same matrix on a second family, a hybrid local/global one (tests/conftest.py tiny_gemma3_dir:
+# Gemma 3's q/k norms, scaling, per-layer windows and RoPE bases): every config in-process as in
+# the default tier, the CLI entry points with rope+attention in the slow tier.
+FAMILY_MODELS = {"llama": "tiny_model_dir", "gemma3_text": "tiny_gemma3_dir"}
+
+
+def _family_tier(family: str, case: str, entry: str) -> str | None:
+    if family == "llama":
+        return _tier(case, entry)
+    if entry == "app":
+        return "default" if case in DEFAULT_APP else "slow"
+    return "slow" if case == "rope+attention" and entry != "serve-no-engine-process" else None
+
+
+MATRIX = [pytest.param(f, c, e, id=f"{e}-{c}" + ("" if f == "llama" else f"-{f}"),
+                       marks=() if t == "default" else pytest.mark.slow)
+          for f in FAMILY_MODELS for e in ENTRY_POINTS for c in CASES if (t := _family_tier(f, c, e)) is not None]
 
 
 def _flags(d: dict, how: str) -> list[str]:
@@ -183,15 +202,16 @@ def test_config_pickles_equal(case):
 
 # ================================================================================ the matrix
 @pytest.fixture(scope="module")
-def ref_engines(tiny_model_dir):
-    """Config id -> the in-process engine (float64) on the server's weights."""
-    cache: dict[str, Engine] = {}
+def ref_engines(request):
+    """(family, config id) -> the in-process engine (float64) on the server's weights."""
+    cache: dict[tuple[str, str], Engine] = {}
 
-    def get(case: str) -> Engine:
-        if case not in cache:
-            cache[case] = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(methods=CASES[case][0]),
-                                                 dtype="float64")
-        return cache[case]
+    def get(family: str, case: str) -> Engine:
+        if (family, case) not in cache:
+            model = request.getfixturevalue(FAMILY_MODELS[family])
+            cache[family, case] = Engine.from_pretrained(str(model), EngineConfig(methods=CASES[case][0]),
+                                                         dtype="float64")
+        return cache[family, case]
 
     return get
 
@@ -220,11 +240,11 @@ def _check_server(client, ref: Engine, case: str) -> None:
         assert card["lcx_methods"]["rope"]["rope_type"] == asked["rope"]["rope_type"]
 
 
-@pytest.mark.parametrize("case,entry", MATRIX)
-def test_method_config_runs_through_entry_point(case, entry, tiny_model_dir, ref_engines, tmp_path):
+@pytest.mark.parametrize("family,case,entry", MATRIX)
+def test_method_config_runs_through_entry_point(family, case, entry, request, ref_engines, tmp_path):
     d, how = CASES[case]
     log = tmp_path / f"{entry}.log"
-    model = str(tiny_model_dir)
+    model = str(request.getfixturevalue(FAMILY_MODELS[family]))
     if entry == "app":
         from fastapi.testclient import TestClient
 
@@ -232,7 +252,7 @@ def test_method_config_runs_through_entry_point(case, entry, tiny_model_dir, ref
 
         eng = Engine.from_pretrained(model, EngineConfig(methods=d), dtype="float64")
         with TestClient(create_app(eng, model_name="m", batch_window_s=0)) as client:
-            _check_server(client, ref_engines(case), case)
+            _check_server(client, ref_engines(family, case), case)
         return
     if entry.startswith("serve"):
         extra = ["--no-engine-process"] if entry == "serve-no-engine-process" else []
@@ -240,7 +260,7 @@ def test_method_config_runs_through_entry_point(case, entry, tiny_model_dir, ref
                        *_flags(d, how)) as (url, proc):
             wait_healthy(url, proc, log)
             with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
-                _check_server(client, ref_engines(case), case)
+                _check_server(client, ref_engines(family, case), case)
         return
     if entry == "eval-ppl":
         out = tmp_path / "ppl.json"
