@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passkey-length", type=int, default=2048, help="passkey_sweep prompt length (default: %(default)s)")
     parser.add_argument("--depths", type=int, default=8, help="passkey_sweep needle depths (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per setting and engine "
+                        "(default: %(default)s)")
     parser.add_argument("--no-vllm", action="store_true",
                         help="leave out the vLLM section (recorded as skipped; it is skipped anyway where "
                              "lcx.serve.vllm_plugin.launch.vllm_python() finds no vLLM)")
