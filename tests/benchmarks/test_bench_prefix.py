@@ -46,6 +46,13 @@ def test_bench_prefix_end_to_end(tmp_path):
         assert set(row["ratio_cache_vs_no_cache"]) == {"gen_tok_s", "ttft_p50", "prompt_tokens_computed"}
 
 
+@pytest.mark.parametrize("flag", ["--requests", "--concurrency", "--passkey-length", "--repeats", "--vllm-block-size"])
+def test_bench_prefix_refuses_bad_sizes(flag, tmp_path, capsys):
+    """A size below 1 is a clear error naming the flag, before any model or vLLM starts."""
+    assert main(["bench", "prefix", flag, "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert flag in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
 def test_bench_prefix_cell_reproduces_a_committed_report_cell(tmp_path):
     """`--cell`: the report's passkey cell with and without the cache, each in its own process,
     answers identical to each other and to the committed cell (LM-Infinite's preset depends on the
