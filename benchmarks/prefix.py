@@ -1,7 +1,9 @@
-"""`lcx bench prefix`: lcx's engine with and without its prefix cache on two loads that share prefixes.
+"""`lcx bench prefix`: lcx's engine with and without its prefix cache on two loads that share prefixes,
+beside vLLM's automatic prefix caching on the same loads.
 
-    lcx bench prefix                               # -> results/prefix_cpu.json (run from the repo root)
-    lcx bench prefix --model tiny-5m --passkey-length 2048 --repeats 3
+    lcx bench prefix                 # -> results/prefix_cpu.json (run from the repo root)
+    LCX_VLLM_VENV=DIR lcx bench prefix   # vLLM from that environment (scripts/install_vllm_cpu.sh --venv DIR)
+    lcx bench prefix --model tiny-5m --passkey-length 2048 --repeats 3 --no-vllm   # lcx only
 
 Loads (token ids drawn from a fixed generator, so every run sends the same prompts):
 
@@ -18,8 +20,22 @@ throughput (generated tokens / s, prompt tokens / s), median and p90 time to fir
 prompt tokens the model computed and the cache's hit rate, medians over `--repeats` interleaved
 runs (an engine per setting, built once; the cache is emptied before each run), and the ratios
 cache / no_cache from the same run. Both settings give the same tokens (checked; the exactness
-tests are tests/engine/test_prefix_cache.py). vLLM's prefix caching on the same loads is not run
-here yet.
+tests are tests/engine/test_prefix_cache.py).
+
+The record's `vllm` section runs the same prompts (token ids) through vLLM's offline engine
+(`vllm.LLMEngine`, plain vLLM: its own Llama, float32, eager) with `enable_prefix_caching` True
+and False: two engines in subprocesses of the python `lcx.serve.vllm_plugin.launch.vllm_python()`
+finds (LCX_VLLM_VENV, or vLLM in this environment, or .venv-vllm), each running its engine core
+in that one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as lcx's engine runs in the benchmark's)
+with `--threads` OMP threads, interleaved with lcx's runs in every repeat. Both
+engines are driven by the same loop (`_drive`: `--concurrency` in flight, TTFT from a request's
+submission to the step that returned its first token), greedy, `--max-tokens`, ignore_eos; vLLM
+keeps its own scheduler (chunked prefill, a token budget per step) and its block size (128 on
+CPU, `--vllm-block-size`), against lcx's 16. Per load: the same metrics (hit rate and prompt
+tokens computed from vLLM's own counters), ratios cache / no_cache, ratios vLLM / lcx per setting,
+whether vLLM gave the same tokens with and without its cache (recorded, not enforced) and how many
+requests got lcx's tokens. Where vLLM is not installed, or with `--no-vllm`, the section is
+`{"skipped": "<why>"}` and the lcx part runs as before.
 
 `--cell PRESET` measures instead what the cache saves a report cell: the passkey part of an
 `lcx report` cell (lm-eval's `simple_evaluate` on lcx's `passkey` task through `--model lcx`,
@@ -51,10 +67,12 @@ from typing import Any
 
 from benchmarks.harness import Benchmark
 
-DESCRIPTION = "lcx's engine with vs without its prefix cache: shared system prompt and passkey-sweep loads"
+DESCRIPTION = ("lcx's engine with vs without its prefix cache, beside vLLM's prefix caching: shared system prompt "
+               "and passkey-sweep loads")
 BENCH = Benchmark("prefix", DESCRIPTION, __doc__, out="results/prefix_cpu.json", threads="1",
-                  record_description="prefix caching in lcx's engine: throughput and time to first token with "
-                                     "and without the cache on a shared-system-prompt and a passkey-sweep load")
+                  record_description="prefix caching in lcx's engine (results) and in vLLM (vllm): throughput and "
+                                     "time to first token with and without the cache on a shared-system-prompt "
+                                     "and a passkey-sweep load")
 SETTINGS = ("no_cache", "cache")
 
 
@@ -70,6 +88,8 @@ class Config:
     max_tokens: int
     repeats: int
     threads: int
+    vllm: bool = True  # run the vLLM section (False: --no-vllm)
+    vllm_block_size: int | None = None  # vLLM's KV block size (None: vLLM's default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passkey-length", type=int, default=2048, help="passkey_sweep prompt length (default: %(default)s)")
     parser.add_argument("--depths", type=int, default=8, help="passkey_sweep needle depths (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per setting (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per setting and engine "
+                        "(default: %(default)s)")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="leave out the vLLM section (recorded as skipped; it is skipped anyway where "
+                             "lcx.serve.vllm_plugin.launch.vllm_python() finds no vLLM)")
+    parser.add_argument("--vllm-block-size", type=int, default=None,
+                        help="vLLM's KV cache block size, the unit its prefix cache reuses (default: vLLM's own, "
+                             "128 on CPU, where it takes multiples of 32; lcx's engine uses 16)")
     parser.add_argument("--cell", metavar="PRESET", default=None,
                         help="measure a report passkey cell of this preset (lcx report --presets) with and "
                              "without the cache instead of the two loads (see the description)")
@@ -120,15 +147,12 @@ def passkey_load(cfg: Config, vocab: int) -> list[list[int]]:
     return out
 
 
-def _run_load(engine: Any, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
-    """Send `prompts` with `concurrency` in flight through `engine.step`; time to first token per
-    request, wall time, tokens."""
-    from lcx.engine import SamplingParams
-
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.clear()
-    stats0 = engine.stats.to_dict()
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def _drive(add: Any, step: Any, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
+    """Send `prompts` with `concurrency` in flight (a new one joins as one finishes) through an
+    engine's step loop: `add(prompt, i) -> request id`, `step() -> [(request id, new token ids,
+    finished)]`. Time to first token per request (from its submission to the step that returned its
+    first token), wall time, tokens in prompt order. lcx's engine and vLLM's run through this one
+    loop, so both are timed the same way."""
     queue = list(enumerate(prompts))
     t_add: dict[str, float] = {}
     ttft: dict[str, float] = {}
@@ -136,34 +160,182 @@ def _run_load(engine: Any, prompts: list[list[int]], concurrency: int, max_token
     index: dict[str, int] = {}
     t0 = time.perf_counter()
 
-    def add() -> None:
+    def push() -> None:
         i, p = queue.pop(0)
-        rid = engine.add_request(p, sp)
-        t_add[rid], index[rid], tokens[rid] = time.perf_counter(), i, []
+        t = time.perf_counter()
+        rid = add(p, i)
+        t_add[rid], index[rid], tokens[rid] = t, i, []
 
-    while queue and len(t_add) - len([r for r in tokens if r in ttft and len(tokens[r]) >= max_tokens]) < concurrency:
-        add()
+    for _ in range(min(concurrency, len(queue))):
+        push()
     done = 0
     while done < len(prompts):
-        for ev in engine.step():
-            if ev.token_ids and ev.request_id not in ttft:
-                ttft[ev.request_id] = time.perf_counter() - t_add[ev.request_id]
-            tokens[ev.request_id] += ev.token_ids
-            if ev.finished:
+        for rid, ids, finished in step():
+            if ids and rid not in ttft:
+                ttft[rid] = time.perf_counter() - t_add[rid]
+            tokens[rid] += ids
+            if finished:
                 done += 1
                 if queue:
-                    add()
+                    push()
     wall = time.perf_counter() - t0
-    stats1 = engine.stats.to_dict()
-    looked = stats1["prefix_cache_query_tokens"] - stats0["prefix_cache_query_tokens"]
-    hit = stats1["prefix_cache_hit_tokens"] - stats0["prefix_cache_hit_tokens"]
     first = sorted(ttft.values())
     return {"wall_s": wall, "gen_tok_s": sum(len(t) for t in tokens.values()) / wall,
             "prompt_tok_s": sum(map(len, prompts)) / wall, "ttft_p50_s": statistics.median(first),
             "ttft_p90_s": first[min(len(first) - 1, int(0.9 * len(first)))],
-            "prompt_tokens_computed": stats1["prompt_tokens_computed"] - stats0["prompt_tokens_computed"],
-            "hit_rate": hit / looked if looked else 0.0,
             "tokens": [tokens[r] for r in sorted(tokens, key=index.get)]}
+
+
+def _run_load(engine: Any, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """`prompts` through lcx's engine (`_drive`), its prefix cache emptied first; adds the prompt
+    tokens the model computed and the cache's hit rate (hit / looked-up prompt tokens)."""
+    from lcx.engine import SamplingParams
+
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    stats0 = engine.stats.to_dict()
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    res = _drive(lambda p, i: engine.add_request(p, sp),
+                 lambda: [(ev.request_id, ev.token_ids, ev.finished) for ev in engine.step()], prompts, concurrency)
+    stats1 = engine.stats.to_dict()
+    looked = stats1["prefix_cache_query_tokens"] - stats0["prefix_cache_query_tokens"]
+    hit = stats1["prefix_cache_hit_tokens"] - stats0["prefix_cache_hit_tokens"]
+    return {**res, "prompt_tokens_computed": stats1["prompt_tokens_computed"] - stats0["prompt_tokens_computed"],
+            "hit_rate": hit / looked if looked else 0.0}
+
+
+# --- vLLM: its offline engine (`LLMEngine`, in the python that has vLLM) on the same loads ---------
+
+def _vllm_counters(engine: Any) -> dict[str, float]:
+    """vLLM's prefix-cache counters (its Prometheus metrics, `LLMEngine.get_metrics`): looked-up and
+    hit prompt tokens, and the prompt tokens it computed."""
+    out = {"queries": 0.0, "hits": 0.0, "computed": 0.0}
+    for m in engine.get_metrics():
+        if m.name == "vllm:prefix_cache_queries":
+            out["queries"] += m.value
+        elif m.name == "vllm:prefix_cache_hits":
+            out["hits"] += m.value
+        elif m.name == "vllm:prompt_tokens_by_source" and m.labels.get("source") == "local_compute":
+            out["computed"] += m.value
+    return out
+
+
+def _vllm_run_load(engine: Any, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """`_run_load` for vLLM's `LLMEngine`: the same loop, greedy, ignore_eos; its prefix cache reset first."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache")
+    c0 = _vllm_counters(engine)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    def add(p: list[int], i: int) -> str:
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), sp)
+        return str(i)  # outputs carry the id given here (vLLM's internal id adds a suffix)
+
+    res = _drive(add, lambda: [(o.request_id, list(o.outputs[0].token_ids), o.finished) for o in engine.step()],
+                 prompts, concurrency)
+    c1 = _vllm_counters(engine)
+    looked = c1["queries"] - c0["queries"]
+    return {**res, "prompt_tokens_computed": int(c1["computed"] - c0["computed"]),
+            "hit_rate": (c1["hits"] - c0["hits"]) / looked if looked else 0.0}
+
+
+def vllm_worker(spec_json: str) -> None:
+    """In the python that has vLLM (`VllmEngine` starts it): one vLLM engine, then one load per
+    line of stdin (JSON {"prompts", "concurrency", "max_tokens"}; {"quit": true} ends), one JSON
+    line back per load. Replies go to the original stdout; vLLM's own prints go to stderr."""
+    import gc
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    spec = json.loads(spec_json)
+    import vllm
+    from vllm import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], hf_overrides=spec["overrides"],
+        enforce_eager=True, seed=0, enable_prefix_caching=spec["cache"], disable_log_stats=False,
+        **({"block_size": spec["block_size"]} if spec["block_size"] else {})))
+    vc = engine.vllm_config
+    proto.write(json.dumps({"vllm": vllm.__version__, "block_size": vc.cache_config.block_size,
+                            "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+                            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+                            "max_num_seqs": vc.scheduler_config.max_num_seqs,
+                            "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill)}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        proto.write(json.dumps(_vllm_run_load(engine, cmd["prompts"], cmd["concurrency"], cmd["max_tokens"])) + "\n")
+    # shut the engine down while the interpreter is whole (lcx.serve.vllm_plugin.score does the same)
+    del engine
+    gc.collect()
+
+
+class VllmEngine:
+    """vLLM's offline engine in a subprocess of the python `vllm_python()` finds (with
+    `vllm_env`'s CPU settings, as `lcx bench serving` and `lcx serve --engine vllm` run it): plain
+    vLLM (its own Llama; the length limit raised to `max_model_len`, default RoPE), float32,
+    eager, in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and caller in one
+    process, as lcx's engine runs in the benchmark's), prefix caching on or off. `run` sends one
+    load and returns `_vllm_run_load`'s numbers."""
+
+    def __init__(self, python: Path, model_dir: str, max_model_len: int, overrides: dict[str, Any], cache: bool,
+                 threads: int, log: Path, block_size: int | None = None):
+        self.python, self.log = python, log
+        self.spec = {"model": model_dir, "max_model_len": max_model_len, "overrides": overrides, "cache": cache,
+                     "block_size": block_size}
+        self.threads = threads
+        self.info: dict[str, Any] = {}
+
+    def start(self) -> "VllmEngine":
+        from lcx.serve.vllm_plugin.launch import vllm_env
+
+        self.private = tempfile.mkdtemp(prefix="lcx-vllm-")
+        env = {**vllm_env(self.private, threads=self.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        root = str(Path(__file__).resolve().parents[1])
+        # the repository goes last on sys.path: vLLM finds the installed lcx's metadata first, and the
+        # cwd is the private directory (lcx.serve.vllm_plugin.launch says why)
+        code = (f"import sys; sys.path.append({root!r}); from benchmarks.prefix import vllm_worker; "
+                "vllm_worker(sys.argv[1])")
+        self.proc = subprocess.Popen([str(self.python), "-c", code, json.dumps(self.spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(self.log, "w"), env=env, cwd=self.private,
+                                     text=True)
+        return self
+
+    def _reply(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"the vLLM worker exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+        return json.loads(line)
+
+    def ready(self) -> dict[str, Any]:
+        self.info = self._reply()
+        return self.info
+
+    def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "concurrency": concurrency,
+                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        import shutil
+
+        if getattr(self, "proc", None) is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        shutil.rmtree(getattr(self, "private", ""), ignore_errors=True)
 
 
 def _cell_run(model: str, preset: str, length: int, depths: int, per_depth: int) -> tuple[Any, Any]:
@@ -266,6 +438,106 @@ def run_cell(args: argparse.Namespace, threads: int) -> int:
     return 0
 
 
+METRICS = ("wall_s", "gen_tok_s", "prompt_tok_s", "ttft_p50_s", "ttft_p90_s", "prompt_tokens_computed", "hit_rate")
+
+
+def _row(prompts: list[list[int]], conc: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One engine's row of a load: medians over the repeats per setting, the ratios cache / no_cache,
+    whether every run gave the same tokens."""
+    same = all(r["tokens"] == runs["no_cache"][0]["tokens"] for s in SETTINGS for r in runs[s])
+    row: dict[str, Any] = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                           "concurrency": conc, "same_tokens": same}
+    for s in SETTINGS:
+        row[s] = {k: round(statistics.median(r[k] for r in runs[s]), 5) for k in METRICS}
+    c, n = row["cache"], row["no_cache"]
+    row["ratio_cache_vs_no_cache"] = {"gen_tok_s": round(c["gen_tok_s"] / n["gen_tok_s"], 3),
+                                      "ttft_p50": round(c["ttft_p50_s"] / n["ttft_p50_s"], 3),
+                                      "prompt_tokens_computed": round(c["prompt_tokens_computed"]
+                                                                      / n["prompt_tokens_computed"], 3)}
+    return row
+
+
+def _vs_lcx(row: dict[str, Any], lcx_row: dict[str, Any], tokens: list[list[int]],
+            lcx_tokens: list[list[int]]) -> dict[str, Any]:
+    """vLLM's row beside lcx's from the same run: the ratios vLLM / lcx per setting, and how many
+    requests got lcx's greedy tokens (all of them / the first token)."""
+    return {
+        "ratio_vllm_vs_lcx": {s: {"gen_tok_s": round(row[s]["gen_tok_s"] / lcx_row[s]["gen_tok_s"], 3),
+                                  "ttft_p50": round(row[s]["ttft_p50_s"] / lcx_row[s]["ttft_p50_s"], 3),
+                                  "prompt_tokens_computed": round(row[s]["prompt_tokens_computed"]
+                                                                  / lcx_row[s]["prompt_tokens_computed"], 3)}
+                              for s in SETTINGS},
+        "same_tokens_as_lcx": tokens == lcx_tokens,
+        "requests_same_as_lcx": sum(a == b for a, b in zip(tokens, lcx_tokens)),
+        "requests_same_first_token_as_lcx": sum(a[:1] == b[:1] for a, b in zip(tokens, lcx_tokens)),
+    }
+
+
+def _start_vllm(args: argparse.Namespace, max_model_len: int, mpe: int, threads: int,
+                log_dir: Path) -> tuple[dict[str, VllmEngine] | None, dict[str, Any]]:
+    """vLLM's two engines (cache / no_cache) started side by side, or None and the record's
+    `{"skipped": why}` where vLLM is not installed or `--no-vllm` was given."""
+    from lcx.models import resolve_source
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+
+    if args.no_vllm:
+        return None, {"skipped": "--no-vllm"}
+    try:
+        python = vllm_python()
+    except VllmNotInstalled as e:
+        print(f"skipping vLLM: {e}", file=sys.stderr)
+        return None, {"skipped": str(e)}
+    kind, model_dir = resolve_source(args.model)
+    if kind != "hf":
+        return None, {"skipped": f"--model {args.model} is a {kind} file; the vLLM section runs Hugging Face "
+                                 "model directories"}
+    overrides = {"max_position_embeddings": max_model_len} if max_model_len > mpe else {}
+    engines = {s: VllmEngine(python, str(model_dir), max_model_len, overrides, s == "cache", threads,
+                             log_dir / f"vllm-{s}.log", args.vllm_block_size) for s in SETTINGS}
+    try:
+        for e in engines.values():  # both start at once, then both are waited for
+            e.start()
+        info = {s: e.ready() for s, e in engines.items()}
+    except BaseException:
+        for e in engines.values():
+            e.close()
+        raise
+    if not info["cache"]["enable_prefix_caching"] or info["no_cache"]["enable_prefix_caching"]:
+        raise RuntimeError(f"vLLM's prefix caching is not as asked: {info}")
+    engine = {k: v for k, v in info["cache"].items() if k != "enable_prefix_caching"}
+    engine.update(model=str(model_dir), dtype="float32", enforce_eager=True, hf_overrides=overrides,
+                  max_model_len=max_model_len, threads=threads, multiprocessing=False)
+    return engines, {"engine": engine, "notes": _vllm_notes(engine), "loads": {}}
+
+
+def _vllm_notes(engine: dict[str, Any]) -> list[str]:
+    """How to read the vLLM section (the record's `vllm.notes`)."""
+    from lcx.engine import EngineConfig
+
+    return [
+        f"vLLM {engine['vllm']} (CPU), its offline engine (vllm.LLMEngine) in a subprocess of the python "
+        "lcx.serve.vllm_plugin.launch.vllm_python() finds, with vllm_env's settings: plain vLLM (its own Llama, "
+        "no lcx plugin), float32, --enforce-eager, OMP threads = --threads without core binding, "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core and step loop in one process, as lcx's engine runs "
+        "in the benchmark's). Two engines, enable_prefix_caching True and False, alive together; every "
+        "repeat runs lcx no_cache, lcx cache, vLLM no_cache, vLLM cache in turn.",
+        "The same prompts (token ids, TokensPrompt), greedy, max_tokens, ignore_eos, sent through the same "
+        "loop (benchmarks.prefix._drive): `concurrency` requests in flight, a new one added when one "
+        "finishes, TTFT from a request's submission to the step that returned its first token. vLLM's "
+        "scheduler is its own: chunked prefill with a token budget per step "
+        f"(max_num_batched_tokens {engine['max_num_batched_tokens']}), where lcx's engine prefills each "
+        "admitted prompt whole; in both, prompts admitted together reuse each other's shared blocks.",
+        f"vLLM's prefix cache works in blocks of {engine['block_size']} tokens (--vllm-block-size; vLLM's CPU "
+        f"default is 128), lcx's in blocks of {EngineConfig().prefix_block_size} (EngineConfig.prefix_block_size): "
+        "a prompt reuses whole blocks only, so the larger block leaves up to a block more of a shared prefix "
+        "to compute. vLLM's hit_rate: its counters vllm:prefix_cache_hits / "
+        "vllm:prefix_cache_queries; prompt_tokens_computed: vllm:prompt_tokens_by_source{source=local_compute}.",
+        "same_tokens: vLLM with and without its cache gave the same greedy tokens in every run (recorded, not "
+        "enforced); same_tokens_as_lcx / requests_same_as_lcx compare vLLM's tokens to lcx's (float32 on both "
+        "sides, but different kernels and summation orders: a near-tie on this small model may flip).",
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     from lcx.engine import Engine, EngineConfig
     from lcx.models import load_model
@@ -277,47 +549,63 @@ def run(args: argparse.Namespace) -> int:
                  "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.vllm_block_size is not None and args.vllm_block_size < 1:
+        raise ValueError(f"--vllm-block-size must be >= 1, got {args.vllm_block_size}")
     threads = BENCH.resolve_threads(args)
     cfg = Config(args.model, args.requests, args.concurrency, args.system_tokens, args.question_tokens,
-                 args.passkey_length, args.depths, args.max_tokens, args.repeats, threads)
-    rec = BENCH.start(args, cfg)
+                 args.passkey_length, args.depths, args.max_tokens, args.repeats, threads, not args.no_vllm,
+                 args.vllm_block_size)
+    loadavg: list[float] = []
+    rec = BENCH.start(args, cfg, environment={"loadavg_before": os.getloadavg()[0], "loadavg_after_each_load": loadavg})
     model, tok = load_model(args.model)
     need = max(cfg.system_tokens + cfg.question_tokens, cfg.passkey_length) + cfg.max_tokens
-    engines = {s: Engine(model, tok, EngineConfig(max_model_len=max(need, model.config.max_position_embeddings),
-                                                  prefix_caching=(s == "cache"))) for s in SETTINGS}
+    mpe = int(model.config.max_position_embeddings)
+    max_model_len = max(need, mpe)
+    engines = {s: Engine(model, tok, EngineConfig(max_model_len=max_model_len, prefix_caching=(s == "cache")))
+               for s in SETTINGS}
     vocab = int(model.config.vocab_size)
     loads = {"system_prompt": (system_prompt_load(cfg, vocab), cfg.concurrency),
              "passkey_sweep": (passkey_load(cfg, vocab), 1)}
     results: dict[str, Any] = {}
-    for load in rec.progress(list(loads), unit="load"):
-        prompts, conc = loads[load]
-        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SETTINGS}
-        for _ in range(cfg.repeats):
-            for s in SETTINGS:  # interleaved
-                runs[s].append(_run_load(engines[s], prompts, conc, cfg.max_tokens))
-        same = all(r["tokens"] == runs["no_cache"][0]["tokens"] for s in SETTINGS for r in runs[s])
-        if not same:
-            raise RuntimeError(f"{load}: tokens with and without the prefix cache differ")
-        row: dict[str, Any] = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                               "concurrency": conc, "same_tokens": same}
-        for s in SETTINGS:
-            row[s] = {k: round(statistics.median(r[k] for r in runs[s]), 5)
-                      for k in ("wall_s", "gen_tok_s", "prompt_tok_s", "ttft_p50_s", "ttft_p90_s",
-                                "prompt_tokens_computed", "hit_rate")}
-        c, n = row["cache"], row["no_cache"]
-        row["ratio_cache_vs_no_cache"] = {"gen_tok_s": round(c["gen_tok_s"] / n["gen_tok_s"], 3),
-                                          "ttft_p50": round(c["ttft_p50_s"] / n["ttft_p50_s"], 3),
-                                          "prompt_tokens_computed": round(c["prompt_tokens_computed"]
-                                                                          / n["prompt_tokens_computed"], 3)}
-        results[load] = row
-        rec.log(f"{load}: {row['ratio_cache_vs_no_cache']} hit rate {c['hit_rate']:.2f}")
-        rec.save(results)
-    print(f"{'load':15s} {'gen tok/s (cache / none)':>26s} {'ttft p50 s (cache / none)':>28s} {'hit rate':>9s}")
+    with tempfile.TemporaryDirectory(prefix="lcx-prefix-") as logs:
+        vllm_engines, vsec = _start_vllm(args, max_model_len, mpe, threads, Path(logs))
+        try:
+            for load in rec.progress(list(loads), unit="load"):
+                prompts, conc = loads[load]
+                runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SETTINGS}
+                vruns: dict[str, list[dict[str, Any]]] = {s: [] for s in SETTINGS}
+                for _ in range(cfg.repeats):
+                    for s in SETTINGS:  # interleaved
+                        runs[s].append(_run_load(engines[s], prompts, conc, cfg.max_tokens))
+                    for s in SETTINGS if vllm_engines else ():
+                        vruns[s].append(vllm_engines[s].run(prompts, conc, cfg.max_tokens))
+                row = _row(prompts, conc, runs)
+                if not row["same_tokens"]:
+                    raise RuntimeError(f"{load}: tokens with and without the prefix cache differ")
+                results[load] = row
+                rec.log(f"{load}: lcx {row['ratio_cache_vs_no_cache']} hit rate {row['cache']['hit_rate']:.2f}")
+                if vllm_engines:
+                    vrow = _row(prompts, conc, vruns)
+                    vrow.update(_vs_lcx(vrow, row, vruns["no_cache"][0]["tokens"], runs["no_cache"][0]["tokens"]))
+                    vsec["loads"][load] = vrow
+                    rec.log(f"{load}: vLLM {vrow['ratio_cache_vs_no_cache']} hit rate {vrow['cache']['hit_rate']:.2f}, "
+                            f"same tokens with/without its cache {vrow['same_tokens']}, as lcx's "
+                            f"{vrow['requests_same_as_lcx']}/{len(prompts)}")
+                loadavg.append(os.getloadavg()[0])
+                rec.save(results, vllm=vsec)
+        finally:
+            for e in (vllm_engines or {}).values():
+                e.close()
+    print(f"{'load':15s} {'engine':6s} {'gen tok/s (cache / none)':>26s} {'ttft p50 s (cache / none)':>28s} "
+          f"{'hit rate':>9s}")
     for load, row in results.items():
-        c, n = row["cache"], row["no_cache"]
-        print(f"{load:15s} {c['gen_tok_s']:12.1f} / {n['gen_tok_s']:<11.1f} {c['ttft_p50_s']:13.4f} / "
-              f"{n['ttft_p50_s']:<12.4f} {c['hit_rate']:9.2f}")
-    rec.finish(results)
+        for name, r in [("lcx", row)] + ([("vLLM", vsec["loads"][load])] if "loads" in vsec else []):
+            c, n = r["cache"], r["no_cache"]
+            print(f"{load:15s} {name:6s} {c['gen_tok_s']:12.1f} / {n['gen_tok_s']:<11.1f} {c['ttft_p50_s']:13.4f} / "
+                  f"{n['ttft_p50_s']:<12.4f} {c['hit_rate']:9.2f}")
+    if "skipped" in vsec:
+        print(f"vLLM skipped: {vsec['skipped']}")
+    rec.finish(results, vllm=vsec)
     return 0
 
 

@@ -66,8 +66,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "every method at GPU scale on random weights (llama-3-8b, 32k-128k): prefill, decode tok/s, KV, memory vs"
      " vanilla -> results/scale/<device>.json"),
     (("bench", "prefix"), "benchmarks.prefix",
-     "lcx's engine with vs without its prefix cache: shared-system-prompt and passkey-sweep loads (throughput,"
-     " time to first token) -> results/prefix_cpu.json"),
+     "lcx's engine with vs without its prefix cache, beside vLLM's if installed: shared-system-prompt and"
+     " passkey-sweep loads (throughput, time to first token) -> results/prefix_cpu.json"),
     (("bench", "serving"), "benchmarks.serving",
      "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
      " -> results/serving_cpu.json"),

@@ -1,9 +1,13 @@
 """`lcx bench prefix`: one tiny end-to-end run (the record's shape, ratios from the same run,
-the same tokens with and without the cache, hits on the shared prefixes) and its loads' sharing."""
+the same tokens with and without the cache, hits on the shared prefixes) and its loads' sharing;
+with vLLM (marker `vllm`), its section: vLLM's prefix caching on the same loads."""
 
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from benchmarks.prefix import Config, passkey_load, system_prompt_load
 from lcx.cli import main
@@ -30,15 +34,23 @@ def test_bench_prefix_end_to_end(tmp_path):
     out = tmp_path / "prefix.json"
     assert main(["bench", "prefix", "--requests", "6", "--concurrency", "2", "--system-tokens", "48",
                  "--question-tokens", "5", "--passkey-length", "120", "--depths", "4", "--max-tokens", "2",
-                 "--repeats", "1", "--out", str(out)]) == 0
+                 "--repeats", "1", "--no-vllm", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["config"]["requests"] == 6 and rec["environment"]["git"]["sha"]
+    assert rec["config"]["vllm"] is False and rec["vllm"] == {"skipped": "--no-vllm"}
     for load in ("system_prompt", "passkey_sweep"):
         row = rec["results"][load]
         assert row["same_tokens"] is True
         assert row["no_cache"]["hit_rate"] == 0 and row["cache"]["hit_rate"] > 0
         assert row["cache"]["prompt_tokens_computed"] < row["no_cache"]["prompt_tokens_computed"]
         assert set(row["ratio_cache_vs_no_cache"]) == {"gen_tok_s", "ttft_p50", "prompt_tokens_computed"}
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--concurrency", "--passkey-length", "--repeats", "--vllm-block-size"])
+def test_bench_prefix_refuses_bad_sizes(flag, tmp_path, capsys):
+    """A size below 1 is a clear error naming the flag, before any model or vLLM starts."""
+    assert main(["bench", "prefix", flag, "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert flag in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 def test_bench_prefix_cell_reproduces_a_committed_report_cell(tmp_path):
@@ -57,3 +69,44 @@ def test_bench_prefix_cell_reproduces_a_committed_report_cell(tmp_path):
     assert len(res["cache"]["answers"]) == 30 and res["cache"]["prefix_cache_hit_rate"] > 0
     assert res["cache"]["prompt_tokens_computed"] < res["no_cache"]["prompt_tokens_computed"]
     assert res["cache"]["cpu_s"] > 0 and res["ratio_cache_vs_no_cache"]["cpu_s"] > 0
+
+
+# The vLLM test's load: a system prompt longer than vLLM's CPU block (128 tokens, the unit its
+# prefix cache reuses) and passkey prompts whose shared prefixes span a block, so both loads can hit.
+VLLM_LOAD = ["--requests", "4", "--concurrency", "2", "--system-tokens", "160", "--question-tokens", "8",
+             "--passkey-length", "400", "--depths", "3", "--max-tokens", "3", "--repeats", "1"]
+
+
+@pytest.mark.vllm
+def test_bench_prefix_vllm_section(tmp_path):
+    """The record's `vllm` section end to end on a tiny load: vLLM with and without its prefix
+    cache on lcx's prompts, the same tokens both ways, hits only with the cache, the ratios."""
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+
+    try:
+        vllm_python()
+    except VllmNotInstalled as e:
+        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(e))
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", *VLLM_LOAD, "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    sec = rec["vllm"]
+    assert "skipped" not in sec, sec
+    assert sec["engine"]["vllm"] and sec["engine"]["block_size"] <= 128 and sec["engine"]["multiprocessing"] is False
+    assert sec["notes"] and set(sec["loads"]) == set(rec["results"]) == {"system_prompt", "passkey_sweep"}
+    for load, row in sec["loads"].items():
+        lcx_row = rec["results"][load]
+        assert row["prompts"] == lcx_row["prompts"] and row["prompt_tokens"] == lcx_row["prompt_tokens"]
+        assert row["same_tokens"] is True, load  # vLLM with and without its cache
+        assert row["no_cache"]["hit_rate"] == 0 and row["cache"]["hit_rate"] > 0, (load, row)
+        assert row["no_cache"]["prompt_tokens_computed"] == row["prompt_tokens"]
+        assert row["cache"]["prompt_tokens_computed"] < row["no_cache"]["prompt_tokens_computed"]
+        assert min(row[s][k] for s in ("cache", "no_cache") for k in ("wall_s", "gen_tok_s", "ttft_p50_s")) > 0
+        assert set(row["ratio_cache_vs_no_cache"]) == {"gen_tok_s", "ttft_p50", "prompt_tokens_computed"}
+        for s in ("cache", "no_cache"):
+            r = row["ratio_vllm_vs_lcx"][s]
+            assert r["gen_tok_s"] == pytest.approx(row[s]["gen_tok_s"] / lcx_row[s]["gen_tok_s"], rel=1e-2)
+        assert isinstance(row["same_tokens_as_lcx"], bool)
+        assert 0 <= row["requests_same_as_lcx"] <= row["requests_same_first_token_as_lcx"] <= row["prompts"]
