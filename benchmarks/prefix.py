@@ -41,8 +41,8 @@ requests got lcx's tokens. Where vLLM is not installed, or with `--no-vllm`, the
 `lcx report` cell (lm-eval's `simple_evaluate` on lcx's `passkey` task through `--model lcx`,
 batch size 1, `--passkey-length`, `--depths` x `--samples-per-depth` prompts, the report's preset
 `PRESET` with the RoPE factor of that length) run once with the prefix cache and once without,
-each in its own process: the process's CPU seconds (user + system, model load included), wall
-time and answers. The two must answer identically, and equal `--compare CELL` (a committed
+each in its own process, the two at the same time (so both see the machine's load alike): each
+process's CPU seconds (user + system, model load included), wall time and answers. The two must answer identically, and equal `--compare CELL` (a committed
 report cell, e.g. results/report/smollm2-135m-n16/cells/self_extend.lmeval.16384.json.gz) where
 given. -> results/prefix_cell_<model>_<preset>_<length>.json
 
@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -369,22 +368,37 @@ def cell_worker(spec: dict[str, Any], out: str) -> None:
     atomic_write_json(Path(out), res)
 
 
-def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run `cell_worker` in a fresh process; its CPU seconds from the kernel's child accounting."""
+def _children(specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run `cell_worker` for each spec in its own fresh process, all at once (the settings share
+    the machine's conditions: on a shared machine, sequential runs see different loads); each
+    process's CPU seconds (user + system) from the kernel's accounting of that child (`wait4`)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "cell.json")
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        code = f"import json; from benchmarks.prefix import cell_worker; cell_worker(json.loads({json.dumps(spec)!r}), {out!r})"
-        root = Path(__file__).resolve().parents[1]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-        subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
-        wall = time.perf_counter() - t0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        res = json.loads(Path(out).read_text())
-    res["cpu_s"] = round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2)
-    res["process_wall_s"] = round(wall, 2)
-    return res
+        procs: dict[int, tuple[str, str, float]] = {}
+        for name, spec in specs.items():
+            out = os.path.join(tmp, f"{name}.json")
+            code = (f"import json; from benchmarks.prefix import cell_worker; "
+                    f"cell_worker(json.loads({json.dumps(spec)!r}), {out!r})")
+            p = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env)
+            procs[p.pid] = (name, out, time.perf_counter())
+        results: dict[str, dict[str, Any]] = {}
+        failed = []
+        while procs:
+            pid, status, usage = os.wait4(-1, 0)
+            if pid not in procs:
+                continue
+            name, out, t0 = procs.pop(pid)
+            if os.waitstatus_to_exitcode(status) != 0:
+                failed.append(f"{name} (exit {os.waitstatus_to_exitcode(status)})")
+                continue
+            res = json.loads(Path(out).read_text())
+            res["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)
+            res["process_wall_s"] = round(time.perf_counter() - t0, 2)
+            results[name] = res
+    if failed:
+        raise RuntimeError(f"cell worker(s) failed: {', '.join(failed)}")
+    return results
 
 
 def _answers(cell: dict[str, Any]) -> list[tuple[float, str, float, Any]]:
@@ -411,15 +425,15 @@ def run_cell(args: argparse.Namespace, threads: int) -> int:
         f"results/prefix_cell_{args.model}_{args.cell}_{args.passkey_length}.json")
     rec = BENCH.start(args, cfg, out=out)
     results: dict[str, Any] = {}
-    for s in rec.progress(["no_cache", "cache"], unit="setting"):
-        spec = {"model": args.model, "preset": args.cell, "length": args.passkey_length, "depths": args.depths,
-                "per_depth": args.samples_per_depth, "cache": s == "cache", "threads": threads}
-        r = _child(spec)
+    specs = {s: {"model": args.model, "preset": args.cell, "length": args.passkey_length, "depths": args.depths,
+                 "per_depth": args.samples_per_depth, "cache": s == "cache", "threads": threads}
+             for s in ("no_cache", "cache")}
+    rec.log("running the cell with and without the prefix cache, one process each, at the same time")
+    for s, r in _children(specs).items():
         results[s] = {k: r[k] for k in ("cpu_s", "process_wall_s", "wall_s", "passkey", "passkey_docs",
                                         "prompt_tokens_computed", "prefix_cache_hit_rate", "prefix_cache_on")}
         results[s]["answers"] = _answers(r)
         rec.log(f"{s}: {results[s]['cpu_s']} CPU s, passkey {r['passkey']:.3f}")
-        rec.save(results)
     same = results["cache"]["answers"] == results["no_cache"]["answers"]
     results["same_answers"] = same
     if committed is not None:
