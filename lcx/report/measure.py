@@ -9,6 +9,7 @@ from typing import Any
 
 from ..presets import PresetRun
 from .config import ReportConfig
+from .lm import lmeval_model
 
 # Cells
 # ============================================================================================
@@ -17,15 +18,6 @@ def _tasks_dir() -> str:
     from lcx.eval_tasks import TASKS_DIR
 
     return str(TASKS_DIR)
-
-
-def lmeval_model(run: PresetRun, cfg: ReportConfig, *, prefix_caching: bool = True) -> Any:
-    """The `lcx` lm-eval model a cell of `run` evaluates (batch size 1: prompts in prefix-reuse
-    order; `prefix_caching=False`: the engine without its prefix cache)."""
-    from ..lmeval_model import LcxLM
-
-    return LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
-                 prefix_caching=prefix_caching, **run.config.with_default_backend(cfg.attn_backend).to_flat())
 
 
 def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,

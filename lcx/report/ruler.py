@@ -43,7 +43,7 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -
     from .. import _lmeval_hook
     import lm_eval.tasks.manager
 
-    from .measure import lmeval_model
+    from .lm import lmeval_model
 
     # what the start-up hook does (also without it): lcx's tasks indexed, RULER's tokenizer and nltk data offline
     _lmeval_hook.patch_task_manager(lm_eval.tasks.manager)
