@@ -13,7 +13,7 @@ tests/serve/test_vllm.py to compare vLLM + plugin with lcx's engine, one vLLM st
 `--cases`: many (model, methods) pairs in one process (tests/serve/test_vllm_families.py): a JSON
 object `{name: {"model": DIR, "methods": {...} or null (plain vLLM)}}`; vLLM's engine runs
 in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor: no engine-core or
-worker process to start per case, ~10 s a case instead of ~1-3 min), one `LLM` after another.
+worker process to start per case, ~5-10 s a case instead of ~1-3 min), one `LLM` after another.
 Writes `{"cases": {name: {"logprobs", "generated", "overrides"} or {"error": "Type: message"}}}`:
 a case vLLM or the plugin refuses is recorded with its error, and the others still run.
 """
@@ -90,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size != 1:
         p.error("--cases runs vLLM in this process: tensor parallelism 1 only")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when each LLM starts its engine
+    # The lcx classes registered as classes (vLLM's documented `register_model` takes a class
+    # too), not as "module:Class" strings: vLLM inspects a lazily registered class in a fresh
+    # subprocess (~20 s per architecture on 2 busy cores, to keep CUDA out of the parent), which
+    # this process, running the models itself on the CPU, has no use for. `register()` then
+    # finds them registered and leaves them alone.
+    from vllm import ModelRegistry
+
+    from . import model as lcx_model
+    from .config import ARCHITECTURES
+
+    for arch in ARCHITECTURES.values():
+        ModelRegistry.register_model(arch, getattr(lcx_model, arch))
     results = {}
     for name, case in json.loads(Path(args.cases).read_text()).items():
         try:
