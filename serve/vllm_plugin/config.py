@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lcx.hf.models import FAMILIES as LCX_FAMILIES, LEFT_OUT, model_shape, rope_layer_types
+from lcx.hf.models import LEFT_OUT, model_shape, rope_layer_types
 from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
 from lcx.methods import UNROTATED_METHODS, AttentionMethod
 from lcx.rope import PartialRopeSpec, RopeSpec
@@ -99,7 +99,6 @@ _TRANSFORMERS_BACKEND = ("vLLM 0.32 has no native class for it and runs it throu
 # lcx families the plugin cannot run in vLLM, and why (named in `hf_overrides`' refusal).
 VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo2ForCausalLM": _TRANSFORMERS_BACKEND,
                                  "Starcoder2ForCausalLM": _TRANSFORMERS_BACKEND}
-assert all(f.model_type in LCX_FAMILIES for f in FAMILIES.values())
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
 # other registry method runs through `.method_attention` (exact, CPU backend only): the methods

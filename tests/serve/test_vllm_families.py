@@ -310,3 +310,15 @@ def test_grids_cover_the_registries():
                and "attention" in m and m.get("layers") == "all"}
     assert in_grid == set(ATTENTION_METHODS) - {"causal"}
     assert {n.split(":")[0] for n in CASES} == {f.model_type for f in FAMILIES.values()}
+
+
+def test_plugin_families_are_lcx_families():
+    """Every family the plugin registers is one of lcx's (`lcx.hf.models.FAMILIES`), and every
+    lcx family is either registered or refused with a stated reason (`VLLM_LEFT_OUT`)."""
+    from lcx.hf.models import FAMILIES as LCX_FAMILIES
+    from lcx.serve.vllm_plugin.config import VLLM_LEFT_OUT
+
+    registered = {f.model_type for f in FAMILIES.values()}
+    assert registered <= set(LCX_FAMILIES)
+    refused = {"olmo": "OlmoForCausalLM", "olmo2": "Olmo2ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+    assert set(LCX_FAMILIES) == registered | set(refused) and set(VLLM_LEFT_OUT) == set(refused.values())
