@@ -3,7 +3,7 @@
 The vLLM checks (marker `vllm`, CI's vLLM step; see tests/serve/test_vllm.py for how vLLM is
 found): one tiny random checkpoint per family (`lcx.hf.models.tiny_model(family)` with vLLM's
 CPU head size, saved with tiny-5m's tokenizer), every case of `CASES` run by ONE vLLM worker
-process (`lcx.serve.vllm_plugin.score --cases`: vLLM's engine in-process, ~10 s a case), then per
+process (`lcx.serve.vllm_plugin.score --cases`: vLLM's engine in-process, ~5 s a case), then per
 case: vLLM's prompt logprobs equal lcx's engine's (`lcx.engine.Engine`) within TOL in float32 and
 vLLM's greedy tokens (its paged-cache decode) equal the engine's; a method changes the long
 prompt's logprobs against the model as loaded (the comparison can fail).
