@@ -2,9 +2,10 @@
 ones, every attention method of `lcx.methods.ATTENTION_METHODS`) inside vLLM's engine and server.
 
 vLLM calls `register()` through the entry point group `vllm.general_plugins` (pyproject:
-`lcx = "lcx.serve.vllm_plugin:register"`) in every process it starts. It registers model classes
-with vLLM's documented `ModelRegistry.register_model` (lazily, as "module:Class" strings, so
-the model module is imported only when vLLM builds the model). Nothing here imports vLLM at
+`lcx = "lcx.serve.vllm_plugin:register"`) in every process it starts. It registers one model
+class per family of `.config.FAMILIES` (vLLM's own class for the family with lcx's methods) with
+vLLM's documented `ModelRegistry.register_model` (lazily, as "module:Class" strings, so the
+model module is imported only when vLLM builds the model). Nothing here imports vLLM at
 lcx import time.
 
 Use (what `lcx serve --engine vllm` does):
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 from .config import ARCHITECTURES, LCX_KEY, UNROTATED_METHODS, check_vllm_methods, hf_overrides, methods_from_hf_config
 
-_MODEL_CLASSES = {"LcxLlamaForCausalLM": "lcx.serve.vllm_plugin.model:LcxLlamaForCausalLM"}
+# lcx architecture -> its class, made by `.model` from vLLM's class for the family (`.config.FAMILIES`).
+_MODEL_CLASSES = {a: f"lcx.serve.vllm_plugin.model:{a}" for a in ARCHITECTURES.values()}
 
 
 def register() -> None:

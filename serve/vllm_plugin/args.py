@@ -28,17 +28,18 @@ DESCRIPTION = ("print vLLM arguments that run lcx methods: lm-eval `--model vllm
 def vllm_arguments(model: str, methods: Any, *, max_model_len: int | None = None,
                    dtype: str = "float32") -> tuple[str, dict[str, Any], Any]:
     """(model directory, vLLM keyword arguments, the checked `lcx.MethodConfig`) that run `methods`
-    (an `lcx.MethodConfig` or its dict) on `model` (a preset name or a Hugging Face directory).
+    (an `lcx.MethodConfig` or its dict) on `model` (a preset name, a Hugging Face directory or a
+    GGUF file: its dequantized float32 directory in lcx's cache, `lcx.models.hf_directory`).
     The keyword arguments are `hf_overrides`, `dtype` and, when known, `max_model_len`."""
     from transformers import AutoConfig
 
-    from lcx.models import resolve_source
+    from lcx.models import hf_directory
 
     from . import check_vllm_methods, hf_overrides
 
-    fmt, model_dir = resolve_source(model)
-    if fmt != "hf":
-        raise ValueError(f"vLLM needs a Hugging Face model directory; {model!r} is {fmt}")
+    # vLLM reads a Hugging Face directory: a GGUF (e.g. the gemma3-270m preset) as lcx's float32
+    # cache entry of it, the weights lcx's own engine loads (built on first use).
+    model_dir = hf_directory(model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     vm = check_vllm_methods(methods, hf_config)
     max_len = max_model_len or vm.context_len(hf_config)
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n", 1)[1]
-    parser.add_argument("--model", required=True, help="preset (lcx models) or Hugging Face model directory")
+    parser.add_argument("--model", required=True, help="preset (lcx models), Hugging Face model directory or GGUF file (vLLM reads its dequantized cache entry)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="vLLM's max_model_len (default: the RoPE method's extended context, else the model's)")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")

@@ -20,8 +20,10 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
   "dynamic" is static at n = L*s), so the two engines would disagree.
 - `attention: sliding_window(window=w)`: w keys, the query included (lcx's convention). vLLM's
   attention layers take `per_layer_sliding_window=w` with the same meaning, and the KV cache
-  manager then frees blocks that left every window; the overrides set `sliding_window` and
-  `layer_types` (all "sliding_attention") in the HF config, which vLLM's Llama reads.
+  manager then frees blocks that left every window. On Llama the overrides set `sliding_window`
+  and `layer_types` (all "sliding_attention") in the HF config, which vLLM's Llama reads; on a
+  hybrid local/global model (Gemma 3) the config stays as loaded and the model class gives the
+  window to the layers that take the method (`layer_plans`), vLLM's CPU backend only.
 - `attention: causal`: the unpatched model (a control).
 - every other method of the registry (`lcx.methods.ATTENTION_METHODS`), e.g. `lm_infinite`,
   `sinks`, `self_extend` — the methods that change distances (`lcx.methods.UNROTATED_METHODS`) —
@@ -30,20 +32,73 @@ What runs inside vLLM (on the CPU backend and on CUDA; nothing here is backend-s
   their true positions by the layer's rotary (lcx's table) and re-rotate only the keys the
   method moves; the others (SWAT, LM-Infinite with top-k) skip vLLM's rotary and cache
   unrotated keys.
+
+Families (`FAMILIES`: the HF architectures vLLM runs natively whose lcx class is registered):
+every family's own vLLM model class runs unchanged (its projections, q/k norms, scaling); the lcx
+class only swaps modules after vLLM built the model (`.model.install_methods`), as `layer_plans`
+says per layer. On a hybrid local/global model (Gemma 3: `config.layer_types`), `layers`
+(`lcx.MethodConfig.layers`, lcx.hf's rule) picks the layers that take the attention method:
+"global" (default) the full-attention layers, the sliding layers keeping vLLM's own sliding-window
+kernel and block freeing; "all" every layer. The RoPE spec applies to the global layers' RoPE
+(`rope_parameters["full_attention"]`, as `lcx.patch` does); a layer that runs the method does so on
+its own layer type's basis.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from lcx.hf.models import LEFT_OUT, model_shape, rope_layer_types
 from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
-from lcx.methods import UNROTATED_METHODS
-from lcx.rope import RopeSpec
+from lcx.methods import UNROTATED_METHODS, AttentionMethod
+from lcx.rope import PartialRopeSpec, RopeSpec
 
 LCX_KEY = "lcx_methods"  # the HF-config attribute (set through hf_overrides) holding the methods
-METHOD_KEYS = ("rope", "attention")  # the MethodConfig keys vLLM takes (no lcx attention backends)
+METHOD_KEYS = ("rope", "attention", "layers")  # the MethodConfig keys vLLM takes (no lcx attention backends)
+
+
+@dataclass(frozen=True)
+class VllmFamily:
+    """One family the plugin runs: vLLM's own model class for it ("module:Class" under
+    `vllm.model_executor.models`), which the lcx class (`lcx_arch`) subclasses without copying
+    its forward, and whether that class reads a per-layer sliding window from the HF config
+    (`layer_types` + `sliding_window`, so the overrides can carry a `sliding_window` method)."""
+
+    model_type: str  # the lcx family (`lcx.hf.models.FAMILIES`)
+    lcx_arch: str
+    vllm_class: str
+    window_from_config: bool = False
+
+
+# HF architecture -> the family the plugin registers an lcx class for (`register()`). A family of
+# `lcx.hf.models.FAMILIES` that vLLM 0.32 runs natively is one line here (its attention module
+# must keep `rotary_emb(positions, q, k)` and an `attn` layer, as vLLM's decoder models do);
+# tests/serve/test_vllm_families.py runs each against lcx's engine. Not here:
+# - olmo, olmo2, starcoder2: vLLM 0.32 has no native class for them; it runs them through its
+#   Transformers backend (`TransformersForCausalLM`), whose layers are transformers' own, not a
+#   vLLM attention module with a rotary module to swap;
+# - the families lcx leaves out (`lcx.hf.models.LEFT_OUT`: interleaved or partial RoPE,
+#   soft-capping, NoPE layers).
+FAMILIES: dict[str, VllmFamily] = {
+    "LlamaForCausalLM": VllmFamily("llama", "LcxLlamaForCausalLM", "llama:LlamaForCausalLM", window_from_config=True),
+    "MistralForCausalLM": VllmFamily("mistral", "LcxMistralForCausalLM", "mistral:MistralForCausalLM",
+                                     window_from_config=True),
+    "Phi3ForCausalLM": VllmFamily("phi3", "LcxPhi3ForCausalLM", "phi3:Phi3ForCausalLM", window_from_config=True),
+    "Qwen2ForCausalLM": VllmFamily("qwen2", "LcxQwen2ForCausalLM", "qwen2:Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": VllmFamily("qwen3", "LcxQwen3ForCausalLM", "qwen3:Qwen3ForCausalLM"),
+    "GemmaForCausalLM": VllmFamily("gemma", "LcxGemmaForCausalLM", "gemma:GemmaForCausalLM"),
+    "Gemma3ForCausalLM": VllmFamily("gemma3_text", "LcxGemma3ForCausalLM", "gemma3:Gemma3ForCausalLM"),
+    "GraniteForCausalLM": VllmFamily("granite", "LcxGraniteForCausalLM", "granite:GraniteForCausalLM"),
+}
 # HF architecture -> the lcx architecture registered with vLLM's ModelRegistry.
-ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "LcxLlamaForCausalLM"}
+ARCHITECTURES: dict[str, str] = {hf: f.lcx_arch for hf, f in FAMILIES.items()}
+_TRANSFORMERS_BACKEND = ("vLLM 0.32 has no native class for it and runs it through its Transformers backend "
+                         "(TransformersForCausalLM: transformers' own layers, no vLLM attention module whose rotary "
+                         "and attention the plugin swaps)")
+# lcx families the plugin cannot run in vLLM, and why (named in `hf_overrides`' refusal).
+VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo2ForCausalLM": _TRANSFORMERS_BACKEND,
+                                 "Starcoder2ForCausalLM": _TRANSFORMERS_BACKEND}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
 # other registry method runs through `.method_attention` (exact, CPU backend only): the methods
@@ -81,7 +136,29 @@ def check_vllm_methods(methods: Mapping[str, Any] | MethodConfig | None, hf_conf
     attention = cfg.attention
     if attention is not None and attention.name == "causal":
         attention = None  # the unpatched model
-    return MethodConfig(rope=rope, attention=attention)
+    return MethodConfig(rope=rope, attention=attention, layers=cfg.layers if attention is not None else None)
+
+
+def _family(hf_config: Any) -> VllmFamily | None:
+    """The family of an HF config (its original or its lcx architecture)."""
+    for a in getattr(hf_config, "architectures", None) or []:
+        for hf, f in FAMILIES.items():
+            if a in (hf, f.lcx_arch):
+                return f
+    return None
+
+
+def windows_by_config(hf_config: Any) -> bool:
+    """True when the overrides carry a `sliding_window` method in the HF config (`layer_types`
+    all "sliding_attention" + `sliding_window`): a family whose vLLM class reads them, on a model
+    that is not hybrid local/global (there `layer_types` is the model's own pattern)."""
+    f = _family(hf_config)
+    return f is not None and f.window_from_config and not is_hybrid(hf_config)
+
+
+def is_hybrid(hf_config: Any) -> bool:
+    """A local/global model (Gemma 3): some layers have their own sliding window, others none."""
+    return any(w is not None for w in model_shape(hf_config).windows)
 
 
 def methods_from_hf_config(hf_config: Any) -> MethodConfig:
@@ -90,7 +167,8 @@ def methods_from_hf_config(hf_config: Any) -> MethodConfig:
     w = sliding_window(methods)
     got_w = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
-    if w is not None and (got_w != w or not layer_types or set(layer_types) != {"sliding_attention"}):
+    if w is not None and windows_by_config(hf_config) and (
+            got_w != w or not layer_types or set(layer_types) != {"sliding_attention"}):
         raise ValueError(f"{LCX_KEY} asks for sliding_window(window={w}) but the config has sliding_window="
                          f"{got_w}, layer_types={layer_types}; build vLLM's hf_overrides with "
                          "lcx.serve.vllm_plugin.hf_overrides")
@@ -141,18 +219,102 @@ def hf_overrides(hf_config: Any, methods: Mapping[str, Any] | MethodConfig | Non
     archs = list(getattr(hf_config, "architectures", None) or [])
     lcx_archs = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
     if not lcx_archs:
-        raise ValueError(f"the vLLM plugin supports architectures {sorted(ARCHITECTURES)}; the model has {archs}")
+        mt = getattr(hf_config, "model_type", None)
+        why = f" ({mt}: {LEFT_OUT[mt]}, left out of lcx's families)" if mt in LEFT_OUT else ""
+        why += "".join(f" ({a}: {VLLM_LEFT_OUT[a]})" for a in archs if a in VLLM_LEFT_OUT)
+        raise ValueError(f"the vLLM plugin supports architectures {sorted(ARCHITECTURES)}; the model has {archs}{why}")
     methods = check_vllm_methods(methods, hf_config)
     out: dict[str, Any] = {"architectures": lcx_archs[:1], LCX_KEY: methods.to_dict()}
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_model_len is not None and (max_pos is None or max_model_len > max_pos):
         out["max_position_embeddings"] = int(max_model_len)
-    if sliding_window(methods) is not None:
+    if sliding_window(methods) is not None and windows_by_config(hf_config):
         out["sliding_window"] = sliding_window(methods)
         out["layer_types"] = ["sliding_attention"] * int(hf_config.num_hidden_layers)
+    layer_plans(hf_config, methods)  # refusals (a length-dependent model RoPE the method needs) before vLLM starts
     return out
 
 
-__all__ = ["ARCHITECTURES", "LCX_KEY", "NATIVE_METHODS", "UNROTATED_METHODS", "check_vllm_methods", "hf_overrides",
-           "keys_rotated", "methods_from_hf_config", "needs_unrotated", "rope_spec", "runs_lcx_attention",
-           "sliding_window"]
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the lcx class changes in one decoder layer of the vLLM model (`layer_plans`).
+
+    rope: the RoPE basis of the layer's rotary module as an lcx table (`VllmRotaryEmbedding`):
+        the methods' spec on a layer it applies to, the layer's own basis under a method that
+        caches keys after RoPE (its re-rotation tables assume lcx's table); None: vLLM's rotary
+        as built (or none at all, when `unrotated`).
+    method: the lcx attention method the layer computes itself (`.method_attention`), None:
+        vLLM's kernel.
+    rotated: `method` runs on keys cached after RoPE (else unrotated: the rotary is skipped).
+    basis: the layer's RoPE spec the method re-rotates with (set with `method`).
+    window: the sliding window vLLM's kernel and KV manager give the layer, when `set_window`.
+    """
+
+    layer_type: str | None
+    rope: RopeSpec | None = None
+    method: AttentionMethod | None = None
+    rotated: bool = False
+    basis: RopeSpec | None = None
+    set_window: bool = False
+    window: int | None = None
+
+    @property
+    def unrotated(self) -> bool:
+        return self.method is not None and not self.rotated
+
+
+def own_rope_spec(hf_config: Any, layer_type: str | None) -> RopeSpec:
+    """The model's own RoPE of a layer type (`rope_parameters[layer_type]` on a model with RoPE
+    per layer type, else `rope_parameters`) as a full lcx spec; a length-dependent one raises
+    (lcx's tables are static, as vLLM's cos/sin cache is)."""
+    rp = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        rp = dict(rp[layer_type])
+    rp.setdefault("rope_type", "default")
+    spec = PartialRopeSpec(rp).resolve(hf_config)
+    if spec.is_length_dependent:
+        raise ValueError(f"the model's own RoPE{f' ({layer_type} layers)' if layer_type else ''} has "
+                         f"rope_type={spec.rope_type!r}, length-dependent; the plugin's methods need a static basis")
+    return spec
+
+
+def layer_plans(hf_config: Any, methods: MethodConfig) -> list[LayerPlan]:
+    """Per decoder layer of an HF config, what the lcx class changes (`LayerPlan`), lcx.hf's rule:
+
+    - a layer takes the attention method unless it is a sliding layer of a hybrid local/global
+      model under `layers="global"` (the default): those keep their own window on vLLM's kernel;
+    - the RoPE spec applies to every layer of a model with one RoPE, to the global layers
+      (`rope_parameters["full_attention"]`) of a model with RoPE per layer type;
+    - a layer that takes `sliding_window(w)` runs vLLM's kernel with window w; one that takes a
+      method vLLM's kernels lack runs it in `.method_attention`, without a vLLM window (a
+      sliding layer under `layers="all"` drops its own, as lcx.hf's does).
+    """
+    shape = model_shape(hf_config)
+    typed = rope_layer_types(hf_config)
+    types_ = list(hf_config.layer_types) if typed is not None else [None] * shape.layers
+    spec = rope_spec(methods)
+    a = methods.attention
+    layers = methods.layers or "global"
+    lcx_runs = runs_lcx_attention(methods)
+    rotated = keys_rotated(methods)
+    plans = []
+    for i in range(shape.layers):
+        lt = types_[i]
+        takes = a is not None and (shape.windows[i] is None or layers == "all")
+        scaled = spec is not None and lt in (None, "full_attention")
+        basis = spec if scaled else own_rope_spec(hf_config, lt) if takes and lcx_runs else None
+        if not takes:
+            plans.append(LayerPlan(lt, rope=spec if scaled else None))
+            continue
+        if not lcx_runs:  # sliding_window: vLLM's kernel with the method's window
+            plans.append(LayerPlan(lt, rope=spec if scaled else None, set_window=True, window=a.window))
+            continue
+        plans.append(LayerPlan(lt, rope=basis if rotated else None, method=a, rotated=rotated, basis=basis,
+                               set_window=True, window=None))
+    return plans
+
+
+__all__ = ["ARCHITECTURES", "FAMILIES", "LCX_KEY", "LayerPlan", "NATIVE_METHODS", "UNROTATED_METHODS", "VllmFamily", "VLLM_LEFT_OUT",
+           "check_vllm_methods", "hf_overrides", "is_hybrid", "keys_rotated", "layer_plans", "methods_from_hf_config",
+           "needs_unrotated", "own_rope_spec", "rope_spec", "runs_lcx_attention", "sliding_window",
+           "windows_by_config"]

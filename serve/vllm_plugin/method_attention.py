@@ -276,6 +276,13 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     if not isinstance(impl, CPUAttentionBackendImpl):
         raise ValueError(f"attention method {method.name!r} runs inside vLLM on the CPU backend only; "
                          f"this layer uses {type(impl).__name__}")
+    # Terms of the layer's own attention that lcx's methods have none for: refused, never dropped.
+    own = {"attention sinks (s_aux)": getattr(impl, "sinks", None) is not None,
+           "logit soft-capping": bool(getattr(impl, "logits_soft_cap", 0)),
+           "ALiBi slopes": getattr(impl, "alibi_slopes", None) is not None}
+    if any(own.values()):
+        raise ValueError(f"attention method {method.name!r} cannot run on {attn_layer.layer_name}: the layer has "
+                         f"{', '.join(k for k, v in own.items() if v)}, which lcx's methods do not compute")
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     impl.do_kv_cache_update = types.MethodType(_MethodAttention.do_kv_cache_update, impl)
     impl.lcx_method = method
