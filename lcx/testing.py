@@ -96,3 +96,46 @@ def attention_layer_io(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, tor
             h.remove()
     return seen
 
+
+
+def require_vllm():
+    """The python that runs vLLM (`lcx.serve.vllm_plugin.launch.vllm_python`), or skip the calling
+    test; with `LCX_REQUIRE_VLLM=1` (CI's vLLM step) a missing vLLM fails it instead."""
+    import os
+
+    import pytest
+
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+
+    try:
+        return vllm_python()
+    except VllmNotInstalled as e:
+        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(e))
+
+
+def run_score_worker(args: list[str], tmp, *, timeout_s: float) -> dict:
+    """Run vLLM's scoring worker (`python -m lcx.serve.vllm_plugin.score ARGS --out TMP/out.json`,
+    one thread, a private short temp dir for vLLM's IPC sockets, its log in TMP/worker.log) with
+    the python `require_vllm` finds; its JSON output. Fails with the log's tail if it fails."""
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from lcx.serve.vllm_plugin.launch import vllm_env
+
+    tmp = Path(tmp)
+    cmd = [str(require_vllm()), "-m", "lcx.serve.vllm_plugin.score", *args, "--out", str(tmp / "out.json")]
+    log = tmp / "worker.log"
+    private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
+    try:
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, env=vllm_env(private, threads=1), cwd=tmp, stdout=f,
+                               stderr=subprocess.STDOUT, timeout=timeout_s)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    assert r.returncode == 0, f"vLLM worker failed ({r.returncode}):\n{log.read_text()[-4000:]}"
+    return json.loads((tmp / "out.json").read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..presets import PresetRun
-from .config import CELL_KINDS, RULER_TASKS, ReportConfig, cell_stem, run_settings
+from .config import CELL_KINDS, ReportConfig, cell_stem, run_settings
 from .measure import DECODE_TIMING
 
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).

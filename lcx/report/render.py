@@ -323,7 +323,6 @@ def _decode_section(record: dict[str, Any], dl: list) -> list[str]:
 def markdown(record: dict[str, Any]) -> str:
     c, res = record["config"], record["results"]
     lengths, dl = c["lengths"], c["decode_lengths"]
-    env = record["environment"]
     n_pk = max([(_cell(record, n, "lmeval", L) or {}).get("passkey_docs", 0) for n in res for L in lengths] or [0])
     done = sum(1 for n in res for k in CELL_KINDS for _ in res[n].get(k, {}))
     status = ("" if done == record.get("cells_total", done) else

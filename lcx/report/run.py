@@ -20,7 +20,7 @@ from .cells import (
     run_fingerprint,
     write_cell,
 )
-from .config import CELL_KINDS, PPL_METRIC, RULER_TASKS, ReportConfig, model_hf_config, run_settings
+from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
 from .measure import CELL_RUNNERS
 from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
 from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired

@@ -5,7 +5,6 @@ with vLLM (marker `vllm`), its section: vLLM's prefix caching on the same loads.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -81,14 +80,9 @@ VLLM_LOAD = ["--requests", "4", "--concurrency", "2", "--system-tokens", "160", 
 def test_bench_prefix_vllm_section(tmp_path):
     """The record's `vllm` section end to end on a tiny load: vLLM with and without its prefix
     cache on lcx's prompts, the same tokens both ways, hits only with the cache, the ratios."""
-    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+    from lcx.testing import require_vllm
 
-    try:
-        vllm_python()
-    except VllmNotInstalled as e:
-        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(str(e))
+    require_vllm()
     out = tmp_path / "prefix.json"
     assert main(["bench", "prefix", *VLLM_LOAD, "--out", str(out)]) == 0
     rec = json.loads(out.read_text())

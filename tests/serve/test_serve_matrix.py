@@ -317,14 +317,9 @@ def test_method_config_runs_through_vllm(case, tmp_path):
     in-process engine's greedy tokens (tiny-5m, head_dim 64 as vLLM's CPU attention needs, float32);
     a config the plugin refuses is refused before vLLM starts, naming why."""
     from lcx.serve.vllm_plugin import check_vllm_methods
-    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+    from lcx.testing import require_vllm
 
-    try:
-        vllm_python()
-    except VllmNotInstalled as e:
-        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(str(e))
+    require_vllm()
     from lcx.models import load_model
 
     d, how = CASES[case]

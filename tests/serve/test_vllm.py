@@ -51,8 +51,8 @@ from lcx.methods import examples, method_id
 from lcx.rope import ROPE_TYPES
 from lcx.serve.vllm_plugin import check_vllm_methods
 from lcx.serve.vllm_plugin.config import runs_lcx_attention
-from lcx.testing import example_rope_spec
-from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python, vllm_env
+from lcx.serve.vllm_plugin.launch import vllm_env
+from lcx.testing import example_rope_spec, require_vllm, run_score_worker
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
@@ -120,12 +120,7 @@ START_TIMEOUT_S = 300
 
 
 def _python() -> Path:
-    try:
-        return vllm_python()
-    except VllmNotInstalled as e:
-        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(str(e))
+    return require_vllm()
 
 
 @pytest.fixture(scope="module")
@@ -182,20 +177,10 @@ def _vllm_logprobs(model_dir: Path, methods: dict | None, prompts: list[list[int
                    gen: int = 1, tp: int = 1) -> list[list[float]] | tuple[list[list[float]], list[list[int]]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "prompts.json").write_text(json.dumps(prompts))
-    cmd = [str(_python()), "-m", "lcx.serve.vllm_plugin.score", "--model", str(model_dir),
-           "--prompts", str(tmp / "prompts.json"), "--out", str(tmp / "out.json"),
-           "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(gen), "--tensor-parallel-size", str(tp)]
-    cmd += ["--methods", json.dumps(methods)] if methods is not None else ["--no-plugin"]
-    log = tmp / "worker.log"
-    private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
-    try:
-        with open(log, "w") as f:
-            r = subprocess.run(cmd, env=vllm_env(private, threads=1), cwd=tmp, stdout=f,
-                               stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-    assert r.returncode == 0, f"vLLM worker failed ({r.returncode}):\n{log.read_text()[-4000:]}"
-    out = json.loads((tmp / "out.json").read_text())
+    args = ["--model", str(model_dir), "--prompts", str(tmp / "prompts.json"), "--max-model-len", str(MAX_MODEL_LEN),
+            "--gen", str(gen), "--tensor-parallel-size", str(tp)]
+    args += ["--methods", json.dumps(methods)] if methods is not None else ["--no-plugin"]
+    out = run_score_worker(args, tmp, timeout_s=WORKER_TIMEOUT_S)
     return out["logprobs"] if gen == 1 else (out["logprobs"], out["generated"])
 
 

@@ -28,10 +28,6 @@ The per-layer plan (`layer_plans`) and the refusals before vLLM run in the defau
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import tempfile
 import types
 from pathlib import Path
 
@@ -43,8 +39,7 @@ from lcx.rope import ROPE_TYPES
 from lcx.serve.vllm_plugin import hf_overrides
 from lcx.serve.vllm_plugin.config import (FAMILIES, LayerPlan, check_vllm_methods, keys_rotated, layer_plans,
                                           runs_lcx_attention)
-from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_env, vllm_python
-from lcx.testing import example_rope_spec
+from lcx.testing import example_rope_spec, require_vllm, run_score_worker
 
 MAX_MODEL_LEN = 512
 CONTEXT = 256  # the tiny checkpoints' max_position_embeddings (the RoPE types' original length)
@@ -113,15 +108,6 @@ REFUSED_IN_VLLM = {"granite_with_sinks:sinks": ("granite", dict(attention_sinks=
                                                 "attention sinks")}
 
 
-def _python() -> Path:
-    try:
-        return vllm_python()
-    except VllmNotInstalled as e:
-        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(str(e))
-
-
 def _save_tiny(model_type: str, out: Path, **extra) -> Path:
     from transformers import AutoTokenizer
 
@@ -152,26 +138,16 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def vllm_results(checkpoints, prompts, tmp_path_factory) -> dict[str, dict]:
     """Every case of CASES and REFUSED_IN_VLLM, run by one vLLM worker process."""
-    python = _python()
+    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-families")
     cases = {name: {"model": str(checkpoints[mt]), "methods": m} for name, (mt, m) in CASES.items()}
     cases.update({name: {"model": str(checkpoints[name.split(":")[0]]), "methods": m}
                   for name, (_, _, m, _) in REFUSED_IN_VLLM.items()})
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "prompts.json").write_text(json.dumps(prompts))
-    cmd = [str(python), "-m", "lcx.serve.vllm_plugin.score", "--cases", str(tmp / "cases.json"),
-           "--prompts", str(tmp / "prompts.json"), "--out", str(tmp / "out.json"),
-           "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(GEN)]
-    log = tmp / "worker.log"
-    private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
-    try:
-        with open(log, "w") as f:
-            r = subprocess.run(cmd, env=vllm_env(private, threads=1), cwd=tmp, stdout=f,
-                               stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_S)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
-    assert r.returncode == 0, f"vLLM worker failed ({r.returncode}):\n{log.read_text()[-4000:]}"
-    return json.loads((tmp / "out.json").read_text())["cases"]
+    args = ["--cases", str(tmp / "cases.json"), "--prompts", str(tmp / "prompts.json"),
+            "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(GEN)]
+    return run_score_worker(args, tmp, timeout_s=WORKER_TIMEOUT_S)["cases"]
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
