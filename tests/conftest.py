@@ -59,6 +59,20 @@ def tiny_gemma3_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The python that runs vLLM (`lcx.serve.vllm_plugin.launch.vllm_python`), or skip the test;
+    with `LCX_REQUIRE_VLLM=1` (CI's vLLM step) a missing vLLM fails it instead."""
+    from lcx.serve.vllm_plugin.launch import VllmNotInstalled, vllm_python
+
+    try:
+        return vllm_python()
+    except VllmNotInstalled as e:
+        if os.environ.get("LCX_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(e))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module's tests, restored afterwards: two OpenMP threads on a shared

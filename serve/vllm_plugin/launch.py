@@ -102,5 +102,30 @@ def serve_command(model_dir: str | os.PathLike, overrides: Mapping[str, Any], *,
     return cmd + list(extra)
 
 
+def run_score_worker(args: Sequence[str], workdir: str | os.PathLike, *, timeout_s: float,
+                     threads: int = 1) -> dict[str, Any]:
+    """Run the scoring worker (`python -m lcx.serve.vllm_plugin.score ARGS --out WORKDIR/out.json`)
+    with the python `vllm_python` finds, in `vllm_env` (a private short temp dir for vLLM's IPC
+    sockets, `threads` threads), its log in WORKDIR/worker.log; returns its JSON output. Raises
+    RuntimeError with the log's tail if the worker fails."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    work = Path(workdir)
+    cmd = [str(vllm_python()), "-m", "lcx.serve.vllm_plugin.score", *args, "--out", str(work / "out.json")]
+    log = work / "worker.log"
+    private = tempfile.mkdtemp(prefix="lcx-vllm-")  # short: vLLM's IPC socket paths live there
+    try:
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, env=vllm_env(private, threads=threads), cwd=work, stdout=f,
+                               stderr=subprocess.STDOUT, timeout=timeout_s)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"vLLM worker failed ({r.returncode}):\n{log.read_text()[-4000:]}")
+    return json.loads((work / "out.json").read_text())
+
+
 def split_args(s: str | None) -> list[str]:
     return shlex.split(s) if s else []

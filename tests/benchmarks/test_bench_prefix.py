@@ -77,12 +77,9 @@ VLLM_LOAD = ["--requests", "4", "--concurrency", "2", "--system-tokens", "160", 
 
 
 @pytest.mark.vllm
-def test_bench_prefix_vllm_section(tmp_path):
+def test_bench_prefix_vllm_section(tmp_path, vllm_python):
     """The record's `vllm` section end to end on a tiny load: vLLM with and without its prefix
     cache on lcx's prompts, the same tokens both ways, hits only with the cache, the ratios."""
-    from lcx.testing import require_vllm
-
-    require_vllm()
     out = tmp_path / "prefix.json"
     assert main(["bench", "prefix", *VLLM_LOAD, "--out", str(out)]) == 0
     rec = json.loads(out.read_text())

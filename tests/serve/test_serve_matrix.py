@@ -312,14 +312,11 @@ def test_vllm_served_configs_are_in_the_matrix():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", list(CASES))
-def test_method_config_runs_through_vllm(case, tmp_path):
+def test_method_config_runs_through_vllm(case, tmp_path, vllm_python):
     """`lcx serve --engine vllm` with every config: the plugin's configs start and answer with the
     in-process engine's greedy tokens (tiny-5m, head_dim 64 as vLLM's CPU attention needs, float32);
     a config the plugin refuses is refused before vLLM starts, naming why."""
     from lcx.serve.vllm_plugin import check_vllm_methods
-    from lcx.testing import require_vllm
-
-    require_vllm()
     from lcx.models import load_model
 
     d, how = CASES[case]

@@ -51,8 +51,8 @@ from lcx.methods import examples, method_id
 from lcx.rope import ROPE_TYPES
 from lcx.serve.vllm_plugin import check_vllm_methods
 from lcx.serve.vllm_plugin.config import runs_lcx_attention
-from lcx.serve.vllm_plugin.launch import vllm_env
-from lcx.testing import example_rope_spec, require_vllm, run_score_worker
+from lcx.serve.vllm_plugin.launch import run_score_worker, vllm_env
+from lcx.testing import example_rope_spec
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
@@ -117,10 +117,6 @@ GEN = 6  # greedy tokens decoded by vLLM for GEN_PROMPTS (its decode path over t
 GEN_PROMPTS = (3, 5)  # prompts of 257 and 1000 tokens: decode past the context, across blocks
 WORKER_TIMEOUT_S = 420
 START_TIMEOUT_S = 300
-
-
-def _python() -> Path:
-    return require_vllm()
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +186,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 @pytest.fixture(scope="module")
-def vllm_plain(model_dir, prompts, tmp_path_factory) -> list[list[float]]:
+def vllm_plain(model_dir, prompts, tmp_path_factory, vllm_python) -> list[list[float]]:
     """vLLM without the plugin (its own Llama, default RoPE, full causal attention)."""
     return _vllm_logprobs(model_dir, None, prompts, tmp_path_factory.mktemp("vllm-plain"))
 
@@ -202,7 +198,7 @@ def test_plain_vllm_matches_unpatched_model(model_dir, prompts, vllm_plain):
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_path):
+def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_path, vllm_python):
     if name not in METHODS_DEFAULT and os.environ.get("LCX_VLLM_FULL_MATRIX") != "1":
         pytest.skip("another example of a method in the default grid: runs with LCX_VLLM_FULL_MATRIX=1")
     methods = METHODS[name]
@@ -227,7 +223,7 @@ def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def vllm_plain_tp2(model_dir, prompts, tmp_path_factory):
+def vllm_plain_tp2(model_dir, prompts, tmp_path_factory, vllm_python):
     """Plain vLLM with --tensor-parallel-size 2, or a skip saying why TP=2 cannot start here."""
     tmp = tmp_path_factory.mktemp("vllm-plain-tp2")
     try:
@@ -293,8 +289,7 @@ SERVE_METHODS = COMBINED["truncate+sliding_window_100"]
 
 
 @pytest.fixture(scope="module")
-def vllm_server(model_dir, tmp_path_factory):
-    _python()
+def vllm_server(model_dir, tmp_path_factory, vllm_python):
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     with lcx_serve(model_dir, log, "--engine", "vllm", "--served-model-name", SERVED, "--max-model-len",
                    str(MAX_MODEL_LEN), "--threads", "1", "--methods", json.dumps(SERVE_METHODS),
@@ -363,12 +358,12 @@ def _lm_eval_run(python: str, model: str, model_args: str, out_dir: Path, env: d
     return json.loads(path.read_text())["results"]["lcx_ppl"]
 
 
-def test_lm_eval_vllm_model_applies_lcx_methods(model_dir, tmp_path):
+def test_lm_eval_vllm_model_applies_lcx_methods(model_dir, tmp_path, vllm_python):
     """`lm_eval --model vllm` (vLLM in-process) with `lcx vllm-args`' model_args gives the same
     rolling log-likelihoods as `--model lcx` with the same methods, and not the plain model's."""
     from lcx.serve.vllm_plugin.args import vllm_arguments
 
-    python = str(_python())
+    python = str(vllm_python)
     model, kwargs, _ = vllm_arguments(str(model_dir), LMEVAL_METHODS, max_model_len=MAX_MODEL_LEN)
     private = tempfile.mkdtemp(prefix="lcx-vllm-")
     try:

@@ -39,7 +39,8 @@ from lcx.rope import ROPE_TYPES
 from lcx.serve.vllm_plugin import hf_overrides
 from lcx.serve.vllm_plugin.config import (FAMILIES, LayerPlan, check_vllm_methods, keys_rotated, layer_plans,
                                           runs_lcx_attention)
-from lcx.testing import example_rope_spec, require_vllm, run_score_worker
+from lcx.serve.vllm_plugin.launch import run_score_worker
+from lcx.testing import example_rope_spec
 
 MAX_MODEL_LEN = 512
 CONTEXT = 256  # the tiny checkpoints' max_position_embeddings (the RoPE types' original length)
@@ -136,9 +137,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def vllm_results(checkpoints, prompts, tmp_path_factory) -> dict[str, dict]:
+def vllm_results(checkpoints, prompts, tmp_path_factory, vllm_python) -> dict[str, dict]:
     """Every case of CASES and REFUSED_IN_VLLM, run by one vLLM worker process."""
-    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-families")
     cases = {name: {"model": str(checkpoints[mt]), "methods": m} for name, (mt, m) in CASES.items()}
     cases.update({name: {"model": str(checkpoints[name.split(":")[0]]), "methods": m}
