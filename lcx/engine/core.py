@@ -121,6 +121,9 @@ class Engine:
             from ..hf.attention_patch import install_decode_hook
 
             install_decode_hook(model)
+        # such a model's prefill continuing from held keys runs per row on lcx's backend (None:
+        # the model's own masked call): per layer, the window it runs as loaded
+        self._loaded_rows = _loaded_rows_windows(model, INFERENCE_BACKEND) if self._hook else None
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = methods.attention is not None
@@ -561,8 +564,18 @@ class Engine:
         kpos = kpos.to(self.device)
         cache = DynamicCache() if held_k is None else _hf_cache(held_k, held_v)
         pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
-        out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
-                            use_cache=True, **self._mask_kwargs(pos >= 0, pos, n_new=C if held_k is not None else 0))
+        if held_k is not None and self._loaded_rows is not None:
+            # a model as loaded continuing from held keys: per row on lcx's backend, no mask
+            # (`lcx.hf.attention_patch.loaded_rows`; the model's own call would be a masked pass)
+            from ..hf.attention_patch import loaded_rows
+
+            self._check_hook()
+            with loaded_rows(pos, self._loaded_rows, INFERENCE_BACKEND):
+                out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
+                                    use_cache=True)
+        else:
+            out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache, use_cache=True,
+                                **self._mask_kwargs(pos >= 0, pos, n_new=C if held_k is not None else 0))
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
         return keys, values, pos, out.last_hidden_state
@@ -834,6 +847,32 @@ def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], re
     for i, m in enumerate(per_layer):
         by_key.setdefault((m, types_[i]), []).append(i)
     return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]]), tuple(g)) for (m, _), g in by_key.items()))
+
+
+def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ...] | None:
+    """Per layer, the window an unpatched model runs as loaded (`_loaded_windows`), when
+    `lcx.hf.attention_patch.loaded_rows` can run its prefill calls on `backend` (the backend
+    `supports()` them on the model's device, dtype and heads, no attention-logit soft-capping),
+    else None."""
+    from ..attention import BACKENDS, AttentionSpec, CallInfo
+    from ..hf import attention_layers
+    from ..masks import causal_mask
+    from ..masks import sliding_window as sliding_window_mask
+
+    cfg = model.config
+    if backend not in BACKENDS or getattr(cfg, "attn_logit_softcapping", None):
+        return None
+    windows = tuple(_loaded_windows(model))
+    p = next(model.parameters())
+    n_heads = int(cfg.num_attention_heads)
+    call = CallInfo(device_type=p.device.type, dtype=p.dtype, requires_grad=False, return_lse=False,
+                    n_heads=n_heads, n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
+                    head_dim=int(attention_layers(model)[0].head_dim), n_queries=2, n_keys=4, q_offset=2)
+    for w in set(windows):
+        spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=w - 1))
+        if BACKENDS[backend].supports(spec, call) is not None:
+            return None
+    return windows
 
 
 def _loaded_windows(model: nn.Module) -> list[int | None]:

@@ -95,10 +95,11 @@ transformers; this module installs them in a model. `lcx.methods` re-exports `pa
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -236,6 +237,12 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     st: _ModuleState | None = module.__dict__.get(_STATE)
     if call is None or call.module is not module:
         if st is not None and st.method is None:  # decode hook, not a decode call: the model's own
+            rows = _LOADED_ROWS.get()
+            if rows is not None:  # lcx.engine's prefill continuing from held keys (`loaded_rows`)
+                if softcap or dropout:
+                    raise NotImplementedError("loaded_rows: attention-logit soft-capping and dropout are not supported")
+                return _attend_loaded_rows(module, query.transpose(1, 2), key.transpose(1, 2),
+                                           value.transpose(1, 2), rows, scaling), None
             return _inner_function(module, st.inner)(module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, sliding_window=sliding_window,
                                                      softcap=softcap, **kwargs)
@@ -398,6 +405,71 @@ def _check_window_kept(window: int, pos: torch.Tensor, nq: int, layer_idx: int |
             "own method: lcx.hf.layer_methods)")
 
 
+# ------------------------------------------------------------------------ an unpatched model's prefill rows
+
+
+@dataclass(frozen=True)
+class _LoadedRows:
+    key_positions: torch.Tensor  # [B, Tk] (-1: not a key of the row)
+    windows: tuple[int | None, ...]  # per layer: the window the model as loaded runs, None: causal
+    backend: str
+
+
+_LOADED_ROWS: contextvars.ContextVar[_LoadedRows | None] = contextvars.ContextVar("lcx_loaded_rows", default=None)
+
+
+@contextlib.contextmanager
+def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], backend: str) -> Iterator[None]:
+    """Inside: a model with the decode hook only (`install_decode_hook`: unpatched, its cache
+    holding ROTATED keys) runs every prefill call's attention per row on `backend`, from the
+    slots' positions `key_positions` `[B, Tk]` (as `lcx_key_positions`: -1 where not a key of
+    the row; each row's keys a contiguous run of positions ending at its newest token), with no
+    mask built: causal, or a sliding window of `windows[layer]` keys (the query and the w - 1
+    before it, transformers' sliding masks). The same attention as the model's own masked call,
+    without the masked pass: on the CPU, transformers' SDPA takes an explicit [Tq, Tk] mask
+    whenever a prefill continues from cached keys (Tq != Tk) and runs it markedly slower than its
+    causal kernel, while lcx's flash backend splits the call into an unmasked pass over the held
+    keys and a causal one over the new tokens. What `lcx.engine` runs for a prefill continuing
+    from a prefix-cache hit or a previous chunk on a model as loaded (`Engine._prefill_forward`);
+    refuses soft-capping and dropout (the engine does not ask for it then)."""
+    token = _LOADED_ROWS.set(_LoadedRows(key_positions, tuple(windows), backend))
+    try:
+        yield
+    finally:
+        _LOADED_ROWS.reset(token)
+
+
+def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: float | None) -> torch.Tensor:
+    """q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]`, rotated by the model -> out `[B, Tq, H, D]`
+    (rows grouped by their numbers of queries and keys, as `_attend_rows`)."""
+    from lcx.attention import AttentionSpec, attention
+    from lcx.masks import causal_mask
+    from lcx.masks import sliding_window as sliding_window_mask
+
+    row_pos = rows.key_positions.to(q.device)
+    B, Tq = q.shape[:2]
+    if row_pos.shape != (B, k.shape[1]):
+        raise ValueError(f"loaded_rows: key positions of shape {tuple(row_pos.shape)}; expected {(B, k.shape[1])}")
+    w = rows.windows[module.layer_idx]
+    spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=int(w) - 1), scale=scale)
+    out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+    groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
+    for b, idx, nq in iter_rows(row_pos, Tq):
+        groups.setdefault((nq, len(idx)), []).append((b, idx))
+    for (nq, n), grp in groups.items():
+        bs = torch.tensor([b for b, _ in grp], device=q.device)
+        idx = torch.stack([i for _, i in grp])  # [G, n]
+        pos = row_pos[bs[:, None], idx]
+        if n > 1 and not bool((pos[:, 1:] - pos[:, :-1] == 1).all()):
+            raise ValueError("loaded_rows: each row's keys must be a contiguous run of positions")
+        if len(grp) == B and n == k.shape[1]:  # every row, every slot: no gather
+            kr, vr = k, v
+        else:
+            kr, vr = k[bs[:, None], idx], v[bs[:, None], idx]
+        out[bs, Tq - nq:] = attention(q[bs, Tq - nq:], kr, vr, spec, backend=rows.backend).to(out.dtype)
+    return out
+
+
 # ------------------------------------------------------------------------ transformers registration
 
 
@@ -405,6 +477,8 @@ def _no_mask(*, attention_mask: torch.Tensor | None = None, config: Any = None, 
     """Mask function: a patched model's layers mask by themselves (their methods are causal);
     refuse padding they cannot honour. A model with the decode hook only: its own mask function."""
     inner = _HOOKED_CONFIGS.get(id(config)) if config is not None else None
+    if inner is not None and _LOADED_ROWS.get() is not None:
+        return None  # `loaded_rows`: the attention masks from the rows' positions
     if inner is not None:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -628,4 +702,4 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
 
 __all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "as_loaded_method", "attention_patched", "current_attention", "current_call",
            "current_patch", "has_decode_hook", "install_decode_hook", "iter_rows", "layer_methods",
-           "lcx_attention", "own_windows", "patch_attention", "register", "unpatch_attention"]
+           "lcx_attention", "loaded_rows", "own_windows", "patch_attention", "register", "unpatch_attention"]

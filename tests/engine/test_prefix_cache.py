@@ -143,10 +143,12 @@ def test_chunked_prompt_logprobs_equal_whole(case):
                                    rtol=0, atol=1e-9)
 
 
-def test_batched_continuations_equal_solo():
+@pytest.mark.parametrize("case", ["sinks", "vanilla"])
+def test_batched_continuations_equal_solo(case):
     """Several requests with different cached prefixes and chunk lengths in one prefill call
-    (held KV left-padded, holes between held and new slots) == each run alone."""
-    methods = {"attention": {"type": "sinks", "n_sink": 2, "window": 6}}
+    (held KV left-padded, holes between held and new slots) == each run alone; the model as
+    loaded (vanilla) too, whose continuations run per row (`loaded_rows`)."""
+    methods = {"attention": {"type": "sinks", "n_sink": 2, "window": 6}} if case == "sinks" else {}
     model, tok = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
     prompts = _prompts(tok)
     sp = SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=0)
@@ -160,6 +162,37 @@ def test_batched_continuations_equal_solo():
     assert [o.token_ids for o in got] == [want[1].token_ids, _run(methods, [prompts[0][:20] + prompts[3][-1:]], sp,
                                                                  prefix_caching=False)[1][0].token_ids,
                                           want[2].token_ids]
+
+
+def test_model_as_loaded_continues_per_row_without_a_mask(monkeypatch):
+    """An unpatched model continuing from held keys (prefix hit, later chunk) runs its attention
+    per row on lcx's backend (`lcx.hf.attention_patch.loaded_rows`), not transformers' masked
+    call: that path is taken, no mask is built, and the engine refuses it where the backend
+    cannot run the model's calls (soft-capping)."""
+    import lcx.hf.attention_patch as ap
+    from lcx.engine.core import _loaded_rows_windows
+
+    calls, masks = [], []
+    real_attend, real_mask = ap._attend_loaded_rows, ap._no_mask
+    monkeypatch.setattr(ap, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
+
+    def spy_mask(**kwargs):
+        out = real_mask(**kwargs)
+        masks.append((ap._LOADED_ROWS.get() is not None, out is None))
+        return out
+
+    monkeypatch.setattr(ap, "_no_mask", spy_mask)  # registered by the engine's install_decode_hook
+    model, tok = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
+    sp = SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=0)
+    eng, _ = _run({}, _prompts(tok)[:2], sp, prefix_block_size=BLOCK, max_num_batched_tokens=BUDGET)
+    assert eng._loaded_rows == (None,) * model.config.num_hidden_layers
+    assert eng.stats.prefix_cache_hits == 1 and eng.stats.prefill_chunks > 0
+    assert calls and any(active for active, _ in masks)
+    assert all(none for active, none in masks if active)  # continuations built no mask
+    monkeypatch.undo()
+    ap.register()  # the real mask function again
+    model.config.attn_logit_softcapping = 30.0
+    assert _loaded_rows_windows(model, "flash") is None and _loaded_rows_windows(model, "nope") is None
 
 
 def test_bounded_method_holds_bounded_kv():
