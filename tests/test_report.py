@@ -345,3 +345,47 @@ def test_ppl_max_length_limits_perplexity_to_the_shorter_cells():
     assert (s256["window_tokens"], s256["ppl_docs"]) == (None, 0)
     with pytest.raises(ValueError, match="ppl_max_length"):
         ReportConfig(ppl_max_length=8)
+
+
+def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_path, monkeypatch):
+    """Every answer of an lm-eval cell is journaled as it is given (`lcx.report.lm.evaluate`): a
+    run killed mid-cell resumes that cell from its last answer, with the answers an uninterrupted
+    run gives; the journal is deleted once the cell is written, and a journal kept under other
+    settings is never read back (it is deleted)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lcx.report.lm import journal_count, journal_db
+    from lcx.report.run import cell_journal
+
+    cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla",), lengths=(320,), decode_lengths=(),
+                       depths=(0.2, 0.5, 0.8), samples_per_depth=1, ppl_docs=1)
+    want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]
+    assert "resumed_requests" not in want and not list((tmp_path / "whole" / "cells" / "journal").glob("*"))
+
+    real, calls = HFLM.generate_until, []
+
+    def dies_at_the_third(self, requests, disable_tqdm=False):
+        calls.append(len(requests))
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(self, requests, disable_tqdm=disable_tqdm)
+
+    monkeypatch.setattr(HFLM, "generate_until", dies_at_the_third)
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        run_report(cfg, out, progress=False, log=lambda _: None)
+    assert calls == [1, 1, 1]  # one prompt at a time, in reuse order
+    journals = list((out / "cells" / "journal").glob("*_rank0.db"))
+    assert len(journals) == 1 and journal_count(str(journals[0]).removesuffix("_rank0.db")) == 2
+    monkeypatch.setattr(HFLM, "generate_until", real)
+    got = run_report(cfg, out, progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]
+    assert got.pop("resumed_requests") == 2
+    for key in ("passkey", "passkey_samples", "ppl"):
+        assert got[key] == want[key]
+    assert not list((out / "cells" / "journal").glob("*"))
+    # another cell's settings name another journal; the stale one is deleted, not read
+    settings = {"kind": "lmeval", "depths": [0.5]}
+    a = cell_journal(out, "vanilla", "lmeval", 320, settings, {})
+    journal_db(a).write_bytes(b"")
+    b = cell_journal(out, "vanilla", "lmeval", 320, {**settings, "depths": [0.25]}, {})
+    assert a != b and not journal_db(a).exists()

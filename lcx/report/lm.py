@@ -1,7 +1,9 @@
-"""The `lcx` lm-eval model a report cell evaluates (passkey/perplexity and RULER cells alike)."""
+"""The `lcx` lm-eval model a report cell evaluates (passkey/perplexity and RULER cells alike), and
+the call that evaluates it with a request journal (a cell resumes from its last answer)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..presets import PresetRun
@@ -15,3 +17,34 @@ def lmeval_model(run: PresetRun, cfg: ReportConfig, *, prefix_caching: bool = Tr
 
     return LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
                  prefix_caching=prefix_caching, **run.config.with_default_backend(cfg.attn_backend).to_flat())
+
+
+def journal_db(journal: str | Path) -> Path:
+    """The file lm-eval's `CachingLM` keeps a cell's journal in (`simple_evaluate(use_cache=...)`
+    appends the rank)."""
+    return Path(f"{journal}_rank0.db")
+
+
+def journal_count(journal: str | Path | None) -> int:
+    """Requests a cell's journal already holds (0: none, or no journal)."""
+    if journal is None or not journal_db(journal).exists():
+        return 0
+    from sqlitedict import SqliteDict
+
+    with SqliteDict(str(journal_db(journal)), flag="r") as db:
+        return len(db)
+
+
+def evaluate(lm: Any, journal: str | Path | None, **kwargs: Any) -> tuple[dict[str, Any], int]:
+    """lm-eval's `simple_evaluate`, with every answered request written to `journal` as it is
+    answered (lm-eval's request cache, `use_cache`: a SQLite file per cell), so a cell killed
+    half-way resumes from its last answer instead of its first prompt. -> (results, requests
+    taken from the journal). The journal's key is the request (prompt, generation arguments),
+    so a journal belongs to one cell's settings and code (`lcx.report.run.cell_journal`)."""
+    from lm_eval import simple_evaluate
+
+    resumed = journal_count(journal)
+    if journal is not None:
+        journal_db(journal).parent.mkdir(parents=True, exist_ok=True)
+    res = simple_evaluate(model=lm, use_cache=None if journal is None else str(journal), **kwargs)
+    return res, resumed

@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from ..presets import PresetRun
 from .config import ReportConfig
-from .lm import lmeval_model
+from .lm import evaluate, lmeval_model
 
 # Cells
 # ============================================================================================
@@ -21,13 +22,14 @@ def _tasks_dir() -> str:
 
 
 def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
-                    lm: Any = None, ppl: bool | None = None) -> dict[str, Any]:
+                    lm: Any = None, ppl: bool | None = None, journal: Path | None = None) -> dict[str, Any]:
     """passkey + lcx_ppl at one context length through lm-eval's `simple_evaluate` with the
     `lcx` model (`lm`: one from `lmeval_model`, built here when None). Perplexity windows are cut
     at `cfg.ppl_window` tokens (`window_tokens`), so a length scores the same text whether it runs
     alone or in a sweep. `ppl`: whether to measure perplexity (default: at `cfg.ppl_lengths`;
-    False: passkey only, as `lcx bench prefix --cell` runs it)."""
-    from lm_eval import simple_evaluate
+    False: passkey only, as `lcx bench prefix --cell` runs it). `journal`: resume from / write to
+    this request journal (`lcx.report.lm.evaluate`); the result's `resumed_requests` says how many answers
+    came from it (absent: none)."""
     from lm_eval.tasks import TaskManager
 
     lm = lmeval_model(run, cfg) if lm is None else lm
@@ -37,8 +39,8 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
             "samples_per_depth": cfg.samples_per_depth, "max_docs": cfg.ppl_docs, "seed": cfg.seed}
     t0 = time.perf_counter()
     tm = TaskManager(include_path=_tasks_dir(), include_defaults=False, metadata=meta)
-    res = simple_evaluate(model=lm, tasks=["passkey", "lcx_ppl"] if ppl else ["passkey"], task_manager=tm,
-                          metadata=meta, log_samples=True, verbosity="WARNING")
+    res, resumed = evaluate(lm, journal, tasks=["passkey", "lcx_ppl"] if ppl else ["passkey"], task_manager=tm,
+                             metadata=meta, log_samples=True, verbosity="WARNING")
     wall = time.perf_counter() - t0
     L = str(length)
     by_depth: dict[str, list[float]] = {}
@@ -60,6 +62,8 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
         out["ppl"] = {m: scores[f"{m}_{L},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
         out["ppl_docs"] = res["n-samples"]["lcx_ppl"]["effective"]
     out["wall_s"] = round(wall, 2)
+    if resumed:
+        out["resumed_requests"] = resumed  # wall_s is this process's part only
     return out
 
 

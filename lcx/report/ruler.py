@@ -32,18 +32,19 @@ def _unbuildable(task: Any, length: int) -> str | None:
     return None
 
 
-def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
+                   journal: Path | None = None) -> dict[str, Any]:
     """Every task of `cfg.ruler_tasks` (default: all of `RULER_TASKS`) at `length` through lm-eval's `simple_evaluate` with the `lcx`
     model: the first `cfg.ruler_samples` prompts of each (lm-eval's generator, seeded as lm-eval
     seeds it, so every method gets the same prompts), each task's own generation budget. A task
-    RULER cannot build at this length is recorded with the reason instead of samples."""
-    from lm_eval import simple_evaluate
+    RULER cannot build at this length is recorded with the reason instead of samples.
+    `journal`: as `lcx.report.measure.run_lmeval_cell`'s (a cell resumes from its last answer)."""
     from lm_eval.tasks import TaskManager
 
     from .. import _lmeval_hook
     import lm_eval.tasks.manager
 
-    from .lm import lmeval_model
+    from .lm import evaluate, lmeval_model
 
     # what the start-up hook does (also without it): lcx's tasks indexed, RULER's tokenizer and nltk data offline
     _lmeval_hook.patch_task_manager(lm_eval.tasks.manager)
@@ -62,8 +63,9 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -
             out["tasks"][name] = {"skipped": why}
         else:
             run_tasks.append(name)
-    res = simple_evaluate(model=lm, tasks=[loaded[n] for n in run_tasks], task_manager=tm, limit=cfg.ruler_samples,
-                          metadata=meta, log_samples=True, verbosity="WARNING") if run_tasks else {"samples": {}}
+    res, resumed = evaluate(lm, journal, tasks=[loaded[n] for n in run_tasks], task_manager=tm,
+                             limit=cfg.ruler_samples, metadata=meta, log_samples=True,
+                             verbosity="WARNING") if run_tasks else ({"samples": {}}, 0)
     for name in run_tasks:
         samples = []
         for smp in sorted(res["samples"][name], key=lambda s: s["doc_id"]):
@@ -73,6 +75,8 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -
         out["tasks"][name] = {"samples": samples}
     out["tasks"] = {n: out["tasks"][n] for n in cfg.ruler_tasks}
     out["wall_s"] = round(time.perf_counter() - t0, 2)
+    if resumed:
+        out["resumed_requests"] = resumed  # wall_s is this process's part only
     return out
 
 

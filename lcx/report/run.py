@@ -3,6 +3,8 @@ finish, then report.json, the plots and README.md."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -21,12 +23,33 @@ from .cells import (
     write_cell,
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
+from .lm import journal_count, journal_db
 from .measure import CELL_RUNNERS
 from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
 from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired
 
 # The run
 # ============================================================================================
+
+JOURNALED = ("lmeval", "ruler")  # cell kinds answered request by request through lm-eval
+
+
+def cell_journal(out: Path, name: str, kind: str, length: int, settings: dict[str, Any],
+                 fingerprint: dict[str, Any]) -> Path:
+    """The request journal of one cell (`lcx.report.lm.evaluate`): under `out`/cells/journal/,
+    named by the cell and a hash of its settings and `cell_fingerprint`, so answers given under
+    other settings, models, environment or numerics code are never read back (a cell resumes
+    only what the same measurement answered). Journals of the same cell under another hash are
+    deleted here; the cell's own is deleted once the cell is written."""
+    key = json.dumps({"settings": settings, "fingerprint": cell_fingerprint(fingerprint, kind)}, sort_keys=True,
+                     default=str)
+    stem = f"{name}.{kind}.{length}"
+    journal = out / "cells" / "journal" / f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    for old in journal.parent.glob(f"{stem}.*"):
+        if not old.name.startswith(journal.name):  # (sqlite's own side files stay with their db)
+            old.unlink(missing_ok=True)
+    return journal
+
 
 def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], dict[str, str], int, float]:
     """What a report of `cfg` runs: (cfg with its lengths resolved, name -> preset run, name ->
@@ -103,12 +126,17 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         if render:
             continue
         t0 = time.perf_counter()
-        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L)
+        journal = cell_journal(out, name, kind, L, settings, fingerprint) if kind in JOURNALED else None
+        if journal is not None and journal_count(journal):
+            bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({journal_count(journal)} answers)")
+        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L, **({"journal": journal} if journal else {}))
         dt = time.perf_counter() - t0
         measured_s += dt
         write_cell(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
                                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
                                  "result": result})
+        if journal is not None:
+            journal_db(journal).unlink(missing_ok=True)
         cells[name][kind][str(L)] = result
         if kind == "ruler":
             bar.write(f"  {name} @ {L}: RULER {ruler_cell_summary(result)} ({dt:.0f} s)")
