@@ -4,6 +4,7 @@ tiny model (through lm-eval and the engine for real) that is then resumed from i
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -389,3 +390,39 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     journal_db(a).write_bytes(b"")
     b = cell_journal(out, "vanilla", "lmeval", 320, {**settings, "depths": [0.25]}, {})
     assert a != b and not journal_db(a).exists()
+
+
+def test_every_journaled_cell_kind_takes_a_journal():
+    import inspect
+
+    from lcx.report.measure import CELL_RUNNERS
+    from lcx.report.run import JOURNALED
+
+    for kind in JOURNALED:
+        assert "journal" in inspect.signature(CELL_RUNNERS[kind]).parameters, kind
+
+
+def test_a_ruler_cell_resumes_from_its_journal(tmp_path, monkeypatch):
+    """The same for a RULER cell (tiny-ret-5m, one task, 3 prompts): killed at its third answer,
+    resumed with the first two from the journal, the same prompts and answers as an uninterrupted
+    run, whatever drew from Python's global generator before (`seed_as_lm_eval`)."""
+    from lm_eval.models.huggingface import HFLM
+
+    cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla",), lengths=(1024,), tasks=("ruler",),
+                       ruler_tasks=("niah_single_1",), ruler_samples=3)
+    want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["ruler"]["1024"]
+    real, calls = HFLM.generate_until, []
+
+    def dies_at_the_third(self, requests, disable_tqdm=False):
+        calls.append(len(requests))
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(self, requests, disable_tqdm=disable_tqdm)
+
+    monkeypatch.setattr(HFLM, "generate_until", dies_at_the_third)
+    random.seed(99)  # RULER draws its needles from the global `random`: a cell seeds it itself
+    with pytest.raises(KeyboardInterrupt):
+        run_report(cfg, tmp_path / "killed", progress=False, log=lambda _: None)
+    monkeypatch.setattr(HFLM, "generate_until", real)
+    got = run_report(cfg, tmp_path / "killed", progress=False, log=lambda _: None)["results"]["vanilla"]["ruler"]["1024"]
+    assert got.pop("resumed_requests") == 2 and got["tasks"] == want["tasks"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..presets import PresetRun
-from .config import CELL_KINDS, ReportConfig, cell_stem, run_settings
+from .config import CELL_KINDS, RULER_PROMPTS, ReportConfig, cell_stem, run_settings
 from .measure import DECODE_TIMING
 
 # Bump when what a cell measures changes in this file (the modules below are fingerprinted).
@@ -109,7 +109,7 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
               "length": length, "device": cfg.device, "dtype": cfg.dtype,
               "attn_backend": cfg.attn_backend if run.config.attention else None}
     if kind == "ruler":
-        return {**common, "tasks": list(cfg.ruler_tasks), "samples": cfg.ruler_samples}
+        return {**common, "tasks": list(cfg.ruler_tasks), "samples": cfg.ruler_samples, "prompts": RULER_PROMPTS}
     if kind == "lmeval":
         ppl = length in cfg.ppl_lengths
         return {**common, "window_tokens": cfg.ppl_window if ppl else None, "depths": cfg.to_dict()["depths"],

@@ -23,6 +23,9 @@ LMEVAL_TASKS = ("passkey", "ppl")
 # five essay tasks over lcx's public-domain haystack; docs/lm-eval.md, "RULER").
 RULER_TASKS = ("niah_single_1", "niah_single_2_pd", "niah_single_3_pd", "niah_multikey_1_pd", "niah_multikey_2",
                "niah_multikey_3", "niah_multiquery_pd", "niah_multivalue_pd", "ruler_vt", "ruler_cwe", "ruler_fwe")
+# How a RULER cell's prompts are drawn (in its settings: cells drawn otherwise are measured again;
+# `lcx.report.ruler.seed_as_lm_eval`).
+RULER_PROMPTS = "global RNGs seeded as lm-eval's simple_evaluate seeds them, just before the tasks are built"
 # Below this many tokens RULER's scaffold plus its 128-token answer budget leaves no room for a
 # haystack (lm-eval refuses to build NIAH samples at 256 and 512): shorter report lengths get no RULER cell.
 RULER_MIN_LENGTH = 1024

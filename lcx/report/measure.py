@@ -112,10 +112,11 @@ def run_decode_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) 
             "threads": torch.get_num_threads()}
 
 
-def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) -> dict[str, Any]:
+def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
+                   journal: Path | None = None) -> dict[str, Any]:
     from .ruler import run_ruler_cell as run_cell
 
-    return run_cell(model, run, cfg, length)
+    return run_cell(model, run, cfg, length, journal=journal)
 
 
 CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell, "ruler": run_ruler_cell}

@@ -32,11 +32,33 @@ def _unbuildable(task: Any, length: int) -> str | None:
     return None
 
 
+def seed_as_lm_eval() -> None:
+    """Seed Python's, numpy's and torch's global generators with `lm_eval.simple_evaluate`'s
+    default seeds (random 0, numpy 1234, torch 1234), as `lm_eval --tasks ...` does before it
+    builds the tasks. lm-eval's RULER generators draw keys, values and needle words from the
+    global `random` when a task is built (`prepare_niah.generate_random`; their `random_seed`
+    only shuffles the needles), so without this a cell's prompts depend on whatever drew from
+    `random` earlier in the process: before this was added, the first RULER cell of every
+    `lcx report` process got other prompts than the cells after it."""
+    import inspect
+    import random
+
+    import numpy as np
+    import torch
+    from lm_eval import simple_evaluate
+
+    p = inspect.signature(simple_evaluate).parameters
+    random.seed(p["random_seed"].default)
+    np.random.seed(p["numpy_random_seed"].default)
+    torch.manual_seed(p["torch_random_seed"].default)
+
+
 def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
                    journal: Path | None = None) -> dict[str, Any]:
     """Every task of `cfg.ruler_tasks` (default: all of `RULER_TASKS`) at `length` through lm-eval's `simple_evaluate` with the `lcx`
     model: the first `cfg.ruler_samples` prompts of each (lm-eval's generator, seeded as lm-eval
-    seeds it, so every method gets the same prompts), each task's own generation budget. A task
+    seeds it just before the tasks are built, `seed_as_lm_eval`, so every method gets the same
+    prompts in any process), each task's own generation budget. A task
     RULER cannot build at this length is recorded with the reason instead of samples.
     `journal`: as `lcx.report.measure.run_lmeval_cell`'s (a cell resumes from its last answer)."""
     from lm_eval.tasks import TaskManager
@@ -55,6 +77,7 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     out: dict[str, Any] = {"tasks": {}}
     t0 = time.perf_counter()
     tm = TaskManager(metadata=meta)  # (indexing lm-eval's tasks takes a while: once per cell)
+    seed_as_lm_eval()  # the tasks draw their needles when built, here
     loaded = tm.load(list(cfg.ruler_tasks))["tasks"]
     run_tasks = []
     for name in cfg.ruler_tasks:
