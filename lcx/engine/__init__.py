@@ -39,7 +39,9 @@ default, `EngineConfig.prefix_caching`). Both are exact (greedy tokens and logpr
 whole-prompt prefill; tests/engine/test_prefix_cache.py runs every method and RoPE type) and are
 refused where a prefix's keys depend on what follows (`Engine.prefix_cache_refusal`:
 length-dependent RoPE, `AttentionMethod.call_dependence`). Bounded methods hold only the keys they
-can still see between chunks (LM-Infinite: G + L - 1 per layer). `EngineStats` counts the hits
+can still see between chunks (LM-Infinite: G + L - 1 per layer). A model as loaded (no attention
+method) continues on lcx's flash backend per row (`lcx.hf.attention_patch.loaded_rows`), so the
+tokens after a hit cost what they cost in a whole prompt. `EngineStats` counts the hits
 (`prefix_cache_hit_rate`: reused / looked-up prompt tokens) and `prompt_tokens_computed`. A
 request that shares an uncached block with one admitted in the same step waits one step and
 reuses it (a burst with one system prompt computes it once), and `generate` submits the prompt

@@ -81,7 +81,10 @@ Semantics stated once:
   `step.attend`, which attends with the layer's own cache and rule (per-layer windows and RoPE
   bases on a hybrid model; a step declares it with `per_layer = True`).
   `install_decode_hook` gives an unpatched model the same route for decode calls only (every
-  other call runs the model's own rotation and attention implementation, its own masks).
+  other call runs the model's own rotation and attention implementation, its own masks), and
+  for a prefill that continues from held keys, inside `loaded_rows` (what the engine runs after
+  a prefix-cache hit or between chunks): attention per row on lcx's backend from the slots'
+  positions, no mask built (transformers' SDPA takes a slow masked path whenever Tq != Tk).
 
 Supported: the families of `lcx.hf.models.FAMILIES`. Not supported (raises): padding in
 `attention_mask`, custom 4-D masks, attention dropout in training mode, attention-logit
