@@ -296,7 +296,9 @@ def test_custom_methods_from_the_command_line():
 # still selects the methods of the committed run, so its cells resume rather than re-measure.
 REPORT_SCRIPTS = {"scripts/report_smollm2.sh": "results/report/smollm2-135m",
                   "scripts/report_smollm2_n16.sh": "results/report/smollm2-135m-n16",
-                  "scripts/report_smollm2_ruler.sh": "results/report/smollm2-135m-ruler"}
+                  "scripts/report_smollm2_ruler.sh": "results/report/smollm2-135m-ruler",
+                  "scripts/report_gemma3.sh": "results/report/gemma3-270m",
+                  "scripts/report_gemma3_ruler.sh": "results/report/gemma3-270m-ruler8k"}
 
 
 @pytest.mark.parametrize("script,out", list(REPORT_SCRIPTS.items()), ids=list(REPORT_SCRIPTS))
