@@ -350,6 +350,23 @@ def test_ppl_max_length_limits_perplexity_to_the_shorter_cells():
         ReportConfig(ppl_max_length=8)
 
 
+def _kill_at_the_third_answer(monkeypatch) -> list[int]:
+    """Make lm-eval's HFLM.generate_until raise at its third call (a run killed mid-cell); returns
+    the calls' request counts."""
+    from lm_eval.models.huggingface import HFLM
+
+    real, calls = HFLM.generate_until, []
+
+    def dies_at_the_third(self, requests, disable_tqdm=False):
+        calls.append(len(requests))
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(self, requests, disable_tqdm=disable_tqdm)
+
+    monkeypatch.setattr(HFLM, "generate_until", dies_at_the_third)
+    return calls
+
+
 def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_path, monkeypatch):
     """Every answer of an lm-eval cell is journaled as it is given (`lcx.report.lm.evaluate`): a
     run killed mid-cell resumes that cell from its last answer, with the answers an uninterrupted
@@ -365,15 +382,8 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]
     assert "resumed_requests" not in want and not list((tmp_path / "whole" / "cells" / "journal").glob("*"))
 
-    real, calls = HFLM.generate_until, []
-
-    def dies_at_the_third(self, requests, disable_tqdm=False):
-        calls.append(len(requests))
-        if len(calls) == 3:
-            raise KeyboardInterrupt("killed")
-        return real(self, requests, disable_tqdm=disable_tqdm)
-
-    monkeypatch.setattr(HFLM, "generate_until", dies_at_the_third)
+    real = HFLM.generate_until
+    calls = _kill_at_the_third_answer(monkeypatch)
     out = tmp_path / "killed"
     with pytest.raises(KeyboardInterrupt):
         run_report(cfg, out, progress=False, log=lambda _: None)
@@ -413,15 +423,8 @@ def test_a_ruler_cell_resumes_from_its_journal(tmp_path, monkeypatch):
     cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla",), lengths=(1024,), tasks=("ruler",),
                        ruler_tasks=("niah_single_1",), ruler_samples=3)
     want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["ruler"]["1024"]
-    real, calls = HFLM.generate_until, []
-
-    def dies_at_the_third(self, requests, disable_tqdm=False):
-        calls.append(len(requests))
-        if len(calls) == 3:
-            raise KeyboardInterrupt("killed")
-        return real(self, requests, disable_tqdm=disable_tqdm)
-
-    monkeypatch.setattr(HFLM, "generate_until", dies_at_the_third)
+    real = HFLM.generate_until
+    _kill_at_the_third_answer(monkeypatch)
     random.seed(99)  # RULER draws its needles from the global `random`: a cell seeds it itself
     with pytest.raises(KeyboardInterrupt):
         run_report(cfg, tmp_path / "killed", progress=False, log=lambda _: None)
