@@ -76,7 +76,10 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     L = str(length)
     out: dict[str, Any] = {"tasks": {}}
     t0 = time.perf_counter()
-    tm = TaskManager(metadata=meta)  # (indexing lm-eval's tasks takes a while: once per cell)
+    # lm-eval's RULER directory only (lcx's own tasks, with the essay-haystack ones, are added by the
+    # hook): indexing every lm-eval task takes seconds per cell
+    tm = TaskManager(metadata=meta, include_path=str(Path(lm_eval.tasks.__file__).parent / "ruler"),
+                     include_defaults=False)
     seed_as_lm_eval()  # the tasks draw their needles when built, here
     loaded = tm.load(list(cfg.ruler_tasks))["tasks"]
     run_tasks = []
