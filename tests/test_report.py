@@ -396,6 +396,13 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     for key in ("passkey", "passkey_samples", "ppl"):
         assert got[key] == want[key]
     assert not list((out / "cells" / "journal").glob("*"))
+    # --fresh recomputes every answer: a journal left by an interrupted run is discarded
+    _kill_at_the_third_answer(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run_report(cfg, out, fresh=True, progress=False, log=lambda _: None)
+    monkeypatch.setattr(HFLM, "generate_until", real)
+    fresh = run_report(cfg, out, fresh=True, progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]
+    assert "resumed_requests" not in fresh and fresh["passkey_samples"] == want["passkey_samples"]
     # another cell's settings name another journal; the stale one is deleted, not read
     settings = {"kind": "lmeval", "depths": [0.5]}
     a = cell_journal(out, "vanilla", "lmeval", 320, settings, {})

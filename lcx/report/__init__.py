@@ -45,7 +45,10 @@ environment (an engine change re-measures the decode cells, not the lm-eval ones
 and why is printed, and recorded in report.json. `--reuse` also
 keeps cells of finished runs whose settings and fingerprint match (e.g. to redraw plots);
 `--fresh` recomputes everything. The cell order is length-major (every method at the shortest
-length first), so an interrupted sweep already has complete tables at the shorter lengths.
+length first), so an interrupted sweep already has complete tables at the shorter lengths. Inside
+an lm-eval cell every answer is journaled as it is given (`cells/journal/`, keyed by the cell's
+settings and fingerprint; `lcx.report.lm.evaluate`), so a cell killed half-way resumes from its
+last answer and records `resumed_requests`.
 """
 
 

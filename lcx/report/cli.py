@@ -115,8 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cut at the longest such length, and a held-out work must be that long (default: every length)")
     p.add_argument("--out", type=Path, default=Path("results/report"), help="output folder (default: %(default)s)")
     p.add_argument("--fresh", action="store_true",
-                   help="recompute every cell, even of an interrupted run (default: resume an interrupted run "
-                        "with the same settings and code; a finished one is measured again)")
+                   help="recompute every cell and every answer, even of an interrupted run (default: resume an "
+                        "interrupted run with the same settings and code, inside a cell from its journal; a "
+                        "finished one is measured again)")
     p.add_argument("--keep-other-code", action="store_true",
                    help="keep stored cells (of the interrupted run; with --reuse/--render, any matching ones) even "
                         "if the lcx code that measured them differs from this checkout's -- for a change you know "

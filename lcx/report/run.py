@@ -127,6 +127,8 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             continue
         t0 = time.perf_counter()
         journal = cell_journal(out, name, kind, L, settings, fingerprint) if kind in JOURNALED else None
+        if journal is not None and fresh:  # --fresh: every answer too
+            journal_db(journal).unlink(missing_ok=True)
         if journal is not None and journal_count(journal):
             bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({journal_count(journal)} answers)")
         result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L, **({"journal": journal} if journal else {}))
