@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..presets import PresetRun
 from .config import RULER_TASKS, ReportConfig
@@ -53,6 +53,27 @@ def seed_as_lm_eval() -> None:
     torch.manual_seed(p["torch_random_seed"].default)
 
 
+def load_ruler_tasks(model: str, length: int, tasks: Sequence[str]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """lm-eval's task objects of `tasks` at `length`, with the prompts a report cell of `model`
+    answers: RULER's tokenizer is the model's (`lcx._lmeval_hook`), the generators are seeded
+    (`seed_as_lm_eval`) just before the tasks are built. -> (task manager, metadata, {name: task})."""
+    from lm_eval.tasks import TaskManager
+
+    from .. import _lmeval_hook
+    import lm_eval.tasks.manager
+
+    # what the start-up hook does (also without it): lcx's tasks indexed, RULER's tokenizer and nltk data offline
+    _lmeval_hook.patch_task_manager(lm_eval.tasks.manager)
+    _lmeval_hook.patch_ruler()
+    meta = {"tokenizer": model, "max_seq_lengths": [length]}
+    # lm-eval's RULER directory only (lcx's own tasks, with the essay-haystack ones, are added by the
+    # hook): indexing every lm-eval task takes seconds per cell
+    tm = TaskManager(metadata=meta, include_path=str(Path(lm_eval.tasks.__file__).parent / "ruler"),
+                     include_defaults=False)
+    seed_as_lm_eval()  # the tasks draw their needles when built, here
+    return tm, meta, tm.load(list(tasks))["tasks"]
+
+
 def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
                    journal: Path | None = None) -> dict[str, Any]:
     """Every task of `cfg.ruler_tasks` (default: all of `RULER_TASKS`) at `length` through lm-eval's `simple_evaluate` with the `lcx`
@@ -61,27 +82,13 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     prompts in any process), each task's own generation budget. A task
     RULER cannot build at this length is recorded with the reason instead of samples.
     `journal`: as `lcx.report.measure.run_lmeval_cell`'s (a cell resumes from its last answer)."""
-    from lm_eval.tasks import TaskManager
-
-    from .. import _lmeval_hook
-    import lm_eval.tasks.manager
-
     from .lm import evaluate, lmeval_model
 
-    # what the start-up hook does (also without it): lcx's tasks indexed, RULER's tokenizer and nltk data offline
-    _lmeval_hook.patch_task_manager(lm_eval.tasks.manager)
-    _lmeval_hook.patch_ruler()
     lm = lmeval_model(run, cfg)
-    meta = {"tokenizer": run.model, "max_seq_lengths": [length]}
     L = str(length)
     out: dict[str, Any] = {"tasks": {}}
     t0 = time.perf_counter()
-    # lm-eval's RULER directory only (lcx's own tasks, with the essay-haystack ones, are added by the
-    # hook): indexing every lm-eval task takes seconds per cell
-    tm = TaskManager(metadata=meta, include_path=str(Path(lm_eval.tasks.__file__).parent / "ruler"),
-                     include_defaults=False)
-    seed_as_lm_eval()  # the tasks draw their needles when built, here
-    loaded = tm.load(list(cfg.ruler_tasks))["tasks"]
+    tm, meta, loaded = load_ruler_tasks(run.model, length, cfg.ruler_tasks)
     run_tasks = []
     for name in cfg.ruler_tasks:
         why = _unbuildable(loaded[name], length)
