@@ -421,6 +421,7 @@ def test_every_journaled_cell_kind_takes_a_journal():
         assert "journal" in inspect.signature(CELL_RUNNERS[kind]).parameters, kind
 
 
+@pytest.mark.slow
 def test_a_ruler_cell_resumes_from_its_journal(tmp_path, monkeypatch):
     """The same for a RULER cell (tiny-ret-5m, one task, 3 prompts): killed at its third answer,
     resumed with the first two from the journal, the same prompts and answers as an uninterrupted

@@ -128,3 +128,21 @@ def test_ruler_tasks_subset_is_checked_recorded_and_rendered(tmp_path):
     assert "2 tasks" in text and "--ruler-tasks" in text
     plot_heatmap({**rec, "ruler_intervals": ruler_intervals(rec)}, tmp_path)
     assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0
+
+
+def test_ruler_prompts_do_not_depend_on_what_ran_before():
+    """RULER's generators draw from Python's global `random` when a task is built; a cell's
+    prompts are seeded just before (`seed_as_lm_eval`), so they are the same whatever drew from
+    it earlier in the process (before the fix, the first RULER cell of a process got others)."""
+    import random
+
+    from lcx.report.ruler import load_ruler_tasks
+
+    def prompts():
+        task = load_ruler_tasks("tiny-ret-5m", 1024, ["niah_single_1"])[2]["niah_single_1"]
+        return [d["input"] for d in list(task.eval_docs)[:5]]
+
+    first = prompts()
+    random.seed(12345)
+    random.random()
+    assert prompts() == first

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lcx.report import ReportConfig, run_report
 from studies.ruler_budget import main, rescore
 
 
+@pytest.mark.slow
 def test_rescored_cells_reproduce_their_scores(tmp_path, capsys):
     cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla", "yarn"), lengths=(1024,), tasks=("ruler",),
                        ruler_tasks=("niah_single_1", "niah_multivalue_pd"), ruler_samples=3)
