@@ -362,6 +362,16 @@ def iter_rows(row_pos: torch.Tensor, n_queries: int):
         yield b, valid.nonzero().squeeze(1), nq
 
 
+def row_groups(row_pos: torch.Tensor, n_queries: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The rows of `iter_rows` grouped by their numbers of real queries and of keys, so each group
+    is one batched call: yields (nq, bs [G] row indices, idx [G, n] each row's key slots)."""
+    groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (nq, keys) -> rows
+    for b, idx, nq in iter_rows(row_pos, n_queries):
+        groups.setdefault((nq, len(idx)), []).append((b, idx))
+    for (nq, _), rows in groups.items():
+        yield nq, torch.tensor([b for b, _ in rows], device=row_pos.device), torch.stack([i for _, i in rows])
+
+
 def _attend_rows(st: _ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
                  layer_idx: int | None = None):
     """Attention of a padded batch (see "Padded / ragged batches" in the module doc): rows with
@@ -378,16 +388,11 @@ def _attend_rows(st: _ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.M
     inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1, layer_type=st.layer_type)  # one basis per batch
     inv_freq = inv_freq.to(q.device)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
-    groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (nq, keys) -> rows
-    for b, idx, nq in iter_rows(row_pos, Tq):
-        groups.setdefault((nq, len(idx)), []).append((b, idx))
-    for (nq, n), rows in groups.items():
-        bs = torch.tensor([b for b, _ in rows], device=q.device)  # [G]
-        idx = torch.stack([i for _, i in rows])  # [G, n] key slots of each row
+    for nq, bs, idx in row_groups(row_pos, Tq):
         pos = row_pos[bs[:, None], idx]  # [G, n] true positions
         if st.own_window:
             _check_window_kept(st.method.window, pos, nq, layer_idx)
-        rot = torch.arange(n, device=q.device).expand(len(rows), n) if st.method.renumber_in_cache else pos
+        rot = torch.arange(idx.shape[1], device=q.device).expand(*idx.shape) if st.method.renumber_in_cache else pos
         out[bs, Tq - nq:] = st.method.attend(
             q[bs, Tq - nq:], k[bs[:, None], idx], v[bs[:, None], idx],
             rotary=Rotary(inv_freq, rot, af), backend=st.backend_for(nq), scale=scale, layer_idx=layer_idx,
@@ -456,16 +461,12 @@ def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: fl
     w = rows.windows[module.layer_idx]
     spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=int(w) - 1), scale=scale)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
-    groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
-    for b, idx, nq in iter_rows(row_pos, Tq):
-        groups.setdefault((nq, len(idx)), []).append((b, idx))
-    for (nq, n), grp in groups.items():
-        bs = torch.tensor([b for b, _ in grp], device=q.device)
-        idx = torch.stack([i for _, i in grp])  # [G, n]
+    for nq, bs, idx in row_groups(row_pos, Tq):
+        n = idx.shape[1]
         pos = row_pos[bs[:, None], idx]
         if n > 1 and not bool((pos[:, 1:] - pos[:, :-1] == 1).all()):
             raise ValueError("loaded_rows: each row's keys must be a contiguous run of positions")
-        if len(grp) == B and n == k.shape[1]:  # every row, every slot: no gather
+        if len(bs) == B and n == k.shape[1]:  # every row, every slot: no gather
             kr, vr = k, v
         else:
             kr, vr = k[bs[:, None], idx], v[bs[:, None], idx]
@@ -705,4 +706,5 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
 
 __all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "as_loaded_method", "attention_patched", "current_attention", "current_call",
            "current_patch", "has_decode_hook", "install_decode_hook", "iter_rows", "layer_methods",
-           "lcx_attention", "loaded_rows", "own_windows", "patch_attention", "register", "unpatch_attention"]
+           "lcx_attention", "loaded_rows", "own_windows", "patch_attention", "register", "row_groups",
+           "unpatch_attention"]

@@ -129,8 +129,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         journal = cell_journal(out, name, kind, L, settings, fingerprint) if kind in JOURNALED else None
         if journal is not None and fresh:  # --fresh: every answer too
             journal_db(journal).unlink(missing_ok=True)
-        if journal is not None and journal_count(journal):
-            bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({journal_count(journal)} answers)")
+        answered = journal_count(journal)
+        if answered:
+            bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({answered} answers)")
         result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L, **({"journal": journal} if journal else {}))
         dt = time.perf_counter() - t0
         measured_s += dt
