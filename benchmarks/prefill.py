@@ -36,7 +36,10 @@ methods interleaved in each; medians; ratios against vanilla at the same length.
 Without `--engine`, a hybrid local/global model (Gemma 3) also gets the row `vanilla/lcx`: the model as loaded,
 run the way `lcx.engine` runs it when no method is asked for (`lcx.hf.attention_patch.
 as_loaded_method`: causal attention on the global layers and each sliding layer's own window,
-every layer on `--attn-backend`), against transformers' masked pass (`vanilla`). `--shape`
+every layer on `--attn-backend`), against transformers' masked pass (`vanilla`); and a preset
+that leaves such a model as loaded (a length-dependent RoPE: `dynamic`) the row `<preset>/lcx`:
+its forward per row on lcx's backend, each layer causal or its own window
+(`lcx.engine.core.windowed_rows_scope`, what the engine and the lm-eval model run). `--shape`
 builds a shape of `benchmarks.decode` with random weights instead of loading `--model` (the
 prompt: random token ids; prefill cost depends on shapes, not on weight values; with
 `logits_to_keep=1` the LM head is one row, so the full vocabulary costs nothing here).
@@ -128,6 +131,30 @@ def as_loaded_config(model: Any, backend: str):
 
     m = as_loaded_method(model, backend)
     return None if m is None else MethodConfig(attention=m, backend=backend, layers="global")
+
+
+def _rows_scope(model: Any, ids: Any, name: str):
+    """The row `<preset>/lcx` of a windowed model the preset leaves as loaded: the forward inside
+    `lcx.engine.core.windowed_rows_scope` (per row on lcx's backend, no [T, T] mask), what the
+    engine and the lm-eval model run; any other row: the forward as the config applies it."""
+    import contextlib
+
+    from lcx.engine.core import windowed_rows_scope
+
+    return windowed_rows_scope(model, ids) if name.endswith("/lcx") and name != AS_LOADED else contextlib.nullcontext()
+
+
+def _rows_scope_active(model: Any, cfg: Any, ids: Any) -> bool:
+    """Whether the engine leaves `model` under `cfg` a windowed model as loaded, run per row
+    (`windowed_rows_scope` acts): no attention method, and a RoPE basis that follows the length
+    (with a static one the engine takes `as_loaded_method`, the `vanilla/lcx` row's route)."""
+    import contextlib
+
+    from lcx.engine.core import _static_bases, windowed_rows_scope
+
+    with cfg.apply(model):
+        return (cfg.attention is None and _static_bases(model) is None
+                and not isinstance(windowed_rows_scope(model, ids[:, :2]), contextlib.nullcontext))
 
 
 def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
@@ -282,13 +309,18 @@ def run(args: argparse.Namespace) -> int:
         cfgs[name] = r.config.with_default_backend(args.attn_backend)
         if name == "vanilla" and (fast := as_loaded_config(model, args.attn_backend)) is not None:
             cfgs[AS_LOADED] = fast  # what lcx.engine runs for the model as loaded
+        elif _rows_scope_active(model, r.config, ids):
+            cfgs[name + "/lcx"] = cfgs[name]  # left as loaded, yet run per row as lcx.engine runs it
     runs: dict[str, list] = {name: [] for name in cfgs}
     for rnd in rec.progress(range(args.repeats), unit="round"):
         for name, cfg in cfgs.items():  # interleaved: every case once per round
             with cfg.apply(model):
+                scope = _rows_scope(model, ids, name)
                 if rnd == 0:
-                    _forward_s(model, ids[:, :256])  # warm-up (kernel selection, allocator)
-                runs[name].append(_forward_s(model, ids))
+                    with _rows_scope(model, ids[:, :256], name):
+                        _forward_s(model, ids[:, :256])  # warm-up (kernel selection, allocator)
+                with scope:
+                    runs[name].append(_forward_s(model, ids))
             x = runs[name][-1]
             rec.log(f"{name:>18}: {x[0]:.1f} s CPU, {x[1]:.1f} s wall, peak +{x[2]:.0f} MB")
     for name, cfg in cfgs.items():

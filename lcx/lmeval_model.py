@@ -237,7 +237,9 @@ class LcxLM(HFLM):
                 batch[b, : len(x)] = torch.tensor(x, dtype=torch.long)
             with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                                  enabled=self.mixed_precision_dtype is not None):
-                hidden = hidden_states(model, batch.to(self.device))  # [B, width, H]
+                batch = batch.to(self.device)
+                with self.lcx_engine.forward_scope(batch):  # a windowed model as loaded: no [T, T] mask
+                    hidden = hidden_states(model, batch)  # [B, width, H]
                 for (request_str, ctx_tokens, cont_toks), inp, h in zip(chunk, inps, hidden):
                     n = len(cont_toks)
                     h_cont = h[len(inp) - n : len(inp)]  # [n, H]: the states that predict the continuation

@@ -236,6 +236,23 @@ def test_bench_prefill_runs_presets_against_vanilla(tmp_path):
                                             "backend": "flash"}
 
 
+def test_bench_prefill_rows_of_a_hybrid_model_as_loaded(tmp_path, tiny_gemma3_dir):
+    """A hybrid model (Gemma 3): `vanilla/lcx` (the engine's `as_loaded_method` route) and, for a
+    preset the engine leaves as loaded (dynamic NTK: its basis follows the length), `dynamic/lcx`
+    (per row, `windowed_rows_scope`); a static RoPE preset (YaRN) gets no such row."""
+    import json
+
+    from lcx.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["bench", "prefill", "--model", str(tiny_gemma3_dir), "--length", "300", "--threads", "1",
+                 "--presets", "dynamic,yarn", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert list(res) == ["vanilla", "vanilla/lcx", "dynamic", "dynamic/lcx", "yarn"]
+    assert res["dynamic/lcx"]["config"] == res["dynamic"]["config"] and "attention" not in res["dynamic"]["config"]
+    assert all(r["cpu_s"] > 0 for r in res.values())
+
+
 def test_rope_spec_is_read_only_plain_data():
     """`cfg.rope` cannot change after validation, and holds no proxy objects (it pickles)."""
     src = {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}

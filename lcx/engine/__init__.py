@@ -41,7 +41,9 @@ refused where a prefix's keys depend on what follows (`Engine.prefix_cache_refus
 length-dependent RoPE, `AttentionMethod.call_dependence`). Bounded methods hold only the keys they
 can still see between chunks (LM-Infinite: G + L - 1 per layer). A model as loaded (no attention
 method) continues on lcx's flash backend per row (`lcx.hf.attention_patch.loaded_rows`), so the
-tokens after a hit cost what they cost in a whole prompt. `EngineStats` counts the hits
+tokens after a hit cost what they cost in a whole prompt; one with sliding-window layers that the
+engine leaves as loaded (a hybrid such as Gemma 3 under dynamic NTK, Mistral) prefills every
+prompt that way (`windowed_rows_scope`: each layer its own window, no [T, T] mask). `EngineStats` counts the hits
 (`prefix_cache_hit_rate`: reused / looked-up prompt tokens) and `prompt_tokens_computed`. A
 request that shares an uncached block with one admitted in the same step waits one step and
 reuses it (a burst with one system prompt computes it once), and `generate` submits the prompt

@@ -3,6 +3,7 @@ The batch layout, sampling order and limits are stated once in `lcx.engine`'s do
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -117,13 +118,20 @@ class Engine:
         self._layer_methods = _layer_methods(model, methods, recorded)
         self.cache_layout: KVLayout = _kv_layout(model, methods, self._layer_methods, recorded)
         self._hook = self.cache_layout.rotated and methods.attention is None
-        if self._hook:
+        # a model as loaded with sliding-window layers that `as_loaded_method` leaves as loaded
+        # (Mistral's one window; a hybrid such as Gemma 3 under a length-dependent RoPE): for every
+        # prefill transformers builds a [T, T] mask and runs the masked SDPA over all T keys
+        windowed = methods.attention is None and any(w is not None for w in _loaded_windows(model))
+        # per layer, the window the model runs as loaded, where its prefill calls run per row on
+        # lcx's backend (`lcx.hf.attention_patch.loaded_rows`; None: the model's own masked call):
+        # those continuing from held keys, and for a windowed model whole prompts too (O(T * w))
+        self._loaded_rows = (_loaded_rows_windows(model, INFERENCE_BACKEND) if self._hook or windowed
+                             else None)
+        self._whole_prompt_rows = windowed and self._loaded_rows is not None
+        if self._hook or self._loaded_rows is not None:
             from ..hf.attention_patch import install_decode_hook
 
-            install_decode_hook(model)
-        # such a model's prefill continuing from held keys runs per row on lcx's backend (None:
-        # the model's own masked call): per layer, the window it runs as loaded
-        self._loaded_rows = _loaded_rows_windows(model, INFERENCE_BACKEND) if self._hook else None
+            install_decode_hook(model)  # decode steps (rotated layout) and `loaded_rows` calls
         self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = methods.attention is not None
@@ -315,6 +323,16 @@ class Engine:
         score = [sum(_shared_blocks(chains[i], chains[j]) for j in range(n) if j != i) for i in range(n)]
         lead = max(range(n), key=lambda i: (score[i], -i))
         return [lead] + [i for i in range(n) if i != lead]
+
+    def forward_scope(self, input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The context for a plain forward of this engine's model over whole rows `input_ids`
+        `[B, T]` (no cache, each row at positions 0..T-1, right padding read as tokens: how the
+        `lcx` lm-eval model scores loglikelihoods): `windowed_rows_scope` for a windowed model as
+        loaded, as the engine's own prefill runs it; nothing otherwise."""
+        if not self._whole_prompt_rows:
+            return contextlib.nullcontext()
+        self._check_hook()
+        return windowed_rows_scope(self.model, input_ids, INFERENCE_BACKEND)
 
     def reuse_chain(self, prompts: list[Sequence[int]]) -> list[int]:
         """An order for running `prompts` one at a time so that each reuses the most of the one
@@ -564,9 +582,10 @@ class Engine:
         kpos = kpos.to(self.device)
         cache = DynamicCache() if held_k is None else _hf_cache(held_k, held_v)
         pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
-        if held_k is not None and self._loaded_rows is not None:
-            # a model as loaded continuing from held keys: per row on lcx's backend, no mask
-            # (`lcx.hf.attention_patch.loaded_rows`; the model's own call would be a masked pass)
+        if self._loaded_rows is not None and (held_k is not None or self._whole_prompt_rows):
+            # a model as loaded continuing from held keys (or a windowed one, any prefill): per row
+            # on lcx's backend, no mask (`lcx.hf.attention_patch.loaded_rows`; the model's own
+            # call would be a masked pass)
             from ..hf.attention_patch import loaded_rows
 
             self._check_hook()
@@ -847,6 +866,40 @@ def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], re
     for i, m in enumerate(per_layer):
         by_key.setdefault((m, types_[i]), []).append(i)
     return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]]), tuple(g)) for (m, _), g in by_key.items()))
+
+
+def windowed_rows_scope(model: nn.Module, input_ids: torch.Tensor,
+                        backend: str = INFERENCE_BACKEND) -> contextlib.AbstractContextManager:
+    """A model as loaded (no attention method applied) with sliding-window layers, whose calls
+    `lcx.hf.attention_patch.loaded_rows` can run on `backend`: a context in which its forward over
+    whole rows `input_ids` `[B, T]` (no cache, positions 0..T-1) attends per row on `backend`, each
+    layer causal or its own window, with no [T, T] mask built (the decode hook installed for the
+    scope if the model has none); the same attention as its own masked call. A no-op context
+    (`contextlib.nullcontext`) for any other model. What the engine runs for every prefill of such
+    a model (a hybrid under a length-dependent RoPE, which `as_loaded_method` leaves as loaded, or
+    Mistral's one window)."""
+    from ..hf.attention_patch import current_patch
+
+    windows = None if current_patch(model) is not None else _loaded_rows_windows(model, backend)
+    if windows is None or all(w is None for w in windows):
+        return contextlib.nullcontext()
+    B, T = input_ids.shape
+    return _rows_scope(model, torch.arange(T, device=input_ids.device).expand(B, T), windows, backend)
+
+
+@contextlib.contextmanager
+def _rows_scope(model: nn.Module, pos: torch.Tensor, windows: tuple[int | None, ...], backend: str):
+    from ..hf.attention_patch import _remove_decode_hook, has_decode_hook, install_decode_hook, loaded_rows
+
+    installed = not has_decode_hook(model)
+    if installed:
+        install_decode_hook(model)
+    try:
+        with loaded_rows(pos, windows, backend):
+            yield
+    finally:
+        if installed:
+            _remove_decode_hook(model)
 
 
 def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ...] | None:

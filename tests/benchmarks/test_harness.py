@@ -249,7 +249,8 @@ COMMITTED = [("threads", "threads_cpu.json"), ("prefill", "prefill_cpu.json"), (
              ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json"),
              ("serving", "serving_cpu.json"), ("attention", "attention_flash_32k_cpu.json"),
              ("prefix", "prefix_cpu.json"),  # (prefill_engine_cpu.json: `--engine` mode, its own config)
-             *[("prefill", f"gemma3-270m/prefill_as_loaded_{n}.json") for n in (2048, 8192, 16384)]]
+             *[("prefill", f"gemma3-270m/prefill_as_loaded_{n}.json") for n in (2048, 8192, 16384)],
+             ("prefill", "gemma3-270m/prefill_dynamic_8192.json")]
 
 
 @pytest.mark.parametrize("name,path", COMMITTED, ids=[p for _, p in COMMITTED])

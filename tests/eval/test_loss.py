@@ -188,3 +188,31 @@ def test_lcx_model_float32_loglikelihood_close_to_hflm(tiny_model_dir):
     assert [g for _, g in got] == [g for _, g in want]
     for (a, _), (b, _) in zip(got, want):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+
+
+def test_lcx_model_scores_a_windowed_model_as_loaded_per_row(tiny_gemma3_dir, monkeypatch):
+    """Gemma 3 under dynamic NTK stays as loaded (its RoPE basis follows the length), yet its
+    sliding layers need no [T, T] mask: the lcx model scores loglikelihoods inside the engine's
+    `forward_scope` (per row on lcx's backend, `loaded_rows`), equal to HFLM's masked forward
+    on requests longer than the sliding window (32)."""
+    import lcx.hf.attention_patch as ap
+    from lm_eval.models.huggingface import HFLM
+
+    from lcx.lmeval_model import LcxLM
+
+    lm = LcxLM(pretrained=str(tiny_gemma3_dir), dtype="float64", batch_size=3, max_length=48,
+               rope_type="dynamic", factor=2.0)
+    assert lm.lcx_engine._whole_prompt_rows and lm.lcx_engine.methods.attention is None
+    calls = []
+    real = ap._attend_loaded_rows
+    monkeypatch.setattr(ap, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reqs = _requests(lm.tokenizer)
+    assert max(len(c) + len(x) for _, c, x in reqs) > 32
+    got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    assert calls
+    n = len(calls)
+    want = HFLM._loglikelihood_tokens(lm, reqs, disable_tqdm=True)  # the model's own masked forward
+    assert len(calls) == n
+    assert [g for _, g in got] == [g for _, g in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert a == pytest.approx(b, rel=0, abs=1e-9)

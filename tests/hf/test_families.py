@@ -356,8 +356,8 @@ def test_engine_hybrid_variants_equal_reference_loop(family, name, mode):
 @pytest.mark.parametrize("reuse", [False, True], ids=["whole-prompts", "prefix-reuse"])
 def test_engine_uniform_sliding_window_as_loaded(reuse):
     """A model whose every layer has the same `sliding_window` (Mistral's), as loaded: the engine
-    holds a ring of that window per layer and decodes what transformers does, prefix cache
-    reused and prompts cut into chunks included."""
+    holds a ring of that window per layer, prefills per row on lcx's backend (`loaded_rows`) and
+    decodes what transformers does, prefix cache reused and prompts cut into chunks included."""
     from lcx.engine import Engine, EngineConfig
     from lcx.models.tiny import byte_tokenizer
 
@@ -369,6 +369,7 @@ def test_engine_uniform_sliding_window_as_loaded(reuse):
     got, errors = _run_engine(engine, prompts, 16, each_step=lambda e: lens.append(e.layer_cache_lens))
     assert not errors and got == want
     assert [lay.window for lay, _ in engine.cache_layout.groups] == [6]
+    assert engine._whole_prompt_rows  # every prefill per row on lcx's backend, in O(T * w), no [T, T] mask
     assert max(max(x) for x in lens) == 6  # a ring of the window, whatever the length
     assert engine.prefix_cache_refusal is None
     if reuse:
@@ -440,7 +441,7 @@ def _as_loaded_id(case):
 
 
 @pytest.mark.parametrize("case", AS_LOADED, ids=[_as_loaded_id(c) for c in AS_LOADED])
-def test_engine_as_loaded_hybrid_fast_path(case):
+def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
     """No attention method on a hybrid local/global model (Gemma 3): the engine runs the model as
     loaded on lcx's flash backend (`as_loaded_method`: causal on the global layers, each sliding
     layer its own window, O(T * w) instead of a masked O(T^2) pass) and equals the unpatched
@@ -449,6 +450,7 @@ def test_engine_as_loaded_hybrid_fast_path(case):
     from lcx import MethodConfig, unpatch
     from lcx.engine import Engine, EngineConfig, SamplingParams
     from lcx.hf import current_patch
+    import lcx.hf.attention_patch as ap
     from lcx.hf.attention_patch import as_loaded_method
     from lcx.models.tiny import byte_tokenizer
 
@@ -463,6 +465,9 @@ def test_engine_as_loaded_hybrid_fast_path(case):
         want = greedy_generate(model, ids, gen).tokens[0].tolist()
         full = torch.tensor([prompt + want[:-1]])
         want_gen_lp = model(full).logits.log_softmax(-1)[0, len(prompt) - 1:]  # [gen, V]
+    rows = []  # calls of the per-row path (`loaded_rows`), with whether a mask was built for them
+    real_attend = ap._attend_loaded_rows
+    monkeypatch.setattr(ap, "_attend_loaded_rows", lambda *a, **k: rows.append(1) or real_attend(*a, **k))
     try:
         engine = Engine(model, byte_tokenizer(), EngineConfig(methods=cfg, max_model_len=64))
         out = engine.generate([prompt], SamplingParams(max_tokens=gen, ignore_eos=True, logprobs=0,
@@ -471,8 +476,11 @@ def test_engine_as_loaded_hybrid_fast_path(case):
         layers = layer_methods(model)
         with torch.no_grad():
             got_logits = model(ids).logits.log_softmax(-1)
+            with engine.forward_scope(ids):  # what the lm-eval model scores loglikelihoods in
+                scoped_logits = model(ids).logits.log_softmax(-1)
     finally:
         unpatch(model)  # attention and RoPE: the model as loaded for the other tests
+        ap._remove_decode_hook(model)
     assert out.token_ids == want
     got_plp = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]], dtype=torch.float64)
     want_plp = want_logits[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
@@ -481,9 +489,15 @@ def test_engine_as_loaded_hybrid_fast_path(case):
     torch.testing.assert_close(got_lp, want_gen_lp.gather(-1, torch.tensor(want)[:, None])[:, 0],
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scoped_logits, want_logits, rtol=1e-5, atol=1e-5)
     if not fast:
         assert patch is None and engine.methods.attention is None
+        # a hybrid left as loaded (length-dependent RoPE): every prefill still runs per row on
+        # lcx's backend, each sliding layer its own window, no [T, T] mask (`loaded_rows`)
+        assert engine._whole_prompt_rows == (family in HYBRID)
+        assert bool(rows) == (family in HYBRID)
         return
+    assert not rows
     assert as_loaded_method(model, "flash") == causal()
     assert (patch.method, patch.backend, patch.layers) == (causal(), "flash", "global")
     w = model.config.sliding_window
