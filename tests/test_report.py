@@ -298,7 +298,8 @@ REPORT_SCRIPTS = {"scripts/report_smollm2.sh": "results/report/smollm2-135m",
                   "scripts/report_smollm2_n16.sh": "results/report/smollm2-135m-n16",
                   "scripts/report_smollm2_ruler.sh": "results/report/smollm2-135m-ruler",
                   "scripts/report_gemma3.sh": "results/report/gemma3-270m",
-                  "scripts/report_gemma3_ruler.sh": "results/report/gemma3-270m-ruler8k"}
+                  "scripts/report_gemma3_ruler.sh": "results/report/gemma3-270m-ruler8k",
+                  "scripts/report_gemma3_ruler_sweep.sh": "results/report/gemma3-270m-ruler"}
 
 
 @pytest.mark.parametrize("script,out", list(REPORT_SCRIPTS.items()), ids=list(REPORT_SCRIPTS))
