@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # SmolLM2-135M on RULER beyond its 8k context (#42 item 4): the four tasks it does above floor inside
-# its context (results/report/smollm2-135m-ruler4k: niah_single_1 8/8, niah_single_2_pd 8/8,
-# niah_single_3_pd 5/8, niah_multikey_1_pd 3/8 at 4096; the other seven 0-1/8 are left out), 16
-# prompts per (task, length) at 8k, 12k and 16k, for vanilla, YaRN x2, dynamic NTK x2, Self-Extend,
-# LM-Infinite +- top-k and sinks -> results/report/smollm2-135m-ruler/. Estimated from the 4k screen
-# (29 s per prompt with its 128-token answer budget) and the passkey sweep's prefill times: ~20-40 h
-# of one CPU core, so it runs in the background across sessions, a length at a time (16k first, the
-# most informative); every finished (method, length) cell is kept and reused (--reuse): rerun the
-# same command after an interruption.
+# its context (results/report/smollm2-135m-ruler4k, seeded prompts: niah_single_1 8/8,
+# niah_single_2_pd 8/8, niah_single_3_pd 5/8, niah_multikey_1_pd 5/8 at 4096; niah_multikey_2 2/8
+# and the other six 0-1/8 are left out by the rule of docs/report.md, "Which tasks an extension
+# sweep runs": >= 3 of 8 inside the context), 16
+# prompts per (task, length) at 16k, 12k, 8k and 4k (inside the context), for vanilla, YaRN x2,
+# dynamic NTK x2, Self-Extend, LM-Infinite +- top-k and sinks -> results/report/smollm2-135m-ruler/.
+# Cost measured on the first 16k cell (Self-Extend, prefix cache on): ~115 CPU s per prompt, ~2
+# core-hours per 16k cell; ~25-30 core-hours for the 28 cells, so it runs in the background across
+# sessions, a length at a time (16k first, the most informative; then 12k, 8k, 4k); every answer
+# is journaled and every finished (method, length) cell kept (--reuse): rerun the same command
+# after an interruption.
 #   bash scripts/report_smollm2_ruler.sh [LENGTHS [EXTRA lcx report FLAGS]]   (LENGTHS must include
 #   16384: the RoPE factor follows the longest length)
 #   bash scripts/report_smollm2_ruler.sh 16384                    # (default) the 16k cells
-#   bash scripts/report_smollm2_ruler.sh 8192,12288,16384 --render   # tables from what is measured
+#   bash scripts/report_smollm2_ruler.sh 12288,16384              # then 12k (and so on)
+#   bash scripts/report_smollm2_ruler.sh 4096,8192,12288,16384 --render   # tables from what is measured
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
