@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     a3.set(title=f"re-encoded target tokens ({args.eval_n} sentences)")
     fig.tight_layout()
     atomic_savefig(fig, Path(args.out).with_suffix(".png"), dpi=110)
+    plt.close(fig)
     print(f"wrote {args.out}")
     return 0
 
