@@ -907,20 +907,15 @@ def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ..
     `lcx.hf.attention_patch.loaded_rows` can run its prefill calls on `backend` (the backend
     `supports()` them on the model's device, dtype and heads, no attention-logit soft-capping),
     else None."""
-    from ..attention import BACKENDS, AttentionSpec, CallInfo
-    from ..hf import attention_layers
+    from ..attention import BACKENDS, AttentionSpec
+    from ..hf.attention_patch import model_call_info
     from ..masks import causal_mask
     from ..masks import sliding_window as sliding_window_mask
 
-    cfg = model.config
-    if backend not in BACKENDS or getattr(cfg, "attn_logit_softcapping", None):
+    if backend not in BACKENDS or getattr(model.config, "attn_logit_softcapping", None):
         return None
     windows = tuple(_loaded_windows(model))
-    p = next(model.parameters())
-    n_heads = int(cfg.num_attention_heads)
-    call = CallInfo(device_type=p.device.type, dtype=p.dtype, requires_grad=False, return_lse=False,
-                    n_heads=n_heads, n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
-                    head_dim=int(attention_layers(model)[0].head_dim), n_queries=2, n_keys=4, q_offset=2)
+    call = model_call_info(model, n_queries=2, n_keys=4, q_offset=2)
     for w in set(windows):
         spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=w - 1))
         if BACKENDS[backend].supports(spec, call) is not None:

@@ -572,6 +572,20 @@ def own_windows(model: nn.Module) -> list[int | None]:
     return [w if hybrid and types_[i] == "sliding_attention" else None for i in range(n)]
 
 
+def model_call_info(model: nn.Module, *, n_queries: int, n_keys: int, q_offset: int, rotary: bool = False):
+    """The `lcx.attention.CallInfo` of an inference call of `model`'s attention layers (its
+    device, dtype, heads and head size; no gradient, no LSE) with these query/key counts: what a
+    backend's `supports()` is asked before lcx runs the model's calls on it."""
+    from lcx.attention import CallInfo
+
+    p = next(model.parameters())
+    n_heads = int(model.config.num_attention_heads)
+    return CallInfo(device_type=p.device.type, dtype=p.dtype, requires_grad=False, return_lse=False,
+                    n_heads=n_heads, n_kv_heads=int(getattr(model.config, "num_key_value_heads", None) or n_heads),
+                    head_dim=int(attention_layers(model)[0].head_dim), n_queries=n_queries, n_keys=n_keys,
+                    q_offset=q_offset, rotary=rotary)
+
+
 def as_loaded_method(model: nn.Module, backend: str) -> AttentionMethod | None:
     """The attention method under which `patch_attention(model, m, backend=backend)` runs a hybrid
     local/global model exactly as loaded, but faster: `causal()`, so that the full-attention
@@ -584,19 +598,12 @@ def as_loaded_method(model: nn.Module, backend: str) -> AttentionMethod | None:
     soft-capping, or a `backend` that cannot run these calls on the model's device, dtype and
     heads (`supports()`; e.g. flash on CUDA in float32), where the masked pass stays faster
     than a fallback."""
-    from lcx.attention import CallInfo
     from lcx.methods.causal import causal
 
     windows = [w for w in own_windows(model) if w is not None]
     if not windows or backend not in BACKENDS or getattr(model.config, "attn_logit_softcapping", None):
         return None
-    attn = attention_layers(model)[0]
-    p = next(model.parameters())
-    n_heads = int(model.config.num_attention_heads)
-    n_kv = int(getattr(model.config, "num_key_value_heads", None) or n_heads)
-    call = CallInfo(device_type=p.device.type, dtype=p.dtype, requires_grad=False, return_lse=False,
-                    n_heads=n_heads, n_kv_heads=n_kv, head_dim=int(attn.head_dim), n_queries=2 * max(windows),
-                    n_keys=2 * max(windows), q_offset=0, rotary=True)
+    call = model_call_info(model, n_queries=2 * max(windows), n_keys=2 * max(windows), q_offset=0, rotary=True)
     supports = BACKENDS[backend].supports
     for m in (causal(), *(sliding_window(window=int(w)) for w in set(windows))):
         if m.supports(backend) is not None or any(supports(spec, call) for spec in m._call_specs()):
@@ -706,5 +713,5 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
 
 __all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "as_loaded_method", "attention_patched", "current_attention", "current_call",
            "current_patch", "has_decode_hook", "install_decode_hook", "iter_rows", "layer_methods",
-           "lcx_attention", "loaded_rows", "own_windows", "patch_attention", "register", "row_groups",
-           "unpatch_attention"]
+           "lcx_attention", "loaded_rows", "model_call_info", "own_windows", "patch_attention", "register",
+           "row_groups", "unpatch_attention"]
