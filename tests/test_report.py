@@ -351,6 +351,19 @@ def test_ppl_max_length_limits_perplexity_to_the_shorter_cells():
         ReportConfig(ppl_max_length=8)
 
 
+def test_report_runs_cells_beyond_ppl_max_length(tiny_model_dir, tmp_path):
+    """A run with --ppl-max-length measures, logs and renders a cell beyond it (passkey alone):
+    the Gemma 3 sweep died logging its first 32k cell before this was tested."""
+    cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla",), lengths=(320, 384), decode_lengths=(),
+                       depths=(0.5,), samples_per_depth=1, ppl_docs=1, ppl_max_length=320)
+    lines: list[str] = []
+    rec = run_report(cfg, tmp_path, progress=False, log=lines.append)
+    cells = rec["results"]["vanilla"]["lmeval"]
+    assert "ppl" in cells["320"] and "ppl" not in cells["384"] and cells["384"]["passkey_docs"] == 1
+    assert (tmp_path / "README.md").exists()
+    assert run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)["cells_reused"] == 2
+
+
 def _kill_at_the_third_answer(monkeypatch) -> list[int]:
     """Make lm-eval's HFLM.generate_until raise at its third call (a run killed mid-cell); returns
     the calls' request counts."""

@@ -144,8 +144,8 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         if kind == "ruler":
             bar.write(f"  {name} @ {L}: RULER {ruler_cell_summary(result)} ({dt:.0f} s)")
         elif kind == "lmeval":
-            bar.write(f"  {name} @ {L}: passkey {result['passkey']:.2f}, {PPL_METRIC} "
-                      f"{result['ppl'][PPL_METRIC]:.1f} ({dt:.0f} s)")
+            ppl = f", {PPL_METRIC} {result['ppl'][PPL_METRIC]:.1f}" if "ppl" in result else ""  # --ppl-max-length
+            bar.write(f"  {name} @ {L}: passkey {result['passkey']:.2f}{ppl} ({dt:.0f} s)")
         else:
             bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
                       f"({dt:.0f} s)")
