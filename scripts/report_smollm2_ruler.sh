@@ -6,8 +6,8 @@
 # sweep runs": >= 3 of 8 inside the context), 16
 # prompts per (task, length) at 16k, 12k, 8k and 4k (inside the context), for vanilla, YaRN x2,
 # dynamic NTK x2, Self-Extend, LM-Infinite +- top-k and sinks -> results/report/smollm2-135m-ruler/.
-# Cost measured on the first 16k cell (Self-Extend, prefix cache on): ~115 CPU s per prompt, ~2
-# core-hours per 16k cell; ~25-30 core-hours for the 28 cells, so it runs in the background across
+# Cost measured on the first 16k cell (Self-Extend, prefix cache on): ~150 CPU s per prompt, ~2.7
+# core-hours per 16k cell; ~30-40 core-hours for the 28 cells, so it runs in the background across
 # sessions, a length at a time (16k first, the most informative; then 12k, 8k, 4k); every answer
 # is journaled and every finished (method, length) cell kept (--reuse): rerun the same command
 # after an interruption.
