@@ -133,7 +133,7 @@ def as_loaded_config(model: Any, backend: str):
     return None if m is None else MethodConfig(attention=m, backend=backend, layers="global")
 
 
-def _rows_scope(model: Any, ids: Any, name: str):
+def _row_scope(model: Any, ids: Any, name: str):
     """The row `<preset>/lcx` of a windowed model the preset leaves as loaded: the forward inside
     `lcx.engine.core.windowed_rows_scope` (per row on lcx's backend, no [T, T] mask), what the
     engine and the lm-eval model run; any other row: the forward as the config applies it."""
@@ -144,17 +144,14 @@ def _rows_scope(model: Any, ids: Any, name: str):
     return windowed_rows_scope(model, ids) if name.endswith("/lcx") and name != AS_LOADED else contextlib.nullcontext()
 
 
-def _rows_scope_active(model: Any, cfg: Any, ids: Any) -> bool:
+def _left_windowed(model: Any, cfg: Any) -> bool:
     """Whether the engine leaves `model` under `cfg` a windowed model as loaded, run per row
-    (`windowed_rows_scope` acts): no attention method, and a RoPE basis that follows the length
-    (with a static one the engine takes `as_loaded_method`, the `vanilla/lcx` row's route)."""
-    import contextlib
-
-    from lcx.engine.core import _static_bases, windowed_rows_scope
+    (`lcx.engine.core.windowed_rows`): no attention method, and a RoPE basis that follows the
+    length (with a static one the engine takes `as_loaded_method`, the `vanilla/lcx` row's route)."""
+    from lcx.engine.core import _static_bases, windowed_rows
 
     with cfg.apply(model):
-        return (cfg.attention is None and _static_bases(model) is None
-                and not isinstance(windowed_rows_scope(model, ids[:, :2]), contextlib.nullcontext))
+        return cfg.attention is None and _static_bases(model) is None and windowed_rows(model) is not None
 
 
 def _forward_s(model: Any, ids: Any) -> tuple[float, float, float]:
@@ -309,17 +306,16 @@ def run(args: argparse.Namespace) -> int:
         cfgs[name] = r.config.with_default_backend(args.attn_backend)
         if name == "vanilla" and (fast := as_loaded_config(model, args.attn_backend)) is not None:
             cfgs[AS_LOADED] = fast  # what lcx.engine runs for the model as loaded
-        elif _rows_scope_active(model, r.config, ids):
+        elif _left_windowed(model, r.config):
             cfgs[name + "/lcx"] = cfgs[name]  # left as loaded, yet run per row as lcx.engine runs it
     runs: dict[str, list] = {name: [] for name in cfgs}
     for rnd in rec.progress(range(args.repeats), unit="round"):
         for name, cfg in cfgs.items():  # interleaved: every case once per round
             with cfg.apply(model):
-                scope = _rows_scope(model, ids, name)
                 if rnd == 0:
-                    with _rows_scope(model, ids[:, :256], name):
+                    with _row_scope(model, ids[:, :256], name):
                         _forward_s(model, ids[:, :256])  # warm-up (kernel selection, allocator)
-                with scope:
+                with _row_scope(model, ids, name):
                     runs[name].append(_forward_s(model, ids))
             x = runs[name][-1]
             rec.log(f"{name:>18}: {x[0]:.1f} s CPU, {x[1]:.1f} s wall, peak +{x[2]:.0f} MB")

@@ -121,13 +121,13 @@ class Engine:
         # a model as loaded with sliding-window layers that `as_loaded_method` leaves as loaded
         # (Mistral's one window; a hybrid such as Gemma 3 under a length-dependent RoPE): for every
         # prefill transformers builds a [T, T] mask and runs the masked SDPA over all T keys
-        windowed = methods.attention is None and any(w is not None for w in _loaded_windows(model))
+        windowed = windowed_rows(model, INFERENCE_BACKEND) if methods.attention is None else None
         # per layer, the window the model runs as loaded, where its prefill calls run per row on
         # lcx's backend (`lcx.hf.attention_patch.loaded_rows`; None: the model's own masked call):
         # those continuing from held keys, and for a windowed model whole prompts too (O(T * w))
-        self._loaded_rows = (_loaded_rows_windows(model, INFERENCE_BACKEND) if self._hook or windowed
-                             else None)
-        self._whole_prompt_rows = windowed and self._loaded_rows is not None
+        self._loaded_rows = windowed if windowed is not None else (
+            _loaded_rows_windows(model, INFERENCE_BACKEND) if self._hook else None)
+        self._whole_prompt_rows = windowed is not None
         if self._hook or self._loaded_rows is not None:
             from ..hf.attention_patch import install_decode_hook
 
@@ -332,7 +332,7 @@ class Engine:
         if not self._whole_prompt_rows:
             return contextlib.nullcontext()
         self._check_hook()
-        return windowed_rows_scope(self.model, input_ids, INFERENCE_BACKEND)
+        return _whole_rows(self.model, input_ids, self._loaded_rows, INFERENCE_BACKEND)
 
     def reuse_chain(self, prompts: list[Sequence[int]]) -> list[int]:
         """An order for running `prompts` one at a time so that each reuses the most of the one
@@ -868,34 +868,40 @@ def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], re
     return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]]), tuple(g)) for (m, _), g in by_key.items()))
 
 
-def windowed_rows_scope(model: nn.Module, input_ids: torch.Tensor,
-                        backend: str = INFERENCE_BACKEND) -> contextlib.AbstractContextManager:
-    """A model as loaded (no attention method applied) with sliding-window layers, whose calls
-    `lcx.hf.attention_patch.loaded_rows` can run on `backend`: a context in which its forward over
-    whole rows `input_ids` `[B, T]` (no cache, positions 0..T-1) attends per row on `backend`, each
-    layer causal or its own window, with no [T, T] mask built (the decode hook installed for the
-    scope if the model has none); the same attention as its own masked call. A no-op context
-    (`contextlib.nullcontext`) for any other model. What the engine runs for every prefill of such
-    a model (a hybrid under a length-dependent RoPE, which `as_loaded_method` leaves as loaded, or
-    Mistral's one window)."""
+def windowed_rows(model: nn.Module, backend: str = INFERENCE_BACKEND) -> tuple[int | None, ...] | None:
+    """Per layer, the window of a model as loaded (no attention method applied) with
+    sliding-window layers, when `lcx.hf.attention_patch.loaded_rows` can run its calls on
+    `backend` (`_loaded_rows_windows`); else None. Such a model prefills per row on `backend`
+    in the engine (every prompt) and in `windowed_rows_scope`: a hybrid under a length-dependent
+    RoPE, which `as_loaded_method` leaves as loaded, or Mistral's one window."""
     from ..hf.attention_patch import current_patch
 
-    windows = None if current_patch(model) is not None else _loaded_rows_windows(model, backend)
-    if windows is None or all(w is None for w in windows):
-        return contextlib.nullcontext()
-    B, T = input_ids.shape
-    return _rows_scope(model, torch.arange(T, device=input_ids.device).expand(B, T), windows, backend)
+    if current_patch(model) is not None or all(w is None for w in _loaded_windows(model)):
+        return None
+    return _loaded_rows_windows(model, backend)
+
+
+def windowed_rows_scope(model: nn.Module, input_ids: torch.Tensor,
+                        backend: str = INFERENCE_BACKEND) -> contextlib.AbstractContextManager:
+    """For a model `windowed_rows` names: a context in which its forward over whole rows
+    `input_ids` `[B, T]` (no cache, positions 0..T-1) attends per row on `backend`, each layer
+    causal or its own window, with no [T, T] mask built (the decode hook installed for the scope
+    if the model has none); the same attention as its own masked call, as the engine prefills
+    it. A no-op context for any other model."""
+    windows = windowed_rows(model, backend)
+    return contextlib.nullcontext() if windows is None else _whole_rows(model, input_ids, windows, backend)
 
 
 @contextlib.contextmanager
-def _rows_scope(model: nn.Module, pos: torch.Tensor, windows: tuple[int | None, ...], backend: str):
+def _whole_rows(model: nn.Module, input_ids: torch.Tensor, windows: tuple[int | None, ...], backend: str):
     from ..hf.attention_patch import _remove_decode_hook, has_decode_hook, install_decode_hook, loaded_rows
 
     installed = not has_decode_hook(model)
     if installed:
         install_decode_hook(model)
+    B, T = input_ids.shape
     try:
-        with loaded_rows(pos, windows, backend):
+        with loaded_rows(torch.arange(T, device=input_ids.device).expand(B, T), windows, backend):
             yield
     finally:
         if installed:
