@@ -8,7 +8,8 @@
 #      imports      everything the GPU stages import, with lm_eval, fastapi, uvicorn and gguf
 #                   blocked and sockets refused (the device has none of them and no network)
 #   1. build        the CUDA extensions (torch.utils.cpp_extension.load)
-#   2. pytest_gpu   `pytest -m gpu`: every kernel against its reference (STYLE.md's tolerance rule)
+#   2. pytest_gpu   `pytest -m gpu`: every kernel against its reference (STYLE.md's tolerance rule),
+#                   over 8 xdist workers where pytest-xdist is installed; failures logged as they come
 #   3. kernels      `lcx bench kernels`: this GPU's first baseline, or `--check` against it
 #                   -> <gpu>.json (a new baseline: commit it to results/kernels/) or <gpu>.latest.json
 #   4. scale        `lcx bench scale --resume --time-limit ...`: the methods at 32k-128k on random
@@ -16,8 +17,9 @@
 #                   -> scale-<gpu>.json (commit as results/scale/<gpu>.json)
 #   5. report       `lcx report` on the bundled tiny-ret-5m on CUDA (bf16), to set beside the
 #                   committed CPU numbers (results/report/) -> report-<gpu>.tar. Needs lm-eval:
-#                   carried wheels installed from $LCX_GPU_WHEELS, or a folder of installed
-#                   packages in $LCX_GPU_SITE; otherwise SKIP with the reason.
+#                   carried wheels installed from $LCX_GPU_WHEELS (`bash scripts/gpu_wheels.sh`
+#                   builds them, ~18 MB, with the corpora the report reads), or a folder of
+#                   installed packages in $LCX_GPU_SITE; otherwise SKIP with the reason.
 #   logs.tar        every stage's log and pytest's junit XML
 #
 # summary.txt has one line per stage: `PASS|FAIL|SKIP <stage>: <detail or reason> (<s>s)`, then
@@ -104,12 +106,15 @@ else SLUG=cpu; fi
 summary "PASS env: $(grep -E '^(python|torch|transformers|triton) ' "$OUT/env.txt" | tr '\n' ' ')gpu=$([ $CUDA = 1 ] && echo "$SLUG" || echo none)"
 
 # make `import lcx` (with lcx.kernels -> kernels/) work without network
+# (an editable install can succeed and still not map lcx.kernels -> kernels/: some setuptools
+# versions write a plain path entry, and ./lcx then shadows the mapping; so check the import again)
 if ! $PY -c "import lcx.kernels.cuda, benchmarks.kernels" >/dev/null 2>&1; then
-  if ! pip install --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1; then
+  pip install --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1
+  if ! $PY -c "import lcx.kernels.cuda, lcx.eval_tasks, lcx.serve, benchmarks.kernels" >>"$LOGS/install.log" 2>&1; then
     # fallback: pyproject's package-dir mapping by symlinks inside this (disposable) copy
     for d in kernels eval_tasks serve; do [ -e "lcx/$d" ] || ln -s "../$d" "lcx/$d"; done
     trap 'for d in kernels eval_tasks serve; do [ -L "lcx/$d" ] && rm "lcx/$d"; done' EXIT
-    summary "note: pip install -e failed (see logs.tar:install.log); lcx/{kernels,eval_tasks,serve} symlinked"
+    summary "note: pip install -e left lcx.kernels unimportable (see logs.tar:install.log); lcx/{kernels,eval_tasks,serve} symlinked"
   fi
 fi
 
@@ -169,6 +174,8 @@ EOF
 }
 pytest_summary() { grep -E "passed|failed|error|no tests ran" "$1" | tail -n 1; }
 kernel_summary() { grep -cE "REGRESSION|MISSING" "$1" | sed 's/^/regressions or missing: /'; }
+# a kernel row skipped because lcx's own module failed to import is a broken install, not a skip
+kernels_broken() { grep -E "skipped: (ModuleNotFoundError|ImportError).*'lcx" "$LOGS/kernels.log" | head -n 1; }
 scale_summary() { grep -E "^wrote|cells kept" "$1" | tail -n 1; }
 
 if ! want build; then skip build "not asked for (GPU_STAGES)"
@@ -182,8 +189,18 @@ else export -f build; run_stage build 150 "grep -c ^built" -- bash -c build; fi
 if ! want pytest_gpu; then skip pytest_gpu "not asked for (GPU_STAGES)"
 elif done_before pytest_gpu; then skip pytest_gpu "done in an earlier call"
 elif [ $CUDA = 0 ]; then skip pytest_gpu "no CUDA device"
-else run_stage pytest_gpu 150 pytest_summary -- $PY -m pytest -q -m gpu -p no:cacheprovider \
-  --continue-on-collection-errors --junitxml="$LOGS/pytest_gpu.xml" -o junit_family=xunit2; fi
+else
+  # the Triton grid compiles a kernel per case (~1.5 s each, 355 cases in all): spread over
+  # workers when pytest-xdist is there (the device image has it); each failure is written to
+  # pytest_gpu_failures.log the moment it happens (tests/conftest.py), so a run stopped at its
+  # limit still names what failed and why
+  XDIST=(); $PY -c "import xdist" >/dev/null 2>&1 && XDIST=(-n "${GPU_TEST_WORKERS:-8}")
+  export LCX_FAILURES_LOG=$LOGS/pytest_gpu_failures.log; : >"$LCX_FAILURES_LOG"
+  run_stage pytest_gpu 240 pytest_summary -- $PY -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" \
+    --continue-on-collection-errors --junitxml="$LOGS/pytest_gpu.xml" -o junit_family=xunit2 -rf --tb=short
+  [ -s "$LCX_FAILURES_LOG" ] && summary "  failed so far: $(grep -c '^FAILED' "$LCX_FAILURES_LOG") (logs.tar:pytest_gpu_failures.log): $(grep '^FAILED' "$LCX_FAILURES_LOG" | head -n 3 | cut -c8- | tr '\n' ' ')"
+  unset LCX_FAILURES_LOG
+fi
 
 # ---- 3. kernel benchmark: the first baseline of this GPU, or the check against it
 KDIR=results/kernels
@@ -195,10 +212,15 @@ elif [ $CUDA = 0 ]; then
     --out "$STATE/kernels-cpu-smoke.json" && cp "$STATE/kernels-cpu-smoke.json" "$STATE/out-kernels.json"
 elif [ -f "$KDIR/$SLUG.json" ]; then
   run_stage kernels 90 kernel_summary -- $LCX bench kernels --warmup 3 --repeats 10 --check
+  [ -n "$(kernels_broken)" ] && { summary "FAIL kernels: lcx's own modules did not import: $(kernels_broken)"; STATUS=1; rm -f "$STATE/kernels.done"; }
   cp "$KDIR/$SLUG.latest.json" "$STATE/out-kernels.json" 2>/dev/null
 else
-  run_stage kernels 90 kernel_summary -- $LCX bench kernels --warmup 3 --repeats 10 \
-    && summary "  new baseline $SLUG.json: commit it as $KDIR/$SLUG.json"
+  if run_stage kernels 90 kernel_summary -- $LCX bench kernels --warmup 3 --repeats 10; then
+    if [ -n "$(kernels_broken)" ]; then
+      summary "FAIL kernels: lcx's own modules did not import, no baseline: $(kernels_broken)"; STATUS=1
+      rm -f "$STATE/kernels.done" "$KDIR/$SLUG.json"
+    else summary "  new baseline $SLUG.json: commit it as $KDIR/$SLUG.json"; fi
+  fi
   cp "$KDIR/$SLUG.json" "$STATE/out-kernels.json" 2>/dev/null
 fi
 
@@ -212,7 +234,7 @@ if [ -z "$report_why" ] && ! $PY -c "import lm_eval" >/dev/null 2>&1; then
     pip install --no-index --find-links "$LCX_GPU_WHEELS" --no-deps "$LCX_GPU_WHEELS"/*.whl >"$LOGS/wheels.log" 2>&1
   fi
   [ -n "${LCX_GPU_SITE:-}" ] && export PYTHONPATH="$LCX_GPU_SITE${PYTHONPATH:+:$PYTHONPATH}"
-  $PY -c "import lm_eval" >/dev/null 2>&1 || report_why="lm_eval is not importable: the device has no lm-eval; carry its wheels (LCX_GPU_WHEELS) or a site folder (LCX_GPU_SITE)"
+  $PY -c "import lm_eval, lm_eval.evaluator" >>"$LOGS/wheels.log" 2>&1 || report_why="lm_eval is not importable: the device has no lm-eval; carry its wheels (LCX_GPU_WHEELS) or a site folder (LCX_GPU_SITE)"
 fi
 REPORT_S=${REPORT_S:-120}
 [ -z "$report_why" ] || REPORT_S=0

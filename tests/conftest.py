@@ -27,6 +27,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         it.add_marker(skip)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With LCX_FAILURES_LOG=<file>, append each failure (id, phase, short traceback) the moment
+    it happens: a run killed at its time limit (the GPU session's stages) still names what failed
+    and why, which pytest's own summary and junit XML only write at the end."""
+    path = os.environ.get("LCX_FAILURES_LOG")
+    if not path or not report.failed:
+        return
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    lines = text.splitlines()
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"FAILED {report.nodeid} ({report.when})\n" + "\n".join(lines[-25:]) + "\n\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """`(model, tokenizer)` from `lcx.models.tiny_llama(seed=0)`: 2 layers, hidden 64, 4/2 heads,
