@@ -178,7 +178,7 @@ def _check_forward(shape, spec_name, dtype, device, num_splits=None):
     out, lse = _kernel_forward(*low(exact, dtype, device), spec, rot, num_splits=num_splits)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_within_budget(out.cpu(), ref_lp, want, what=f"{spec_name} output")
-    assert_within_budget(lse.cpu(), ref_lp_lse, want_lse, what=f"{spec_name} lse")
+    assert_within_budget(lse.cpu(), ref_lp_lse, want_lse, what=f"{spec_name} lse", precision=dtype)
 
 
 def _grads(fn, qkv, seed=1):
@@ -231,6 +231,14 @@ def test_kernel_forward(shape, spec_name, dtype):
 def test_kernel_forward_extended(shape, spec_name, dtype):
     _skip_unless_triton()
     _check_forward(shape, spec_name, dtype, _device())
+
+
+@pytest.mark.parametrize("spec_name", ["alibi_sigmoid", "swat16_rope", "lambda3_8_cap24_sigmoid", "causal"])
+def test_kernel_one_key_bf16_lse(spec_name):
+    """One query, one key, bfloat16 (the first H100 run's three failures): the lse is the score of
+    the rounded q and k, exact in the kernel; its budget's floor is bfloat16's, not float32's."""
+    _skip_unless_triton()
+    _check_forward((1, 1, 1, 4, 4, 64), spec_name, BF16, _device())
 
 
 @pytest.mark.gpu
