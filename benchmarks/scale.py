@@ -289,9 +289,14 @@ def _peak(device: str) -> int:
     return int(torch.cuda.max_memory_allocated()) if device == "cuda" else status_bytes("VmHWM")
 
 
-def run_engine(model: Any, cfg: Any, prompt: list[int], decode_tokens: int, device: str) -> dict[str, Any]:
+def run_engine(model: Any, cfg: Any, prompt: list[int], decode_tokens: int, device: str,
+               profile_to: Path | None = None) -> dict[str, Any]:
     """Prefill `prompt` and decode `decode_tokens` greedily with lcx's engine under `cfg`
-    (applied by the engine, removed after). Times are wall clock, synchronised."""
+    (applied by the engine, removed after). Times are wall clock, synchronised. With
+    `profile_to`, the decode steps after the first run under torch.profiler and its operator
+    tables are written there (`write_profile`); such a run's times are not a measurement."""
+    import contextlib
+
     import torch
 
     import lcx
@@ -312,21 +317,56 @@ def run_engine(model: Any, cfg: Any, prompt: list[int], decode_tokens: int, devi
             step()  # prefill + the first token
             _sync(device)
             prefill = time.perf_counter() - t0
+            if profile_to is not None and engine.has_work():
+                step()  # one decode step outside the profile (first-call allocations)
+            prof = _profiler(device) if profile_to is not None else contextlib.nullcontext()
             kv, steps, t1 = engine.kv_cache_bytes, 0, time.perf_counter()
-            while engine.has_work():
-                step()
-                steps += 1
-                kv = max(kv, engine.kv_cache_bytes)
-            _sync(device)
+            with prof:
+                while engine.has_work():
+                    step()
+                    steps += 1
+                    kv = max(kv, engine.kv_cache_bytes)
+                _sync(device)
             decode = time.perf_counter() - t1
+            if profile_to is not None:
+                write_profile(prof, profile_to, steps=steps, wall_s=decode, device=device)
     finally:
         del engine
         lcx.unpatch(model)
     return {"prefill_s": prefill, "decode_s": decode, "decode_steps": steps, "kv_cache_bytes": kv}
 
 
+def _profiler(device: str):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    return profile(activities=acts, record_shapes=False)
+
+
+def write_profile(prof: Any, path: Path, *, steps: int, wall_s: float, device: str = "cuda",
+                  rows: int = 30) -> None:
+    """Where the decode steps' time went: the operators by self device time (CUDA) and by self
+    CPU time, and the share of the wall time the device was busy (launch-bound when small)."""
+    ka = prof.key_averages()
+    cuda_attr = next((a for a in ("self_device_time_total", "self_cuda_time_total")
+                      if ka and hasattr(ka[0], a)), None) if device == "cuda" else None
+    busy_us = sum(getattr(e, cuda_attr) for e in ka) if cuda_attr else 0.0
+    cpu_us = sum(e.self_cpu_time_total for e in ka)
+    lines = [f"decode steps profiled: {steps}, wall {wall_s:.4f} s ({1e3 * wall_s / max(1, steps):.3f} ms/step)",
+             f"self CPU time of all operators: {cpu_us / 1e6:.4f} s"]
+    if cuda_attr:
+        lines.append(f"device busy (sum of kernel self time): {busy_us / 1e6:.4f} s = "
+                     f"{100 * busy_us / 1e6 / max(wall_s, 1e-12):.1f}% of the wall time")
+        lines += ["", "== by self device time", prof.key_averages().table(sort_by=cuda_attr, row_limit=rows)]
+    lines += ["", "== by self CPU time", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+
+
 def run_cell(model: Any, facts: dict[str, int], case: Case, T: int, args: argparse.Namespace,
-             device: str, elem_bytes: int) -> dict[str, Any]:
+             device: str, elem_bytes: int, key: str = "cell") -> dict[str, Any]:
     """One (shape, length, case) cell: a result row, or `{"skipped": reason}` / `{"not_fit": ...}`."""
     import torch
 
@@ -357,6 +397,10 @@ def run_cell(model: Any, facts: dict[str, int], case: Case, T: int, args: argpar
         base = _reset_peak(device)
         runs = [run_engine(model, cfg, prompt, args.decode_tokens, device) for _ in range(args.repeats)]
         peak = max(0, _peak(device) - (base if device != "cuda" else 0))  # CPU: RSS can shrink
+        if getattr(args, "profile_decode", None):  # an extra run, after the timed ones
+            prof_path = Path(args.profile_decode) / f"decode_{key.replace('|', '_').replace('/', '-')}.txt"
+            run_engine(model, cfg, prompt, args.decode_tokens, device, profile_to=prof_path)
+            row["decode_profile"] = str(prof_path)
     except (NotImplementedError, ValueError, torch.OutOfMemoryError) as e:
         return {**row, "skipped": f"{type(e).__name__}: {e}"[:500]}
     finally:
@@ -463,6 +507,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a cell is assumed to need when checking --time-limit (default 45)")
     parser.add_argument("--resume", action="store_true", help="keep the cells already in --out and run the others")
     parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul rate")
+    parser.add_argument("--profile-decode", default=None, metavar="DIR",
+                        help="after each cell's timed runs, one more run whose decode steps run under "
+                             "torch.profiler; writes DIR/decode_<shape>_<T>_<case>.txt (operators by self "
+                             "device and CPU time, device-busy share of the wall time). Costs a run per cell")
 
 
 def _csv(text: str | None) -> list[str]:
@@ -558,7 +606,7 @@ def run(args: argparse.Namespace) -> int:
             cells[key] = {"not_fit": f"the weights ({facts['params'] * elem_bytes / 2**30:.1f} GiB) do not fit "
                                      f"{free_bytes(device) / 2**30:.1f} GiB free on {device}"}
         else:
-            cells[key] = run_cell(model, facts, case, T, args, device, elem_bytes)
+            cells[key] = run_cell(model, facts, case, T, args, device, elem_bytes, key)
         row = cells[key]
         rec.log(f"{key}: " + (f"prefill {row['prefill_s']:.3f} s, {row['decode_tok_s']} tok/s, "
                               f"KV {row['kv_cache_bytes'] / 2**20:.1f} MiB" if "prefill_s" in row

@@ -12,6 +12,8 @@
 #                   over 8 xdist workers where pytest-xdist is installed; failures logged as they come
 #   3. kernels      `lcx bench kernels`: this GPU's first baseline, or `--check` against it
 #                   -> <gpu>.json (a new baseline: commit it to results/kernels/) or <gpu>.latest.json
+#   3b. profile     `lcx bench scale --profile-decode`: one untimed run of two decode cells under
+#                   torch.profiler (Llama-3-8B's shape, 8 layers, 32k) -> logs.tar:profile/*.txt
 #   4. scale        `lcx bench scale --resume --time-limit ...`: the methods at 32k-128k on random
 #                   llama-3-8b / llama-3.2-1b / smollm2-135m weights, most valuable cells first
 #                   -> scale-<gpu>.json (commit as results/scale/<gpu>.json)
@@ -35,7 +37,7 @@
 # xargs -0 du -cb | tail -1`; tests/test_packaging.py keeps the tracked tree under 32 MiB).
 #
 # Knobs (environment): SESSION_S (default 540: the time box), GPU_STAGES (default
-# "build,pytest_gpu,kernels,scale,report"), SCALE_ARGS (extra `lcx bench scale` flags),
+# "build,pytest_gpu,kernels,profile,scale,report"), SCALE_ARGS (extra `lcx bench scale` flags),
 # REPORT_S (seconds kept for the report when lm-eval is there, default 120), LCX_GPU_DRY_RUN=1
 # (no GPU: run the kernel and scale stages as CPU smoke runs, to test this script).
 set -u -o pipefail
@@ -57,7 +59,7 @@ t_start=$(date +%s)
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 elapsed() { echo $(( $(date +%s) - t_start )); }
 left() { echo $(( SESSION_S - $(elapsed) )); }
-want() { [[ ",${GPU_STAGES:-build,pytest_gpu,kernels,scale,report}," == *",$1,"* ]]; }
+want() { [[ ",${GPU_STAGES:-build,pytest_gpu,kernels,profile,scale,report}," == *",$1,"* ]]; }
 done_before() { [ -f "$STATE/$1.done" ]; }
 # run_stage NAME LIMIT_S DETAIL_CMD -- CMD...: run CMD with a time limit, log to $LOGS/NAME.log,
 # record PASS/FAIL (DETAIL_CMD prints a one-line detail from the log; may be `:`)
@@ -222,6 +224,23 @@ else
     else summary "  new baseline $SLUG.json: commit it as $KDIR/$SLUG.json"; fi
   fi
   cp "$KDIR/$SLUG.json" "$STATE/out-kernels.json" 2>/dev/null
+fi
+
+# ---- 3b. where a decode step's time goes (the first H100 run: vanilla 32k decode at 6.5% of the
+# copy bandwidth): one untimed profiled run of two cells, operator tables -> logs.tar:profile/
+PROFILE_DIR=$LOGS/profile
+profile_summary() { grep -hE "^(decode steps profiled|device busy)" "$PROFILE_DIR"/*.txt 2>/dev/null | tr '\n' ' '; }
+if ! want profile; then skip profile "not asked for (GPU_STAGES)"
+elif done_before profile; then skip profile "done in an earlier call"
+elif [ $CUDA = 0 ] && [ "$DRY" != 1 ]; then skip profile "no CUDA device"
+else
+  if [ $CUDA = 0 ]; then
+    set -- --device cpu --shape smollm2-135m --layers 2 --lengths 512 --context 128 --decode-tokens 4 --cases vanilla
+  else  # 8 of Llama-3-8B's 32 layers: the per-layer pattern at a quarter of the build and step time
+    set -- --shape llama-3-8b --layers 8 --lengths 32768 --decode-tokens 8 --cases vanilla,lm_infinite/triton
+  fi
+  run_stage profile 120 profile_summary -- $LCX bench scale "$@" --no-ceilings --profile-decode "$PROFILE_DIR" \
+    --out "$STATE/profile-scale.json"
 fi
 
 # ---- 5 (decided first, so the scale sweep leaves it its time): can the report run here?

@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
-STAGES = ("build", "pytest_gpu", "kernels", "scale", "report")
+STAGES = ("build", "pytest_gpu", "kernels", "profile", "scale", "report")
 MAX_FILES = 8  # what a device call brings back
 
 
@@ -63,6 +64,11 @@ def test_dry_run_passes_fails_and_resumes(tmp_path):
     rc, stages, out = _run(tmp_path, "first", LCX_GPU_DRY_RUN="1", SCALE_ARGS="--cases no-such-case")
     assert rc == 1
     assert stages["kernels"].startswith("PASS regressions or missing: 0"), stages["kernels"]
+    assert stages["profile"].startswith("PASS decode steps profiled: "), stages["profile"]
+    with tarfile.open(out / "logs.tar") as tar:
+        prof = [n for n in tar.getnames() if n.startswith("./profile/decode_")]
+        assert prof, tar.getnames()
+        assert "by self CPU time" in tar.extractfile(prof[0]).read().decode()
     assert re.match(r"FAIL rc=\d+; .*see logs\.tar:scale\.log", stages["scale"]), stages["scale"]
     assert stages["report"] == "SKIP no CUDA device" and stages["build"] == "SKIP no CUDA device"
     assert (out / "kernels-cpu.json").is_file() and not (out / "scale-cpu.json").exists()
@@ -70,6 +76,7 @@ def test_dry_run_passes_fails_and_resumes(tmp_path):
     rc, stages, out = _run(tmp_path, "second", LCX_GPU_DRY_RUN="1")
     assert rc == 0
     assert stages["kernels"] == "SKIP done in an earlier call"
+    assert stages["profile"] == "SKIP done in an earlier call"
     assert stages["scale"].startswith("PASS wrote"), stages["scale"]
     assert (out / "kernels-cpu.json").is_file() and (out / "scale-cpu.json").is_file()
 

@@ -72,6 +72,25 @@ def test_resume_keeps_cells_and_time_limit_stops_early(tmp_path):
     assert json.loads(out.read_text())["results"] == json.loads(before)["results"]
 
 
+def test_profile_decode_writes_operator_tables_per_cell(tmp_path):
+    """--profile-decode: one extra, untimed run per cell; its decode steps' operators by self CPU
+    time (and device time on CUDA) in DIR/decode_<cell>.txt, named in the cell's row."""
+    out, prof = tmp_path / "p.json", tmp_path / "prof"
+    args = [*SMOKE, "--decode-tokens", "4", "--cases", "vanilla,sinks", "--out", str(out), "--device", "cpu",
+            "--no-ceilings", "--profile-decode", str(prof)]
+    assert scale.main(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    for key, row in rows.items():
+        path = prof / f"decode_{key.replace('|', '_')}.txt"
+        assert row["decode_profile"] == str(path) and path.is_file()
+        text = path.read_text()
+        assert text.startswith("decode steps profiled: 2, wall ")  # 4 tokens: prefill's, one warm step, 2 profiled
+        assert "== by self CPU time" in text and "aten::mm" in text
+        assert "device busy" not in text  # no device on the CPU
+    assert sorted(p.name for p in prof.iterdir()) == ["decode_smollm2-135m_512_sinks.txt",
+                                                      "decode_smollm2-135m_512_vanilla.txt"]
+
+
 def test_gpu_order_runs_the_key_cells_first():
     cases = list(scale.CASES)
     order = scale.cell_order(list(scale.GPU_SHAPES), list(scale.GPU_LENGTHS), cases)
