@@ -16,6 +16,7 @@
 #   bash scripts/report_smollm2_ruler.sh 16384                    # (default) the 16k cells
 #   bash scripts/report_smollm2_ruler.sh 12288,16384              # then 12k (and so on)
 #   bash scripts/report_smollm2_ruler.sh 4096,8192,12288,16384 --render   # tables from what is measured
+# Method order: vanilla third, so the paired tests against it come early.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -23,5 +24,5 @@ reuse=--reuse  # measuring: keep every stored cell; --render measures nothing an
 for a in "${@:2}"; do [ "$a" = --render ] && reuse=; done
 exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths none --tasks ruler \
   --ruler-tasks niah_single_1,niah_single_2_pd,niah_single_3_pd,niah_multikey_1_pd --ruler-samples 16 \
-  --presets self_extend,yarn,dynamic,vanilla,lm_infinite_topk,lm_infinite,sinks --threads 1 \
+  --presets self_extend,yarn,vanilla,dynamic,lm_infinite_topk,lm_infinite,sinks --threads 1 \
   $reuse --keep-other-code --out results/report/smollm2-135m-ruler "${@:2}"
