@@ -37,13 +37,13 @@ import argparse
 import contextlib
 import dataclasses
 import sys
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from benchmarks.record import build_record
+from lcx.kernels import gpu_slug  # noqa: F401  (re-exported: the bench modules' name for it)
 
 
 class _Off:
@@ -428,11 +428,6 @@ def roofline(prep: Prepared, times: list[float], ceilings: dict[str, float]) -> 
     row["pct_bandwidth"] = round(100 * row["GBps"] / ceilings["copy_GBps"], 1) if ceilings.get("copy_GBps") else None
     row["pct_matmul"] = round(100 * row["TFLOPs"] / ceilings["matmul_TFLOPs"], 1) if ceilings.get("matmul_TFLOPs") else None
     return row
-
-
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (the baseline file's name)."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-gpu"
 
 
 def versions() -> dict[str, Any]:

@@ -12,6 +12,9 @@
 #                   over 8 xdist workers where pytest-xdist is installed; failures logged as they come
 #   3. kernels      `lcx bench kernels`: this GPU's first baseline, or `--check` against it
 #                   -> <gpu>.json (a new baseline: commit it to results/kernels/) or <gpu>.latest.json
+#   3a. tune        `lcx bench kernels --tune`: the Triton Λ kernel's launch configurations (16) at
+#                   the 32k prefill shape, each checked against the default's output -> tune-<gpu>.json
+#                   (commit as results/kernels/<gpu>.tune.json; enter the winner in TUNED)
 #   3b. profile     `lcx bench scale --profile-decode`: one untimed run of two decode cells under
 #                   torch.profiler (Llama-3-8B's shape, 8 layers, 32k) -> logs.tar:profile/*.txt
 #   4. scale        `lcx bench scale --resume --time-limit ...`: the methods at 32k-128k on random
@@ -37,7 +40,7 @@
 # xargs -0 du -cb | tail -1`; tests/test_packaging.py keeps the tracked tree under 32 MiB).
 #
 # Knobs (environment): SESSION_S (default 540: the time box), GPU_STAGES (default
-# "build,pytest_gpu,kernels,profile,scale,report"), SCALE_ARGS (extra `lcx bench scale` flags),
+# "build,pytest_gpu,kernels,tune,profile,scale,report"), SCALE_ARGS (extra `lcx bench scale` flags),
 # REPORT_S (seconds kept for the report when lm-eval is there, default 120), LCX_GPU_DRY_RUN=1
 # (no GPU: run the kernel and scale stages as CPU smoke runs, to test this script).
 set -u -o pipefail
@@ -59,7 +62,7 @@ t_start=$(date +%s)
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 elapsed() { echo $(( $(date +%s) - t_start )); }
 left() { echo $(( SESSION_S - $(elapsed) )); }
-want() { [[ ",${GPU_STAGES:-build,pytest_gpu,kernels,profile,scale,report}," == *",$1,"* ]]; }
+want() { [[ ",${GPU_STAGES:-build,pytest_gpu,kernels,tune,profile,scale,report}," == *",$1,"* ]]; }
 done_before() { [ -f "$STATE/$1.done" ]; }
 # run_stage NAME LIMIT_S DETAIL_CMD -- CMD...: run CMD with a time limit, log to $LOGS/NAME.log,
 # record PASS/FAIL (DETAIL_CMD prints a one-line detail from the log; may be `:`)
@@ -226,6 +229,21 @@ else
   cp "$KDIR/$SLUG.json" "$STATE/out-kernels.json" 2>/dev/null
 fi
 
+# ---- 3a. the Triton Λ kernel's launch configurations (its one default was chosen without a GPU;
+# the first H100 run: Λ prefill at ~10% of the matmul ceiling) -> tune-<gpu>.json (commit it as
+# results/kernels/<gpu>.tune.json and enter the winner in lcx.kernels.triton.lambda_attention.TUNED)
+tune_summary() { grep -E "^best|MISMATCH" "$1" | tail -n 1; }
+if ! want tune; then skip tune "not asked for (GPU_STAGES)"
+elif done_before tune; then skip tune "done in an earlier call"
+elif [ $CUDA = 0 ] && [ "$DRY" != 1 ]; then skip tune "no CUDA device"
+elif [ $CUDA = 0 ]; then
+  TRITON_INTERPRET=1 run_stage tune 120 tune_summary -- $LCX bench kernels --tune --device cpu --warmup 1 --repeats 1 \
+    --out "$STATE/tune-cpu-smoke.json" && cp "$STATE/tune-cpu-smoke.json" "$STATE/out-tune.json"
+else
+  run_stage tune 150 tune_summary -- $LCX bench kernels --tune --warmup 2 --repeats 5 --out "$STATE/tune.json"
+  cp "$STATE/tune.json" "$STATE/out-tune.json" 2>/dev/null
+fi
+
 # ---- 3b. where a decode step's time goes (the first H100 run: vanilla 32k decode at 6.5% of the
 # copy bandwidth): one untimed profiled run of two cells, operator tables -> logs.tar:profile/
 PROFILE_DIR=$LOGS/profile
@@ -296,6 +314,7 @@ fi
 # ---- outputs: at most 8 files
 [ -f "$STATE/out-kernels.json" ] && cp "$STATE/out-kernels.json" "$OUT/kernels-$SLUG.json"
 [ -f "$STATE/out-scale.json" ] && cp "$STATE/out-scale.json" "$OUT/scale-$SLUG.json"
+[ -f "$STATE/out-tune.json" ] && cp "$STATE/out-tune.json" "$OUT/tune-$SLUG.json"
 [ -f "$STATE/out-report.tar" ] && cp "$STATE/out-report.tar" "$OUT/report-$SLUG.tar"
 summary "total $(elapsed)s, status $STATUS"
 tar -C "$LOGS" -cf "$OUT/logs.tar" . 2>/dev/null

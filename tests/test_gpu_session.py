@@ -5,6 +5,7 @@ The first GPU session has one call of a few minutes; this is how the script is t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
-STAGES = ("build", "pytest_gpu", "kernels", "profile", "scale", "report")
+STAGES = ("build", "pytest_gpu", "kernels", "tune", "profile", "scale", "report")
 MAX_FILES = 8  # what a device call brings back
 
 
@@ -64,6 +65,8 @@ def test_dry_run_passes_fails_and_resumes(tmp_path):
     rc, stages, out = _run(tmp_path, "first", LCX_GPU_DRY_RUN="1", SCALE_ARGS="--cases no-such-case")
     assert rc == 1
     assert stages["kernels"].startswith("PASS regressions or missing: 0"), stages["kernels"]
+    assert stages["tune"].startswith("PASS best {'block_m'"), stages["tune"]
+    assert json.loads((out / "tune-cpu.json").read_text())["smoke"] is True
     assert stages["profile"].startswith("PASS decode steps profiled: "), stages["profile"]
     with tarfile.open(out / "logs.tar") as tar:
         prof = [n for n in tar.getnames() if n.startswith("./profile/decode_")]
@@ -76,7 +79,7 @@ def test_dry_run_passes_fails_and_resumes(tmp_path):
     rc, stages, out = _run(tmp_path, "second", LCX_GPU_DRY_RUN="1")
     assert rc == 0
     assert stages["kernels"] == "SKIP done in an earlier call"
-    assert stages["profile"] == "SKIP done in an earlier call"
+    assert stages["profile"] == "SKIP done in an earlier call" and stages["tune"] == "SKIP done in an earlier call"
     assert stages["scale"].startswith("PASS wrote"), stages["scale"]
     assert (out / "kernels-cpu.json").is_file() and (out / "scale-cpu.json").is_file()
 

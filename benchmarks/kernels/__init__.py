@@ -4,6 +4,7 @@
     lcx bench kernels --check               # run, write <gpu>.latest.json, compare with <gpu>.json
     lcx bench kernels --check BASE --new NEW.json   # compare two stored runs, no timing
     lcx bench kernels --device cpu --only rope      # CPU smoke (wall clock; never a baseline)
+    lcx bench kernels --tune                # GPU: the Triton Λ kernel's launch configurations -> <gpu>.tune.json
 
 Cases (`CASES`, one registry assembled from one module per kernel; each names its implementation
 and the baseline it races):
@@ -174,6 +175,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new", type=Path, metavar="RESULT",
                    help="with --check: compare this stored result instead of running the benchmark")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--tune", action="store_true",
+                   help="instead of the cases: time the Triton Λ forward kernel's launch configurations "
+                        "(block sizes, warps, stages) at the lambda_prefill shape, each checked against the "
+                        "default's output -> results/kernels/<gpu>.tune.json (enter the winner in "
+                        "lcx.kernels.triton.lambda_attention.TUNED); --device cpu: interpreter smoke run")
+    p.add_argument("--tune-length", type=int, default=32768, metavar="T",
+                   help="with --tune: the prefill length (default 32768)")
 
 
 def _load(path: Path) -> dict:
@@ -193,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--new compares a stored result: give --check too")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, {args.warmup}")
+    if args.tune:
+        return _run_tune(args)
     if args.new is not None:
         result = _load(args.new)
     else:
@@ -217,6 +227,25 @@ def run(args: argparse.Namespace) -> int:
     cmp = compare(result, _load(base_path))
     print(cmp.report())
     return 0 if cmp.ok else 1
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from . import tune
+
+    if args.check is not None or args.new is not None or args.only:
+        raise ValueError("--tune times launch configurations of one kernel: no --check, --new or --only")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    out = args.out
+    if out is None and args.device == "cuda" and torch.cuda.is_available():
+        out = RESULTS_DIR / f"{gpu_slug(torch.cuda.get_device_name())}.tune.json"
+    rec = BENCH.start(args, out=out)
+    result = tune.tune(args.device, length=args.tune_length, warmup=min(args.warmup, 3),
+                       repeats=min(args.repeats, 10), checkpoint=None if out is None else rec.write)
+    print(tune.table(result))
+    if out is not None:
+        rec.write(result, quiet=False)
+    return 0 if result["best"] is not None else 1
 
 
 main = BENCH.command(add_arguments, run)

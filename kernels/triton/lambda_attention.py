@@ -51,7 +51,9 @@ Run on CPU tensors with `TRITON_INTERPRET=1` set before triton is first imported
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -67,7 +69,8 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Launch parameters (one default; a GPU session tunes these, no autotuning here)."""
+    """Launch parameters. No autotuning at run time: `lcx bench kernels --tune` measures a grid
+    of them on a GPU (results/kernels/<gpu>.tune.json) and its winner is entered in `TUNED`."""
 
     block_m: int = 64
     block_n: int = 64
@@ -76,6 +79,42 @@ class FwdConfig:
 
 
 DEFAULT_CONFIG = FwdConfig()
+
+# GPU slug (lcx.kernels.gpu_slug of the device name) -> the measured best launch configuration
+# at the lambda_prefill benchmark's shape (`lcx bench kernels --tune`); entered by hand from
+# results/kernels/<slug>.tune.json (tests/benchmarks/test_bench_kernels.py keeps the two equal).
+# Empty until a GPU session has tuned: every GPU runs DEFAULT_CONFIG.
+TUNED: dict[str, FwdConfig] = {}
+
+_override: list[FwdConfig] = []  # launch_config's stack (the tuner's; not for concurrent use)
+
+
+@contextmanager
+def launch_config(config: FwdConfig):
+    """Within the block, every call that names no `config` launches with `config` (how the tuner
+    times a configuration through the same `attention(..., backend="triton")` call as the bench)."""
+    _override.append(config)
+    try:
+        yield config
+    finally:
+        _override.pop()
+
+
+@lru_cache(maxsize=None)
+def _tuned_for(index: int) -> FwdConfig:
+    from lcx.kernels import gpu_slug
+
+    return TUNED.get(gpu_slug(torch.cuda.get_device_name(index)), DEFAULT_CONFIG)
+
+
+def config_for(device: torch.device) -> FwdConfig:
+    """The launch configuration for `device`: launch_config's if one is active, this GPU's
+    tuned one if `TUNED` has it, else DEFAULT_CONFIG."""
+    if _override:
+        return _override[-1]
+    if device.type == "cuda":
+        return _tuned_for(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_CONFIG
 
 
 @triton.jit
@@ -300,7 +339,7 @@ def lambda_attention_triton(
     scale: float | None = None,
     q_offset: int | None = None,
     num_splits: int | None = None,
-    config: FwdConfig = DEFAULT_CONFIG,
+    config: FwdConfig | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +349,8 @@ def lambda_attention_triton(
     cap (requires rotary, and applies to keys j < n_global outside the window); rotary: a
     `lcx.attention.Rotary` (q/k unrotated) or None (q/k already rotated or position-free);
     alibi_slopes: per-head slopes `[H]` (logit - m_h |i - j|). `out`/`lse` may be given
-    (tests poison them with NaN); `num_splits` forces split-K (default: a heuristic).
+    (tests poison them with NaN); `num_splits` forces split-K (default: a heuristic); `config`:
+    the launch configuration (default `config_for(q.device)`).
     """
     B, Tq, H, D = q.shape
     Tk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -357,7 +397,7 @@ def lambda_attention_triton(
     LEFT = Tk + Tq if left is None else left  # causal: a window wider than any distance
     NG = min(n_global, Tk)
 
-    cfg = config
+    cfg = config if config is not None else config_for(q.device)
     n_rows = Tq * group
     # decode: few rows (Tq * GROUP); a 16-row tile (the tl.dot minimum) instead of block_m
     BLOCK_M, BLOCK_N = min(cfg.block_m, pow2(n_rows)), cfg.block_n

@@ -83,7 +83,7 @@ def test_gpu_slug_and_registry():
     assert groups == {"rerotate", "lambda_prefill", "lambda_decode", "swat", "rope"}
     # one module per kernel, each in the registry (KERNELS) and holding exactly its own group's cases
     modules = {p.stem for p in (ROOT / "benchmarks" / "kernels").glob("*.py")} - {"__init__", "__main__", "common",
-                                                                                    "baseline"}
+                                                                                    "baseline", "tune"}
     assert {m.__name__.rsplit(".", 1)[1] for m in bk.KERNELS} == modules == groups
     for m in bk.KERNELS:
         assert {c.group for c in m.CASES} == {m.__name__.rsplit(".", 1)[1]}
@@ -166,3 +166,60 @@ def test_skips_are_recorded_not_raised():
     assert res["kernels"]["rope/broken/x"]["skipped"].startswith("ZeroDivisionError")
     copied = copy.deepcopy(res)
     bk.validate(copied)
+
+
+# ----------------------------------------------------------------------------- --tune
+def test_tune_smoke_under_the_interpreter(tmp_path):
+    """`lcx bench kernels --tune --device cpu` (Triton's interpreter, tiny shape): the default
+    configuration first, every configuration checked against its output and timed, a best."""
+    out = tmp_path / "tune.json"
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
+    p = subprocess.run([sys.executable, "-m", "lcx.cli", "bench", "kernels", "--tune", "--device", "cpu",
+                        "--warmup", "1", "--repeats", "1", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["smoke"] is True and rec["complete"] is True and rec["gpu_slug"] == "cpu"
+    from benchmarks.kernels import tune
+
+    assert len(rec["configs"]) == len(tune.grid(tune.CPU_GRID_AXES)) + 1  # + the default, first
+    assert rec["configs"][0]["config"] == rec["default"]
+    assert all(r["matches_default"] and r["median_ms"] > 0 for r in rec["configs"])
+    assert rec["best"] in [r["config"] for r in rec["configs"]] and rec["speedup_vs_default"] >= 1.0
+    assert "best {'block_m'" in p.stdout
+
+
+def test_tune_refuses_the_cpu_without_the_interpreter():
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "lcx.cli", "bench", "kernels", "--tune", "--device", "cpu"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "TRITON_INTERPRET=1" in p.stderr
+
+
+def test_tuned_launch_configs_are_the_committed_tune_results():
+    """lcx.kernels.triton.lambda_attention.TUNED holds, per GPU, the best configuration of that
+    GPU's committed results/kernels/<gpu>.tune.json, and nothing else."""
+    from lcx.kernels.triton.lambda_attention import TUNED, FwdConfig
+
+    committed = {p.name.removesuffix(".tune.json"): json.loads(p.read_text())
+                 for p in (ROOT / "results" / "kernels").glob("*.tune.json")}
+    assert set(TUNED) == set(committed)
+    for slug, rec in committed.items():
+        assert rec["smoke"] is False and rec["complete"] is True and rec["gpu_slug"] == slug
+        assert TUNED[slug] == FwdConfig(**rec["best"]), slug
+
+
+def test_launch_config_overrides_and_the_cpu_default():
+    import torch
+
+    from lcx.kernels.triton.lambda_attention import DEFAULT_CONFIG, FwdConfig, config_for, launch_config
+
+    cpu = torch.device("cpu")
+    assert config_for(cpu) == DEFAULT_CONFIG
+    a, b = FwdConfig(16, 16, 4, 1), FwdConfig(32, 16, 4, 1)
+    with launch_config(a):
+        assert config_for(cpu) == a
+        with launch_config(b):
+            assert config_for(cpu) == b
+        assert config_for(cpu) == a
+    assert config_for(cpu) == DEFAULT_CONFIG
