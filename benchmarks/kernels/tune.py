@@ -1,5 +1,6 @@
 """`lcx bench kernels --tune`: the Triton Λ-attention forward kernel's launch configuration
-(block_m, block_n, num_warps, num_stages) measured on this GPU.
+(block_m, block_n, num_warps, num_stages), and the CUDA Λ decode kernel's split-K factor
+(`tune_decode`), measured on this GPU.
 
 The kernel has one default configuration (`lcx.kernels.triton.lambda_attention.DEFAULT_CONFIG`,
 chosen without a GPU); the first H100 run measured its Λ prefill at ~10% of the bf16 matmul
@@ -11,8 +12,9 @@ default's (a configuration that computes something else is rejected, not ranked)
 configuration the GPU cannot launch (shared memory, registers) is recorded with its error.
 
 Writes results/kernels/<gpu>.tune.json: every configuration's median, the default's, the best
-and its speedup. The kernel uses the winner once it is entered in `TUNED` (by hand, in the same
-commit as the JSON; a test keeps the two equal). On the CPU (`--device cpu`) a tiny shape and two
+and its speedup (and "decode_splits"). The kernels use the winners once they are entered in
+`lambda_attention.TUNED` and `lambda_decode.TUNED_BLOCKS_PER_SM` (by hand, in the same commit as
+the JSON; a test keeps them equal). On the CPU (`--device cpu`) a tiny shape and two
 configurations run under Triton's interpreter: a test of this module, never a result.
 """
 
@@ -92,6 +94,7 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
     flops = 4.0 * shape["B"] * shape["H"] * shape["T"] * min(shape["T"], shape["G"] + shape["L"]) * shape["D"]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     rows: list[dict[str, Any]] = []
+    decode: dict[str, Any] = {}
     ref = None
 
     def call(i: int):
@@ -111,7 +114,7 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
             "best": best and best["config"], "best_ms": best and best["median_ms"],
             "best_TFLOPs": best and round(flops / best["median_ms"] / 1e9, 3),
             "speedup_vs_default": (round(default["median_ms"] / best["median_ms"], 4) if best and default else None),
-            "environment": versions(), "configs": rows,
+            "environment": versions(), "configs": rows, "decode_splits": decode.get("result"),
         }
 
     bar = _progress(configs, desc="tune", unit="config", enabled=progress)
@@ -139,7 +142,76 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
         rows.append(row)
         if checkpoint is not None:
             checkpoint(record(False))
+    try:  # its own failure must not lose the Triton configurations measured above
+        decode["result"] = tune_decode(device, warmup=warmup, repeats=repeats)
+    except Exception as e:  # noqa: BLE001
+        decode["result"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     return record(True)
+
+
+# blocks per SM the CUDA decode kernel's split-K factor aims at (its default is 2)
+DECODE_BLOCKS_PER_SM = (1, 2, 4, 8, 16, 32)
+
+
+def tune_decode(device: str, *, warmup: int = 2, repeats: int = 5) -> dict[str, Any]:
+    """The CUDA Λ decode kernel (`lcx.kernels.cuda.lambda_decode`) at the lambda_decode
+    benchmark's shape (batch 4, 32/8 heads, head dim 128, bf16, G = 64 + L = 4096 visible keys):
+    its split-K factor for each of DECODE_BLOCKS_PER_SM blocks per SM, each output checked against
+    the default's. The kernel's default aims at DEFAULT_BLOCKS_PER_SM; the first H100 run measured
+    it at 17% of the copy bandwidth."""
+    if device != "cuda":
+        return {"skipped": "the CUDA decode kernel needs a CUDA GPU"}
+    from benchmarks.harness import Prepared
+    from lcx.attention import AttentionSpec, Rotary
+    from lcx.attention.cuda_backend import decode_keys
+    from lcx.kernels.cuda.lambda_decode import (
+        DEFAULT_BLOCKS_PER_SM, _sm_count, decode_tables, default_splits, heads_per_block, lambda_decode_cuda)
+
+    B, H, Hkv, D, G, L = 4, 32, 8, 128, G_LAMBDA, L_LAMBDA
+    Tk = G + L
+    spec = AttentionSpec.lm_infinite(n_global=G, n_local=L)
+    pos = torch.cat((torch.arange(G), torch.arange(10**6 - L + 1, 10**6 + 1))).to(device)
+    rot = Rotary(rope_inv_freq(D).to(device), pos)
+    nbytes = 2 * B * Tk * Hkv * D * 2
+    m = n_buffers(nbytes, device)
+    qs = randn((B, 1, H, D), torch.bfloat16, device, m)
+    ks = randn((B, Tk, Hkv, D), torch.bfloat16, device, m, seed=1)
+    vs = randn((B, Tk, Hkv, D), torch.bfloat16, device, m, seed=2)
+    tabs = decode_tables(rot.inv_freq, pos, Tk - 1, spec.lambda_params.effective_limit(Tk))
+    keys = decode_keys(spec, Tk, Tk - 1)
+    n_sms, hpb = _sm_count(torch.cuda.current_device()), heads_per_block(H, Hkv)
+    rows, ref = [], None
+    for per_sm in sorted(set(DECODE_BLOCKS_PER_SM) | {DEFAULT_BLOCKS_PER_SM}, key=lambda x: x != DEFAULT_BLOCKS_PER_SM):
+        splits = default_splits(B, H, hpb, keys.n_visible, n_sms, per_sm)
+        row: dict[str, Any] = {"blocks_per_sm": per_sm, "n_splits": splits}
+        if any(r["n_splits"] == splits for r in rows):  # capped by keys per split: the same launch
+            row["same_as"] = next(r["blocks_per_sm"] for r in rows if r["n_splits"] == splits)
+            rows.append(row)
+            continue
+        call = (lambda n: lambda i: lambda_decode_cuda(qs[i % m], ks[i % m], vs[i % m], keys=keys, scale=D**-0.5,
+                                                      tables=tabs, n_splits=n))(splits)
+        try:
+            out = call(0)[0].float()
+            ref = out if ref is None else ref
+            diff = float((out - ref).abs().max())
+            row["max_abs_diff_vs_default"] = diff
+            row["matches_default"] = bool(diff <= MISMATCH_REL * max(1.0, float(ref.abs().max())))
+            row["median_ms"] = float(statistics.median(time_case(Prepared(call, m, nbytes, 0.0), device,
+                                                                 warmup=warmup, repeats=repeats)))
+            row["GBps"] = round(nbytes / row["median_ms"] / 1e6, 1)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if ref is None:
+                raise
+        rows.append(row)
+    ok = [r for r in rows if r.get("matches_default") and "median_ms" in r]
+    best = min(ok, key=lambda r: r["median_ms"]) if ok else None
+    default = rows[0] if "median_ms" in rows[0] else None
+    return {"shape": dict(B=B, Tk=Tk, H=H, Hkv=Hkv, D=D, G=G, L=L, dtype="bfloat16"), "sms": n_sms,
+            "bytes_per_call": nbytes, "default_blocks_per_sm": DEFAULT_BLOCKS_PER_SM,
+            "best_blocks_per_sm": best and best["blocks_per_sm"], "best_ms": best and best["median_ms"],
+            "speedup_vs_default": round(default["median_ms"] / best["median_ms"], 4) if best and default else None,
+            "settings": rows}
 
 
 def table(rec: dict[str, Any]) -> str:
@@ -152,6 +224,15 @@ def table(rec: dict[str, Any]) -> str:
             note = ("default " + note).strip()
         ms = f"{r['median_ms']:10.4f} {r['TFLOPs']:8.3f}" if "median_ms" in r else f"{'-':>10s} {'-':>8s}"
         lines.append(f"{c['block_m']:7d} {c['block_n']:7d} {c['num_warps']:5d} {c['num_stages']:6d} {ms}  {note}")
+    dec = rec.get("decode_splits") or {}
+    if dec.get("settings"):
+        lines.append(f"CUDA decode split-K at {dec['shape']} on {dec['sms']} SMs:")
+        for r in dec["settings"]:
+            what = (f"same launch as {r['same_as']}" if "same_as" in r else r.get("error")
+                    or f"{r['median_ms']:.4f} ms {r['GBps']:8.1f} GB/s"
+                    + ("" if r.get("matches_default") else f" MISMATCH {r['max_abs_diff_vs_default']:.3g}"))
+            lines.append(f"  {r['blocks_per_sm']:3d} blocks/SM ({r['n_splits']:4d} splits): {what}")
+        lines.append(f"  decode best {dec['best_blocks_per_sm']} blocks/SM, {dec['speedup_vs_default']}x the default")
     if rec.get("best"):
         lines.append(f"best {rec['best']}: {rec['best_ms']:.4f} ms, {rec['speedup_vs_default']}x the default")
     return "\n".join(lines)

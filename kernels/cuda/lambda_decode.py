@@ -109,10 +109,26 @@ def heads_per_block(n_heads: int, n_kv_heads: int) -> int:
     return next(h for h in HEADS_PER_BLOCK if group % h == 0)
 
 
-def default_splits(batch: int, n_heads: int, hpb: int, n_visible: int, n_sms: int) -> int:
-    """Split-K factor: about two blocks per SM, at least MIN_KEYS_PER_SPLIT keys per split."""
+DEFAULT_BLOCKS_PER_SM = 2
+# GPU slug (lcx.kernels.gpu_slug) -> the blocks per SM that `lcx bench kernels --tune` measured
+# fastest for the lambda_decode benchmark's shape; entered by hand from
+# results/kernels/<slug>.tune.json ("decode_splits"; tests/benchmarks/test_bench_kernels.py keeps
+# the two equal). Empty until a GPU session has tuned.
+TUNED_BLOCKS_PER_SM: dict[str, int] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def blocks_per_sm(device_index: int) -> int:
+    from lcx.kernels import gpu_slug
+
+    return TUNED_BLOCKS_PER_SM.get(gpu_slug(torch.cuda.get_device_name(device_index)), DEFAULT_BLOCKS_PER_SM)
+
+
+def default_splits(batch: int, n_heads: int, hpb: int, n_visible: int, n_sms: int,
+                   per_sm: int = DEFAULT_BLOCKS_PER_SM) -> int:
+    """Split-K factor: about `per_sm` blocks per SM, at least MIN_KEYS_PER_SPLIT keys per split."""
     tiles = batch * (n_heads // hpb)
-    want = -(-2 * n_sms // tiles)
+    want = -(-per_sm * n_sms // tiles)
     return max(1, min(want, -(-n_visible // MIN_KEYS_PER_SPLIT), 65535))
 
 
@@ -161,7 +177,7 @@ def lambda_decode_cuda(
     keys: the visible ranges (`DecodeKeys`); tables: RoPE tables (`decode_tables`), None when
     q/k are already rotated (or position-free). out `[B, 1, H, D]` / lse `[B, H, 1]` float32:
     optional buffers (tests pass NaN-poisoned ones); n_splits: split-K factor (default: fill
-    the GPU, `default_splits`). Returns (out, lse).
+    the GPU, `default_splits` with this GPU's `blocks_per_sm`). Returns (out, lse).
     """
     check_decode_args(q, k, v)
     keys.check(k.shape[1])
@@ -180,7 +196,8 @@ def lambda_decode_cuda(
         raise ValueError(f"lse must be float32 {(B, H, 1)}, got {lse.dtype} {tuple(lse.shape)}")
     hpb = heads_per_block(H, k.shape[2])
     if n_splits is None:
-        n_splits = default_splits(B, H, hpb, keys.n_visible, _sm_count(q.device.index or 0))
+        index = q.device.index or 0
+        n_splits = default_splits(B, H, hpb, keys.n_visible, _sm_count(index), blocks_per_sm(index))
     n_splits = max(1, min(int(n_splits), keys.n_visible))
     tabs = (None, None, None) if tables is None else (tables.kcos, tables.ksin, tables.qtab)
     load_extension().lambda_decode(
@@ -201,6 +218,7 @@ __all__ = [
     "check_decode_args",
     "decode_tables",
     "default_splits",
+    "blocks_per_sm",
     "heads_per_block",
     "lambda_decode_cuda",
     "load_extension",

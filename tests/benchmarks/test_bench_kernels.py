@@ -187,6 +187,7 @@ def test_tune_smoke_under_the_interpreter(tmp_path):
     assert all(r["matches_default"] and r["median_ms"] > 0 for r in rec["configs"])
     assert rec["best"] in [r["config"] for r in rec["configs"]] and rec["speedup_vs_default"] >= 1.0
     assert "best {'block_m'" in p.stdout
+    assert rec["decode_splits"] == {"skipped": "the CUDA decode kernel needs a CUDA GPU"}
 
 
 def test_tune_refuses_the_cpu_without_the_interpreter():
@@ -197,16 +198,22 @@ def test_tune_refuses_the_cpu_without_the_interpreter():
 
 
 def test_tuned_launch_configs_are_the_committed_tune_results():
-    """lcx.kernels.triton.lambda_attention.TUNED holds, per GPU, the best configuration of that
-    GPU's committed results/kernels/<gpu>.tune.json, and nothing else."""
+    """lcx.kernels.triton.lambda_attention.TUNED (and the CUDA decode kernel's
+    TUNED_BLOCKS_PER_SM) hold, per GPU, the best of that GPU's committed
+    results/kernels/<gpu>.tune.json, and nothing else."""
     from lcx.kernels.triton.lambda_attention import TUNED, FwdConfig
 
     committed = {p.name.removesuffix(".tune.json"): json.loads(p.read_text())
                  for p in (ROOT / "results" / "kernels").glob("*.tune.json")}
+    from lcx.kernels.cuda.lambda_decode import TUNED_BLOCKS_PER_SM
+
     assert set(TUNED) == set(committed)
     for slug, rec in committed.items():
         assert rec["smoke"] is False and rec["complete"] is True and rec["gpu_slug"] == slug
         assert TUNED[slug] == FwdConfig(**rec["best"]), slug
+    decode = {slug: rec["decode_splits"]["best_blocks_per_sm"] for slug, rec in committed.items()
+              if (rec.get("decode_splits") or {}).get("best_blocks_per_sm") is not None}
+    assert TUNED_BLOCKS_PER_SM == decode
 
 
 def test_launch_config_overrides_and_the_cpu_default():
