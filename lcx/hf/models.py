@@ -24,6 +24,16 @@ Families transformers 5.x builds here that are left out, and why:
 - gemma2, vaultgemma: attention-logit soft-capping (`softcap`), which `lcx.attention` has no
   term for.
 - smollm3: NoPE layers (no rotation in every 4th layer).
+- glm4, nanochat, ernie4_5: interleaved RoPE; glm4_moe, nemotron: partial rotary.
+- phimoe: its rotary embedding needs its own long/short mscale keys, so lcx's RoPE parity check
+  (the model rebuilt by transformers under each rope type) cannot run; its attention passes.
+- hunyuan_v1_dense, hunyuan_v1_moe: q/k norm applied after RoPE; lcx's methods rotate inside the
+  attention call, after the family's norm, and a norm with per-channel weights does not commute
+  with a rotation (`tiny_model` randomises norm weights so that the grid sees this).
+Other decoder families of transformers 5.23 are not in either table (refused as unknown): the
+probe of all of them (docs/methods.md, "Model families") found them hybrids with recurrent or
+convolution layers, multimodal wrappers, multi-head latent attention, attention sinks or
+soft-caps, or configs that a tiny model needs family-specific keys for (not yet written).
 The attention patch refuses all of these by name; for a family not in either table it would also
 refuse a rotation that is not rotate-half (checked on a probe when the hook is installed), and
 raise at call time on an attention module that does not call the two hooks.
@@ -73,6 +83,23 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("RMS norm on all of q and k (across heads), before RoPE"),
     "granite": Family("attention_multiplier as the scaling; residual/embedding multipliers"),
     "starcoder2": Family("biases everywhere, layer norm"),
+    # added from a probe of every decoder family of transformers 5.23 (docs/methods.md, "Model
+    # families"): each passes the whole family grid of tests/hf/test_families.py
+    "apertus": Family("q/k RMS norm before RoPE, xIELU MLP"),
+    "arcee": Family("Llama attention, ReLU² MLP"),
+    "bitnet": Family("ternary BitLinear projections, an RMS norm on the attention output"),
+    "flex_olmo": Family("OLMo 2 attention (q/k norm across heads), mixture of experts"),
+    "granitemoe": Family("Granite's attention_multiplier scaling, mixture of experts"),
+    "granitemoeshared": Family("Granite's attention_multiplier scaling, experts plus a shared MLP"),
+    "hy_v3": Family("q/k RMS norm before RoPE"),
+    "hyperclovax": Family("Granite-style attention_multiplier and residual multipliers"),
+    "jais2": Family("Llama attention with biases"),
+    "minimax_m2": Family("q/k RMS norm across heads before RoPE, mixture of experts"),
+    "mixtral": Family("Mistral attention, mixture of experts"),
+    "olmoe": Family("q/k RMS norm across heads before RoPE, mixture of experts"),
+    "qwen2_moe": Family("q/k/v biases, experts plus a shared expert"),
+    "qwen3_moe": Family("q/k RMS norm per head before RoPE, mixture of experts"),
+    "seed_oss": Family("q/k/v biases and an output-projection bias"),
 }
 ROPE_MODEL_TYPES = tuple(FAMILIES)  # the types the RoPE patch and the engine take
 ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (every family)
@@ -82,6 +109,11 @@ LEFT_OUT: dict[str, str] = {
     "phi": "partial rotary", "stablelm": "partial rotary", "gpt_neox": "partial rotary", "glm": "partial rotary",
     "gemma2": "attention-logit soft-capping", "vaultgemma": "attention-logit soft-capping",
     "smollm3": "NoPE layers",
+    "glm4": "interleaved RoPE", "nanochat": "interleaved RoPE", "ernie4_5": "interleaved RoPE",
+    "glm4_moe": "partial rotary", "nemotron": "partial rotary",
+    "phimoe": "its own RoPE (long/short mscale keys) that transformers' rebuild with another rope type refuses",
+    "hunyuan_v1_dense": "q/k norm after RoPE (a method that rotates in attention would normalise first)",
+    "hunyuan_v1_moe": "q/k norm after RoPE (a method that rotates in attention would normalise first)",
 }
 
 _ATTENTION_ATTRS = ("head_dim", "layer_idx", "scaling")
@@ -176,7 +208,18 @@ def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, 
             "full_attention": default, "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}})
     config = AutoConfig.for_model(model_type, attn_implementation="sdpa", **keys)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
+    # mixture-of-experts families: the eager experts loop (the grouped-matmul default has no
+    # float64, which the exactness tests run in)
+    extra = {"experts_implementation": "eager"} if hasattr(config, "_experts_implementation") else {}
+    model = AutoModelForCausalLM.from_config(config, **extra).eval()
+    # norm weights away from their init of ones: a q/k norm applied after RoPE (which does not
+    # commute with a per-channel weight) must change the logits when a method rotates before it
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() and p.dim() == 1:
+                p.mul_(1.0 + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
 
 
 @dataclass(frozen=True)

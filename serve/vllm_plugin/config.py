@@ -97,8 +97,16 @@ _TRANSFORMERS_BACKEND = ("vLLM 0.32 has no native class for it and runs it throu
                          "(TransformersForCausalLM: transformers' own layers, no vLLM attention module whose rotary "
                          "and attention the plugin swaps)")
 # lcx families the plugin cannot run in vLLM, and why (named in `hf_overrides`' refusal).
+_NOT_WIRED = ("an lcx family (the engine, `lcx serve` and lm-eval run it) that the vLLM plugin has no class "
+              "for yet: its vLLM model's rotary and attention modules are not swapped")
 VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo2ForCausalLM": _TRANSFORMERS_BACKEND,
-                                 "Starcoder2ForCausalLM": _TRANSFORMERS_BACKEND}
+                                 "Starcoder2ForCausalLM": _TRANSFORMERS_BACKEND,
+                                 **{arch: _NOT_WIRED for arch in (
+                                     "ApertusForCausalLM", "ArceeForCausalLM", "BitNetForCausalLM",
+                                     "FlexOlmoForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                                     "HYV3ForCausalLM", "HyperCLOVAXForCausalLM", "Jais2ForCausalLM",
+                                     "MiniMaxM2ForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+                                     "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM")}}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
 # other registry method runs through `.method_attention` (exact, CPU backend only): the methods
