@@ -39,7 +39,6 @@ no longer has; runs on different GPUs are refused.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
