@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -85,3 +86,19 @@ def test_dry_run_passes_fails_and_resumes(tmp_path):
 
     rc, stages, _ = _run(tmp_path, "third", LCX_GPU_DRY_RUN="1")
     assert rc == 0 and stages["scale"] == "SKIP done in an earlier call"
+
+
+def test_failures_log_names_each_failure_as_it_happens(tmp_path):
+    """LCX_FAILURES_LOG (tests/conftest.py; the GPU session's pytest stage): every failure is
+    appended with its id, phase and traceback tail when it happens, passes are not."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_x.py").write_text("def test_ok():\n    pass\n\n\ndef test_bad():\n"
+                                        "    assert 1 == 2, 'the message'\n")
+    log = tmp_path / "failures.log"
+    env = dict(os.environ, LCX_FAILURES_LOG=str(log))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-2000:]
+    text = log.read_text()
+    assert text.startswith("FAILED ") and "test_x.py::test_bad (call)" in text and "the message" in text
+    assert "test_ok" not in text
