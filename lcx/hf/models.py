@@ -100,6 +100,9 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("q/k/v biases, experts plus a shared expert"),
     "qwen3_moe": Family("q/k RMS norm per head before RoPE, mixture of experts"),
     "seed_oss": Family("q/k/v biases and an output-projection bias"),
+    "olmo3": Family("OLMo 2's attention (q/k norm across heads); hybrid: sliding-window layers and full-attention "
+                    "layers (methods on the full ones, as on Gemma 3)",
+                    (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8))),
 }
 ROPE_MODEL_TYPES = tuple(FAMILIES)  # the types the RoPE patch and the engine take
 ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (every family)
