@@ -103,6 +103,10 @@ FAMILIES: dict[str, Family] = {
     "olmo3": Family("OLMo 2's attention (q/k norm across heads); hybrid: sliding-window layers and full-attention "
                     "layers (methods on the full ones, as on Gemma 3)",
                     (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8))),
+    "ministral": Family("Mistral's attention; hybrid: sliding-window and full-attention layers sharing one RoPE "
+                        "basis (methods on the full ones)",
+                        (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
+                         ("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0}))),
 }
 ROPE_MODEL_TYPES = tuple(FAMILIES)  # the types the RoPE patch and the engine take
 ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (every family)

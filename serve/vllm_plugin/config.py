@@ -106,7 +106,7 @@ VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo
                                      "FlexOlmoForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                                      "HYV3ForCausalLM", "HyperCLOVAXForCausalLM", "Jais2ForCausalLM",
                                      "MiniMaxM2ForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                                     "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "Olmo3ForCausalLM")}}
+                                     "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM")}}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
 # other registry method runs through `.method_attention` (exact, CPU backend only): the methods
