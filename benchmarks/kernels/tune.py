@@ -43,6 +43,18 @@ CPU_GRID_AXES = {"block_m": (16, 32), "block_n": (16,), "num_warps": (4,), "num_
 MISMATCH_REL = 2e-2
 
 
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    """How far `out` is from the default configuration's output, and whether that is the same
+    computation (within MISMATCH_REL of its largest value)."""
+    diff = float((out - ref).abs().max())
+    return {"max_abs_diff_vs_default": diff,
+            "matches_default": bool(diff <= MISMATCH_REL * max(1.0, float(ref.abs().max())))}
+
+
 def grid(axes: dict[str, tuple[int, ...]]):
     from lcx.kernels.triton.lambda_attention import FwdConfig
 
@@ -83,16 +95,14 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
         raise ValueError("no CUDA GPU here; --tune --device cpu runs the tiny interpreter smoke configuration")
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--tune --device cpu runs Triton's interpreter: set TRITON_INTERPRET=1 before starting")
-    configs = grid(axes or (GRID_AXES if device == "cuda" else CPU_GRID_AXES))
-    if DEFAULT_CONFIG not in configs:
-        configs.insert(0, DEFAULT_CONFIG)
-    else:  # the default first: every other configuration is checked against its output
-        configs.remove(DEFAULT_CONFIG)
-        configs.insert(0, DEFAULT_CONFIG)
+    # the default first: every other configuration is checked against its output
+    configs = [DEFAULT_CONFIG] + [c for c in grid(axes or (GRID_AXES if device == "cuda" else CPU_GRID_AXES))
+                                  if c != DEFAULT_CONFIG]
     qs, kvs, rot, spec, shape = _inputs(device, length)
     m = len(qs)
     flops = 4.0 * shape["B"] * shape["H"] * shape["T"] * min(shape["T"], shape["G"] + shape["L"]) * shape["D"]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    env = versions()
     rows: list[dict[str, Any]] = []
     decode: dict[str, Any] = {}
     ref = None
@@ -114,7 +124,7 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
             "best": best and best["config"], "best_ms": best and best["median_ms"],
             "best_TFLOPs": best and round(flops / best["median_ms"] / 1e9, 3),
             "speedup_vs_default": (round(default["median_ms"] / best["median_ms"], 4) if best and default else None),
-            "environment": versions(), "configs": rows, "decode_splits": decode.get("result"),
+            "environment": env, "configs": rows, "decode_splits": decode.get("result"),
         }
 
     bar = _progress(configs, desc="tune", unit="config", enabled=progress)
@@ -123,17 +133,13 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
         try:
             with launch_config(cfg):
                 out = call(0).float()
-                if ref is None:
-                    ref = out
-                diff = float((out - ref).abs().max())
-                scale = max(1.0, float(ref.abs().max()))
-                row["max_abs_diff_vs_default"] = diff
-                row["matches_default"] = bool(diff <= MISMATCH_REL * scale)
+                ref = out if ref is None else ref
+                row.update(_compare(out, ref))
                 times = time_case(Prepared(call, m, 0.0, flops), device, warmup=warmup, repeats=repeats)
             row["median_ms"] = float(statistics.median(times))
             row["TFLOPs"] = round(flops / row["median_ms"] / 1e9, 3)
         except Exception as e:  # noqa: BLE001 - a configuration this GPU cannot launch is a recorded result
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            row["error"] = _error(e)
             if ref is None:  # the default itself failed: nothing to compare with
                 raise
         finally:
@@ -145,7 +151,7 @@ def tune(device: str, *, length: int = 32768, axes: dict[str, tuple[int, ...]] |
     try:  # its own failure must not lose the Triton configurations measured above
         decode["result"] = tune_decode(device, warmup=warmup, repeats=repeats)
     except Exception as e:  # noqa: BLE001
-        decode["result"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        decode["result"] = {"error": _error(e)}
     return record(True)
 
 
@@ -193,14 +199,12 @@ def tune_decode(device: str, *, warmup: int = 2, repeats: int = 5) -> dict[str, 
         try:
             out = call(0)[0].float()
             ref = out if ref is None else ref
-            diff = float((out - ref).abs().max())
-            row["max_abs_diff_vs_default"] = diff
-            row["matches_default"] = bool(diff <= MISMATCH_REL * max(1.0, float(ref.abs().max())))
+            row.update(_compare(out, ref))
             row["median_ms"] = float(statistics.median(time_case(Prepared(call, m, nbytes, 0.0), device,
                                                                  warmup=warmup, repeats=repeats)))
             row["GBps"] = round(nbytes / row["median_ms"] / 1e6, 1)
         except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            row["error"] = _error(e)
             if ref is None:
                 raise
         rows.append(row)
