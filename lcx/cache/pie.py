@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..hf.models import model_shape
 from ..hf.rope_patch import rope_basis
 from .kv import ForwardCost, PositionedKVCache, same_basis, sync_device
 from .rerotate import rerotate
@@ -244,6 +245,10 @@ def edit_recompute(model: nn.Module, cache: PositionedKVCache, edits: Sequence[E
 def _check_pie_basis(model: nn.Module, cache: PositionedKVCache, plan: EditPlan) -> None:
     if not cache.rope_applied:
         return
+    shape = model_shape(model)
+    if shape.rotary_dim != shape.head_dim:
+        raise ValueError(f"pie: this model rotates {shape.rotary_dim} of its {shape.head_dim} head channels "
+                         "(partial rotary); PIE re-rotates whole heads; use strategy='recompute'")
     if not cache.has_single_basis:
         raise ValueError("pie: the cached keys have no one known RoPE basis (a length-dependent RoPE type "
                          "changed basis between forwards, or an unpatched model's rotary module hides it), "

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from ..attention.reference import top_k_indices
 from ..methods.plan import branches
+from ..hf.partial_rotary import padded_basis, to_lcx_order
 from ..rope import apply_rotary_ref, rope_cos_sin
 
 NEG_INF = float("-inf")
@@ -379,8 +380,14 @@ def _rotation(layout: CacheLayout, positions: Callable[[torch.Tensor], torch.Ten
 
 def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Tensor, float]) -> torch.Tensor:
     """x `[N, Hkv, D]` (one token per row) rotated to float64 positions `[N]` with lcx's tables
-    (angles in float64, applied in max(float32, x.dtype), as every lcx.attention call rotates)."""
+    (angles in float64, applied in max(float32, x.dtype), as every lcx.attention call rotates).
+    A basis of fewer than D/2 frequencies is a partial rotary head: x arrives in the family's
+    channel order and leaves rotated in lcx's (`lcx.hf.partial_rotary`), as the decode step
+    writes its keys."""
     inv_freq, af = basis
+    r = 2 * inv_freq.shape[-1]
+    if r != x.shape[-1]:
+        x, inv_freq = to_lcx_order(x, r), padded_basis(inv_freq, x.shape[-1])
     cos, sin = rope_cos_sin(positions, inv_freq.to(x.device), af, torch.promote_types(x.dtype, torch.float32))
     return apply_rotary_ref(x, cos, sin)  # [N, Hkv, D] read as [T=N, H, D]
 
@@ -486,9 +493,10 @@ class DecodeStep:
                     mid = dict(mid_len=reach, mid_rows=rows[:, None, None, None],
                                mid_visible=middle[:, None, None, :])
         step = cls(slots, main_len, side_len, main_visible, side_visible, **mid)
-        if lay.basis is not None:  # lcx rotates (patched model); else the model's position_embeddings
+        if lay.basis is not None:  # lcx rotates (patched model); else the model's own code did
             inv_freq, af = lay.basis
-            inv_freq = inv_freq.to(p_q.device)
+            # (a partial rotary head: zero frequencies for its passed channels, lcx.hf.partial_rotary)
+            inv_freq = padded_basis(inv_freq, store.main.k[0].shape[-1]).to(p_q.device)
             tdt = torch.promote_types(dtype, torch.float32)
             p = p_q.to(torch.float64)[:, None]  # [B, 1]
             step.tables["main"] = rope_cos_sin(p, inv_freq, af, tdt)
@@ -500,16 +508,18 @@ class DecodeStep:
                 step.tables["top_k_query"] = rope_cos_sin(torch.full_like(p, rule.top_k_query), inv_freq, af, tdt)
         return step
 
-    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One attention layer's step (`attn`: the HF attention module, for `layer_idx` and
         `scaling`): its new q `[B, 1, H, D]`, k/v `[B, 1, Hkv, D]` as the family's own code made
-        them, before RoPE (`lcx.hf.attention_patch` hands them over) -> out `[B, 1, H, Dv]` (the
-        module applies o_proj). `position_embeddings`: the family's (cos, sin) of this layer,
-        used when lcx does not rotate (unpatched models)."""
-        cos, sin = self.tables["main"] if "main" in self.tables else position_embeddings
-        qm = apply_rotary_ref(q, cos, sin)
-        km = apply_rotary_ref(k, cos, sin)
+        them (`lcx.hf.attention_patch` hands them over) -> out `[B, 1, H, Dv]` (the module applies
+        o_proj). With a basis (a patched model) q and k arrive before RoPE, in lcx's channel
+        order, and are rotated here; without one (an unpatched model) the family's own code
+        rotated them."""
+        if "main" in self.tables:
+            cos, sin = self.tables["main"]
+            qm, km = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+        else:
+            qm, km = q, k
         ks = None
         store = self.slots.store
         if store.side is not None:
@@ -633,9 +643,8 @@ class ModelStep:
     def __init__(self, by_layer: dict[int, DecodeStep]):
         self.by_layer = by_layer
 
-    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        return self.by_layer[attn.layer_idx].attend(attn, q, k, v, position_embeddings)
+    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.by_layer[attn.layer_idx].attend(attn, q, k, v)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,

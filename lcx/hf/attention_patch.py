@@ -76,10 +76,15 @@ Semantics stated once:
   numbers of queries and keys share one call), exactly as an unpadded row with a
   `BoundedKVCache` would; padded query slots get zeros. A layer running its own window raises
   if a row's keys do not cover that window (a cache bounded by another layer's method).
+- **Partial rotary heads** (Phi, GLM-4-MoE: the family rotates the first r of D channels): the
+  attention function puts q and k in lcx's channel order and the layer's basis gets zero
+  frequencies for the passed channels, with the query corrected for an attention factor
+  (`lcx.hf.partial_rotary`, the statement). The cache keeps the family's order.
 - **The engine's decode step** (`lcx_decode`, `lcx.engine.kv.ModelStep`): the attention
-  function hands the layer's new q/k/v (unrotated) and the family's (cos, sin) of that layer to
-  `step.attend`, which attends with the layer's own cache and rule (per-layer windows and RoPE
-  bases on a hybrid model; a step declares it with `per_layer = True`).
+  function hands the layer's new q/k/v to `step.attend`, which attends with the layer's own
+  cache and rule (per-layer windows and RoPE bases on a hybrid model; a step declares it with
+  `per_layer = True`): unrotated (lcx order) on a patched model, which the step rotates; rotated
+  by the family's own `apply_rotary_pos_emb` on a model with the decode hook only.
   `install_decode_hook` gives an unpatched model the same route for decode calls only (every
   other call runs the model's own rotation and attention implementation, its own masks), and
   for a prefill that continues from held keys, inside `loaded_rows` (what the engine runs after
@@ -116,6 +121,7 @@ from lcx.rope import apply_rotary_ref, rope_cos_sin
 from .bounded_cache import BoundedKVCache
 from .calls import _CALL, _Call, current_call
 from .models import attention_layers, check_model_type, decoder, layer_types, rope_layer_types
+from .partial_rotary import fix_query, padded_basis, to_lcx_order
 from .rope_patch import rope_basis
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
@@ -163,11 +169,9 @@ def _rotation_hook(original: Callable) -> Callable:
         call = _CALL.get()
         if call is None:
             return original(q, k, cos, sin, *args, **kwargs)
-        if cos.shape[-1] != q.shape[-1]:
-            raise NotImplementedError(
-                f"{type(call.module).__name__} rotates {cos.shape[-1]} of {q.shape[-1]} head dims (partial "
-                "rotary); lcx attention methods rotate the full head")
         call.cos_sin, call.rotation_seen = (cos, sin), True
+        if call.state.method is None:  # the engine's decode step on a model as loaded: its own rotation
+            return original(q, k, cos, sin, *args, **kwargs)
         return q, k  # unrotated: lcx rotates inside the method's call
 
     apply_rotary_pos_emb._lcx_original = original
@@ -266,6 +270,9 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ValueError(f"layer {module.layer_idx}: the family's sliding_window is {sliding_window}, the patch "
                          f"assumed {st.method.window}")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H(kv), D]
+    rd = call.cos_sin[0].shape[-1]  # channels the family rotates (< D: partial rotary)
+    if st.method is not None and rd != q.shape[-1]:  # held in lcx's channel order (lcx.hf.partial_rotary)
+        q, k = to_lcx_order(q, rd), to_lcx_order(k, rd)
     step = kwargs.get("lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
         if st.own_window and not getattr(step, "per_layer", False):
@@ -273,7 +280,9 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                 f"layer {module.layer_idx} runs the family's own window ({st.method.describe()}), the model's "
                 f"method is {st.chosen.describe()}: a decode step that runs one method on every layer cannot "
                 "run it (lcx.engine's per-layer step, lcx.engine.kv.ModelStep, can; lcx.hf.layer_methods)")
-        return step.attend(module, q, k, v, call.cos_sin), None
+        if st.method is not None and rd != q.shape[-1]:  # (the step's basis is static: no seq_len)
+            q = fix_query(q, rd, rope_basis(st.decoder(), layer_type=st.layer_type)[1])
+        return step.attend(module, q, k, v), None
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
     return _attend(module, st, call, q, k, v, kwargs), None
@@ -303,10 +312,21 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
         if int(rot_pos.min()) > 0:  # the cache returned a suffix of the history
             _check_sliding_cache_layer(st, cache, layer_idx)
         seq_len = int(rot_pos.max()) + 1
-    inv_freq, af = rope_basis(decoder, seq_len, layer_type=st.layer_type)
+    inv_freq, af, q = _basis(decoder, seq_len, st, q)
     rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
     return st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=module.scaling,
                             layer_idx=layer_idx)  # [B, Tq, H, D]
+
+
+def _basis(decoder: nn.Module, seq_len: int, st: _ModuleState, q: torch.Tensor):
+    """(inv_freq `[D/2]`, attention_factor, q) of a call: the layer's RoPE basis at `seq_len`;
+    on a partial rotary head (q in lcx's channel order) padded with zero frequencies, and q's
+    passed channels corrected for the attention factor (`lcx.hf.partial_rotary`)."""
+    inv_freq, af = rope_basis(decoder, seq_len, layer_type=st.layer_type)
+    r, D = 2 * inv_freq.shape[-1], q.shape[-1]
+    if r != D:
+        inv_freq, q = padded_basis(inv_freq, D), fix_query(q, r, af)
+    return inv_freq, af, q
 
 
 def _check_sliding_cache_layer(st: _ModuleState, cache: Any, layer_idx: int) -> None:
@@ -385,7 +405,7 @@ def _attend_rows(st: _ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.M
     Tk = k.shape[1]
     if row_pos.shape != (B, Tk):
         raise ValueError(f"lcx_key_positions has shape {tuple(row_pos.shape)}; expected {(B, Tk)}")
-    inv_freq, af = rope_basis(decoder, int(row_pos.max()) + 1, layer_type=st.layer_type)  # one basis per batch
+    inv_freq, af, q = _basis(decoder, int(row_pos.max()) + 1, st, q)  # one basis per batch
     inv_freq = inv_freq.to(q.device)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
     for nq, bs, idx in row_groups(row_pos, Tq):

@@ -15,16 +15,21 @@ A decoder-only `*ForCausalLM` of a supported family in transformers 5.x:
 (`lcx.hf.rope_patch`) and the attention methods (`lcx.hf.attention_patch`, which hooks the two
 calls above, so the family's own code runs; see `lcx.hf`), and the engine. A new family whose
 attention follows that pattern (rotate-half RoPE on the full head, no logit soft-cap) is one
-line here; tests/hf/test_families.py then runs every method and RoPE type on it.
+line here; tests/hf/test_families.py then runs every method and RoPE type on it. A family that
+rotates only the first r channels of each head (partial rotary) is held in lcx's channel order
+(`lcx.hf.partial_rotary`).
 
 Families transformers 5.x builds here that are left out, and why:
 - cohere, cohere2, helium: interleaved RoPE (pairs (2i, 2i+1)), not rotate-half; lcx rotates rotate-half.
-- phi, stablelm, gpt_neox, glm: partial rotary (`partial_rotary_factor` < 1); the RoPE patch and
-  the methods rotate the full head.
+- glm: interleaved RoPE on part of each head. (Partial rotary alone is supported: phi, glm4_moe,
+  `lcx.hf.partial_rotary`.)
+- stablelm, nemotron: their decoder layers call the attention without the forward's keyword
+  arguments, so lcx's per-call inputs (`lcx_key_positions`, the engine's `lcx_decode`) never reach it.
+- gpt_neox: no `head_dim` on its attention module, no `model.layers` / `rotary_emb` on its decoder.
 - gemma2, vaultgemma: attention-logit soft-capping (`softcap`), which `lcx.attention` has no
   term for.
 - smollm3: NoPE layers (no rotation in every 4th layer).
-- glm4, nanochat, ernie4_5: interleaved RoPE; glm4_moe, nemotron: partial rotary.
+- glm4, nanochat, ernie4_5: interleaved RoPE.
 - phimoe: its rotary embedding needs its own long/short mscale keys, so lcx's RoPE parity check
   (the model rebuilt by transformers under each rope type) cannot run; its attention passes.
 - hunyuan_v1_dense, hunyuan_v1_moe: q/k norm applied after RoPE; lcx's methods rotate inside the
@@ -103,6 +108,11 @@ FAMILIES: dict[str, Family] = {
     "olmo3": Family("OLMo 2's attention (q/k norm across heads); hybrid: sliding-window layers and full-attention "
                     "layers (methods on the full ones, as on Gemma 3)",
                     (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8))),
+    # partial rotary: the family rotates the first r channels of each head, lcx holds q and k in
+    # its own channel order with zero frequencies for the rest (lcx.hf.partial_rotary)
+    "phi": Family("partial rotary (40% of each head in Phi-2), q/k/v biases, optional q/k layer norm, parallel "
+                  "attention and MLP"),
+    "glm4_moe": Family("partial rotary (half of each head), q/k/v biases, mixture of experts"),
     "ministral": Family("Mistral's attention; hybrid: sliding-window and full-attention layers sharing one RoPE "
                         "basis (methods on the full ones)",
                         (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
@@ -113,11 +123,14 @@ ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (
 
 LEFT_OUT: dict[str, str] = {
     "cohere": "interleaved RoPE", "cohere2": "interleaved RoPE", "helium": "interleaved RoPE",
-    "phi": "partial rotary", "stablelm": "partial rotary", "gpt_neox": "partial rotary", "glm": "partial rotary",
+    **{f: "its decoder layer does not pass the forward's keyword arguments on to its attention, so lcx's "
+          "per-call inputs (lcx_key_positions, the engine's lcx_decode step) never reach it" for f in ("stablelm", "nemotron")},
+    "gpt_neox": "its attention module keeps no head_dim and its decoder no model.layers / rotary_emb where "
+                "transformers' other decoders keep them",
+    "glm": "interleaved RoPE on part of each head",
     "gemma2": "attention-logit soft-capping", "vaultgemma": "attention-logit soft-capping",
     "smollm3": "NoPE layers",
     "glm4": "interleaved RoPE", "nanochat": "interleaved RoPE", "ernie4_5": "interleaved RoPE",
-    "glm4_moe": "partial rotary", "nemotron": "partial rotary",
     "phimoe": "its own RoPE (long/short mscale keys) that transformers' rebuild with another rope type refuses",
     "hunyuan_v1_dense": "q/k norm after RoPE (a method that rotates in attention would normalise first)",
     "hunyuan_v1_moe": "q/k norm after RoPE (a method that rotates in attention would normalise first)",
@@ -249,6 +262,7 @@ class ModelShape:
     intermediate_size: int | None
     layer_types: tuple[str, ...] | None
     windows: tuple[int | None, ...]
+    rotary_dim: int = 0  # channels of a head RoPE rotates: head_dim, or fewer (partial rotary families)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes one token's keys and values take in every layer's cache."""
@@ -257,20 +271,27 @@ class ModelShape:
 
 def model_shape(model_or_config: Any) -> ModelShape:
     """`ModelShape` of an HF model or its config (the one place lcx derives head_dim, KV heads and
-    the per-layer parameters)."""
+    the per-layer parameters; `rotary_dim` as transformers computes it: int(head_dim x
+    partial_rotary_factor))."""
     c = getattr(model_or_config, "config", model_or_config)
     heads, layers = int(c.num_attention_heads), int(c.num_hidden_layers)
     types_ = layer_types(c)
     hybrid = types_ is not None and "sliding_attention" in types_ and "full_attention" in types_
     w = getattr(c, "sliding_window", None)
     inter = getattr(c, "intermediate_size", None)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    if isinstance(rp.get("full_attention"), dict):  # RoPE per layer type: the global layers'
+        rp = rp["full_attention"]
+    prf = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
     return ModelShape(
         layers=layers, hidden_size=int(c.hidden_size), heads=heads,
         kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+        head_dim=head_dim,
         vocab_size=int(c.vocab_size), intermediate_size=int(inter) if inter else None,
         layer_types=tuple(types_[:layers]) if types_ is not None else None,
-        windows=tuple(int(w) if hybrid and types_[i] == "sliding_attention" else None for i in range(layers)))
+        windows=tuple(int(w) if hybrid and types_[i] == "sliding_attention" else None for i in range(layers)),
+        rotary_dim=int(head_dim * float(prf)) if prf is not None else head_dim)
 
 
 def head_dim_of(config: Any) -> int:

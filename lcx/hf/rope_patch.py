@@ -43,7 +43,9 @@ class LcxRotaryEmbedding(nn.Module):
     """Drop-in for HF's `*RotaryEmbedding`: `forward(x, position_ids) -> (cos, sin)`.
 
     x: any tensor whose dtype/device the tables take; position_ids: [B, T] (int).
-    Returns cos, sin: [B, T, head_dim] in x.dtype, already scaled by the attention factor.
+    Returns cos, sin: [B, T, r] in x.dtype, already scaled by the attention factor; r = head_dim,
+    or the rotated channels of a partial rotary family (`spec.partial_rotary_factor`, as the
+    family's own module: its code rotates the first r channels).
     """
 
     def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | None = None, *,
@@ -55,11 +57,7 @@ class LcxRotaryEmbedding(nn.Module):
         # (the global layers') and hands the other types to the model's own rotary module.
         self.layer_type = layer_type
         self.others = others
-        if spec.rotary_dim(head_dim) != head_dim:
-            raise ValueError(
-                f"this model family rotates the full head (head_dim={head_dim}); "
-                f"partial_rotary_factor={spec.partial_rotary_factor} is not supported here"
-            )
+        self.rotary_dim = spec.rotary_dim(head_dim)  # tables of this width (< head_dim: partial rotary)
         inv_freq, af = compute_inv_freq(spec, head_dim, None)
         # Static basis as a float64 buffer so `.to(device)` moves it with the model.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
@@ -133,7 +131,11 @@ def patch_rope(model: nn.Module, spec: RopeSpec) -> nn.Module:
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else None
     own_rotary = original[0] if original is not None else inner.rotary_emb
-    new = LcxRotaryEmbedding(spec, model_shape(model).head_dim, device=device, layer_type=layer_type,
+    shape = model_shape(model)
+    if spec.rotary_dim(shape.head_dim) != shape.rotary_dim:
+        raise ValueError(f"{spec.describe()} rotates {spec.rotary_dim(shape.head_dim)} of {shape.head_dim} channels "
+                         f"(partial_rotary_factor={spec.partial_rotary_factor}); this model rotates {shape.rotary_dim}")
+    new = LcxRotaryEmbedding(spec, shape.head_dim, device=device, layer_type=layer_type,
                              others=own_rotary if layer_type is not None else None)
     if original is None:
         setattr(model, _ORIG_ATTR, (inner.rotary_emb, base_config))

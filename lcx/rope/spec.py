@@ -257,7 +257,8 @@ class PartialRopeSpec(Mapping):
         return self._d.get("rope_type", "default")
 
     def resolve(self, config: Any) -> "RopeSpec":
-        """The full spec for a model config: `rope_theta` and, for the types that take it,
+        """The full spec for a model config: `rope_theta`, a partial rotary family's
+        `partial_rotary_factor` and, for the types that take it,
         `original_max_position_embeddings` filled from the model (its rope_parameters /
         max_position_embeddings) when they are not given. A config with RoPE per layer type
         (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`) resolves against its
@@ -271,6 +272,10 @@ class PartialRopeSpec(Mapping):
             if theta is None:
                 raise ValueError("the model config has no rope_theta; pass rope_theta explicitly")
             d["rope_theta"] = float(theta)
+        if d.get("partial_rotary_factor") is None:  # a partial rotary family's (Phi, StableLM, ...)
+            prf = model_rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+            if prf is not None and float(prf) != 1.0:
+                d["partial_rotary_factor"] = float(prf)
         t = self.rope_type
         entry = ROPE_TYPES[t]
         L_key = "original_max_position_embeddings"

@@ -339,3 +339,17 @@ def test_pie_next_tokens_close_to_recompute(model):
             agree[name] += int(logits[name].argmax() == logits["recompute"].argmax())
     assert sum(err["pie"]) < sum(err["conflict"]), err
     assert agree["pie"] >= agree["conflict"] and agree["pie"] >= n_trials // 2, agree
+
+
+def test_partial_rotary_model_pie_refuses_by_name_recompute_runs():
+    """A partial rotary family (Phi: RoPE on the first r channels of each head): PIE re-rotates
+    whole heads, so it refuses by name; recompute works."""
+    from lcx.hf.models import tiny_model
+
+    model = tiny_model("phi", seed=0, max_position_embeddings=64, vocab_size=VOCAB[1])
+    old, edits = _ids(30, 10), _edits([(10, 10, 2)])
+    cache = _prefill(model, old)
+    with pytest.raises(ValueError, match="partial rotary"):
+        update_cache(model, cache.clone(), edits, strategy="pie")
+    rec = update_cache(model, cache, edits, strategy="recompute")
+    assert rec.cache.token_ids[0].tolist() == apply_edits(old, edits)

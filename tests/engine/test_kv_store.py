@@ -62,7 +62,7 @@ def test_decode_steps_equal_attend(method):
         p_q = torch.tensor([n + step for n in B_LENS])
         with torch.no_grad():
             qn, kn, vn = (proj(h_new).view(len(B_LENS), 1, -1, D) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-            out = DecodeStep.build(store, p_q, torch.float64).attend(attn, qn, kn, vn, None)  # [B, 1, H, D]
+            out = DecodeStep.build(store, p_q, torch.float64).attend(attn, qn, kn, vn)  # [B, 1, H, D]
             got = attn.o_proj(out.reshape(len(B_LENS), 1, -1))  # [B, 1, hidden]
         for b in range(len(B_LENS)):
             hist_h[b] = torch.cat([hist_h[b], h_new[b]])
@@ -139,7 +139,7 @@ def test_top_k_ties_go_to_the_earlier_key():
     q = torch.zeros(1, 1, H, D, dtype=torch.float64)  # every middle key scores 0
     kn = torch.randn(1, 1, HKV, D, generator=g, dtype=torch.float64)
     vn = torch.randn(1, 1, HKV, D, generator=g, dtype=torch.float64)
-    got = DecodeStep.build(store, torch.tensor([n]), torch.float64).attend(attn, q, kn, vn, None)
+    got = DecodeStep.build(store, torch.tensor([n]), torch.float64).attend(attn, q, kn, vn)
     kk, vv = torch.cat([k.transpose(1, 2), kn], 1), torch.cat([v.transpose(1, 2), vn], 1)  # [1, n + 1, Hkv, D]
     want = method.attend(q, kk, vv, rotary=Rotary(inv_freq, torch.arange(n + 1), 1.0), scale=attn.scaling,
                          layer_idx=0)

@@ -25,7 +25,8 @@ from lcx.testing import attention_layer_io
 from lcx.attention import Rotary
 from lcx.hf import FAMILIES, BoundedKVCache, greedy_generate, layer_methods
 from lcx.hf.attention_patch import attention_patched, patch_attention, unpatch_attention
-from lcx.hf.models import tiny_model
+from lcx.hf.models import model_shape, tiny_model
+from lcx.hf.partial_rotary import padded_basis, to_lcx_order
 from lcx.hf.rope_patch import rope_basis
 from lcx.methods import causal, examples, method_id, sliding_window
 
@@ -97,6 +98,33 @@ def test_wide_method_equals_unpatched_model(family, name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+PARTIAL = [f for f in FAMILY_NAMES if model_shape(_model(f)).rotary_dim < model_shape(_model(f)).head_dim]
+
+
+@pytest.mark.parametrize("family", PARTIAL)
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}],
+                         ids=["yarn", "dynamic"])
+@pytest.mark.parametrize("name", ["causal()", "lm_infinite(n_global=3,n_local=5)", "self_extend(group_size=2,window=4)"])
+def test_partial_rotary_method_under_scaled_rope(family, rope, name):
+    """A partial rotary family under a RoPE spec whose attention factor is not 1 (YaRN): lcx
+    scales every channel of its lcx-order heads, transformers only the rotated ones, and
+    `fix_query` makes up the difference. A method whose window covers the sequence equals the
+    family's own attention under the same spec (transformers' rotation of the first r channels,
+    with lcx's tables); an exact method (causal) equals it at every length."""
+    import lcx
+
+    model = _model(family)
+    assert model_shape(model).rotary_dim not in (0, model_shape(model).head_dim)
+    method = METHODS[name]
+    n = T if name == "causal()" else WIDE[name][1]
+    ids = _ids(n)
+    with torch.no_grad(), lcx.patched(model, {"rope": rope}):
+        want = model(ids).logits
+    with torch.no_grad(), lcx.patched(model, {"rope": rope, "attention": method.to_dict()}):
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_narrow_methods_change_every_family():
     """(a) is not vacuous: a narrow window changes every family's logits past it."""
     for family in FAMILY_NAMES:
@@ -147,13 +175,16 @@ def _check_layers_equal_reference(model, method, layers: str):
             layer_type = model.config.layer_types[i] if isinstance(
                 model.config.rope_parameters.get("full_attention"), dict) else None
             inv, af = rope_basis(model, T, layer_type=layer_type)
+            r = model_shape(model).rotary_dim
 
             def ref(module, q, k, v, scaling):
-                return want_method.attend(q, k, v, rotary=Rotary(inv, torch.arange(T), af), scale=scaling,
+                # a partial rotary head: in lcx's channel order (lcx.hf.partial_rotary; af = 1 here)
+                q, k, basis = to_lcx_order(q, r), to_lcx_order(k, r), padded_basis(inv, q.shape[-1])
+                return want_method.attend(q, k, v, rotary=Rotary(basis, torch.arange(T), af), scale=scaling,
                                           layer_idx=i)
 
             # the family's own forward, unrotated (cos 1, sin 0: its own rotation is the identity)
-            ones = torch.ones(B, T, attn.head_dim, dtype=h.dtype)
+            ones = torch.ones(B, T, r, dtype=h.dtype)
             with torch.no_grad(), _reference_attention(model, ref):
                 want, _ = type(attn).forward(attn, hidden_states=h, position_embeddings=(ones, torch.zeros_like(ones)),
                                              attention_mask=None, position_ids=torch.arange(T)[None].expand(B, T))
@@ -265,10 +296,11 @@ def _run_engine(engine, prompts, gen: int, *, each_step=None):
 
 
 def _engine_case(family: str, name: str | None, *, layers: str | None = None, reuse: bool = False,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, rope: dict | None = None):
     """(engine tokens, reference tokens, errors, engine stats) of ragged prompts under method
-    `name` (None: the model as loaded); `reuse`: a third prompt reusing the second's prefix,
-    prompts prefilled in chunks (`REUSE`)."""
+    `name` (None: the model as loaded) and RoPE spec `rope`; `reuse`: a third prompt reusing the
+    second's prefix, prompts prefilled in chunks (`REUSE`)."""
+    import lcx
     from lcx.engine import Engine, EngineConfig
     from lcx.models.tiny import byte_tokenizer
 
@@ -276,8 +308,11 @@ def _engine_case(family: str, name: str | None, *, layers: str | None = None, re
     method = METHODS[name] if name is not None else None
     prompts = _prompts(reuse)
     gen = 16
-    want = _reference_tokens(model, method, prompts, gen, layers or "global")
+    with lcx.patched(model, {"rope": rope} if rope else None):
+        want = _reference_tokens(model, method, prompts, gen, layers or "global")
     methods = {"attention": method.to_dict()} if method is not None else {}
+    if rope:
+        methods["rope"] = rope
     if layers is not None:
         methods["layers"] = layers
     try:
@@ -288,6 +323,7 @@ def _engine_case(family: str, name: str | None, *, layers: str | None = None, re
         return got, want, errors, engine
     finally:
         unpatch_attention(model)
+        lcx.unpatch(model)
 
 
 def _check_engine(family: str, name: str | None, **kw):
@@ -306,6 +342,41 @@ def test_engine_vanilla_equals_reference_loop(family):
 @pytest.mark.parametrize("family,name", GRID_D, ids=[f"{f}-{n}" for f, n in GRID_D])
 def test_engine_greedy_equals_reference_loop(family, name):
     _check_engine(family, name)
+
+
+@pytest.mark.parametrize("family", PARTIAL)
+@pytest.mark.parametrize("name", [None, "lm_infinite(n_global=3,n_local=5)", "self_extend(group_size=2,window=4)"],
+                         ids=lambda n: n or "vanilla")
+def test_engine_partial_rotary_under_yarn(family, name):
+    """A partial rotary family under YaRN (attention factor != 1) through the engine's fast path
+    (keys rotated once in lcx's channel order, the query's passed channels corrected per step)
+    decodes what the reference loop does, and each generated token's logprob is the patched
+    model's own over the whole sequence (a method's attention is defined per query, so one
+    forward of prompt + tokens scores every step)."""
+    import lcx
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.models.tiny import byte_tokenizer
+
+    rope = {"rope_type": "yarn", "factor": 2.0}
+    _check_engine(family, name, rope=rope)
+    model = _model(family)
+    prompt = _prompts(False)[1]
+    cfg = {"rope": rope, **({"attention": METHODS[name].to_dict()} if name else {})}
+    try:
+        engine = Engine(model, byte_tokenizer(), EngineConfig(methods=cfg, max_model_len=64))
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0))
+        got = []
+        while engine.has_work():
+            got += [lp for ev in engine.step() if ev.request_id == rid for lp in ev.logprobs]
+    finally:
+        unpatch_attention(model)
+        lcx.unpatch(model)
+    ids = torch.tensor([prompt + [t.token_id for t in got]])
+    with torch.no_grad(), lcx.patched(model, cfg):
+        want = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1], -1)
+    want = want.gather(1, ids[0, len(prompt):, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([t.logprob for t in got], dtype=want.dtype), want,
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.slow

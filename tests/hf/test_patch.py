@@ -9,7 +9,7 @@ import torch
 
 import lcx
 from lcx.hf import ROPE_MODEL_TYPES
-from lcx.hf.models import global_layer_type, tiny_model
+from lcx.hf.models import global_layer_type, model_shape, tiny_model
 from lcx import patch, patched, unpatch
 from lcx.hf.rope_patch import current_spec
 from lcx.rope import ROPE_TYPES, RopeSpec, compute_inv_freq
@@ -45,13 +45,20 @@ SPECS = {
 HF_GRID = [(mt, name) for mt in ROPE_MODEL_TYPES for name in SPECS]
 
 
+def _sized(spec: dict, model) -> dict:
+    """`spec` with LongRoPE's factors cut to the model's rotary pairs (a partial rotary family
+    rotates fewer channels than its head has)."""
+    n = model_shape(model).rotary_dim // 2
+    return {k: v[:n] if k.endswith("_factor") and isinstance(v, list) else v for k, v in spec.items()}
+
+
 @pytest.mark.parametrize("model_type,name", HF_GRID, ids=[f"{m}-{n}" for m, n in HF_GRID])
 def test_patched_equals_rebuilt_hf_model(model_type, name):
     model = _tiny(model_type)
     ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids).logits
-        with patched(model, SPECS[name]):
+        with patched(model, _sized(SPECS[name], model)):
             out = model(ids).logits
             spec = current_spec(model)  # resolved against the model (its theta, its pretraining length)
         restored = model(ids).logits
@@ -163,3 +170,23 @@ def test_decode_with_cache_matches_full_forward_for_static_types():
             out = model(ids[:, -i:-i + 1] if i > 1 else ids[:, -1:], past_key_values=past, use_cache=True)
             past = out.past_key_values
     torch.testing.assert_close(out.logits[:, -1], full, **LOGIT_TOL)
+
+
+def test_partial_rotary_family_spec_takes_the_models_factor():
+    """A partial rotary family (Phi: half of each tiny head): a spec that names no
+    partial_rotary_factor takes the model's (so its tables have the model's width); one that
+    names another is refused, naming both."""
+    from lcx.hf.rope_patch import resolve_rope
+
+    model = _tiny("phi")
+    assert model_shape(model).rotary_dim == 8 and model_shape(model).head_dim == 16
+    spec = resolve_rope(model, {"rope_type": "yarn", "factor": 4.0})
+    assert spec.partial_rotary_factor == 0.5
+    ids = torch.randint(0, 128, (1, T))
+    with torch.no_grad(), patched(model, spec):
+        cos, _ = model.model.rotary_emb(torch.zeros(1), torch.arange(T)[None])
+        assert cos.shape[-1] == 8
+        model(ids)
+    with pytest.raises(ValueError, match="this model rotates 8"):
+        patch(model, {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.25})
+    unpatch(model)
