@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..eval.loss import head_logits
 from ..hf import decoder as _decoder
 from ..hf import model_shape
 from ..hf.rope_patch import rope_basis
@@ -254,7 +255,7 @@ class PositionedKVCache:
                       positions: torch.Tensor | None = None) -> tuple[ForwardCost, torch.Tensor]:
         """`extend`, then the LM head on the last new token: returns `(cost, logits [B, vocab])`."""
         cost, h = self.extend(model, input_ids, positions, return_hidden=True)
-        return cost, model.get_output_embeddings()(h[:, -1])
+        return cost, head_logits(model, h[:, -1])
 
 
 def sync_device(device: torch.device) -> None:

@@ -17,6 +17,7 @@ from .batch import _hf_cache
 from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, KVLayout, ModelKV
 from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
+from ..eval.loss import check_head, head_logits
 from ..hf.recorded import recorded_method
 from ..method_config import INFERENCE_BACKEND, MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
@@ -80,9 +81,11 @@ class Engine:
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None):
         from ..hf import check_model_type, decoder
+        from ..hf.rope_patch import current_spec
 
         config = config or EngineConfig()
         check_model_type(model, "lcx.engine")
+        check_head(model)  # its logits are what the engine forms from hidden states (head_logits)
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
         # fast by default: an attention method without a backend named runs on the fastest exact
@@ -116,6 +119,7 @@ class Engine:
         # what each layer runs (the method, a hybrid model's own windows), its cache layout, and
         # the union of the layers' windows (what a row's held KV keeps between prefill calls)
         self._layer_methods = _layer_methods(model, methods, recorded)
+        self._rope_spec = current_spec(model)  # what methods.apply left (None: the model's own RoPE)
         self.cache_layout: KVLayout = _kv_layout(model, methods, self._layer_methods, recorded)
         self._hook = self.cache_layout.rotated and methods.attention is None
         # a model as loaded with sliding-window layers that `as_loaded_method` leaves as loaded
@@ -361,6 +365,7 @@ class Engine:
         to one request (its prefill, sampling or detokenisation) fails that request only.
         """
         events: list[StepEvent] = []
+        self._check_hook()
         if self._seqs:
             t0 = time.perf_counter()
             events += self._decode_step()
@@ -679,13 +684,18 @@ class Engine:
 
     def _check_hook(self) -> None:
         """The fast path needs every attention layer to take `lcx_decode`: the patch's forward, or
-        the hook installed at start-up (re-installed if an unpatch removed it)."""
+        the hook installed at start-up (re-installed if an unpatch removed it). Raises if the
+        model's attention or RoPE patch is no longer the one the engine applied (every step)."""
         from ..hf.attention_patch import current_patch, has_decode_hook, install_decode_hook, layer_methods
+        from ..hf.rope_patch import current_spec
 
         patched = current_patch(self.model) is not None
         if patched != (self.methods.attention is not None and not self._recorded) or (
                 patched and layer_methods(self.model) != self._layer_methods):
             raise RuntimeError("the model's attention patch changed after the engine was built; build a new Engine")
+        if current_spec(self.model) != self._rope_spec:
+            raise RuntimeError("the model's RoPE patch changed after the engine was built (e.g. lcx.unpatch); "
+                               "build a new Engine")
         if not patched and not has_decode_hook(self.model):
             install_decode_hook(self.model)
 
@@ -760,7 +770,7 @@ class Engine:
 
     # ------------------------------------------------------------------ logits, tokens, events
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.model.get_output_embeddings()(h)
+        logits = head_logits(self.model, h)  # lm_head and the family's soft-cap / scaling, as its forward
         # Logprobs and sampling in at least float32 (bf16/fp16 logits are too coarse).
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
@@ -848,6 +858,7 @@ def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], re
     `decode_backend` asks for the method's own attention, or the method is one a model records
     (it runs its own attention forward)."""
     from ..hf import decoder
+    from ..hf.attention_patch import current_patch
     from ..hf.rope_patch import layer_rope_types
 
     n = len(decoder(model).layers)
@@ -865,7 +876,9 @@ def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], re
     by_key: dict[Any, list[int]] = {}
     for i, m in enumerate(per_layer):
         by_key.setdefault((m, types_[i]), []).append(i)
-    return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]]), tuple(g)) for (m, _), g in by_key.items()))
+    order = getattr(current_patch(model), "order", None)  # the family's channel layout (lcx.hf.channel_order)
+    return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]], order=order), tuple(g))
+                          for (m, _), g in by_key.items()))
 
 
 def windowed_rows(model: nn.Module, backend: str = INFERENCE_BACKEND) -> tuple[int | None, ...] | None:

@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 from ..attention.reference import top_k_indices
 from ..methods.plan import branches
-from ..hf.partial_rotary import padded_basis, to_lcx_order
 from ..rope import apply_rotary_ref, rope_cos_sin
 
 NEG_INF = float("-inf")
@@ -76,6 +75,8 @@ class CacheLayout:
     rule:    the method's `DecodeRule` (rotated layouts with an attention method), else None.
     basis:   (inv_freq [r/2] float64, attention_factor) lcx rotates with (rotated + a method);
              None: the model's own rotary embedding rotates (unpatched models).
+    order:   the family's channel layout (`lcx.hf.channel_order.ChannelOrder`) when lcx rotates:
+             keys arrive in the family's order and are stored rotated in lcx's; None: lcx's own.
     """
 
     window: int | None = None
@@ -83,6 +84,7 @@ class CacheLayout:
     rotated: bool = True
     rule: Any = None
     basis: tuple[torch.Tensor, float] | None = None
+    order: Any = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -119,13 +121,13 @@ class CacheLayout:
 
     @classmethod
     def for_method(cls, method: Any, *, basis: tuple[torch.Tensor, float] | None,
-                   general: bool = False) -> "CacheLayout":
+                   general: bool = False, order: Any = None) -> "CacheLayout":
         """The layout of an `lcx.methods` attention method. `basis`: the model's RoPE basis when
         it does not depend on the length (None: it does, so keys cannot be rotated once);
         `general=True` forces the general path (e.g. an explicit decode backend)."""
         rule = None if general or basis is None else method.decode_rule()
         if rule is not None:  # (a top-k branch may pick any older key: the side store keeps them all)
-            return cls(rule.window, None if rule.top_k else rule.side, True, rule, basis)
+            return cls(rule.window, None if rule.top_k else rule.side, True, rule, basis, order)
         return cls.general(method.cache_window)
 
 
@@ -375,19 +377,18 @@ def _rotation(layout: CacheLayout, positions: Callable[[torch.Tensor], torch.Ten
     they are (unrotated layouts, and unpatched models, whose keys HF already rotated)."""
     if not layout.rotated or layout.basis is None:
         return None
-    return lambda x, p: rotate_rows(x, positions(p.to(torch.float64)), layout.basis)
+    return lambda x, p: rotate_rows(x, positions(p.to(torch.float64)), layout.basis, layout.order)
 
 
-def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Tensor, float]) -> torch.Tensor:
+def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Tensor, float],
+                order: Any = None) -> torch.Tensor:
     """x `[N, Hkv, D]` (one token per row) rotated to float64 positions `[N]` with lcx's tables
     (angles in float64, applied in max(float32, x.dtype), as every lcx.attention call rotates).
-    A basis of fewer than D/2 frequencies is a partial rotary head: x arrives in the family's
-    channel order and leaves rotated in lcx's (`lcx.hf.partial_rotary`), as the decode step
-    writes its keys."""
+    With a family's channel `order` (`lcx.hf.channel_order.ChannelOrder`), x arrives in the
+    family's order and leaves rotated in lcx's, as the decode step writes its keys."""
     inv_freq, af = basis
-    r = 2 * inv_freq.shape[-1]
-    if r != x.shape[-1]:
-        x, inv_freq = to_lcx_order(x, r), padded_basis(inv_freq, x.shape[-1])
+    if order is not None:
+        x, inv_freq = order.to_lcx(x), order.basis(inv_freq)
     cos, sin = rope_cos_sin(positions, inv_freq.to(x.device), af, torch.promote_types(x.dtype, torch.float32))
     return apply_rotary_ref(x, cos, sin)  # [N, Hkv, D] read as [T=N, H, D]
 
@@ -495,8 +496,9 @@ class DecodeStep:
         step = cls(slots, main_len, side_len, main_visible, side_visible, **mid)
         if lay.basis is not None:  # lcx rotates (patched model); else the model's own code did
             inv_freq, af = lay.basis
-            # (a partial rotary head: zero frequencies for its passed channels, lcx.hf.partial_rotary)
-            inv_freq = padded_basis(inv_freq, store.main.k[0].shape[-1]).to(p_q.device)
+            if lay.order is not None:  # (zero frequencies for passed channels: lcx.hf.channel_order)
+                inv_freq = lay.order.basis(inv_freq)
+            inv_freq = inv_freq.to(p_q.device)
             tdt = torch.promote_types(dtype, torch.float32)
             p = p_q.to(torch.float64)[:, None]  # [B, 1]
             step.tables["main"] = rope_cos_sin(p, inv_freq, af, tdt)

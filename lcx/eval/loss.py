@@ -3,7 +3,7 @@
 A causal LM's loss needs one number per token, log p(target), but `model(ids).logits` holds the
 whole distribution at every position: `B * T * V * 4` bytes in float32, e.g. 16k tokens of Gemma 3
 (V = 262,144) = 17 GB, more than the forward pass itself. Here the decoder stack runs once and the
-output head (lm_head, then the family's final soft-cap if it has one) is applied to `chunk` tokens
+output head (lm_head, then the family's final soft-cap or scaling if it has one: `head_logits`) is applied to `chunk` tokens
 at a time:
 
     hidden = base_model(ids)                     # [B, T, H]   (B*T*H*4 bytes: 16k x 640 = 42 MB)
@@ -43,18 +43,24 @@ def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs: Any
 
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """`model`'s logits for `hidden: [..., H]`, as its `forward` forms them: the output embedding
-    (lm_head), then the family's final scaling if it has one: Gemma 2/3's soft-cap
-    `cap * tanh(logits / cap)` (`final_logit_softcapping`), Granite's `logits / logits_scaling`.
-    `check_head` verifies this against the model's own forward once per model."""
+    (lm_head), then the family's final soft-cap if its config has one (Gemma 2/3, NanoChat:
+    `cap * tanh(logits / cap)`, `final_logit_softcapping`), then its scaling if it has one
+    (`lcx.hf.models.Family.logits`: Granite divides by `logits_scaling`, HyperCLOVA X multiplies
+    by it, Cohere multiplies by `logit_scale`). `check_head` verifies this against the model's
+    own forward once per model."""
+    from lcx.hf.models import FAMILIES
+
     logits = model.get_output_embeddings()(hidden)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = logits / cap
         logits = torch.tanh(logits)
         logits = logits * cap
-    scaling = getattr(model.config, "logits_scaling", None)
-    if scaling:
-        logits = logits / scaling
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    if family is not None and family.logits is not None:
+        op, attr = family.logits
+        value = getattr(model.config, attr)
+        logits = logits / value if op == "divide" else logits * value
     return logits
 
 
@@ -75,8 +81,8 @@ def check_head(model: torch.nn.Module) -> None:
     tol = 1e-6 if param.dtype in (torch.float32, torch.float64) else 1e-2
     if want.shape != got.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
         raise ValueError(f"{type(model).__name__} ({model.config.model_type}): its forward's logits are not "
-                         "lm_head(last hidden state) with a known final scaling; lcx's chunked loss "
-                         "(lcx.eval.loss.head_logits) does not support this family yet")
+                         "lm_head(last hidden state) with a known final scaling (lcx.hf.models.Family.logits); "
+                         "lcx's chunked loss and engine (lcx.eval.loss.head_logits) do not support this family yet")
     setattr(model, _HEAD_CHECKED, True)
 
 

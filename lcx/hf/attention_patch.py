@@ -76,10 +76,13 @@ Semantics stated once:
   numbers of queries and keys share one call), exactly as an unpadded row with a
   `BoundedKVCache` would; padded query slots get zeros. A layer running its own window raises
   if a row's keys do not cover that window (a cache bounded by another layer's method).
-- **Partial rotary heads** (Phi, GLM-4-MoE: the family rotates the first r of D channels): the
-  attention function puts q and k in lcx's channel order and the layer's basis gets zero
-  frequencies for the passed channels, with the query corrected for an attention factor
-  (`lcx.hf.partial_rotary`, the statement). The cache keeps the family's order.
+- **Channel order** (families whose RoPE is not rotate-half on the whole head: partial rotary,
+  Phi, GLM-4-MoE; interleaved pairs, Cohere, GLM-4, ERNIE 4.5): the layout is
+  found on a probe of the family's own rotation when the patch is installed
+  (`channel_order(model)`; a layout lcx cannot hold raises); the attention function puts q and k
+  in lcx's channel order, the layer's basis gets zero frequencies for passed channels, and the
+  query is corrected for an attention factor (`lcx.hf.channel_order`, the statement). The cache
+  keeps the family's order.
 - **The engine's decode step** (`lcx_decode`, `lcx.engine.kv.ModelStep`): the attention
   function hands the layer's new q/k/v to `step.attend`, which attends with the layer's own
   cache and rule (per-layer windows and RoPE bases on a hybrid model; a step declares it with
@@ -104,6 +107,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import types
 import weakref
 from dataclasses import dataclass
@@ -116,13 +120,12 @@ from lcx.attention import BACKENDS, Rotary
 from lcx.methods.base import AttentionMethod
 from lcx.methods.registry import method_from_dict
 from lcx.methods.sliding_window import sliding_window
-from lcx.rope import apply_rotary_ref, rope_cos_sin
 
 from .bounded_cache import BoundedKVCache
 from .calls import _CALL, _Call, current_call
-from .models import attention_layers, check_model_type, decoder, layer_types, rope_layer_types
-from .partial_rotary import fix_query, padded_basis, to_lcx_order
-from .rope_patch import rope_basis
+from .channel_order import ChannelOrder, detect
+from .models import attention_layers, check_model_type, decoder, layer_types, model_shape, rope_layer_types
+from .rope_patch import rope_basis, rotary_table_layout
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
 DEFAULT_BACKEND = "blockwise"
@@ -138,6 +141,7 @@ class _Patch:
     original_attn_implementation: Any
     decode_backend: str | None = None
     layers: str = "global"
+    order: ChannelOrder | None = None  # the family's channel layout (lcx.hf.channel_order)
 
 
 @dataclass
@@ -151,6 +155,7 @@ class _ModuleState:
     chosen: AttentionMethod | None = None  # the model's method (differs on layers running their own window)
     layer_type: str | None = None  # the layer's RoPE layer type (models with RoPE per layer type)
     inner: str | None = None  # the model's own attn implementation (decode hook: every other call)
+    order: ChannelOrder | None = None  # the family's channel layout (patched models; lcx.hf.channel_order)
 
     def backend_for(self, n_queries: int) -> str:
         return self.decode_backend if n_queries == 1 and self.decode_backend else self.backend
@@ -178,33 +183,36 @@ def _rotation_hook(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _check_rotate_half(fn: Callable, head_dim: int, where: str) -> None:
-    """The family's rotation must be lcx's (`lcx.rope.apply_rotary_ref`: rotate-half on the full
-    head, HF's (cos, sin) [B, T, D] tables): lcx re-does it at the methods' positions. Checked on
-    a probe, so a family with another convention (interleaved pairs) raises instead of being
-    silently wrong."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, 3, head_dim, generator=g, dtype=torch.float64)  # [B, H, T, D]
-    inv_freq = torch.rand(head_dim // 2, generator=g, dtype=torch.float64)
-    cos, sin = rope_cos_sin(torch.arange(3)[None], inv_freq, 1.0, torch.float64)  # [1, 3, D]
-    got, _ = fn(x, x, cos, sin)
-    want = apply_rotary_ref(x.transpose(1, 2), cos, sin).transpose(1, 2)
-    if not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
-        raise ValueError(f"{where}.apply_rotary_pos_emb is not rotate-half RoPE on the full head (e.g. interleaved "
-                         "pairs); lcx attention methods cannot run this family")
-
-
 def _install_rotation_hook(attn: nn.Module) -> None:
     """Wrap `apply_rotary_pos_emb` where `type(attn).forward` looks it up (idempotent)."""
+    namespace, fn, _ = _rotation_function(attn)
+    if not hasattr(fn, "_lcx_original"):
+        namespace["apply_rotary_pos_emb"] = _rotation_hook(fn)
+
+
+def _rotation_function(attn: nn.Module) -> tuple[dict, Callable, str]:
+    """(the namespace `type(attn).forward` reads, its `apply_rotary_pos_emb`, the module's name)."""
     namespace = type(attn).forward.__globals__
     where = namespace.get("__name__")
     fn = namespace.get("apply_rotary_pos_emb")
     if fn is None:
         raise ValueError(f"{type(attn).__name__}.forward's module ({where}) has no "
                          "apply_rotary_pos_emb to hook; this attention module is not supported")
-    if not hasattr(fn, "_lcx_original"):
-        _check_rotate_half(fn, int(attn.head_dim), where)
-        namespace["apply_rotary_pos_emb"] = _rotation_hook(fn)
+    return namespace, fn, where
+
+
+def channel_order(model: nn.Module) -> ChannelOrder:
+    """How the family's rotation lays out a head's channels (`lcx.hf.channel_order`): found by
+    running its own `apply_rotary_pos_emb` on a probe with tables in its rotary module's layout,
+    so a family whose rotation lcx cannot hold raises `ValueError` instead of being silently
+    wrong."""
+    _, fn, where = _rotation_function(attention_layers(model)[0])
+    shape = model_shape(model)
+    return _detect(getattr(fn, "_lcx_original", fn), shape.head_dim, shape.rotary_dim, rotary_table_layout(model),
+                   where)
+
+
+_detect = functools.lru_cache(maxsize=None)(detect)
 
 
 # ------------------------------------------------------------------------ the instance forward
@@ -270,9 +278,9 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise ValueError(f"layer {module.layer_idx}: the family's sliding_window is {sliding_window}, the patch "
                          f"assumed {st.method.window}")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H(kv), D]
-    rd = call.cos_sin[0].shape[-1]  # channels the family rotates (< D: partial rotary)
-    if st.method is not None and rd != q.shape[-1]:  # held in lcx's channel order (lcx.hf.partial_rotary)
-        q, k = to_lcx_order(q, rd), to_lcx_order(k, rd)
+    order = st.order
+    if order is not None and not order.identity:  # held in lcx's channel order (lcx.hf.channel_order)
+        q, k = order.to_lcx(q), order.to_lcx(k)
     step = kwargs.get("lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
         if st.own_window and not getattr(step, "per_layer", False):
@@ -280,8 +288,8 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                 f"layer {module.layer_idx} runs the family's own window ({st.method.describe()}), the model's "
                 f"method is {st.chosen.describe()}: a decode step that runs one method on every layer cannot "
                 "run it (lcx.engine's per-layer step, lcx.engine.kv.ModelStep, can; lcx.hf.layer_methods)")
-        if st.method is not None and rd != q.shape[-1]:  # (the step's basis is static: no seq_len)
-            q = fix_query(q, rd, rope_basis(st.decoder(), layer_type=st.layer_type)[1])
+        if order is not None and order.rotary_dim != order.head_dim:  # (the step's basis is static: no seq_len)
+            q = order.fix_query(q, rope_basis(st.decoder(), layer_type=st.layer_type)[1])
         return step.attend(module, q, k, v), None
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
@@ -321,11 +329,10 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
 def _basis(decoder: nn.Module, seq_len: int, st: _ModuleState, q: torch.Tensor):
     """(inv_freq `[D/2]`, attention_factor, q) of a call: the layer's RoPE basis at `seq_len`;
     on a partial rotary head (q in lcx's channel order) padded with zero frequencies, and q's
-    passed channels corrected for the attention factor (`lcx.hf.partial_rotary`)."""
+    passed channels corrected for the attention factor (`lcx.hf.channel_order`)."""
     inv_freq, af = rope_basis(decoder, seq_len, layer_type=st.layer_type)
-    r, D = 2 * inv_freq.shape[-1], q.shape[-1]
-    if r != D:
-        inv_freq, q = padded_basis(inv_freq, D), fix_query(q, r, af)
+    if st.order is not None:
+        inv_freq, q = st.order.basis(inv_freq), st.order.fix_query(q, af)
     return inv_freq, af, q
 
 
@@ -543,6 +550,7 @@ def install_decode_hook(model: nn.Module) -> None:
     register()
     ref = weakref.ref(dec)
     inner = model.config._attn_implementation
+    channel_order(model)  # (raises for a rotation lcx cannot hold)
     for attn in attns:
         _install_rotation_hook(attn)
         setattr(attn, _STATE, _ModuleState(None, DEFAULT_BACKEND, ref, inner=inner))
@@ -670,12 +678,14 @@ def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any
     prev: _Patch | None = getattr(model, _STATE, None)
     original = prev.original_attn_implementation if prev is not None else model.config._attn_implementation
     ref = weakref.ref(dec)
+    order = channel_order(model)
     for attn, (m, layer_type) in zip(attns, _layer_plan(model, method, layers)):
         _install_rotation_hook(attn)
-        setattr(attn, _STATE, _ModuleState(m, backend, ref, decode_backend, chosen=method, layer_type=layer_type))
+        setattr(attn, _STATE, _ModuleState(m, backend, ref, decode_backend, chosen=method, layer_type=layer_type,
+                                           order=order))
         attn.forward = types.MethodType(_hooked_forward, attn)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
-    setattr(model, _STATE, _Patch(method, backend, original, decode_backend, layers))
+    setattr(model, _STATE, _Patch(method, backend, original, decode_backend, layers, order))
     return model
 
 
@@ -731,7 +741,7 @@ def attention_patched(model: nn.Module, method: AttentionMethod | Mapping[str, A
                             layers=prev.layers)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "as_loaded_method", "attention_patched", "current_attention", "current_call",
+__all__ = ["ATTN_IMPLEMENTATION", "LAYERS", "as_loaded_method", "attention_patched", "channel_order", "current_attention", "current_call",
            "current_patch", "has_decode_hook", "install_decode_hook", "iter_rows", "layer_methods",
            "lcx_attention", "loaded_rows", "model_call_info", "own_windows", "patch_attention", "register",
            "row_groups", "unpatch_attention"]

@@ -14,22 +14,22 @@ A decoder-only `*ForCausalLM` of a supported family in transformers 5.x:
 `FAMILIES` is the one table of supported families: every entry takes the RoPE patch
 (`lcx.hf.rope_patch`) and the attention methods (`lcx.hf.attention_patch`, which hooks the two
 calls above, so the family's own code runs; see `lcx.hf`), and the engine. A new family whose
-attention follows that pattern (rotate-half RoPE on the full head, no logit soft-cap) is one
-line here; tests/hf/test_families.py then runs every method and RoPE type on it. A family that
-rotates only the first r channels of each head (partial rotary) is held in lcx's channel order
-(`lcx.hf.partial_rotary`).
+attention follows that pattern (RoPE on q and k by its `apply_rotary_pos_emb`, no attention-logit
+soft-cap) is one line here; tests/hf/test_families.py then runs every method and RoPE type on it.
+A family whose RoPE is not rotate-half on the whole head (partial rotary: phi, glm4_moe;
+interleaved pairs: cohere, helium, ernie4_5; both: glm, glm4) is held in lcx's channel order
+(`lcx.hf.channel_order`, found on a probe of the family's own rotation).
 
 Families transformers 5.x builds here that are left out, and why:
-- cohere, cohere2, helium: interleaved RoPE (pairs (2i, 2i+1)), not rotate-half; lcx rotates rotate-half.
-- glm: interleaved RoPE on part of each head. (Partial rotary alone is supported: phi, glm4_moe,
-  `lcx.hf.partial_rotary`.)
+- cohere2: NoPE global layers (its full-attention layers do not rotate).
 - stablelm, nemotron: their decoder layers call the attention without the forward's keyword
   arguments, so lcx's per-call inputs (`lcx_key_positions`, the engine's `lcx_decode`) never reach it.
 - gpt_neox: no `head_dim` on its attention module, no `model.layers` / `rotary_emb` on its decoder.
 - gemma2, vaultgemma: attention-logit soft-capping (`softcap`), which `lcx.attention` has no
   term for.
 - smollm3: NoPE layers (no rotation in every 4th layer).
-- glm4, nanochat, ernie4_5: interleaved RoPE.
+- nanochat: q/k RMS norm after RoPE; weightless, so it commutes with the rotation, but it cancels
+  the attention factor of YaRN/LongRoPE, which lcx applies after it.
 - phimoe: its rotary embedding needs its own long/short mscale keys, so lcx's RoPE parity check
   (the model rebuilt by transformers under each rope type) cannot run; its attention passes.
 - hunyuan_v1_dense, hunyuan_v1_moe: q/k norm applied after RoPE; lcx's methods rotate inside the
@@ -40,8 +40,8 @@ probe of all of them (docs/methods.md, "Model families") found them hybrids with
 convolution layers, multimodal wrappers, multi-head latent attention, attention sinks or
 soft-caps, or configs that a tiny model needs family-specific keys for (not yet written).
 The attention patch refuses all of these by name; for a family not in either table it would also
-refuse a rotation that is not rotate-half (checked on a probe when the hook is installed), and
-raise at call time on an attention module that does not call the two hooks.
+refuse a rotation it cannot hold (`lcx.hf.channel_order.detect`, on a probe when the patch is
+installed), and raise at call time on an attention module that does not call the two hooks.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class Family:
 
     differs: str  # what the family's attention does beyond Llama's, all run by its own code
     tiny: tuple[tuple[str, Any], ...] = ()  # config overrides for `tiny_model`
+    # what its *ForCausalLM.forward does to lm_head's output (beyond a `final_logit_softcapping`,
+    # read from any config): ("divide" | "multiply", the config attribute), `lcx.eval.loss.head_logits`
+    logits: tuple[str, str] | None = None
 
 
 # A tiny random model of any family (tests; `tiny_model`): 2 layers, 4 query / 2 KV heads of 16.
@@ -86,7 +89,8 @@ FAMILIES: dict[str, Family] = {
                    (("original_max_position_embeddings", TINY["max_position_embeddings"]),)),
     "olmo": Family("clipped q/k/v (clip_qkv), non-parametric layer norms", (("clip_qkv", 0.5),)),
     "olmo2": Family("RMS norm on all of q and k (across heads), before RoPE"),
-    "granite": Family("attention_multiplier as the scaling; residual/embedding multipliers"),
+    "granite": Family("attention_multiplier as the scaling; residual/embedding multipliers",
+                      (("logits_scaling", 4.0),), ("divide", "logits_scaling")),
     "starcoder2": Family("biases everywhere, layer norm"),
     # added from a probe of every decoder family of transformers 5.23 (docs/methods.md, "Model
     # families"): each passes the whole family grid of tests/hf/test_families.py
@@ -94,10 +98,13 @@ FAMILIES: dict[str, Family] = {
     "arcee": Family("Llama attention, ReLU² MLP"),
     "bitnet": Family("ternary BitLinear projections, an RMS norm on the attention output"),
     "flex_olmo": Family("OLMo 2 attention (q/k norm across heads), mixture of experts"),
-    "granitemoe": Family("Granite's attention_multiplier scaling, mixture of experts"),
-    "granitemoeshared": Family("Granite's attention_multiplier scaling, experts plus a shared MLP"),
+    "granitemoe": Family("Granite's attention_multiplier scaling, mixture of experts", (("logits_scaling", 4.0),),
+                         ("divide", "logits_scaling")),
+    "granitemoeshared": Family("Granite's attention_multiplier scaling, experts plus a shared MLP",
+                               (("logits_scaling", 4.0),), ("divide", "logits_scaling")),
     "hy_v3": Family("q/k RMS norm before RoPE"),
-    "hyperclovax": Family("Granite-style attention_multiplier and residual multipliers"),
+    "hyperclovax": Family("Granite-style attention_multiplier and residual multipliers (logits multiplied, not "
+                          "divided, by logits_scaling)", (("logits_scaling", 4.0),), ("multiply", "logits_scaling")),
     "jais2": Family("Llama attention with biases"),
     "minimax_m2": Family("q/k RMS norm across heads before RoPE, mixture of experts"),
     "mixtral": Family("Mistral attention, mixture of experts"),
@@ -109,10 +116,18 @@ FAMILIES: dict[str, Family] = {
                     "layers (methods on the full ones, as on Gemma 3)",
                     (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8))),
     # partial rotary: the family rotates the first r channels of each head, lcx holds q and k in
-    # its own channel order with zero frequencies for the rest (lcx.hf.partial_rotary)
+    # its own channel order with zero frequencies for the rest (lcx.hf.channel_order)
     "phi": Family("partial rotary (40% of each head in Phi-2), q/k/v biases, optional q/k layer norm, parallel "
                   "attention and MLP"),
     "glm4_moe": Family("partial rotary (half of each head), q/k/v biases, mixture of experts"),
+    # interleaved RoPE pairs (2i, 2i + 1): held in lcx's channel order like the partial rotary
+    # ones (lcx.hf.channel_order)
+    "cohere": Family("interleaved RoPE pairs (tables with each angle twice in a row), layer norm, logit scale",
+                     (("logit_scale", 2.0),), ("multiply", "logit_scale")),
+    "helium": Family("interleaved RoPE pairs"),
+    "glm4": Family("interleaved RoPE pairs on half of each head, q/k/v biases, post-norms"),
+    "glm": Family("interleaved RoPE pairs on half of each head, q/k/v biases"),
+    "ernie4_5": Family("interleaved RoPE pairs"),
     "ministral": Family("Mistral's attention; hybrid: sliding-window and full-attention layers sharing one RoPE "
                         "basis (methods on the full ones)",
                         (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
@@ -122,15 +137,15 @@ ROPE_MODEL_TYPES = tuple(FAMILIES)  # the types the RoPE patch and the engine ta
 ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (every family)
 
 LEFT_OUT: dict[str, str] = {
-    "cohere": "interleaved RoPE", "cohere2": "interleaved RoPE", "helium": "interleaved RoPE",
+    "cohere2": "interleaved RoPE with NoPE global layers (no rotation in its full-attention layers)",
     **{f: "its decoder layer does not pass the forward's keyword arguments on to its attention, so lcx's "
           "per-call inputs (lcx_key_positions, the engine's lcx_decode step) never reach it" for f in ("stablelm", "nemotron")},
     "gpt_neox": "its attention module keeps no head_dim and its decoder no model.layers / rotary_emb where "
                 "transformers' other decoders keep them",
-    "glm": "interleaved RoPE on part of each head",
     "gemma2": "attention-logit soft-capping", "vaultgemma": "attention-logit soft-capping",
     "smollm3": "NoPE layers",
-    "glm4": "interleaved RoPE", "nanochat": "interleaved RoPE", "ernie4_5": "interleaved RoPE",
+    "nanochat": "q/k RMS norm after RoPE: weightless, so it commutes with the rotation, but it cancels the "
+                "attention factor of YaRN/LongRoPE, which lcx applies after it",
     "phimoe": "its own RoPE (long/short mscale keys) that transformers' rebuild with another rope type refuses",
     "hunyuan_v1_dense": "q/k norm after RoPE (a method that rotates in attention would normalise first)",
     "hunyuan_v1_moe": "q/k norm after RoPE (a method that rotates in attention would normalise first)",

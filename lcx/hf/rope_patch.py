@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..rope import ROPE_TYPES, PartialRopeSpec, RopeSpec, compute_inv_freq, rope_angles
+from .channel_order import TABLE_LAYOUTS, table_layout
 from .models import check_model_type, decoder, global_layer_type, model_shape, rope_layer_types
 
 _ORIG_ATTR = "_lcx_original"  # (rotary module, rope_parameters) stored on the patched model
@@ -45,14 +46,19 @@ class LcxRotaryEmbedding(nn.Module):
     x: any tensor whose dtype/device the tables take; position_ids: [B, T] (int).
     Returns cos, sin: [B, T, r] in x.dtype, already scaled by the attention factor; r = head_dim,
     or the rotated channels of a partial rotary family (`spec.partial_rotary_factor`, as the
-    family's own module: its code rotates the first r channels).
+    family's own module: its code rotates the first r channels), laid out as the family's own
+    module lays them out (`layout`, `lcx.hf.channel_order.TABLE_LAYOUTS`: [a | a], or each angle
+    twice in a row for interleaved families such as Cohere), since the family's code reads them.
     """
 
     def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | None = None, *,
-                 layer_type: str | None = None, others: nn.Module | None = None):
+                 layer_type: str | None = None, others: nn.Module | None = None, layout: str = "halves"):
         super().__init__()
+        if layout not in TABLE_LAYOUTS:
+            raise ValueError(f"table layout {layout!r}; expected one of {TABLE_LAYOUTS}")
         self.spec = spec
         self.head_dim = head_dim
+        self.layout = layout
         # Models with RoPE per layer type (Gemma 3): this module computes `layer_type`'s tables
         # (the global layers') and hands the other types to the model's own rotary module.
         self.layer_type = layer_type
@@ -87,7 +93,7 @@ class LcxRotaryEmbedding(nn.Module):
         seq_len = int(position_ids.max().item()) + 1 if self.spec.is_length_dependent else 0
         inv_freq, af = self._basis(seq_len, x.device)
         ang = rope_angles(position_ids.to(x.device), inv_freq)  # [B, T, D/2] float64
-        emb = torch.cat((ang, ang), dim=-1)  # [B, T, D]
+        emb = torch.cat((ang, ang), -1) if self.layout == "halves" else ang.repeat_interleave(2, -1)  # [B, T, r]
         cos, sin = emb.cos(), emb.sin()
         if af != 1.0:
             cos, sin = cos * af, sin * af
@@ -136,7 +142,8 @@ def patch_rope(model: nn.Module, spec: RopeSpec) -> nn.Module:
         raise ValueError(f"{spec.describe()} rotates {spec.rotary_dim(shape.head_dim)} of {shape.head_dim} channels "
                          f"(partial_rotary_factor={spec.partial_rotary_factor}); this model rotates {shape.rotary_dim}")
     new = LcxRotaryEmbedding(spec, shape.head_dim, device=device, layer_type=layer_type,
-                             others=own_rotary if layer_type is not None else None)
+                             others=own_rotary if layer_type is not None else None,
+                             layout=_table_layout(own_rotary, model))
     if original is None:
         setattr(model, _ORIG_ATTR, (inner.rotary_emb, base_config))
     inner.rotary_emb = new
@@ -145,6 +152,22 @@ def patch_rope(model: nn.Module, spec: RopeSpec) -> nn.Module:
     else:  # Gemma 3: only the global layers' entry changes
         model.config.rope_parameters = {**copy.deepcopy(base_config), layer_type: spec.to_dict()}
     return model
+
+
+def rotary_table_layout(model: nn.Module) -> str:
+    """How the model's rotary module lays out its (cos, sin) tables (`TABLE_LAYOUTS`)."""
+    return _table_layout(_inner(model).rotary_emb, model)
+
+
+def _table_layout(rot: nn.Module, model: nn.Module) -> str:
+    if isinstance(rot, LcxRotaryEmbedding):
+        return rot.layout
+    typed = global_layer_type(model)
+    param = next(iter(model.parameters()), None)
+    pos = torch.arange(1, 5, device=param.device if param is not None else None)[None]
+    with torch.no_grad():
+        cos, _ = rot(torch.zeros(1, device=pos.device), pos, *((typed,) if typed is not None else ()))
+    return table_layout(cos)
 
 
 def unpatch_rope(model: nn.Module) -> nn.Module:

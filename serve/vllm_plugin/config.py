@@ -107,9 +107,12 @@ VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo
                                      "HYV3ForCausalLM", "HyperCLOVAXForCausalLM", "Jais2ForCausalLM",
                                      "MiniMaxM2ForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM")},
-                                 **{arch: _NOT_WIRED + "; a partial rotary family (lcx holds its heads in its own "
-                                    "channel order, lcx.hf.partial_rotary; the plugin's rotary swap rotates whole heads)"
-                                    for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM")}}
+                                 **{arch: _NOT_WIRED + "; its RoPE is partial or interleaved (lcx holds its heads in "
+                                    "its own channel order, lcx.hf.channel_order; the plugin's rotary swap rotates "
+                                    "whole heads rotate-half)"
+                                    for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM", "CohereForCausalLM",
+                                                 "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
+                                                 "Ernie4_5ForCausalLM")}}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
 # other registry method runs through `.method_attention` (exact, CPU backend only): the methods

@@ -17,6 +17,7 @@ a new family is one line in `FAMILIES` and is tested here automatically.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -24,9 +25,8 @@ import torch
 from lcx.testing import attention_layer_io
 from lcx.attention import Rotary
 from lcx.hf import FAMILIES, BoundedKVCache, greedy_generate, layer_methods
-from lcx.hf.attention_patch import attention_patched, patch_attention, unpatch_attention
+from lcx.hf.attention_patch import attention_patched, channel_order, patch_attention, unpatch_attention
 from lcx.hf.models import model_shape, tiny_model
-from lcx.hf.partial_rotary import padded_basis, to_lcx_order
 from lcx.hf.rope_patch import rope_basis
 from lcx.methods import causal, examples, method_id, sliding_window
 
@@ -99,22 +99,23 @@ def test_wide_method_equals_unpatched_model(family, name):
 
 
 PARTIAL = [f for f in FAMILY_NAMES if model_shape(_model(f)).rotary_dim < model_shape(_model(f)).head_dim]
+ORDERED = [f for f in FAMILY_NAMES if not channel_order(_model(f)).identity]  # partial, interleaved, flipped
 
 
-@pytest.mark.parametrize("family", PARTIAL)
+@pytest.mark.parametrize("family", ORDERED)
 @pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}],
                          ids=["yarn", "dynamic"])
 @pytest.mark.parametrize("name", ["causal()", "lm_infinite(n_global=3,n_local=5)", "self_extend(group_size=2,window=4)"])
-def test_partial_rotary_method_under_scaled_rope(family, rope, name):
-    """A partial rotary family under a RoPE spec whose attention factor is not 1 (YaRN): lcx
-    scales every channel of its lcx-order heads, transformers only the rotated ones, and
+def test_ordered_family_method_under_scaled_rope(family, rope, name):
+    """A family held in lcx's channel order (partial rotary, interleaved pairs) under a RoPE spec
+    patched by lcx (its tables in the family's layout) whose attention factor is not 1 (YaRN):
+    on a partial head lcx scales every channel, transformers only the rotated ones, and
     `fix_query` makes up the difference. A method whose window covers the sequence equals the
     family's own attention under the same spec (transformers' rotation of the first r channels,
     with lcx's tables); an exact method (causal) equals it at every length."""
     import lcx
 
     model = _model(family)
-    assert model_shape(model).rotary_dim not in (0, model_shape(model).head_dim)
     method = METHODS[name]
     n = T if name == "causal()" else WIDE[name][1]
     ids = _ids(n)
@@ -123,6 +124,27 @@ def test_partial_rotary_method_under_scaled_rope(family, rope, name):
     with torch.no_grad(), lcx.patched(model, {"rope": rope, "attention": method.to_dict()}):
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_head_logits_equal_the_familys_own(family):
+    """What lcx forms logits with from hidden states (the engine, chunked loss, lm-eval:
+    `lcx.eval.loss.head_logits`: lm_head, then the family's soft-cap or scaling from the family
+    table) is the family's own forward (Granite divides by logits_scaling, HyperCLOVA X
+    multiplies by it, Cohere by logit_scale, NanoChat soft-caps; the tiny configs make each
+    differ from 1)."""
+    from lcx.eval.loss import check_head, head_logits, hidden_states
+
+    model = _model(family)
+    ids = _ids(T)
+    with torch.no_grad():
+        want = model(ids).logits
+        raw = model.get_output_embeddings()(hidden_states(model, ids))
+        got = head_logits(model, hidden_states(model, ids))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if FAMILIES[family].logits is not None or getattr(model.config, "final_logit_softcapping", None):
+        assert (raw - want).abs().max() > 1e-3  # (the transform is not the identity here)
+    check_head(model)
 
 
 def test_narrow_methods_change_every_family():
@@ -176,16 +198,21 @@ def _check_layers_equal_reference(model, method, layers: str):
                 model.config.rope_parameters.get("full_attention"), dict) else None
             inv, af = rope_basis(model, T, layer_type=layer_type)
             r = model_shape(model).rotary_dim
+            order = channel_order(model)
 
             def ref(module, q, k, v, scaling):
-                # a partial rotary head: in lcx's channel order (lcx.hf.partial_rotary; af = 1 here)
-                q, k, basis = to_lcx_order(q, r), to_lcx_order(k, r), padded_basis(inv, q.shape[-1])
+                # a family whose RoPE is not rotate-half on the whole head: in lcx's channel order
+                # (lcx.hf.channel_order; af = 1 here, nothing to correct)
+                q, k, basis = order.to_lcx(q), order.to_lcx(k), order.basis(inv)
                 return want_method.attend(q, k, v, rotary=Rotary(basis, torch.arange(T), af), scale=scaling,
                                           layer_idx=i)
 
-            # the family's own forward, unrotated (cos 1, sin 0: its own rotation is the identity)
+            # the family's own forward, unrotated: its rotation function replaced by the identity
+            # (not run on cos 1 / sin 0 tables: some families round q and k through float32 there)
             ones = torch.ones(B, T, r, dtype=h.dtype)
-            with torch.no_grad(), _reference_attention(model, ref):
+            unrotated = {"apply_rotary_pos_emb": lambda q, k, *args, **kwargs: (q, k)}
+            with torch.no_grad(), _reference_attention(model, ref), \
+                    mock.patch.dict(type(attn).forward.__globals__, unrotated):
                 want, _ = type(attn).forward(attn, hidden_states=h, position_embeddings=(ones, torch.zeros_like(ones)),
                                              attention_mask=None, position_ids=torch.arange(T)[None].expand(B, T))
             torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"layer {i}: {m}")
@@ -344,12 +371,13 @@ def test_engine_greedy_equals_reference_loop(family, name):
     _check_engine(family, name)
 
 
-@pytest.mark.parametrize("family", PARTIAL)
+@pytest.mark.parametrize("family", ORDERED)
 @pytest.mark.parametrize("name", [None, "lm_infinite(n_global=3,n_local=5)", "self_extend(group_size=2,window=4)"],
                          ids=lambda n: n or "vanilla")
-def test_engine_partial_rotary_under_yarn(family, name):
-    """A partial rotary family under YaRN (attention factor != 1) through the engine's fast path
-    (keys rotated once in lcx's channel order, the query's passed channels corrected per step)
+def test_engine_ordered_family_under_yarn(family, name):
+    """A family held in lcx's channel order under YaRN (attention factor != 1) through the
+    engine's fast path (keys rotated once in lcx's channel order, a partial head's query
+    corrected per step)
     decodes what the reference loop does, and each generated token's logprob is the patched
     model's own over the whole sequence (a method's attention is defined per query, so one
     forward of prompt + tokens scores every step)."""

@@ -86,10 +86,10 @@ def test_bad_patch_arguments(model32):
     with pytest.raises(ValueError, match="backend"):
         patch_attention(m, lm_infinite(4, 8), backend="flash9")
     assert current_attention(m) is None
-    cohere = type("Q", (torch.nn.Module,), {})()
-    cohere.config = type("C", (), {"model_type": "cohere"})()
-    with pytest.raises(ValueError, match="model_type.*interleaved RoPE"):  # a family left out, and why
-        patch_attention(cohere, causal())
+    cohere2 = type("Q", (torch.nn.Module,), {})()
+    cohere2.config = type("C", (), {"model_type": "cohere2"})()
+    with pytest.raises(ValueError, match="model_type.*NoPE"):  # a family left out, and why
+        patch_attention(cohere2, causal())
     with pytest.raises(ValueError, match="layers="):
         patch_attention(m, causal(), layers="local")
 
