@@ -34,7 +34,9 @@ attention forward in transformers 5.x does, in this order (`lcx.hf.models`):
 
 Which call is "inside a patched layer" is known from a thin instance-level `forward` on each
 patched attention module that marks the call (a context variable) and calls the class's own
-forward unchanged. No family's forward is copied. `unpatch_attention` deletes those instance
+forward unchanged. Another on the decoder stack keeps lcx's per-call keyword inputs
+(`lcx_key_positions`, `lcx_decode`) for the attention calls inside it, so a family whose decoder
+layers drop their keyword arguments (StableLM, Nemotron) still hands them over. No family's forward is copied. `unpatch_attention` deletes those instance
 forwards and restores `_attn_implementation`; the wrapped `apply_rotary_pos_emb` stays, and is
 the original function outside patched calls.
 
@@ -218,10 +220,43 @@ _detect = functools.lru_cache(maxsize=None)(detect)
 # ------------------------------------------------------------------------ the instance forward
 
 
+# lcx's per-call inputs of the decoder call running now (`_hooked_decoder_forward`)
+_LCX_INPUTS = ("lcx_decode", "lcx_key_positions")
+_INPUTS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("lcx_call_inputs", default=None)
+
+
+def _hooked_decoder_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    """The decoder stack's own forward (instance-bound), with lcx's per-call inputs
+    (`lcx_key_positions`, `lcx_decode`) kept for the attention calls inside it: transformers
+    hands a forward's keyword arguments down to the attention, but some families' decoder layers
+    call their attention without them (StableLM, Nemotron)."""
+    token = _INPUTS.set({k: kwargs[k] for k in _LCX_INPUTS if k in kwargs})
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _INPUTS.reset(token)
+
+
+def _lcx_input(kwargs: Mapping[str, Any], name: str) -> Any:
+    """`name` (one of `_LCX_INPUTS`) of an attention call: its own keyword, else the decoder
+    call's (`_hooked_decoder_forward`), else None."""
+    if name in kwargs:
+        return kwargs[name]
+    held = _INPUTS.get()
+    return None if held is None else held.get(name)
+
+
+def _hook_decoder(dec: nn.Module, on: bool) -> None:
+    if on:
+        dec.forward = types.MethodType(_hooked_decoder_forward, dec)
+    else:
+        dec.__dict__.pop("forward", None)
+
+
 def _hooked_forward(self: nn.Module, *args: Any, **kwargs: Any):
     """The class's own forward, with the call marked for the two hooks (instance-bound)."""
     st: _ModuleState = self.__dict__[_STATE]
-    if st.method is None and kwargs.get("lcx_decode") is None:
+    if st.method is None and _lcx_input(kwargs, "lcx_decode") is None:
         return type(self).forward(self, *args, **kwargs)  # decode hook only: a stock call
     token = _CALL.set(_Call(self, st, kwargs.get("past_key_values")))
     try:
@@ -281,7 +316,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     order = st.order
     if order is not None and not order.identity:  # held in lcx's channel order (lcx.hf.channel_order)
         q, k = order.to_lcx(q), order.to_lcx(k)
-    step = kwargs.get("lcx_decode")
+    step = _lcx_input(kwargs, "lcx_decode")
     if step is not None:  # lcx.engine's decode step over its cache of rotated keys (lcx.engine.kv)
         if st.own_window and not getattr(step, "per_layer", False):
             raise NotImplementedError(
@@ -303,7 +338,7 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
     if decoder is None:
         raise RuntimeError("the model this attention module was patched for no longer exists")
     layer_idx = module.layer_idx
-    row_pos = kwargs.get("lcx_key_positions")
+    row_pos = _lcx_input(kwargs, "lcx_key_positions")
     if row_pos is not None:
         return _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, module.scaling, layer_idx)
     cache = call.cache
@@ -555,6 +590,7 @@ def install_decode_hook(model: nn.Module) -> None:
         _install_rotation_hook(attn)
         setattr(attn, _STATE, _ModuleState(None, DEFAULT_BACKEND, ref, inner=inner))
         attn.forward = types.MethodType(_hooked_forward, attn)
+    _hook_decoder(dec, True)
     _HOOKED_CONFIGS[id(model.config)] = inner
     weakref.finalize(model.config, _HOOKED_CONFIGS.pop, id(model.config), None)
     setattr(model, _HOOK, inner)
@@ -568,6 +604,7 @@ def _remove_decode_hook(model: nn.Module) -> None:
     for attn in attention_layers(model):
         attn.__dict__.pop("forward", None)
         attn.__dict__.pop(_STATE, None)
+    _hook_decoder(decoder(model), False)
     _HOOKED_CONFIGS.pop(id(model.config), None)
     model.config._attn_implementation = inner
     delattr(model, _HOOK)
@@ -684,6 +721,7 @@ def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any
         setattr(attn, _STATE, _ModuleState(m, backend, ref, decode_backend, chosen=method, layer_type=layer_type,
                                            order=order))
         attn.forward = types.MethodType(_hooked_forward, attn)
+    _hook_decoder(dec, True)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     setattr(model, _STATE, _Patch(method, backend, original, decode_backend, layers, order))
     return model
@@ -694,10 +732,11 @@ def unpatch_attention(model: nn.Module) -> nn.Module:
     prev: _Patch | None = getattr(model, _STATE, None)
     if prev is None:
         return model
-    _, attns = _decoder_and_layers(model)
+    dec, attns = _decoder_and_layers(model)
     for attn in attns:
         attn.__dict__.pop("forward", None)
         attn.__dict__.pop(_STATE, None)
+    _hook_decoder(dec, False)
     model.config._attn_implementation = prev.original_attn_implementation
     delattr(model, _STATE)
     return model

@@ -16,14 +16,12 @@ A decoder-only `*ForCausalLM` of a supported family in transformers 5.x:
 calls above, so the family's own code runs; see `lcx.hf`), and the engine. A new family whose
 attention follows that pattern (RoPE on q and k by its `apply_rotary_pos_emb`, no attention-logit
 soft-cap) is one line here; tests/hf/test_families.py then runs every method and RoPE type on it.
-A family whose RoPE is not rotate-half on the whole head (partial rotary: phi, glm4_moe;
+A family whose RoPE is not rotate-half on the whole head (partial rotary: phi, glm4_moe, stablelm, nemotron;
 interleaved pairs: cohere, helium, ernie4_5; both: glm, glm4) is held in lcx's channel order
 (`lcx.hf.channel_order`, found on a probe of the family's own rotation).
 
 Families transformers 5.x builds here that are left out, and why:
 - cohere2: NoPE global layers (its full-attention layers do not rotate).
-- stablelm, nemotron: their decoder layers call the attention without the forward's keyword
-  arguments, so lcx's per-call inputs (`lcx_key_positions`, the engine's `lcx_decode`) never reach it.
 - gpt_neox: no `head_dim` on its attention module, no `model.layers` / `rotary_emb` on its decoder.
 - gemma2, vaultgemma: attention-logit soft-capping (`softcap`), which `lcx.attention` has no
   term for.
@@ -128,6 +126,11 @@ FAMILIES: dict[str, Family] = {
     "glm4": Family("interleaved RoPE pairs on half of each head, q/k/v biases, post-norms"),
     "glm": Family("interleaved RoPE pairs on half of each head, q/k/v biases"),
     "ernie4_5": Family("interleaved RoPE pairs"),
+    "stablelm": Family("partial rotary (25% of each head), layer norm, optional q/k/v biases; its decoder layers "
+                       "drop their keyword arguments (lcx's per-call inputs come from the decoder call)",
+                       (("partial_rotary_factor", 0.5),)),  # (tiny: 8 of 16 channels, 4 frequencies)
+    "nemotron": Family("partial rotary (half of each head), layer norm 1p, squared-ReLU MLP; its decoder layers "
+                       "drop their keyword arguments"),
     "ministral": Family("Mistral's attention; hybrid: sliding-window and full-attention layers sharing one RoPE "
                         "basis (methods on the full ones)",
                         (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
@@ -138,8 +141,6 @@ ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (
 
 LEFT_OUT: dict[str, str] = {
     "cohere2": "interleaved RoPE with NoPE global layers (no rotation in its full-attention layers)",
-    **{f: "its decoder layer does not pass the forward's keyword arguments on to its attention, so lcx's "
-          "per-call inputs (lcx_key_positions, the engine's lcx_decode step) never reach it" for f in ("stablelm", "nemotron")},
     "gpt_neox": "its attention module keeps no head_dim and its decoder no model.layers / rotary_emb where "
                 "transformers' other decoders keep them",
     "gemma2": "attention-logit soft-capping", "vaultgemma": "attention-logit soft-capping",

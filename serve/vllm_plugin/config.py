@@ -110,7 +110,8 @@ VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo
                                  **{arch: _NOT_WIRED + "; its RoPE is partial or interleaved (lcx holds its heads in "
                                     "its own channel order, lcx.hf.channel_order; the plugin's rotary swap rotates "
                                     "whole heads rotate-half)"
-                                    for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM", "CohereForCausalLM",
+                                    for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM", "StableLmForCausalLM",
+                                                 "NemotronForCausalLM", "CohereForCausalLM",
                                                  "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
                                                  "Ernie4_5ForCausalLM")}}
 

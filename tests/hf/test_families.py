@@ -635,6 +635,7 @@ def test_patch_unpatch_leaves_every_family_as_loaded():
             got = model(ids).logits
         assert model.config._attn_implementation == impl
         assert all("forward" not in vars(layer.self_attn) for layer in model.model.layers)
+        assert "forward" not in vars(model.model)  # (the decoder's per-call-inputs hook is gone too)
         assert torch.equal(got, want), family
 
 
