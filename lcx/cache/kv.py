@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..eval.loss import head_logits
+from ..hf.head import head_logits
 from ..hf import decoder as _decoder
 from ..hf import model_shape
 from ..hf.rope_patch import rope_basis

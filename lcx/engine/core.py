@@ -17,7 +17,7 @@ from .batch import _hf_cache
 from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, KVLayout, ModelKV
 from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
-from ..eval.loss import check_head, head_logits
+from ..hf.head import check_head, head_logits
 from ..hf.recorded import recorded_method
 from ..method_config import INFERENCE_BACKEND, MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect

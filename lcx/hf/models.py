@@ -59,7 +59,7 @@ class Family:
     differs: str  # what the family's attention does beyond Llama's, all run by its own code
     tiny: tuple[tuple[str, Any], ...] = ()  # config overrides for `tiny_model`
     # what its *ForCausalLM.forward does to lm_head's output (beyond a `final_logit_softcapping`,
-    # read from any config): ("divide" | "multiply", the config attribute), `lcx.eval.loss.head_logits`
+    # read from any config): ("divide" | "multiply", the config attribute), `lcx.hf.head.head_logits`
     logits: tuple[str, str] | None = None
 
 

@@ -129,11 +129,11 @@ def test_ordered_family_method_under_scaled_rope(family, rope, name):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_head_logits_equal_the_familys_own(family):
     """What lcx forms logits with from hidden states (the engine, chunked loss, lm-eval:
-    `lcx.eval.loss.head_logits`: lm_head, then the family's soft-cap or scaling from the family
+    `lcx.hf.head.head_logits`: lm_head, then the family's soft-cap or scaling from the family
     table) is the family's own forward (Granite divides by logits_scaling, HyperCLOVA X
     multiplies by it, Cohere by logit_scale, NanoChat soft-caps; the tiny configs make each
     differ from 1)."""
-    from lcx.eval.loss import check_head, head_logits, hidden_states
+    from lcx.hf.head import check_head, head_logits, hidden_states
 
     model = _model(family)
     ids = _ids(T)
