@@ -407,6 +407,15 @@ def test_engine_ordered_family_under_yarn(family, name):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ORDERED)
+@pytest.mark.parametrize("name", ["lm_infinite(n_global=3,n_local=5)", "self_extend(group_size=2,window=4)"])
+def test_engine_ordered_family_prefix_reuse(family, name):
+    """A family held in lcx's channel order, under YaRN, with the prefix cache reused and prompts
+    prefilled in chunks: held keys (the family's order, unrotated) continue into new prefills
+    and into the fast path's rotated store; the reference loop's tokens."""
+    _check_engine(family, name, reuse=True, rope={"rope_type": "yarn", "factor": 2.0})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,name", GRID_D_SLOW, ids=[f"{f}-{n}" for f, n in GRID_D_SLOW])
 def test_engine_greedy_equals_reference_loop_every_example(family, name):
