@@ -593,7 +593,6 @@ class Engine:
             # call would be a masked pass)
             from ..hf.attention_patch import loaded_rows
 
-            self._check_hook()
             with loaded_rows(pos, self._loaded_rows, INFERENCE_BACKEND):
                 out = self._decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
                                     use_cache=True)
@@ -666,8 +665,7 @@ class Engine:
         the method's own attention (`lcx_key_positions`), the new column written back after."""
         ids = torch.tensor([[s.out_ids[-1]] for s in seqs], device=self.device)  # [b, 1]
         p_q = torch.tensor([s.next_position for s in seqs], device=self.device)  # [b]
-        if store.layout.rotated:
-            self._check_hook()
+        if store.layout.rotated:  # (step() checked the hook: _check_hook)
             step = store.decode_step(p_q, self.dtype)
             out = self._decoder(input_ids=ids, position_ids=p_q[:, None], use_cache=False, lcx_decode=step)
             return self._lm_head(out.last_hidden_state[:, -1])  # [b, V]

@@ -515,9 +515,13 @@ class DecodeStep:
         `scaling`): its new q `[B, 1, H, D]`, k/v `[B, 1, Hkv, D]` as the family's own code made
         them (`lcx.hf.attention_patch` hands them over) -> out `[B, 1, H, Dv]` (the module applies
         o_proj). With a basis (a patched model) q and k arrive before RoPE, in lcx's channel
-        order, and are rotated here; without one (an unpatched model) the family's own code
+        order, and are rotated here (a partial head's query corrected for the attention factor
+        first); without one (an unpatched model) the family's own code
         rotated them."""
         if "main" in self.tables:
+            lay = self.slots.store.layout
+            if lay.order is not None:  # a partial head's passed query channels (lcx.hf.channel_order)
+                q = lay.order.fix_query(q, lay.basis[1])
             cos, sin = self.tables["main"]
             qm, km = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
         else:

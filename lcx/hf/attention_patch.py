@@ -323,9 +323,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                 f"layer {module.layer_idx} runs the family's own window ({st.method.describe()}), the model's "
                 f"method is {st.chosen.describe()}: a decode step that runs one method on every layer cannot "
                 "run it (lcx.engine's per-layer step, lcx.engine.kv.ModelStep, can; lcx.hf.layer_methods)")
-        if order is not None and order.rotary_dim != order.head_dim:  # (the step's basis is static: no seq_len)
-            q = order.fix_query(q, rope_basis(st.decoder(), layer_type=st.layer_type)[1])
-        return step.attend(module, q, k, v), None
+        return step.attend(module, q, k, v), None  # (it corrects a partial head's query with its own basis)
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
     return _attend(module, st, call, q, k, v, kwargs), None
