@@ -33,7 +33,7 @@ from .reference import (
     normalize_scores,
 )
 from .rotary import LambdaInputs, lambda_concat_inputs, lambda_global_mask, lambda_inputs, rotate_qk
-from .spec import ACTIVATIONS, AttentionSpec, CallInfo, LambdaParams, Rotary
+from .spec import ACTIVATIONS, AttentionSpec, CallInfo, LambdaParams, Rotary, soft_cap
 
 __all__ = [
     "ACTIVATIONS",

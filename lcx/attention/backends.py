@@ -12,7 +12,7 @@ and runs the first backend of `FALLBACK_ORDER` that can.
 
 - ref:           the reference (O(Tq*Tk) memory; any dtype, autograd).
 - sdpa:          `torch.nn.functional.scaled_dot_product_attention` with a materialised mask;
-                 softmax only; ALiBi as an additive float mask (computed in float32 for
+                 softmax only, no soft-capping; ALiBi as an additive float mask (computed in float32 for
                  fp16/bf16 inputs: a bf16 bias of 500 is off by up to 1); LM-Infinite by
                  the one-pass head-dim concatenation (`lambda_concat_inputs`). No lse.
 - blockwise:     pure PyTorch over blocks of BLOCK_Q queries, reading only the keys a
@@ -20,7 +20,7 @@ and runs the first backend of `FALLBACK_ORDER` that can.
                  so memory is O(Tq * (G + L + BLOCK_Q)) for Λ/window masks instead of
                  O(Tq * Tk); autograd; float32 math for fp16/bf16 inputs.
 - flex:          `flex_attention` (eager) with a block mask from the mask_mod and a
-                 score_mod for ALiBi; sigmoid by score_mod `logsigmoid` and the lse
+                 score_mod for ALiBi and soft-capping; sigmoid by score_mod `logsigmoid` and the lse
                  correction o = o_softmax * exp(lse) (Z = sum sigmoid); LM-Infinite by the
                  same concatenation as sdpa. No backward on CPU.
 - flex_compiled: the same through `torch.compile(flex_attention)`; lengths are padded to
@@ -48,7 +48,7 @@ from lcx.masks.base import mask_block
 from .alibi import alibi_bias
 from .reference import attention_ref_spec, normalize_scores
 from .rotary import lambda_concat_inputs, lambda_inputs, rotate_qk
-from .spec import AttentionSpec, CallInfo, Rotary, check_call, scale_of
+from .spec import AttentionSpec, CallInfo, Rotary, check_call, scale_of, soft_cap
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ def _ref_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | No
 
 # ----------------------------------------------------------------------------- sdpa
 def _sdpa_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:
+    if spec.softcap is not None:
+        return "scaled_dot_product_attention has no logit soft-capping"
     if spec.activation != "softmax":
         return f"scaled_dot_product_attention is softmax-only (activation={spec.activation!r})"
     if call is not None and call.return_lse:
@@ -169,18 +171,18 @@ def attention_blockwise(q, k, v, spec, *, q_offset=None, rotary=None, return_lse
         if lp is not None:
             n_glob = li.k_glob.shape[1]
             j = torch.arange(n_glob, device=dev)
-            s = _block_scores(li.q_cap[:, t0:t1], li.k_glob, wide) * sc
+            s = soft_cap(_block_scores(li.q_cap[:, t0:t1], li.k_glob, wide) * sc, spec.softcap)
             parts.append((s, i[:, None] - j[None, :] >= lp.n_local, v[:, :n_glob]))
             lo, hi = max(0, i0 - lp.n_local + 1), min(Tk, i1)
             j = torch.arange(lo, hi, device=dev)
             d = i[:, None] - j[None, :]
-            s = _block_scores(li.q_rot[:, t0:t1], li.k_rot[:, lo:hi], wide) * sc
+            s = soft_cap(_block_scores(li.q_rot[:, t0:t1], li.k_rot[:, lo:hi], wide) * sc, spec.softcap)
             parts.append((s, (d >= 0) & (d < lp.n_local), v[:, lo:hi]))
         else:
             ranges = span.key_ranges(i0, i1, Tk) if span is not None else [(0, Tk)]
             for lo, hi in ranges or [(0, 0)]:
                 j = torch.arange(lo, hi, device=dev)
-                s = _block_scores(q[:, t0:t1], k[:, lo:hi], wide) * sc
+                s = soft_cap(_block_scores(q[:, t0:t1], k[:, lo:hi], wide) * sc, spec.softcap)
                 if slopes is not None:
                     s = s + alibi_bias(slopes, i, j, wide)
                 parts.append((s, mask_block(spec.mask, i, j), v[:, lo:hi]))
@@ -232,7 +234,8 @@ def _flex_supports_impl(spec: AttentionSpec, call: CallInfo | None = None, *, co
     return None
 
 
-def _flex_kernel(q, k, v, *, mask, q_offset, scale, activation, slopes=None, compiled=False, need_lse=True):
+def _flex_kernel(q, k, v, *, mask, q_offset, scale, activation, slopes=None, compiled=False, need_lse=True,
+                 softcap=None):
     """One flex_attention call on `[B, T, H, D]` tensors; returns (out, lse or None).
 
     q/k/v are zero-padded to `flex_bucket` lengths; the offset and the true Tk enter the
@@ -257,9 +260,11 @@ def _flex_kernel(q, k, v, *, mask, q_offset, scale, activation, slopes=None, com
     wide = torch.promote_types(q.dtype, torch.float32)
     slopes_t = None if slopes is None else torch.tensor(slopes, dtype=wide, device=dev)
     score_mod = None
-    if slopes_t is not None or sigmoid:
+    if slopes_t is not None or sigmoid or softcap is not None:
 
-        def score_mod(score, b, h, q_idx, kv_idx):
+        def score_mod(score, b, h, q_idx, kv_idx):  # (score: scale * q.k)
+            if softcap is not None:
+                score = soft_cap(score, softcap)
             if slopes_t is not None:
                 score = score - slopes_t[h] * (q_idx + off_t - kv_idx).abs()
             if sigmoid:  # exp(logsigmoid(s)) = sigmoid(s): flex computes sum sigmoid * v / Z
@@ -297,7 +302,7 @@ def _flex_impl(q, k, v, spec, *, q_offset, rotary, return_lse, compiled):
         q, k = rotate_qk(q, k, rotary, off)
     out, lse = _flex_kernel(
         q, k, v, mask=mask, q_offset=off, scale=scale, activation=spec.activation,
-        slopes=spec.alibi_slopes, compiled=compiled, need_lse=return_lse,
+        slopes=spec.alibi_slopes, compiled=compiled, need_lse=return_lse, softcap=spec.softcap,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

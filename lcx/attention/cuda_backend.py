@@ -47,6 +47,8 @@ def decode_keys(spec: AttentionSpec, n_keys: int, q_index: int) -> DecodeKeys:
 
 
 def _cuda_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:
+    if spec.softcap is not None:
+        return "the cuda decode kernel has no logit soft-capping"
     if spec.activation != "softmax":
         return f"the cuda decode kernel is softmax-only (activation={spec.activation!r})"
     if spec.alibi_slopes is not None:

@@ -309,6 +309,8 @@ def _outside_window(spec: AttentionSpec) -> tuple[int, int] | None:
 
 
 def _flash_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:
+    if spec.softcap is not None:
+        return "torch's fused flash kernels have no logit soft-capping (use blockwise or flex)"
     if spec.activation != "softmax":
         return f"flash kernels are softmax-only (activation={spec.activation!r})"
     if spec.alibi_slopes is not None:

@@ -2,8 +2,9 @@
 
 Two entry points, both `[B, T, H, D]` in, `[B, Tq, H, Dv]` out (plus lse `[B, H, Tq]`):
 
-- `attention_ref(q, k, v, *, mask, alibi_slopes, activation, scale, q_offset)` takes q/k
-  ALREADY rotated (or position-free): logits `s_ij = scale * q_i.k_j - m_h |i - j|`.
+- `attention_ref(q, k, v, *, mask, alibi_slopes, activation, scale, softcap, q_offset)` takes
+  q/k ALREADY rotated (or position-free): logits `s_ij = cap(scale * q_i.k_j) - m_h |i - j|`,
+  cap(s) = softcap * tanh(s / softcap) with a `softcap` (Gemma 2), else s.
 - `lambda_attention_ref(q, k, v, *, rotary, n_global, n_local, limit_distance, ...)` takes q/k
   UNROTATED: LM-Infinite's Λ-mask with its distance cap (see `lcx.attention.rotary`);
   `lambda_topk_attention_ref(..., top_k, top_k_insert_at)` adds the paper's top-k middle keys
@@ -32,7 +33,7 @@ from lcx.masks.base import check_count
 
 from .alibi import alibi_bias
 from .rotary import rotate_to, lambda_inputs, rotate_qk
-from .spec import AttentionSpec, LambdaParams, Rotary, check_call, scale_of
+from .spec import AttentionSpec, LambdaParams, Rotary, check_call, scale_of, soft_cap
 
 NEG_INF = float("-inf")
 
@@ -87,16 +88,17 @@ def attention_ref(
     scale: float | None = None,
     q_offset: int | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """Attention of rotated q `[B, Tq, H, D]` on k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]`.
 
     Returns out `[B, Tq, H, Dv]` (q's dtype), and lse `[B, H, Tq]` (>= float32) if asked.
     """
-    spec = AttentionSpec(mask=mask, activation=activation, alibi_slopes=alibi_slopes, scale=scale)
+    spec = AttentionSpec(mask=mask, activation=activation, alibi_slopes=alibi_slopes, scale=scale, softcap=softcap)
     off = check_call(q, k, v, spec, q_offset, None)
     Tq, Tk, H = q.shape[1], k.shape[1], q.shape[2]
     wide = _wide(q.dtype)
-    s = gqa_scores(q, k).to(wide) * scale_of(spec, q.shape[-1])  # [B, H, Tq, Tk]
+    s = soft_cap(gqa_scores(q, k).to(wide) * scale_of(spec, q.shape[-1]), spec.softcap)  # [B, H, Tq, Tk]
     if spec.alibi_slopes is not None:
         slopes = torch.tensor(spec.alibi_slopes, dtype=torch.float64, device=q.device)
         i = torch.arange(off, off + Tq, device=q.device)
@@ -119,6 +121,7 @@ def lambda_attention_ref(
     scale: float | None = None,
     q_offset: int | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """LM-Infinite attention of UNROTATED q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`.
 
@@ -129,25 +132,27 @@ def lambda_attention_ref(
     so a global key inside the window is counted once, as local. One softmax (or sigmoid)
     runs over both kinds, as in the official implementation. limit_distance defaults to
     n_local. Rotation: `rotary` (positions of the keys; the query at index i has p_i).
+    `softcap`: both kinds of logit soft-capped (`AttentionSpec.softcap`).
     """
-    s, visible, _ = _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activation, scale, q_offset)
+    s, visible, _ = _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activation, scale, q_offset,
+                                   softcap)
     weights, lse = normalize_scores(s, visible, activation)
     return gqa_weighted_values(weights, lse, v, q.shape[2], return_lse)
 
 
-def _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activation, scale, q_offset):
-    """Λ logits `[B, H, Tq, Tk]` (>= float32), visible `[Tq, Tk]`, resolved q_offset."""
+def _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, activation, scale, q_offset, softcap=None):
+    """Λ logits `[B, H, Tq, Tk]` (>= float32, soft-capped), visible `[Tq, Tk]`, resolved q_offset."""
     lp = LambdaParams(n_global, n_local, limit_distance)
     spec = AttentionSpec(
-        mask=lambda_mask(n_global, n_local), activation=activation, scale=scale, lambda_params=lp
+        mask=lambda_mask(n_global, n_local), activation=activation, scale=scale, lambda_params=lp, softcap=softcap
     )
     off = check_call(q, k, v, spec, q_offset, rotary)
     Tq, Tk = q.shape[1], k.shape[1]
     li = lambda_inputs(q, k, rotary, lp, off)
     n_glob = li.k_glob.shape[1]
     wide, sc = _wide(q.dtype), scale_of(spec, q.shape[-1])
-    s_loc = gqa_scores(li.q_rot, li.k_rot).to(wide) * sc  # [B, H, Tq, Tk]
-    s_glob = gqa_scores(li.q_cap, li.k_glob).to(wide) * sc  # [B, H, Tq, G']
+    s_loc = soft_cap(gqa_scores(li.q_rot, li.k_rot).to(wide) * sc, spec.softcap)  # [B, H, Tq, Tk]
+    s_glob = soft_cap(gqa_scores(li.q_cap, li.k_glob).to(wide) * sc, spec.softcap)  # [B, H, Tq, G']
     i = torch.arange(off, off + Tq, device=q.device)[:, None]
     j = torch.arange(n_glob, device=q.device)[None, :]
     is_global = i - j >= n_local  # [Tq, G']: outside the window (hence j < i)
@@ -179,6 +184,7 @@ def lambda_topk_attention_ref(
     scale: float | None = None,
     q_offset: int | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """LM-Infinite with top-k middle tokens (the paper's passkey/Qasper configuration).
 
@@ -190,7 +196,8 @@ def lambda_topk_attention_ref(
         m_j = scale * R(top_k_insert_at) q_i . R(0) k_j
 
     (every middle key at relative distance `top_k_insert_at`, whatever its real distance), and
-    their logits ARE those scores: one softmax over [global (capped) | top-k middle | local].
+    their logits ARE those scores (soft-capped with a `softcap`, which keeps their order): one
+    softmax over [global (capped) | top-k middle | local].
     When the middle span holds fewer than `top_k` keys the last row is plain Λ. Ties go to the
     earlier key (`top_k_indices`).
 
@@ -205,7 +212,8 @@ def lambda_topk_attention_ref(
     """
     check_count("top_k", top_k, 1)
     check_count("top_k_insert_at", top_k_insert_at, 0)
-    s, visible, off = _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, "softmax", scale, q_offset)
+    s, visible, off = _lambda_logits(q, k, v, rotary, n_global, n_local, limit_distance, "softmax", scale, q_offset,
+                                     softcap)
     B, Tq, H = q.shape[:3]
     lo, hi = n_global, off + Tq - 1 - n_local + 1  # the last row's middle span [lo, hi)
     visible = visible.expand(B, H, Tq, k.shape[1])
@@ -213,7 +221,7 @@ def lambda_topk_attention_ref(
         sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         q_near = rotate_to(q[:, -1:], rotary, top_k_insert_at)  # [B, 1, H, D]
         k_mid = rotate_to(k[:, lo:hi], rotary, 0)  # [B, M, Hkv, D]
-        m = gqa_scores(q_near, k_mid).to(s.dtype) * sc  # [B, H, 1, M]
+        m = soft_cap(gqa_scores(q_near, k_mid).to(s.dtype) * sc, softcap)  # [B, H, 1, M]
         best = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, top_k_indices(m, top_k), True)
         s, visible = s.clone(), visible.clone()
         s[..., -1:, lo:hi] = m
@@ -239,11 +247,11 @@ def attention_ref_spec(
         return lambda_attention_ref(
             q, k, v, rotary=rotary, n_global=lp.n_global, n_local=lp.n_local,
             limit_distance=lp.limit_distance, activation=spec.activation, scale=spec.scale,
-            q_offset=off, return_lse=return_lse,
+            q_offset=off, return_lse=return_lse, softcap=spec.softcap,
         )  # fmt: skip
     if rotary is not None:
         q, k = rotate_qk(q, k, rotary, off)
     return attention_ref(
         q, k, v, mask=spec.mask, alibi_slopes=spec.alibi_slopes, activation=spec.activation,
-        scale=spec.scale, q_offset=off, return_lse=return_lse,
+        scale=spec.scale, q_offset=off, return_lse=return_lse, softcap=spec.softcap,
     )  # fmt: skip

@@ -55,6 +55,9 @@ class AttentionSpec:
     scale:         logit scale, default 1/sqrt(D).
     lambda_params: LM-Infinite distance cap; then q/k arrive unrotated with a `Rotary`, and
                    `mask` must be `lambda_mask(n_global, n_local)` (use `lm_infinite()`).
+    softcap:       attention-logit soft-capping (Gemma 2): the scaled logit s = scale * q.k
+                   becomes `softcap * tanh(s / softcap)` before the ALiBi bias, the mask and
+                   the activation (transformers' and flash-attn's order); None: none.
     """
 
     mask: MaskMod | None = causal_mask
@@ -62,6 +65,7 @@ class AttentionSpec:
     alibi_slopes: tuple[float, ...] | None = None
     scale: float | None = None
     lambda_params: LambdaParams | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -73,6 +77,10 @@ class AttentionSpec:
             object.__setattr__(self, "alibi_slopes", slopes)
         if self.scale is not None and not (self.scale > 0 and math.isfinite(self.scale)):
             raise ValueError(f"scale must be positive and finite, got {self.scale}")
+        if self.softcap is not None:
+            if isinstance(self.softcap, bool) or not (float(self.softcap) > 0 and math.isfinite(self.softcap)):
+                raise ValueError(f"softcap must be positive and finite (or None), got {self.softcap}")
+            object.__setattr__(self, "softcap", float(self.softcap))
         lp = self.lambda_params
         if lp is not None:
             want = f"lambda_{lp.n_global}_{lp.n_local}"
@@ -108,6 +116,8 @@ class AttentionSpec:
             parts.append(f"alibi{len(self.alibi_slopes)}")
         if self.lambda_params is not None:
             parts.append(f"cap{self.lambda_params.limit_distance}")
+        if self.softcap is not None:
+            parts.append(f"softcap{self.softcap:g}")
         return "-".join(parts)
 
 
@@ -213,3 +223,10 @@ def check_call(
 
 def scale_of(spec: AttentionSpec, head_dim: int) -> float:
     return spec.scale if spec.scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scaled logits soft-capped (`AttentionSpec.softcap`): `softcap * tanh(scores / softcap)`,
+    or `scores` as they are when `softcap` is None. The one statement of the cap, for every
+    backend and decode path written in PyTorch."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap

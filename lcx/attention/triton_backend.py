@@ -40,6 +40,8 @@ def mask_shape(mask) -> tuple[int, int | None] | None:
 def _triton_supports(spec: AttentionSpec, call: CallInfo | None = None) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
+    if spec.softcap is not None:
+        return "the Triton kernels have no logit soft-capping"
     if spec.mask is None or mask_shape(spec.mask) is None:
         got = None if spec.mask is None else spec.mask.__name__
         return f"the Triton kernels run causal, window, sinks and Λ masks only (mask={got})"

@@ -111,8 +111,17 @@ class Engine:
 
             fast = as_loaded_method(model, INFERENCE_BACKEND)
             if fast is not None:
-                methods = dataclasses.replace(methods, attention=fast, backend=INFERENCE_BACKEND, layers="global")
                 patch_attention(model, fast, backend=INFERENCE_BACKEND, layers="global")
+                methods = dataclasses.replace(methods, attention=fast, backend=INFERENCE_BACKEND, layers="global")
+        if methods.attention is not None and not recorded:
+            # the backend the patch runs (a soft-capping model's calls go to one that can cap them:
+            # `lcx.hf.attention_patch.patch_attention`), so the engine states what it runs
+            from ..hf.attention_patch import DEFAULT_BACKEND, current_patch
+
+            ran = current_patch(model)
+            if ran is not None and (ran.backend, ran.decode_backend) != (methods.backend or DEFAULT_BACKEND,
+                                                                         methods.decode_backend):
+                methods = dataclasses.replace(methods, backend=ran.backend, decode_backend=ran.decode_backend)
         # what the engine runs: the config applied, plus the attention method the model records
         self.methods: MethodConfig = methods
         self._recorded = recorded
@@ -922,20 +931,23 @@ def _whole_rows(model: nn.Module, input_ids: torch.Tensor, windows: tuple[int | 
 def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ...] | None:
     """Per layer, the window an unpatched model runs as loaded (`_loaded_windows`), when
     `lcx.hf.attention_patch.loaded_rows` can run its prefill calls on `backend` (the backend
-    `supports()` them on the model's device, dtype and heads, no attention-logit soft-capping),
-    else None."""
+    `supports()` them on the model's device, dtype and heads; soft-capped calls, Gemma 2's, on
+    `blockwise` where `backend` cannot cap), else None."""
     from ..attention import BACKENDS, AttentionSpec
+    from ..hf import attention_softcap
     from ..hf.attention_patch import model_call_info
     from ..masks import causal_mask
     from ..masks import sliding_window as sliding_window_mask
 
-    if backend not in BACKENDS or getattr(model.config, "attn_logit_softcapping", None):
+    if backend not in BACKENDS:
         return None
     windows = tuple(_loaded_windows(model))
     call = model_call_info(model, n_queries=2, n_keys=4, q_offset=2)
+    softcap = attention_softcap(model)
     for w in set(windows):
-        spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=w - 1))
-        if BACKENDS[backend].supports(spec, call) is not None:
+        spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=w - 1), softcap=softcap)
+        runs = backend if BACKENDS[backend].supports(spec, None) is None else "blockwise"
+        if BACKENDS[runs].supports(spec, call) is not None:
             return None
     return windows
 

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.reference import top_k_indices
+from ..attention.spec import soft_cap
 from ..methods.plan import branches
 from ..rope import apply_rotary_ref, rope_cos_sin
 
@@ -510,9 +511,11 @@ class DecodeStep:
                 step.tables["top_k_query"] = rope_cos_sin(torch.full_like(p, rule.top_k_query), inv_freq, af, tdt)
         return step
 
-    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               softcap: float | None = None) -> torch.Tensor:
         """One attention layer's step (`attn`: the HF attention module, for `layer_idx` and
-        `scaling`): its new q `[B, 1, H, D]`, k/v `[B, 1, Hkv, D]` as the family's own code made
+        `scaling`; `softcap`: the family's attention-logit soft-capping, Gemma 2, on every logit
+        of the step): its new q `[B, 1, H, D]`, k/v `[B, 1, Hkv, D]` as the family's own code made
         them (`lcx.hf.attention_patch` hands them over) -> out `[B, 1, H, Dv]` (the module applies
         o_proj). With a basis (a patched model) q and k arrive before RoPE, in lcx's channel
         order, and are rotated here (a partial head's query corrected for the attention factor
@@ -544,20 +547,23 @@ class DecodeStep:
             self.hidden = ~vis[:, None, None, :]
         extra = None
         if self.mid_len and store.layout.rule.top_k_in_layer(attn.layer_idx):  # the rule counts model layers
-            extra = self._top_k(q, store.side.k[layer], store.side.v[layer], store.layout.rule.top_k, attn.scaling)
+            extra = self._top_k(q, store.side.k[layer], store.side.v[layer], store.layout.rule.top_k, attn.scaling,
+                                softcap)
         n = self.main_len
         return decode_attention(qm, store.main.k[layer][:, :, :n], store.main.v[layer][:, :, :n], self.main_visible,
-                                side=side, scale=attn.scaling, hidden=self.hidden, extra=extra)
+                                side=side, scale=attn.scaling, hidden=self.hidden, extra=extra, softcap=softcap)
 
 
-    def _top_k(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, top_k: int, scale: float):
-        """LM-Infinite's top-k middle keys of the step's query: (logits `[B, Hkv, g, k]`, scaled,
-        -inf in rows whose middle holds fewer than k keys; their values `[B, Hkv, g, k, Dv]`)."""
+    def _top_k(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, top_k: int, scale: float,
+               softcap: float | None = None):
+        """LM-Infinite's top-k middle keys of the step's query: (logits `[B, Hkv, g, k]`, scaled
+        and soft-capped, -inf in rows whose middle holds fewer than k keys; their values
+        `[B, Hkv, g, k, Dv]`)."""
         B, _, H, D = q.shape
         Hkv, n = k.shape[1], self.mid_len
         wide = torch.promote_types(q.dtype, torch.float32)
         qt = apply_rotary_ref(q, *self.tables["top_k_query"]).reshape(B, Hkv, H // Hkv, D)
-        m = torch.matmul(qt.to(wide), k[:, :, :n].to(wide).transpose(-1, -2)) * scale  # [B, Hkv, g, n]
+        m = soft_cap(torch.matmul(qt.to(wide), k[:, :, :n].to(wide).transpose(-1, -2)) * scale, softcap)  # [B, Hkv, g, n]
         m = m.masked_fill_(~self.mid_visible, NEG_INF)
         idx = top_k_indices(m, top_k)  # per query head; ties to the earlier key (slots are in position order)
         best = m.gather(-1, idx)
@@ -649,20 +655,23 @@ class ModelStep:
     def __init__(self, by_layer: dict[int, DecodeStep]):
         self.by_layer = by_layer
 
-    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.by_layer[attn.layer_idx].attend(attn, q, k, v)
+    def attend(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               softcap: float | None = None) -> torch.Tensor:
+        return self.by_layer[attn.layer_idx].attend(attn, q, k, v, softcap=softcap)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
                      side: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      scale: float | None = None, hidden: torch.Tensor | None = None,
-                     extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     extra: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One query per row over a slot store: rotated q `[B, 1, H, D]`, k/v `[B, Hkv, C, D]`,
     visible `[B, C]`; `side` = (q rotated for the side branch, its k, v, visible) joins the
     same softmax. -> `[B, 1, H, Dv]`. `hidden`: the inverse of [visible | side visible] as
     `[B, 1, 1, C + Cs]`, when the caller has it (one per step, shared by the layers). `extra`:
     (logits `[B, Hkv, g, n]` already scaled, -inf where not visible; their values
     `[B, Hkv, g, n, Dv]`) of keys chosen per query head (LM-Infinite's top-k), in the same softmax.
+    `softcap`: every scaled logit soft-capped (`lcx.attention.soft_cap`; `extra`'s already are).
 
     GQA without copies: the H // Hkv query heads of a kv head are one [g, D] block against its
     keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
@@ -676,7 +685,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
     wide = torch.promote_types(q.dtype, torch.float32)
-    if side is None and extra is None and q.dtype in (torch.float16, torch.bfloat16):
+    if side is None and extra is None and softcap is None and q.dtype in (torch.float16, torch.bfloat16):
         mask = visible[:, None, None, :] if hidden is None else ~hidden
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, g, D), k, v, attn_mask=mask, scale=scale)
         return out.reshape(B, 1, H, v.shape[-1])
@@ -690,7 +699,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     if hidden is None:
         vis = visible if side is None else torch.cat([visible, side[3]], -1)
         hidden = ~vis[:, None, None, :]
-    s = (s * scale).masked_fill_(hidden, NEG_INF)
+    s = soft_cap(s * scale, softcap).masked_fill_(hidden, NEG_INF)
     if extra is not None:
         s = torch.cat([s, extra[0].to(wide)], -1)
     p = torch.softmax(s, dim=-1)

@@ -61,6 +61,7 @@ from .models import (
     ROPE_MODEL_TYPES,
     ModelShape,
     attention_layers,
+    attention_softcap,
     check_model_type,
     decoder,
     head_dim_of,
@@ -70,7 +71,7 @@ from .models import (
 )
 
 __all__ = ["ATTENTION_MODEL_TYPES", "ATTN_IMPLEMENTATION", "BoundedKVCache", "FAMILIES", "GenerationResult",
-           "LEFT_OUT", "ModelShape", "ROPE_MODEL_TYPES", "model_shape", "attention_layers", "attention_patched", "cache_len", "cache_nbytes",
+           "LEFT_OUT", "ModelShape", "ROPE_MODEL_TYPES", "model_shape", "attention_layers", "attention_softcap", "attention_patched", "cache_len", "cache_nbytes",
            "check_model_type", "current_attention", "current_patch", "decoder", "greedy_decode_ref", "greedy_generate",
            "head_dim_of", "layer_methods", "layer_rope_bases", "layer_rope_types", "layer_types", "own_windows",
            "patch_attention", "rotary",

@@ -96,9 +96,11 @@ Semantics stated once:
   a prefix-cache hit or between chunks): attention per row on lcx's backend from the slots'
   positions, no mask built (transformers' SDPA takes a slow masked path whenever Tq != Tk).
 
-Supported: the families of `lcx.hf.models.FAMILIES`. Not supported (raises): padding in
-`attention_mask`, custom 4-D masks, attention dropout in training mode, attention-logit
-soft-capping, an attention module whose forward does not call the two hooks (e.g. NoPE layers).
+Supported: the families of `lcx.hf.models.FAMILIES`; a family's attention-logit soft-capping
+(Gemma 2: the attention call's `softcap`) reaches the method (`method.attend(..., softcap=)`),
+and its layers run on a backend that caps (`blockwise` in place of one that cannot, logged).
+Not supported (raises): padding in `attention_mask`, custom 4-D masks, attention dropout in
+training mode, an attention module whose forward does not call the two hooks (e.g. NoPE layers).
 
 Part of the HF adapter (`lcx.hf`): the methods (`lcx.methods`) know nothing of
 transformers; this module installs them in a model. `lcx.methods` re-exports `patch_attention`,
@@ -109,7 +111,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
+import logging
 import types
 import weakref
 from dataclasses import dataclass
@@ -126,8 +130,11 @@ from lcx.methods.sliding_window import sliding_window
 from .bounded_cache import BoundedKVCache
 from .calls import _CALL, _Call, current_call
 from .channel_order import ChannelOrder, detect
-from .models import attention_layers, check_model_type, decoder, layer_types, model_shape, rope_layer_types
+from .models import (attention_layers, attention_softcap, check_model_type, decoder, layer_types, model_shape,
+                     rope_layer_types)
 from .rope_patch import rope_basis, rotary_table_layout
+
+logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "lcx_attention_method"
 DEFAULT_BACKEND = "blockwise"
@@ -289,10 +296,10 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         if st is not None and st.method is None:  # decode hook, not a decode call: the model's own
             rows = _LOADED_ROWS.get()
             if rows is not None:  # lcx.engine's prefill continuing from held keys (`loaded_rows`)
-                if softcap or dropout:
-                    raise NotImplementedError("loaded_rows: attention-logit soft-capping and dropout are not supported")
+                if dropout:
+                    raise NotImplementedError("loaded_rows: attention dropout is not supported")
                 return _attend_loaded_rows(module, query.transpose(1, 2), key.transpose(1, 2),
-                                           value.transpose(1, 2), rows, scaling), None
+                                           value.transpose(1, 2), rows, scaling, softcap or None), None
             return _inner_function(module, st.inner)(module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, sliding_window=sliding_window,
                                                      softcap=softcap, **kwargs)
@@ -304,9 +311,6 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if not call.rotation_seen:
         raise NotImplementedError(f"{type(module).__name__}.forward did not call apply_rotary_pos_emb before its "
                                   "attention (e.g. a NoPE layer); lcx attention methods cannot run it")
-    if softcap:
-        raise NotImplementedError(f"attention-logit soft-capping (softcap={softcap}) is not supported by lcx "
-                                  "attention methods")
     if dropout:
         raise NotImplementedError("lcx attention methods have no attention dropout")
     if st.own_window and sliding_window is not None and sliding_window != st.method.window:
@@ -323,14 +327,17 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                 f"layer {module.layer_idx} runs the family's own window ({st.method.describe()}), the model's "
                 f"method is {st.chosen.describe()}: a decode step that runs one method on every layer cannot "
                 "run it (lcx.engine's per-layer step, lcx.engine.kv.ModelStep, can; lcx.hf.layer_methods)")
-        return step.attend(module, q, k, v), None  # (it corrects a partial head's query with its own basis)
+        # (it corrects a partial head's query with its own basis)
+        return step.attend(module, q, k, v, softcap=softcap or None), None
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
-    return _attend(module, st, call, q, k, v, kwargs), None
+    return _attend(module, st, call, q, k, v, kwargs, softcap or None), None
 
 
-def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: Mapping[str, Any]) -> torch.Tensor:
-    """The layer's method on q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated) -> `[B, Tq, H, D]`."""
+def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: Mapping[str, Any],
+            softcap: float | None = None) -> torch.Tensor:
+    """The layer's method on q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated) -> `[B, Tq, H, D]`;
+    `softcap`: the family's attention-logit soft-capping (Gemma 2), handed to the method."""
     Tq, Tk = q.shape[1], k.shape[1]
     decoder = st.decoder()
     if decoder is None:
@@ -338,7 +345,7 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
     layer_idx = module.layer_idx
     row_pos = _lcx_input(kwargs, "lcx_key_positions")
     if row_pos is not None:
-        return _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, module.scaling, layer_idx)
+        return _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, module.scaling, layer_idx, softcap)
     cache = call.cache
     position_ids = kwargs.get("position_ids")
     if isinstance(cache, BoundedKVCache):
@@ -356,7 +363,7 @@ def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: M
     inv_freq, af, q = _basis(decoder, seq_len, st, q)
     rotary = Rotary(inv_freq.to(q.device), rot_pos, af)
     return st.method.attend(q, k, v, rotary=rotary, backend=st.backend_for(Tq), scale=module.scaling,
-                            layer_idx=layer_idx)  # [B, Tq, H, D]
+                            layer_idx=layer_idx, softcap=softcap)  # [B, Tq, H, D]
 
 
 def _basis(decoder: nn.Module, seq_len: int, st: _ModuleState, q: torch.Tensor):
@@ -433,7 +440,7 @@ def row_groups(row_pos: torch.Tensor, n_queries: int) -> Iterator[tuple[int, tor
 
 
 def _attend_rows(st: _ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
-                 layer_idx: int | None = None):
+                 layer_idx: int | None = None, softcap: float | None = None):
     """Attention of a padded batch (see "Padded / ragged batches" in the module doc): rows with
     the same number of real queries and of keys are one batched call (per-row rotary positions),
     so a decode step of many requests costs a few calls, not one per row.
@@ -456,6 +463,7 @@ def _attend_rows(st: _ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.M
         out[bs, Tq - nq:] = st.method.attend(
             q[bs, Tq - nq:], k[bs[:, None], idx], v[bs[:, None], idx],
             rotary=Rotary(inv_freq, rot, af), backend=st.backend_for(nq), scale=scale, layer_idx=layer_idx,
+            softcap=softcap,
         ).to(out.dtype)  # fmt: skip
     return out
 
@@ -499,7 +507,7 @@ def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], back
     causal kernel, while lcx's flash backend splits the call into an unmasked pass over the held
     keys and a causal one over the new tokens. What `lcx.engine` runs for a prefill continuing
     from a prefix-cache hit or a previous chunk on a model as loaded (`Engine._prefill_forward`);
-    refuses soft-capping and dropout (the engine does not ask for it then)."""
+    refuses dropout (the engine does not ask for it then)."""
     token = _LOADED_ROWS.set(_LoadedRows(key_positions, tuple(windows), backend))
     try:
         yield
@@ -507,9 +515,11 @@ def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], back
         _LOADED_ROWS.reset(token)
 
 
-def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: float | None) -> torch.Tensor:
+def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: float | None,
+                        softcap: float | None = None) -> torch.Tensor:
     """q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]`, rotated by the model -> out `[B, Tq, H, D]`
-    (rows grouped by their numbers of queries and keys, as `_attend_rows`)."""
+    (rows grouped by their numbers of queries and keys, as `_attend_rows`; `softcap`: the
+    family's attention-logit soft-capping, on `blockwise` where the rows' backend has none)."""
     from lcx.attention import AttentionSpec, attention
     from lcx.masks import causal_mask
     from lcx.masks import sliding_window as sliding_window_mask
@@ -519,7 +529,9 @@ def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: fl
     if row_pos.shape != (B, k.shape[1]):
         raise ValueError(f"loaded_rows: key positions of shape {tuple(row_pos.shape)}; expected {(B, k.shape[1])}")
     w = rows.windows[module.layer_idx]
-    spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=int(w) - 1), scale=scale)
+    spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=int(w) - 1), scale=scale,
+                         softcap=softcap)
+    backend = rows.backend if BACKENDS[rows.backend].supports(spec, None) is None else "blockwise"
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
     for nq, bs, idx in row_groups(row_pos, Tq):
         n = idx.shape[1]
@@ -530,7 +542,7 @@ def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: fl
             kr, vr = k, v
         else:
             kr, vr = k[bs[:, None], idx], v[bs[:, None], idx]
-        out[bs, Tq - nq:] = attention(q[bs, Tq - nq:], kr, vr, spec, backend=rows.backend).to(out.dtype)
+        out[bs, Tq - nq:] = attention(q[bs, Tq - nq:], kr, vr, spec, backend=backend).to(out.dtype)
     return out
 
 
@@ -657,19 +669,25 @@ def as_loaded_method(model: nn.Module, backend: str) -> AttentionMethod | None:
     on `backend` where transformers' masked pass over the whole prompt costs O(T^2) (Gemma 3 at
     16k: 15 of 18 layers). What `lcx.engine` runs for such a model when no method is asked for.
 
-    None (run the model as loaded): a model whose layers are all alike, attention-logit
-    soft-capping, or a `backend` that cannot run these calls on the model's device, dtype and
-    heads (`supports()`; e.g. flash on CUDA in float32), where the masked pass stays faster
-    than a fallback."""
+    None (run the model as loaded): a model whose layers are all alike, or a `backend` that
+    cannot run these calls on the model's device, dtype and heads (`supports()`; e.g. flash on
+    CUDA in float32), where the masked pass stays faster than a fallback. A model with
+    attention-logit soft-capping (Gemma 2, which transformers runs eager only) gets it on the
+    backend `patch_attention` picks for soft-capped calls (`blockwise` for the fused `flash`)."""
     from lcx.methods.causal import causal
 
     windows = [w for w in own_windows(model) if w is not None]
-    if not windows or backend not in BACKENDS or getattr(model.config, "attn_logit_softcapping", None):
+    if not windows or backend not in BACKENDS:
         return None
+    methods = (causal(), *(sliding_window(window=int(w)) for w in set(windows)))
+    softcap = attention_softcap(model)
+    if softcap is not None:
+        backend = _softcap_backend(methods, backend, softcap, "backend", quiet=True)
     call = model_call_info(model, n_queries=2 * max(windows), n_keys=2 * max(windows), q_offset=0, rotary=True)
     supports = BACKENDS[backend].supports
-    for m in (causal(), *(sliding_window(window=int(w)) for w in set(windows))):
-        if m.supports(backend) is not None or any(supports(spec, call) for spec in m._call_specs()):
+    for m in methods:
+        specs = [dataclasses.replace(spec, softcap=softcap) for spec in m._call_specs()]
+        if m.supports(backend, softcap=softcap) is not None or any(supports(spec, call) for spec in specs):
             return None
     return causal()
 
@@ -714,7 +732,13 @@ def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any
     original = prev.original_attn_implementation if prev is not None else model.config._attn_implementation
     ref = weakref.ref(dec)
     order = channel_order(model)
-    for attn, (m, layer_type) in zip(attns, _layer_plan(model, method, layers)):
+    plan = _layer_plan(model, method, layers)
+    softcap = attention_softcap(model)
+    if softcap is not None:  # (Gemma 2) every layer's calls are soft-capped: backends that can run them
+        backend = _softcap_backend([m for m, _ in plan], backend, softcap, "backend")
+        if decode_backend is not None:
+            decode_backend = _softcap_backend([m for m, _ in plan], decode_backend, softcap, "decode_backend")
+    for attn, (m, layer_type) in zip(attns, plan):
         _install_rotation_hook(attn)
         setattr(attn, _STATE, _ModuleState(m, backend, ref, decode_backend, chosen=method, layer_type=layer_type,
                                            order=order))
@@ -723,6 +747,21 @@ def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     setattr(model, _STATE, _Patch(method, backend, original, decode_backend, layers, order))
     return model
+
+
+def _softcap_backend(methods: Sequence[AttentionMethod], backend: str, softcap: float, name: str, *,
+                     quiet: bool = False) -> str:
+    """`backend` when it runs every layer's calls soft-capped at `softcap`, else `blockwise` (which
+    runs every spec), logged with why: backends compute the same thing, so this is a speed
+    choice, as `lcx.attention.attention(fallback=True)` makes it (e.g. the front ends' default
+    `flash`, whose fused kernels have no soft-capping, on Gemma 2)."""
+    reason = next((r for m in dict.fromkeys(methods) if (r := m.supports(backend, softcap=softcap))), None)
+    if reason is None:
+        return backend
+    if not quiet:
+        logger.info("%s=%r cannot run this model's attention-logit soft-capping (softcap=%g): %s; its layers run on "
+                    "'blockwise'", name, backend, softcap, reason)
+    return "blockwise"
 
 
 def unpatch_attention(model: nn.Module) -> nn.Module:

@@ -14,8 +14,8 @@ A decoder-only `*ForCausalLM` of a supported family in transformers 5.x:
 `FAMILIES` is the one table of supported families: every entry takes the RoPE patch
 (`lcx.hf.rope_patch`) and the attention methods (`lcx.hf.attention_patch`, which hooks the two
 calls above, so the family's own code runs; see `lcx.hf`), and the engine. A new family whose
-attention follows that pattern (RoPE on q and k by its `apply_rotary_pos_emb`, no attention-logit
-soft-cap) is one line here; tests/hf/test_families.py then runs every method and RoPE type on it.
+attention follows that pattern (RoPE on q and k by its `apply_rotary_pos_emb`; an attention-logit
+soft-cap, Gemma 2's, is handed to the method with q/k/v) is one line here; tests/hf/test_families.py then runs every method and RoPE type on it.
 A family whose RoPE is not rotate-half on the whole head (partial rotary: phi, glm4_moe, stablelm, nemotron;
 interleaved pairs: cohere, helium, ernie4_5; both: glm, glm4) is held in lcx's channel order
 (`lcx.hf.channel_order`, found on a probe of the family's own rotation).
@@ -23,8 +23,6 @@ interleaved pairs: cohere, helium, ernie4_5; both: glm, glm4) is held in lcx's c
 Families transformers 5.x builds here that are left out, and why:
 - cohere2: NoPE global layers (its full-attention layers do not rotate).
 - gpt_neox: no `head_dim` on its attention module, no `model.layers` / `rotary_emb` on its decoder.
-- gemma2, vaultgemma: attention-logit soft-capping (`softcap`), which `lcx.attention` has no
-  term for.
 - smollm3: NoPE layers (no rotation in every 4th layer).
 - nanochat: q/k RMS norm after RoPE; weightless, so it commutes with the rotation, but it cancels
   the attention factor of YaRN/LongRoPE, which lcx applies after it.
@@ -35,8 +33,8 @@ Families transformers 5.x builds here that are left out, and why:
   with a rotation (`tiny_model` randomises norm weights so that the grid sees this).
 Other decoder families of transformers 5.23 are not in either table (refused as unknown): the
 probe of all of them (docs/methods.md, "Model families") found them hybrids with recurrent or
-convolution layers, multimodal wrappers, multi-head latent attention, attention sinks or
-soft-caps, or configs that a tiny model needs family-specific keys for (not yet written).
+convolution layers, multimodal wrappers, multi-head latent attention, attention sinks,
+or configs that a tiny model needs family-specific keys for (not yet written).
 The attention patch refuses all of these by name; for a family not in either table it would also
 refuse a rotation it cannot hold (`lcx.hf.channel_order.detect`, on a probe when the patch is
 installed), and raise at call time on an attention module that does not call the two hooks.
@@ -72,6 +70,11 @@ TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96
 _GEMMA3_TINY = (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
                 ("query_pre_attn_scalar", 24))
 
+# Gemma 2's tiny shape: a sliding and a global layer sharing one basis, logits and scores capped
+# near a random model's scale (Gemma 2's own caps, 50 and 30, would leave tanh nearly linear here)
+_GEMMA2_TINY = (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
+                ("query_pre_attn_scalar", 24), ("attn_logit_softcapping", 0.05), ("final_logit_softcapping", 2.0),
+                ("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0}), ("attn_implementation", "eager"))
 
 # The one table of HF model types lcx supports (RoPE patch, attention methods, engine).
 FAMILIES: dict[str, Family] = {
@@ -131,10 +134,17 @@ FAMILIES: dict[str, Family] = {
                        (("partial_rotary_factor", 0.5),)),  # (tiny: 8 of 16 channels, 4 frequencies)
     "nemotron": Family("partial rotary (half of each head), layer norm 1p, squared-ReLU MLP; its decoder layers "
                        "drop their keyword arguments"),
+    # attention-logit soft-capping: the family's `softcap` reaches the method with its q/k/v
+    # (`lcx.attention.AttentionSpec.softcap`); tiny caps small enough that tanh bends a random model's logits
+    "gemma2": Family("attention-logit soft-capping (tanh, cap 50), query_pre_attn_scalar scaling, final-logit "
+                     "soft-capping; hybrid: sliding-window and full-attention layers alternating, one RoPE basis "
+                     "(methods on the full ones)", _GEMMA2_TINY),
+    "vaultgemma": Family("Gemma 2's attention (soft-capped logits, hybrid sliding/full layers, one RoPE basis), "
+                         "no post-norms", _GEMMA2_TINY),
     "ministral": Family("Mistral's attention; hybrid: sliding-window and full-attention layers sharing one RoPE "
                         "basis (methods on the full ones)",
                         (("layer_types", ["sliding_attention", "full_attention"]), ("sliding_window", 8),
-                         ("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0}))),
+                         ("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0}), ("attn_implementation", "eager"))),
 }
 ROPE_MODEL_TYPES = tuple(FAMILIES)  # the types the RoPE patch and the engine take
 ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (every family)
@@ -143,7 +153,6 @@ LEFT_OUT: dict[str, str] = {
     "cohere2": "interleaved RoPE with NoPE global layers (no rotation in its full-attention layers)",
     "gpt_neox": "its attention module keeps no head_dim and its decoder no model.layers / rotary_emb where "
                 "transformers' other decoders keep them",
-    "gemma2": "attention-logit soft-capping", "vaultgemma": "attention-logit soft-capping",
     "smollm3": "NoPE layers",
     "nanochat": "q/k RMS norm after RoPE: weightless, so it commutes with the rotation, but it cancels the "
                 "attention factor of YaRN/LongRoPE, which lcx applies after it",
@@ -153,6 +162,14 @@ LEFT_OUT: dict[str, str] = {
 }
 
 _ATTENTION_ATTRS = ("head_dim", "layer_idx", "scaling")
+
+
+def attention_softcap(model_or_config: Any) -> float | None:
+    """The family's attention-logit soft-capping (`config.attn_logit_softcapping`, Gemma 2), or
+    None: what every layer's attention call hands to the method (`lcx.attention.AttentionSpec.softcap`)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def check_model_type(model: nn.Module, what: str, capability: str | None = None) -> str:
@@ -230,7 +247,7 @@ def global_layer_type(model_or_config: Any) -> str | None:
 def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, **overrides: Any) -> nn.Module:
     """A tiny random `*ForCausalLM` of a family in `FAMILIES` (`TINY` + the family's `tiny` keys +
     `overrides`), eval mode, sdpa attention (transformers' default; its eager attention turns a
-    left-padded row into NaN in 5.23). On a model with RoPE per layer type, `rope_theta` is the
+    left-padded row into NaN in 5.23) unless the family's keys name another (Gemma 2: eager only). On a model with RoPE per layer type, `rope_theta` is the
     global layers' base (the sliding layers take 1000, so the two bases differ)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -242,7 +259,8 @@ def tiny_model(model_type: str, *, seed: int = 0, rope_theta: float = 10_000.0, 
         default = {"rope_type": "default", "rope_theta": rope_theta}
         keys["rope_parameters"] = (default if "sliding_attention" not in types_ else {
             "full_attention": default, "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}})
-    config = AutoConfig.for_model(model_type, attn_implementation="sdpa", **keys)
+    impl = keys.pop("attn_implementation", "sdpa")  # (Gemma 2 runs eager only: no soft-cap in SDPA)
+    config = AutoConfig.for_model(model_type, attn_implementation=impl, **keys)
     torch.manual_seed(seed)
     # mixture-of-experts families: the eager experts loop (the grouped-matmul default has no
     # float64, which the exactness tests run in)

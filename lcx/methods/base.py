@@ -6,7 +6,7 @@ is called the same way, on UNROTATED q/k (so methods that change positions, LM-I
 distance cap and StreamingLLM's renumbering, can):
 
     method.attend(q, k, v, rotary=Rotary(inv_freq, key_positions, attention_factor),
-                  backend="blockwise", scale=None, layer_idx=None) -> out [B, Tq, H, Dv]
+                  backend="blockwise", scale=None, layer_idx=None, softcap=None) -> out [B, Tq, H, Dv]
 
 q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]`: the queries are the last Tq of
 the Tk keys (`lcx.masks` window convention), `rotary.positions` the keys' RoPE positions.
@@ -97,11 +97,14 @@ class AttentionMethod:
         backend: str = "blockwise",
         scale: float | None = None,
         layer_idx: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Unrotated q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> out `[B, Tq, H, Dv]`.
         `layer_idx`: the model layer of the call, for methods that differ per layer (LM-Infinite's
-        top-k middle keys); the others ignore it."""
-        return attention(q, k, v, spec_for(self, scale), backend=backend, rotary=rotary)
+        top-k middle keys); the others ignore it. `softcap`: the model's attention-logit
+        soft-capping (Gemma 2; `lcx.attention.AttentionSpec.softcap`), on every logit the method
+        forms."""
+        return attention(q, k, v, spec_for(self, scale, softcap), backend=backend, rotary=rotary)
 
     def attention_spec(self, scale: float | None = None) -> AttentionSpec:
         """The `lcx.attention` spec of this method (for methods that are one attention call)."""
@@ -110,15 +113,19 @@ class AttentionMethod:
     def _spec(self, scale: float | None) -> AttentionSpec:
         raise NotImplementedError
 
-    def supports(self, backend: str) -> str | None:
+    def supports(self, backend: str, *, softcap: float | None = None) -> str | None:
         """Why the `lcx.attention` backend `backend` cannot run this method's calls, judged on the
         method alone (a call's tensors may still rule it out; the dispatcher then raises naming
-        why), or None if it can. E.g. SWAT's sigmoid on the softmax-only `flash` backend."""
+        why), or None if it can. E.g. SWAT's sigmoid on the softmax-only `flash` backend.
+        `softcap`: the calls soft-capped so (a model's attention-logit soft-capping)."""
         from lcx.attention import BACKENDS
 
         if backend not in BACKENDS:
             return f"{backend!r} is not an lcx.attention backend; known: {sorted(BACKENDS)}"
-        return next((r for spec in self._call_specs() if (r := BACKENDS[backend].supports(spec, None))), None)
+        specs = self._call_specs()
+        if softcap is not None:
+            specs = tuple(dataclasses.replace(s, softcap=softcap) for s in specs)
+        return next((r for spec in specs if (r := BACKENDS[backend].supports(spec, None))), None)
 
     def _call_specs(self) -> tuple[AttentionSpec, ...]:
         """The specs of the `lcx.attention` calls `attend` makes (what `supports` checks)."""
@@ -276,5 +283,6 @@ class DecodeRule:
 
 
 @functools.lru_cache(maxsize=256)
-def spec_for(method: AttentionMethod, scale: float | None) -> AttentionSpec:
-    return method._spec(scale)
+def spec_for(method: AttentionMethod, scale: float | None, softcap: float | None = None) -> AttentionSpec:
+    spec = method._spec(scale)
+    return spec if softcap is None else dataclasses.replace(spec, softcap=softcap)

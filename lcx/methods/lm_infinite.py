@@ -108,15 +108,15 @@ class LMInfinite(AttentionMethod):
                              f"(top-k in layers [{self.top_k_from_layer}, {self.top_k_to_layer}))")
         return self.top_k_from_layer <= layer_idx and (self.top_k_to_layer is None or layer_idx < self.top_k_to_layer)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
-        out = super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale)  # Λ, every row
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None, softcap=None):
+        out = super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale, softcap=softcap)  # Λ, every row
         if not self.top_k_in_layer(layer_idx):
             return out
         # the last row again, with its top-k middle keys: one row, dense (O(Tk) work)
         last = lambda_topk_attention_ref(
             q[:, -1:], k, v, rotary=rotary, n_global=self.n_global, n_local=self.n_local,
             limit_distance=self.limit_distance, top_k=self.top_k, top_k_insert_at=self.top_k_insert_at,
-            scale=scale)  # [B, 1, H, Dv]
+            scale=scale, softcap=softcap)  # [B, 1, H, Dv]
         return torch.cat((out[:, :-1], last.to(out.dtype)), dim=1)
 
     @property

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from lcx.attention import AttentionSpec, Rotary, attention, merge_attention
+from lcx.attention import AttentionSpec, Rotary, attention, merge_attention, soft_cap
 from lcx.attention.rotary import table_dtype
 from lcx.masks import causal_mask
 from lcx.masks import sliding_window as sliding_window_mask
@@ -65,7 +65,7 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.T
 
 
 def self_extend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotary: Rotary, group_size: int,
-                    window: int, scale: float | None = None) -> torch.Tensor:
+                    window: int, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """The definition, densely: unrotated q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`, v -> `[B, Tq, H, Dv]`.
 
     Queries are the last Tq keys (`lcx.masks` convention); `rotary.positions` the keys' positions."""
@@ -84,7 +84,7 @@ def self_extend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotary
                  _rotate(k, grouped_positions(pos, group_size, window, query=False), rotary))
     i = torch.arange(Tk - Tq, Tk, device=q.device)[:, None]
     j = torch.arange(Tk, device=q.device)[None, :]
-    s = torch.where(i - j < window, near, far) * (scale if scale is not None else D ** -0.5)
+    s = soft_cap(torch.where(i - j < window, near, far) * (scale if scale is not None else D ** -0.5), softcap)
     s = s.masked_fill(j > i, float("-inf"))
     p = torch.softmax(s, dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(H // Hkv, dim=2).to(wide))
@@ -106,10 +106,11 @@ class SelfExtend(AttentionMethod):
         check_count("group_size", self.group_size, 1)
         check_count("window", self.window, 1)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None, softcap=None):
         Tq, Tk = q.shape[1], k.shape[1]
         W = self.window
-        near, lse_near = attention(q, k, v, AttentionSpec(mask=sliding_window_mask(left=W - 1), scale=scale),
+        near, lse_near = attention(q, k, v, AttentionSpec(mask=sliding_window_mask(left=W - 1), scale=scale,
+                                                          softcap=softcap),
                                    backend=backend, rotary=rotary, return_lse=True)
         first = max(0, W - (Tk - Tq))  # the first query (of Tq) with a key W or more behind it
         if first >= Tq:  # no query reaches beyond its window
@@ -119,7 +120,7 @@ class SelfExtend(AttentionMethod):
         kpos = pos[..., : Tk - W]
         qg = _rotate(q[:, first:], grouped_positions(qpos, self.group_size, W, query=True), rotary)
         kg = _rotate(k[:, : Tk - W], grouped_positions(kpos, self.group_size, W, query=False), rotary)
-        far, lse_far = attention(qg, kg, v[:, : Tk - W], AttentionSpec(mask=causal_mask, scale=scale),
+        far, lse_far = attention(qg, kg, v[:, : Tk - W], AttentionSpec(mask=causal_mask, scale=scale, softcap=softcap),
                                  backend=backend, return_lse=True)
         B, _, H, Dv = near.shape
         if first:  # queries without grouped keys: an empty pass (o = 0, lse = -inf)

@@ -57,11 +57,11 @@ class Sinks(AttentionMethod):
     def _spec(self, scale):
         return AttentionSpec(mask=attention_sinks(self.n_sink, self.window - 1), scale=scale)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None, softcap=None):
         if not self.renumber:
-            return super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale)
+            return super().attend(q, k, v, rotary=rotary, backend=backend, scale=scale, softcap=softcap)
         return streaming_attention(q, k, v, rotary=rotary, n_sink=self.n_sink, window=self.window,
-                                   backend=backend, scale=scale)
+                                   backend=backend, scale=scale, softcap=softcap)
 
     def last_query_keys(self, positions):
         # query i = Tk - 1; window keys j > i - w at their positions; sinks j < S outside the

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, merge_attention, normalize_scores
+from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, merge_attention, normalize_scores, soft_cap
 from lcx.attention.reference import gqa_scores, gqa_weighted_values
 from lcx.attention.rotary import lambda_global_mask, rotate_qk, table_dtype
 from lcx.masks import attention_sinks, mask_matrix, sliding_window
@@ -66,17 +66,19 @@ def streaming_attention_ref(
     scale: float | None = None,
     q_offset: int | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """The definition (module docstring), dense: UNROTATED q `[B, Tq, H, D]`, k `[B, Tk, Hkv, D]`,
-    v `[B, Tk, Hkv, Dv]` -> out `[B, Tq, H, Dv]` (and lse `[B, H, Tq]`). O(Tq * Tk) memory."""
+    v `[B, Tk, Hkv, Dv]` -> out `[B, Tq, H, Dv]` (and lse `[B, H, Tq]`). O(Tq * Tk) memory.
+    `softcap`: logits soft-capped (`lcx.attention.AttentionSpec.softcap`)."""
     off = _check(q, k, n_sink, window, q_offset)
     (_, Tq, H, D), Tk = q.shape, k.shape[1]
     sc = scale if scale is not None else D ** -0.5
     wide = torch.promote_types(q.dtype, torch.float32)
     q_rot, k_rot = rotate_qk(q, k, rotary, off)  # true positions
     q_sink = _rotate(q, rotary, _sink_query_positions(rotary, Tk, off, Tq, n_sink + window - 1, q.device))
-    s_win = gqa_scores(q_rot, k_rot).to(wide) * sc  # [B, H, Tq, Tk]
-    s_sink = gqa_scores(q_sink, k_rot).to(wide) * sc
+    s_win = soft_cap(gqa_scores(q_rot, k_rot).to(wide) * sc, softcap)  # [B, H, Tq, Tk]
+    s_sink = soft_cap(gqa_scores(q_sink, k_rot).to(wide) * sc, softcap)
     i = torch.arange(off, off + Tq, device=q.device)[:, None]
     j = torch.arange(Tk, device=q.device)[None, :]
     is_sink = (j < n_sink) & (i - j >= window)  # [Tq, Tk]
@@ -98,6 +100,7 @@ def streaming_attention(
     scale: float | None = None,
     q_offset: int | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """`streaming_attention_ref`'s result from two `lcx.attention` passes merged by lse.
 
@@ -109,7 +112,7 @@ def streaming_attention(
     """
     off = _check(q, k, n_sink, window, q_offset)
     Tq, Tk = q.shape[1], k.shape[1]
-    o_a, lse_a = attention(q, k, v, AttentionSpec(mask=sliding_window(left=window - 1), scale=scale),
+    o_a, lse_a = attention(q, k, v, AttentionSpec(mask=sliding_window(left=window - 1), scale=scale, softcap=softcap),
                            backend=backend, q_offset=off, rotary=rotary, return_lse=True)
     n_s = min(n_sink, Tk)
     first = max(0, window - off)  # queries before key index `window` see no sink outside their window
@@ -119,7 +122,7 @@ def streaming_attention(
     k_sink = _rotate(k[:, :n_s], rotary, key_pos[..., :n_s])  # [B, S', Hkv, D]
     q_sink = _rotate(q[:, first:], rotary,
                      _sink_query_positions(rotary, Tk, off + first, Tq - first, n_sink + window - 1, q.device))
-    spec_b = AttentionSpec(mask=lambda_global_mask(n_sink, window), scale=scale)
+    spec_b = AttentionSpec(mask=lambda_global_mask(n_sink, window), scale=scale, softcap=softcap)
     # pass B reads only the S' sink keys (O(Tq * S') work): a backend that cannot cut its mask
     # hands it to blockwise, which computes the same thing (flash cuts it: `global_outside_window`)
     backend_b = backend if BACKENDS[backend].supports(spec_b) is None else "blockwise"

@@ -81,9 +81,9 @@ class SWAT(AttentionMethod):
         when none were given); `ValueError` when given slopes do not match the head count."""
         return _for_heads(self, n_heads)
 
-    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None):
+    def attend(self, q, k, v, *, rotary, backend="blockwise", scale=None, layer_idx=None, softcap=None):
         return AttentionMethod.attend(self.for_heads(q.shape[2]), q, k, v, rotary=rotary, backend=backend,
-                                      scale=scale)
+                                      scale=scale, softcap=softcap)
 
     def attention_spec(self, scale: float | None = None, *, n_heads: int | None = None) -> AttentionSpec:
         """The `lcx.attention` spec (`AttentionSpec.swat`); `n_heads` resolves default slopes."""

@@ -62,11 +62,15 @@ def _spec(name: str, H: int) -> AttentionSpec:
         "swat16_rope": lambda: AttentionSpec.swat(16, H),
         "lambda4_16": lambda: AttentionSpec.lm_infinite(4, 16),
         "lambda3_8_cap24_sigmoid": lambda: AttentionSpec.lm_infinite(3, 8, 24, activation="sigmoid"),
+        # attention-logit soft-capping (Gemma 2) at 2: randn q/k give logits of about +-1, so tanh bends them
+        "window8_softcap2": lambda: AttentionSpec(mask=sliding_window(left=7), softcap=2.0),
+        "lambda4_16_softcap2": lambda: AttentionSpec.lm_infinite(4, 16, softcap=2.0),
     }[name]()
 
 
-SPECS = ("causal", "window8", "sinks4_window8", "alibi", "swat16_rope", "lambda4_16", "lambda3_8_cap24_sigmoid")
-ROTARY_SPECS = ("swat16_rope", "lambda4_16", "lambda3_8_cap24_sigmoid")
+SPECS = ("causal", "window8", "sinks4_window8", "alibi", "swat16_rope", "lambda4_16", "lambda3_8_cap24_sigmoid",
+         "window8_softcap2", "lambda4_16_softcap2")
+ROTARY_SPECS = ("swat16_rope", "lambda4_16", "lambda3_8_cap24_sigmoid", "lambda4_16_softcap2")
 GRAD_SHAPES = ("prefill17_gqa", "chunk17of63_gqa", "prefill217_mqa")
 GRAD_DTYPES = (F32, BF16)
 
@@ -115,8 +119,9 @@ def run_or_check_refusal(backend, qkv, spec, **kw):
 
 
 # ----------------------------------------------------------------------------- brute force
-def brute_attention(q, k, v, visible, bias, activation, scale):
+def brute_attention(q, k, v, visible, bias, activation, scale, softcap=None):
     """Per-(b, h, i) loops, float64: the formula in `lcx.attention.reference` literally."""
+    cap = (lambda x: x) if softcap is None else (lambda x: softcap * math.tanh(x / softcap))
     B, Tq, H, D = q.shape
     Hkv = k.shape[2]
     out = torch.zeros(B, Tq, H, v.shape[-1], dtype=F64)
@@ -128,7 +133,7 @@ def brute_attention(q, k, v, visible, bias, activation, scale):
                 js = [j for j in range(k.shape[1]) if visible(t, j)]
                 if not js:
                     continue
-                s = torch.stack([scale * q[b, t, h] @ k[b, j, kh] + bias(h, t, j) for j in js])
+                s = torch.tensor([cap(float(scale * q[b, t, h] @ k[b, j, kh])) + bias(h, t, j) for j in js], dtype=F64)
                 w = torch.softmax(s, 0) if activation == "softmax" else torch.sigmoid(s)
                 z = torch.exp(s) if activation == "softmax" else torch.sigmoid(s)
                 lse[b, h, t] = torch.log(z.sum())
@@ -138,17 +143,20 @@ def brute_attention(q, k, v, visible, bias, activation, scale):
 
 @pytest.mark.parametrize("activation", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("tq", [9, 4, 1], ids=["prefill9", "chunk4of9", "decode1of9"])
-def test_reference_matches_brute_force(activation, tq):
-    """Pins ALiBi's sign (-m|i-j|), the GQA head map (h // group), sigmoid, q_offset."""
+@pytest.mark.parametrize("softcap", [None, 0.7], ids=["", "softcap"])
+def test_reference_matches_brute_force(activation, tq, softcap):
+    """Pins ALiBi's sign (-m|i-j|), the GQA head map (h // group), sigmoid, q_offset, and where
+    soft-capping sits (on the scaled logit, before the bias and the mask)."""
     q, k, v = make_qkv((2, tq, 9, 4, 2, 8))
     slopes = balanced_alibi_slopes(4)  # both signs
     mask = attention_sinks(1, 2)
     off = 9 - tq
     vis = mask_matrix(mask, tq, 9)
-    out, lse = attention_ref(q, k, v, mask=mask, alibi_slopes=slopes, activation=activation, return_lse=True)
+    out, lse = attention_ref(q, k, v, mask=mask, alibi_slopes=slopes, activation=activation, return_lse=True,
+                             softcap=softcap)
     want, want_lse = brute_attention(
         q, k, v, lambda t, j: bool(vis[t, j]), lambda h, t, j: -slopes[h] * abs(off + t - j),
-        activation, 1 / math.sqrt(8),
+        activation, 1 / math.sqrt(8), softcap,
     )  # fmt: skip
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
@@ -325,9 +333,11 @@ def _forward_cases():
                     backend == "flex" and (shape == "prefill63_d64" or dt != F32 and shape != LOWP_SHAPES[0])
                 )
                 for spec in SPECS:
+                    # soft-capped specs: the default tier on two shapes (a chunk, a decode step)
+                    capped_slow = "softcap" in spec and shape not in ("chunk17of63_gqa", "decode1of217_d64")
                     yield pytest.param(
                         backend, shape, spec, dt, id=f"{backend}-{shape}-{spec}-{str(dt)[6:]}",
-                        marks=[pytest.mark.slow] if slow else [],
+                        marks=[pytest.mark.slow] if slow or capped_slow else [],
                     )  # fmt: skip
 
 
@@ -497,8 +507,11 @@ def test_alibi_schedules():
      lambda: AttentionSpec(mask=sliding_window(left=3), lambda_params=LambdaParams(2, 4)),
      lambda: AttentionSpec.lm_infinite(2, 4, alibi_slopes=(1.0,)),
      lambda: AttentionSpec(alibi_slopes=(float("nan"),)),
-     lambda: LambdaParams(2, 0)],
-    ids=["activation", "lambda_mask_mismatch", "lambda_alibi", "nan_slope", "no_window"],
+     lambda: LambdaParams(2, 0),
+     lambda: AttentionSpec(softcap=0.0), lambda: AttentionSpec(softcap=-1.0),
+     lambda: AttentionSpec(softcap=float("inf")), lambda: AttentionSpec(softcap=True)],
+    ids=["activation", "lambda_mask_mismatch", "lambda_alibi", "nan_slope", "no_window", "softcap_zero",
+         "softcap_negative", "softcap_inf", "softcap_bool"],
 )  # fmt: skip
 def test_bad_specs_raise(bad):
     with pytest.raises(ValueError):

@@ -167,8 +167,9 @@ def test_batched_continuations_equal_solo(case):
 def test_model_as_loaded_continues_per_row_without_a_mask(monkeypatch):
     """An unpatched model continuing from held keys (prefix hit, later chunk) runs its attention
     per row on lcx's backend (`lcx.hf.attention_patch.loaded_rows`), not transformers' masked
-    call: that path is taken, no mask is built, and the engine refuses it where the backend
-    cannot run the model's calls (soft-capping)."""
+    call: that path is taken, no mask is built; soft-capped calls (Gemma 2's) run on `blockwise`
+    where the backend cannot cap (their exactness: the Gemma 2 rows of tests/hf/test_families.py,
+    `test_engine_as_loaded_hybrid_fast_path` under dynamic NTK), and an unknown backend is refused."""
     import lcx.hf.attention_patch as ap
     from lcx.engine.core import _loaded_rows_windows
 
@@ -192,7 +193,8 @@ def test_model_as_loaded_continues_per_row_without_a_mask(monkeypatch):
     monkeypatch.undo()
     ap.register()  # the real mask function again
     model.config.attn_logit_softcapping = 30.0
-    assert _loaded_rows_windows(model, "flash") is None and _loaded_rows_windows(model, "nope") is None
+    n = model.config.num_hidden_layers
+    assert _loaded_rows_windows(model, "flash") == (None,) * n and _loaded_rows_windows(model, "nope") is None
 
 
 def test_bounded_method_holds_bounded_kv():

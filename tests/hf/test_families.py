@@ -167,12 +167,13 @@ _REF_IMPL = "lcx_test_reference"
 
 @contextlib.contextmanager
 def _reference_attention(model, fn):
-    """Run the model's attention interface calls through `fn(module, q, k, v)` (transformers'
-    layout: q `[B, H, T, D]`) -> out `[B, T, H, D]`."""
+    """Run the model's attention interface calls through `fn(module, q, k, v, scaling, softcap)`
+    (transformers' layout: q `[B, H, T, D]`; `softcap`: what the family's code passed, Gemma 2's
+    attention-logit cap) -> out `[B, T, H, D]`."""
     from transformers import AttentionInterface
 
-    def reference(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        return fn(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling), None
+    def reference(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+        return fn(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, softcap), None
 
     AttentionInterface.register(_REF_IMPL, reference)
     before = model.config._attn_implementation
@@ -200,12 +201,12 @@ def _check_layers_equal_reference(model, method, layers: str):
             r = model_shape(model).rotary_dim
             order = channel_order(model)
 
-            def ref(module, q, k, v, scaling):
+            def ref(module, q, k, v, scaling, softcap):
                 # a family whose RoPE is not rotate-half on the whole head: in lcx's channel order
                 # (lcx.hf.channel_order; af = 1 here, nothing to correct)
                 q, k, basis = order.to_lcx(q), order.to_lcx(k), order.basis(inv)
                 return want_method.attend(q, k, v, rotary=Rotary(basis, torch.arange(T), af), scale=scaling,
-                                          layer_idx=i)
+                                          layer_idx=i, softcap=softcap)
 
             # the family's own forward, unrotated: its rotation function replaced by the identity
             # (not run on cos 1 / sin 0 tables: some families round q and k through float32 there)
@@ -559,6 +560,7 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
     from lcx.engine import Engine, EngineConfig, SamplingParams
     from lcx.hf import current_patch
     import lcx.hf.attention_patch as ap
+    from lcx.hf import attention_softcap
     from lcx.hf.attention_patch import as_loaded_method
     from lcx.models.tiny import byte_tokenizer
 
@@ -607,7 +609,9 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
         return
     assert not rows
     assert as_loaded_method(model, "flash") == causal()
-    assert (patch.method, patch.backend, patch.layers) == (causal(), "flash", "global")
+    # (soft-capped calls, Gemma 2's, on the backend that caps them: torch's fused kernels do not)
+    backend = "blockwise" if attention_softcap(model) else "flash"
+    assert (patch.method, patch.backend, patch.layers) == (causal(), backend, "global")
     w = model.config.sliding_window
     assert layers == [sliding_window(window=w) if _is_sliding(model, i) else causal() for i in range(len(layers))]
     assert engine.methods_info()["attention"] == {"type": "causal"}

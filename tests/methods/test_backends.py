@@ -68,3 +68,40 @@ def test_backend_equals_reference(method, backend, Tq, Tk):
     ref32 = method.attend(*f32, backend="ref", **kw)
     assert got.dtype == torch.float32 and got.shape == exact.shape
     assert_within_budget(got, ref32, exact, what=f"{method_id(method)} on {backend}")
+
+
+def _softcap_cases():
+    """(method, backend): every example on every CPU backend, one shape (6 queries after 23 keys);
+    flex on each method's first example only (it traces each spec anew), compiled flex `slow`."""
+    first = {}
+    for m in examples():
+        first.setdefault(m.name, m)
+    for backend in _cpu_backends():
+        for m in examples():
+            slow = backend == "flex_compiled" or (backend == "flex" and m is not first[m.name])
+            yield pytest.param(m, backend, id=f"{method_id(m)}-{backend}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("method,backend", list(_softcap_cases()))
+def test_softcapped_backend_equals_reference(method, backend):
+    """A model's attention-logit soft-capping (Gemma 2: `softcap=` of `method.attend`) on every
+    logit the method forms, on every backend that can cap (the others refuse, naming why), equal
+    to the reference backend's; and not vacuous: the cap changes the output."""
+    Tq, Tk = 6, 29
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Tq, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Tk, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
+    kw = dict(rotary=Rotary(inv_freq, torch.arange(Tk) + 3, 1.2), scale=0.3, layer_idx=1, softcap=1.5)
+    f32 = [t.float() for t in (q, k, v)]
+    try:
+        got = method.attend(*f32, backend=backend, **kw)
+    except NotImplementedError as e:
+        assert f"attention backend {backend!r} cannot run" in str(e) and "soft" in str(e) or backend != DEFAULT_BACKEND
+        assert backend != DEFAULT_BACKEND
+        return
+    exact = method.attend(q, k, v, backend="ref", **kw)
+    assert_within_budget(got, method.attend(*f32, backend="ref", **kw), exact, what=f"{method_id(method)} on {backend}")
+    uncapped = method.attend(q, k, v, backend="ref", **{**kw, "softcap": None})
+    one_key = method.name == "sliding_window" and method.window == 1  # a softmax over one key is 1, capped or not
+    assert one_key or (exact - uncapped).abs().max() > 1e-3

@@ -47,6 +47,22 @@ def test_self_extend_two_passes_equal_the_reference(Tq, Tk, G, W, backend):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("Tq,Tk,G,W", [(37, 37, 4, 8), (5, 29, 2, 6)], ids=["q37k37G4W8", "q5k29G2W6"])
+def test_self_extend_soft_capped_equals_the_reference(Tq, Tk, G, W):
+    """With a model's attention-logit soft-capping (Gemma 2) both passes cap their logits: the
+    merge equals the dense definition capping the one logit each key gets (window or grouped)."""
+    from lcx.methods import self_extend, self_extend_ref
+
+    g = torch.Generator().manual_seed(Tq * 100 + Tk)
+    q = torch.randn(2, Tq, 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, Tk, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    rot = Rotary(_inv_freq(16), torch.arange(Tk) + 3)
+    want = self_extend_ref(q, k, v, rotary=rot, group_size=G, window=W, softcap=1.5)
+    got = self_extend(G, W).attend(q, k, v, rotary=rot, backend="blockwise", softcap=1.5)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (want - self_extend_ref(q, k, v, rotary=rot, group_size=G, window=W)).abs().max() > 1e-3
+
+
 def test_self_extend_reference_pins_the_positions():
     """Hand check of the definition: G = 1 is plain causal attention; a key W or more behind the
     query scores with q at floor(p_i / G) + W - W/G and k at floor(p_j / G)."""

@@ -26,9 +26,10 @@ def _inv_freq(D: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------ StreamingLLM semantics
 
 
-def _streaming_official(q, k, v, rotary_inv_freq, n_sink, window):
+def _streaming_official(q, k, v, rotary_inv_freq, n_sink, window, softcap=None):
     """StreamingLLM's procedure, query by query: cache = sinks + the window's keys, unrotated;
-    every key rotated by its SLOT index, the query by the last slot; causal softmax over the cache."""
+    every key rotated by its SLOT index, the query by the last slot; causal softmax over the cache
+    (its logits soft-capped at `softcap`, a Gemma 2 model's)."""
     Tq, Tk = q.shape[1], k.shape[1]
     outs = []
     for t in range(Tq):
@@ -38,7 +39,7 @@ def _streaming_official(q, k, v, rotary_inv_freq, n_sink, window):
         n = len(slots)
         rot = Rotary(rotary_inv_freq, torch.arange(n))
         qr, kr = rotate_qk(q[:, t:t + 1], kc, rot, n - 1)
-        outs.append(attention_ref(qr, kr, vc, q_offset=n - 1))
+        outs.append(attention_ref(qr, kr, vc, q_offset=n - 1, softcap=softcap))
     return torch.cat(outs, dim=1)
 
 
@@ -52,6 +53,24 @@ def test_streaming_ref_is_streamingllm_procedure(Tq, Tk, S, w):
     want = _streaming_official(q, k, v, inv, S, w)
     got = streaming_attention_ref(q, k, v, rotary=Rotary(inv), n_sink=S, window=w)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["ref", "blockwise"])
+def test_streaming_soft_capped_is_streamingllm_procedure(backend):
+    """A model's attention-logit soft-capping (Gemma 2) in both passes of the renumbered sinks."""
+    from lcx.methods import sinks
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 30, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 30, 2, 16, generator=g, dtype=torch.float64)
+    inv = _inv_freq(16)
+    want = _streaming_official(q, k, v, inv, 3, 6, softcap=1.5)
+    torch.testing.assert_close(streaming_attention_ref(q, k, v, rotary=Rotary(inv), n_sink=3, window=6, softcap=1.5),
+                               want, atol=1e-12, rtol=1e-12)
+    got = sinks(n_sink=3, window=6, renumber=True).attend(q, k, v, rotary=Rotary(inv), backend=backend, softcap=1.5)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert (want - _streaming_official(q, k, v, inv, 3, 6)).abs().max() > 1e-3
 
 
 def test_streaming_positions_hand_example():
