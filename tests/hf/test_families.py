@@ -24,7 +24,7 @@ import torch
 
 from lcx.testing import attention_layer_io
 from lcx.attention import Rotary
-from lcx.hf import FAMILIES, BoundedKVCache, greedy_generate, layer_methods
+from lcx.hf import FAMILIES, BoundedKVCache, current_patch, greedy_generate, layer_methods
 from lcx.hf.attention_patch import attention_patched, channel_order, patch_attention, unpatch_attention
 from lcx.hf.models import model_shape, tiny_model
 from lcx.hf.rope_patch import rope_basis
@@ -618,9 +618,9 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
 
 
 def test_as_loaded_method_refusals():
-    """`as_loaded_method` leaves a model as loaded where lcx does not run it faster or exactly:
-    layers all alike (nothing quadratic to save), an unknown backend, attention-logit soft-capping
-    (which lcx.attention does not compute)."""
+    """`as_loaded_method` leaves a model as loaded where lcx does not run it faster: layers all
+    alike (nothing quadratic to save), an unknown backend. A soft-capping hybrid (Gemma 2) runs
+    on lcx's attention too, its calls on the backend that caps (`blockwise` for `flash`)."""
     from lcx.hf.attention_patch import as_loaded_method
 
     for family in FAMILY_NAMES:
@@ -628,11 +628,14 @@ def test_as_loaded_method_refusals():
     for family in HYBRID:
         model = _model(family)
         assert as_loaded_method(model, "no-such-backend") is None
+        cap = model.config.attn_logit_softcapping if hasattr(model.config, "attn_logit_softcapping") else None
         model.config.attn_logit_softcapping = 50.0
         try:
-            assert as_loaded_method(model, "flash") is None
+            assert as_loaded_method(model, "flash") == causal()
+            with attention_patched(model, causal(), backend="flash"):
+                assert current_patch(model).backend == "blockwise", family
         finally:
-            model.config.attn_logit_softcapping = None
+            model.config.attn_logit_softcapping = cap
 
 
 def test_patch_unpatch_leaves_every_family_as_loaded():
