@@ -89,13 +89,17 @@ def example_rope_spec(rope_type: str, *, head_dim: int, original_max_position_em
     return d
 
 
-def attention_layer_io(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(hidden states entering, output leaving) every decoder layer's `self_attn`, from one
-    no-grad forward of an HF `*ForCausalLM` on `ids`: what a patch-equivalence test compares."""
+def attention_layer_io(model, ids: torch.Tensor, modules: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(hidden states entering, output leaving) every decoder layer's attention module (`modules`,
+    e.g. `lcx.hf.attention_layers(model)` for a family that names them otherwise; default: each
+    `model.model.layers[i].self_attn`), from one no-grad forward of an HF `*ForCausalLM` on `ids`:
+    what a patch-equivalence test compares."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda mod, args, kwargs, out: seen.append((kwargs["hidden_states"], out[0])), with_kwargs=True)
-        for layer in model.model.layers]
+    if modules is None:
+        modules = [layer.self_attn for layer in model.model.layers]
+    hooks = [attn.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append((kwargs.get("hidden_states", args[0] if args else None), out[0])),
+        with_kwargs=True) for attn in modules]
     try:
         with torch.no_grad():
             model(ids)

@@ -265,7 +265,8 @@ def _hooked_forward(self: nn.Module, *args: Any, **kwargs: Any):
     st: _ModuleState = self.__dict__[_STATE]
     if st.method is None and _lcx_input(kwargs, "lcx_decode") is None:
         return type(self).forward(self, *args, **kwargs)  # decode hook only: a stock call
-    token = _CALL.set(_Call(self, st, kwargs.get("past_key_values")))
+    # (the layer's cache: `past_key_values`, GPT-NeoX's `layer_past`)
+    token = _CALL.set(_Call(self, st, kwargs.get("past_key_values", kwargs.get("layer_past"))))
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
@@ -657,7 +658,7 @@ def model_call_info(model: nn.Module, *, n_queries: int, n_keys: int, q_offset: 
     n_heads = int(model.config.num_attention_heads)
     return CallInfo(device_type=p.device.type, dtype=p.dtype, requires_grad=False, return_lse=False,
                     n_heads=n_heads, n_kv_heads=int(getattr(model.config, "num_key_value_heads", None) or n_heads),
-                    head_dim=int(attention_layers(model)[0].head_dim), n_queries=n_queries, n_keys=n_keys,
+                    head_dim=model_shape(model).head_dim, n_queries=n_queries, n_keys=n_keys,
                     q_offset=q_offset, rotary=rotary)
 
 

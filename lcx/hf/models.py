@@ -3,9 +3,9 @@
 A decoder-only `*ForCausalLM` of a supported family in transformers 5.x:
 
     model                         *ForCausalLM (config, lm_head)
-    └── model.model               the decoder stack
+    └── model.model               the decoder stack (`model.base_model`: GPT-NeoX's model.gpt_neox)
         ├── rotary_emb            forward(x, position_ids[, layer_type]) -> (cos, sin)
-        └── layers[i].self_attn   the family's attention module: head_dim, layer_idx, scaling,
+        └── layers[i].self_attn   the family's attention module (GPT-NeoX: layers[i].attention): layer_idx, scaling,
                                   its projections / q-k norms / biases, and a forward that calls
                                   its modeling module's `apply_rotary_pos_emb(q, k, cos, sin)`,
                                   then `past_key_values.update(k, v, layer_idx)`, then the
@@ -22,7 +22,6 @@ interleaved pairs: cohere, helium, ernie4_5; both: glm, glm4) is held in lcx's c
 
 Families transformers 5.x builds here that are left out, and why:
 - cohere2: NoPE global layers (its full-attention layers do not rotate).
-- gpt_neox: no `head_dim` on its attention module, no `model.layers` / `rotary_emb` on its decoder.
 - smollm3: NoPE layers (no rotation in every 4th layer).
 - nanochat: q/k RMS norm after RoPE; weightless, so it commutes with the rotation, but it cancels
   the attention factor of YaRN/LongRoPE, which lcx applies after it.
@@ -134,6 +133,12 @@ FAMILIES: dict[str, Family] = {
                        (("partial_rotary_factor", 0.5),)),  # (tiny: 8 of 16 channels, 4 frequencies)
     "nemotron": Family("partial rotary (half of each head), layer norm 1p, squared-ReLU MLP; its decoder layers "
                        "drop their keyword arguments"),
+    "gpt_neox": Family("partial rotary (25% of each head in Pythia), fused query_key_value, biases, parallel "
+                       "attention and MLP; its decoder is model.gpt_neox, its attention module layers[i].attention, "
+                       "called with the cache as layer_past",
+                       (("num_key_value_heads", None),  # (multi-head: no KV-head count in its config)
+                        ("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0,
+                                             "partial_rotary_factor": 0.5}))),
     # attention-logit soft-capping: the family's `softcap` reaches the method with its q/k/v
     # (`lcx.attention.AttentionSpec.softcap`); tiny caps small enough that tanh bends a random model's logits
     "gemma2": Family("attention-logit soft-capping (tanh, cap 50), query_pre_attn_scalar scaling, final-logit "
@@ -151,8 +156,6 @@ ATTENTION_MODEL_TYPES = tuple(FAMILIES)  # the types the attention patch takes (
 
 LEFT_OUT: dict[str, str] = {
     "cohere2": "interleaved RoPE with NoPE global layers (no rotation in its full-attention layers)",
-    "gpt_neox": "its attention module keeps no head_dim and its decoder no model.layers / rotary_emb where "
-                "transformers' other decoders keep them",
     "smollm3": "NoPE layers",
     "nanochat": "q/k RMS norm after RoPE: weightless, so it commutes with the rotation, but it cancels the "
                 "attention factor of YaRN/LongRoPE, which lcx applies after it",
@@ -161,7 +164,8 @@ LEFT_OUT: dict[str, str] = {
     "hunyuan_v1_moe": "q/k norm after RoPE (a method that rotates in attention would normalise first)",
 }
 
-_ATTENTION_ATTRS = ("head_dim", "layer_idx", "scaling")
+_ATTENTION_ATTRS = ("layer_idx", "scaling")  # (its head size: `model_shape`, from the config)
+_ATTENTION_NAMES = ("self_attn", "attention")  # a decoder layer's attention module: transformers' names
 
 
 def attention_softcap(model_or_config: Any) -> float | None:
@@ -185,9 +189,10 @@ def check_model_type(model: nn.Module, what: str, capability: str | None = None)
 
 
 def decoder(model: nn.Module) -> nn.Module:
-    """The decoder stack that owns `rotary_emb` and `layers` (model.model of a *ForCausalLM;
-    the model itself when given the stack)."""
-    for cand in (getattr(model, "model", None), model):
+    """The decoder stack that owns `rotary_emb` and `layers` (model.model of a *ForCausalLM, or
+    its `base_model` under another name, GPT-NeoX's model.gpt_neox; the model itself when given
+    the stack)."""
+    for cand in (getattr(model, "model", None), getattr(model, "base_model", None), model):
         if cand is not None and isinstance(getattr(cand, "rotary_emb", None), nn.Module):
             return cand
     raise ValueError(f"{type(model).__name__} has no `rotary_emb` module where transformers 5.x decoder "
@@ -200,14 +205,15 @@ def rotary(model: nn.Module) -> nn.Module:
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """Every layer's `self_attn`, checked for what the attention patch reads."""
+    """Every layer's attention module (`self_attn`; GPT-NeoX's `attention`), checked for what the
+    attention patch reads."""
     layers = getattr(decoder(model), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers where transformers 5.x decoder "
                          "models keep them")
     attns = []
     for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
+        attn = next((a for a in (getattr(layer, n, None) for n in _ATTENTION_NAMES) if isinstance(a, nn.Module)), None)
         missing = [a for a in _ATTENTION_ATTRS if not hasattr(attn, a)]
         if attn is None or missing:
             raise ValueError(f"layer {i}: no self_attn with {missing or 'attributes'} (unsupported attention module)")

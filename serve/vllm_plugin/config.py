@@ -113,7 +113,7 @@ VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo
                                     for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM", "StableLmForCausalLM",
                                                  "NemotronForCausalLM", "CohereForCausalLM",
                                                  "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
-                                                 "Ernie4_5ForCausalLM")},
+                                                 "Ernie4_5ForCausalLM", "GPTNeoXForCausalLM")},
                                  **{arch: _NOT_WIRED + "; its attention logits are soft-capped (the plugin's method "
                                     "attention would have to take the layer's cap from vLLM's module)"
                                     for arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")}}

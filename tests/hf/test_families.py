@@ -26,7 +26,7 @@ from lcx.testing import attention_layer_io
 from lcx.attention import Rotary
 from lcx.hf import FAMILIES, BoundedKVCache, current_patch, greedy_generate, layer_methods
 from lcx.hf.attention_patch import attention_patched, channel_order, patch_attention, unpatch_attention
-from lcx.hf.models import model_shape, tiny_model
+from lcx.hf.models import attention_layers, decoder, model_shape, tiny_model
 from lcx.hf.rope_patch import rope_basis
 from lcx.methods import causal, examples, method_id, sliding_window
 
@@ -188,10 +188,9 @@ def _check_layers_equal_reference(model, method, layers: str):
     ids = _ids(T, seed=5)
     B = ids.shape[0]
     with attention_patched(model, method, layers=layers):
-        seen = attention_layer_io(model, ids)
+        seen = attention_layer_io(model, ids, attention_layers(model))
         assert len(seen) == model.config.num_hidden_layers
-        for i, (layer, (h, out)) in enumerate(zip(model.model.layers, seen)):
-            attn = layer.self_attn
+        for i, (attn, (h, out)) in enumerate(zip(attention_layers(model), seen)):
             own = layers == "global" and _is_sliding(model, i)
             want_method = sliding_window(window=model.config.sliding_window) if own else method
             assert layer_methods(model)[i] == want_method
@@ -650,8 +649,8 @@ def test_patch_unpatch_leaves_every_family_as_loaded():
             unpatch_attention(model)
             got = model(ids).logits
         assert model.config._attn_implementation == impl
-        assert all("forward" not in vars(layer.self_attn) for layer in model.model.layers)
-        assert "forward" not in vars(model.model)  # (the decoder's per-call-inputs hook is gone too)
+        assert all("forward" not in vars(attn) for attn in attention_layers(model))
+        assert "forward" not in vars(decoder(model))  # (the decoder's per-call-inputs hook is gone too)
         assert torch.equal(got, want), family
 
 

@@ -19,9 +19,11 @@ def test_model_shape_matches_the_modules(model_type):
     attns = attention_layers(model)
     assert s.layers == len(attns)
     for attn in attns:
-        assert s.head_dim == attn.head_dim
+        assert s.head_dim == getattr(attn, "head_dim", getattr(attn, "head_size", None))  # (GPT-NeoX: head_size)
         if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v in one projection
             assert attn.qkv_proj.out_features == (s.heads + 2 * s.kv_heads) * s.head_dim
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: the same, multi-head
+            assert attn.query_key_value.out_features == 3 * s.heads * s.head_dim and s.kv_heads == s.heads
         else:
             assert attn.q_proj.out_features == s.heads * s.head_dim
             assert attn.k_proj.out_features == attn.v_proj.out_features == s.kv_heads * s.head_dim
