@@ -114,8 +114,8 @@ VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo
                                                  "NemotronForCausalLM", "CohereForCausalLM",
                                                  "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
                                                  "Ernie4_5ForCausalLM", "GPTNeoXForCausalLM")},
-                                 **{arch: _NOT_WIRED + "; its attention logits are soft-capped (the plugin's method "
-                                    "attention would have to take the layer's cap from vLLM's module)"
+                                 **{arch: _NOT_WIRED + "; its attention-logit soft-capping (which lcx's engine runs) "
+                                    "would have to reach the plugin's method attention from vLLM's module"
                                     for arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")}}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
