@@ -291,6 +291,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     """transformers attention function of `"lcx_attention_method"`: query `[B, H, Tq, D]`, key/value
     `[B, Hkv, Tk, D]` (unrotated inside a patched call; cache included, new tokens last)
     -> (out `[B, Tq, H, D]`, None)."""
+    softcap = softcap or None  # (families pass 0 / None for none)
     call = _CALL.get()
     st: _ModuleState | None = module.__dict__.get(_STATE)
     if call is None or call.module is not module:
@@ -300,7 +301,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                 if dropout:
                     raise NotImplementedError("loaded_rows: attention dropout is not supported")
                 return _attend_loaded_rows(module, query.transpose(1, 2), key.transpose(1, 2),
-                                           value.transpose(1, 2), rows, scaling, softcap or None), None
+                                           value.transpose(1, 2), rows, scaling, softcap), None
             return _inner_function(module, st.inner)(module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, sliding_window=sliding_window,
                                                      softcap=softcap, **kwargs)
@@ -329,10 +330,10 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                 f"method is {st.chosen.describe()}: a decode step that runs one method on every layer cannot "
                 "run it (lcx.engine's per-layer step, lcx.engine.kv.ModelStep, can; lcx.hf.layer_methods)")
         # (it corrects a partial head's query with its own basis)
-        return step.attend(module, q, k, v, softcap=softcap or None), None
+        return step.attend(module, q, k, v, softcap=softcap), None
     if attention_mask is not None:
         raise NotImplementedError("lcx attention methods build their own masks; got a custom attention_mask")
-    return _attend(module, st, call, q, k, v, kwargs, softcap or None), None
+    return _attend(module, st, call, q, k, v, kwargs, softcap), None
 
 
 def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: Mapping[str, Any],
