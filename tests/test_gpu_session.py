@@ -44,6 +44,7 @@ def _run(tmp_path: Path, name: str, **env: str) -> tuple[int, dict[str, str], Pa
     return p.returncode, stages, out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("not _no_cuda()", reason="a GPU is here: the script would run for real")
 def test_without_cuda_every_gpu_stage_is_skipped_with_its_reason_and_imports_pass(tmp_path):
     rc, stages, out = _run(tmp_path, "plain")

@@ -130,6 +130,7 @@ def test_ruler_tasks_subset_is_checked_recorded_and_rendered(tmp_path):
     assert (tmp_path / "ruler_heatmap.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ruler_prompts_do_not_depend_on_what_ran_before():
     """RULER's generators draw from Python's global `random` when a task is built; a cell's
     prompts are seeded just before (`seed_as_lm_eval`), so they are the same whatever drew from

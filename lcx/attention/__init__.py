@@ -18,6 +18,7 @@ from .backends import (
     attention_flex,
     attention_flex_compiled,
     attention_sdpa,
+    backend_for,
     flex_bucket,
     register_backend,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "attention_ref",
     "attention_ref_spec",
     "attention_sdpa",
+    "backend_for",
     "balanced_alibi_slopes",
     "flex_bucket",
     "lambda_attention_ref",

@@ -341,6 +341,16 @@ for _b in (
 FALLBACK_ORDER = ("blockwise", "ref")
 
 
+def backend_for(backend: str, spec: AttentionSpec, call: CallInfo | None = None) -> str:
+    """`backend` when it `supports(spec, call)`, else `blockwise`, which runs every spec (a speed
+    choice, not a numerics one: backends compute the same thing). For the callers that hand
+    one spec a backend cannot cut or cap (soft-capping on the fused kernels, a mask that reads
+    only sink keys) to the backend that can, without a warning per call."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not known; known: {list(BACKENDS)}")
+    return backend if BACKENDS[backend].supports(spec, call) is None else "blockwise"
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

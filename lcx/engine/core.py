@@ -933,7 +933,7 @@ def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ..
     `lcx.hf.attention_patch.loaded_rows` can run its prefill calls on `backend` (the backend
     `supports()` them on the model's device, dtype and heads; soft-capped calls, Gemma 2's, on
     `blockwise` where `backend` cannot cap), else None."""
-    from ..attention import BACKENDS, AttentionSpec
+    from ..attention import BACKENDS, AttentionSpec, backend_for
     from ..hf import attention_softcap
     from ..hf.attention_patch import model_call_info
     from ..masks import causal_mask
@@ -946,8 +946,7 @@ def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ..
     softcap = attention_softcap(model)
     for w in set(windows):
         spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=w - 1), softcap=softcap)
-        runs = backend if BACKENDS[backend].supports(spec, None) is None else "blockwise"
-        if BACKENDS[runs].supports(spec, call) is not None:
+        if BACKENDS[backend_for(backend, spec)].supports(spec, call) is not None:
             return None
     return windows
 

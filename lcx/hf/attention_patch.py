@@ -522,7 +522,7 @@ def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: fl
     """q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]`, rotated by the model -> out `[B, Tq, H, D]`
     (rows grouped by their numbers of queries and keys, as `_attend_rows`; `softcap`: the
     family's attention-logit soft-capping, on `blockwise` where the rows' backend has none)."""
-    from lcx.attention import AttentionSpec, attention
+    from lcx.attention import AttentionSpec, attention, backend_for
     from lcx.masks import causal_mask
     from lcx.masks import sliding_window as sliding_window_mask
 
@@ -533,7 +533,7 @@ def _attend_loaded_rows(module: nn.Module, q, k, v, rows: _LoadedRows, scale: fl
     w = rows.windows[module.layer_idx]
     spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=int(w) - 1), scale=scale,
                          softcap=softcap)
-    backend = rows.backend if BACKENDS[rows.backend].supports(spec, None) is None else "blockwise"
+    backend = backend_for(rows.backend, spec)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
     for nq, bs, idx in row_groups(row_pos, Tq):
         n = idx.shape[1]

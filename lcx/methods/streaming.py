@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lcx.attention import BACKENDS, AttentionSpec, Rotary, attention, merge_attention, normalize_scores, soft_cap
+from lcx.attention import AttentionSpec, Rotary, attention, backend_for, merge_attention, normalize_scores, soft_cap
 from lcx.attention.reference import gqa_scores, gqa_weighted_values
 from lcx.attention.rotary import lambda_global_mask, rotate_qk, table_dtype
 from lcx.masks import attention_sinks, mask_matrix, sliding_window
@@ -125,7 +125,7 @@ def streaming_attention(
     spec_b = AttentionSpec(mask=lambda_global_mask(n_sink, window), scale=scale, softcap=softcap)
     # pass B reads only the S' sink keys (O(Tq * S') work): a backend that cannot cut its mask
     # hands it to blockwise, which computes the same thing (flash cuts it: `global_outside_window`)
-    backend_b = backend if BACKENDS[backend].supports(spec_b) is None else "blockwise"
+    backend_b = backend_for(backend, spec_b)
     o_b, lse_b = attention(q_sink, k_sink, v[:, :n_s], spec_b, backend=backend_b, q_offset=off + first,
                            return_lse=True)
     o_t, lse_t = merge_attention(o_a[:, first:], lse_a[..., first:], o_b, lse_b)

@@ -25,6 +25,7 @@ from lcx.attention import (
     attention_ref,
     attention_ref_spec,
     attention_sdpa,
+    backend_for,
     balanced_alibi_slopes,
     flex_bucket,
     lambda_attention_ref,
@@ -478,6 +479,16 @@ def test_dispatcher_raises_with_reason_and_falls_back(caplog):
     qkv_grad = low(qkv, F32, requires_grad=True)
     with pytest.raises(NotImplementedError, match="no backward on CPU"):
         attention(*qkv_grad, AttentionSpec(), backend="flex")
+
+
+def test_backend_for_keeps_a_backend_that_runs_the_spec_else_blockwise():
+    capped = AttentionSpec(softcap=2.0)
+    assert backend_for("sdpa", AttentionSpec()) == "sdpa"
+    assert backend_for("flex", capped) == "flex"  # score_mod caps
+    assert backend_for("sdpa", capped) == "blockwise"  # fused kernels have no soft-capping
+    assert backend_for("flash", AttentionSpec.swat(8, 4)) == "blockwise"
+    with pytest.raises(ValueError, match="not known"):
+        backend_for("nope", capped)
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)

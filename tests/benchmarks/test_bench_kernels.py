@@ -169,6 +169,7 @@ def test_skips_are_recorded_not_raised():
 
 
 # ----------------------------------------------------------------------------- --tune
+@pytest.mark.slow
 def test_tune_smoke_under_the_interpreter(tmp_path):
     """`lcx bench kernels --tune --device cpu` (Triton's interpreter, tiny shape): the default
     configuration first, every configuration checked against its output and timed, a best."""

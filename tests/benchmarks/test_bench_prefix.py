@@ -52,6 +52,7 @@ def test_bench_prefix_refuses_bad_sizes(flag, tmp_path, capsys):
     assert flag in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 def test_bench_prefix_cell_reproduces_a_committed_report_cell(tmp_path):
     """`--cell`: the report's passkey cell with and without the cache, each in its own process,
     answers identical to each other and to the committed cell (LM-Infinite's preset depends on the

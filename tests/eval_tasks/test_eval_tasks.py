@@ -196,7 +196,7 @@ def _evaluate(lm, tasks, meta):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    tm = TaskManager(include_path=str(TASKS_DIR), metadata=meta)
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=meta)
     return simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=LIMIT, bootstrap_iters=0)["results"]
 
 

@@ -104,7 +104,7 @@ print(cls.__name__, getattr(cls.__init__, h._LENGTH_PATCHED_ATTR, False), get_mo
 """
 
 
-@pytest.mark.parametrize("hook", ["on", "off"])
+@pytest.mark.parametrize("hook", ["on", pytest.param("off", marks=pytest.mark.slow)])
 def test_explicit_apply_patches_local_completions_with_or_without_the_hook(hook):
     """`apply()` (what `python -m lcx.eval_tasks` runs) works whether or not the start-up hook
     already routed the lazy `local-completions` entry (it raised 'already registered' when it had)."""
@@ -113,11 +113,13 @@ def test_explicit_apply_patches_local_completions_with_or_without_the_hook(hook)
     assert out == "LocalCompletionsAPI True lcx.lmeval_model"
 
 
+@pytest.mark.slow
 def test_hook_opt_out():
     out = json.loads(_python(HOOK_PROBE, LCX_NO_LMEVAL_HOOK="1").strip().splitlines()[-1])
     assert out["passkey"].endswith(LIBRA) and out["lcx"] is None and out["tasks"] == []
 
 
+@pytest.mark.slow
 def test_hook_skips_other_lm_eval_versions():
     code = (
         "import warnings; warnings.simplefilter('always')\n"
@@ -132,6 +134,7 @@ def test_hook_skips_other_lm_eval_versions():
     assert "lm-eval 0.4.99 is installed but lcx's lm-eval hook patches 0.4.13" in out.stderr
 
 
+@pytest.mark.slow
 def test_explicit_include_path_is_not_indexed_twice():
     code = (
         "from lm_eval.tasks import TaskManager\n"
@@ -199,6 +202,7 @@ def _keys(res: dict, task: str) -> set[str]:
     return {k.split(",")[0] for k in res["results"][task] if k.endswith(",none") and "_stderr" not in k}
 
 
+@pytest.mark.slow
 def test_cli_hf_model(tiny_model_dir, tmp_path):
     res = _cli("hf", f"pretrained={tiny_model_dir}", "modadd_shift,passkey", tmp_path)
     assert _keys(res, "passkey") == {str(L) for L in LENGTHS}
@@ -218,6 +222,7 @@ def test_cli_lcx_model_with_yarn(tiny_model_dir, tmp_path):
     assert res["config"]["model_args"]["rope_type"] == "yarn"
 
 
+@pytest.mark.slow
 def test_cli_module_entry_point_without_the_hook(tiny_model_dir, tmp_path):
     res = _cli("lcx", f"pretrained={tiny_model_dir},rope_type=dynamic,factor=4", "passkey_ll", tmp_path,
                prefix=[sys.executable, "-m", "lcx.eval_tasks"], LCX_NO_LMEVAL_HOOK="1")

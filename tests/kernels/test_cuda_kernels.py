@@ -85,6 +85,7 @@ def _case(shape, dtype, pos_kind, device, seed=0):
 
 
 # ----------------------------------------------------------------------------- compile checks
+@pytest.mark.slow  # ~20-30 s per (file, arch) on 2 cores
 @pytest.mark.parametrize("arch", NVCC_ARCHS)
 @pytest.mark.parametrize("cu", CU_FILES, ids=[p.stem for p in CU_FILES])
 def test_cuda_source_compiles_with_nvcc(cu, arch, tmp_path):

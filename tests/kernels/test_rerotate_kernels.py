@@ -167,6 +167,7 @@ def test_triton_small_block_many_programs():
         torch.testing.assert_close(out.cpu(), rerotate_ref(k.cpu().clone(), delta.cpu(), inv), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_triton_under_interpreter():
     """Run this module's Triton cases on CPU under TRITON_INTERPRET=1, in a fresh process."""
     if INTERPRET:

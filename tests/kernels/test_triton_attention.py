@@ -600,6 +600,7 @@ def _run_interpreter(marker_expr: str):
     assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_triton_under_interpreter():
     """The smoke grid of the kernels on CPU under TRITON_INTERPRET=1, in a fresh process."""
     _run_interpreter("not slow and not gpu")

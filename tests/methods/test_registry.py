@@ -150,6 +150,7 @@ def _run_with_toy_method(tmp_path, *args) -> subprocess.CompletedProcess:
                           timeout=1800)
 
 
+@pytest.mark.slow
 def test_a_new_method_is_in_every_grid(tmp_path):
     """Registering a method is all it takes for every generated grid to run it."""
     out = _run_with_toy_method(tmp_path, "--collect-only")

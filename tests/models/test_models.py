@@ -292,6 +292,7 @@ def test_smollm2_second_load_hits_the_cache(smollm2):
     assert tok2.eos_token_id == tok.eos_token_id
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_damaged_cache_is_rebuilt(smollm2):
     """Runs last: it rebuilds the module's cache entry (~20 s)."""

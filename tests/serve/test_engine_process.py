@@ -188,6 +188,7 @@ def _gone(pid: int, timeout: float = 10) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_killed_engine_fails_in_flight_requests_and_new_ones(tiny_model_dir, ref):
     p = _start(tiny_model_dir)
     try:
@@ -210,6 +211,7 @@ def test_killed_engine_fails_in_flight_requests_and_new_ones(tiny_model_dir, ref
         p.stop()
 
 
+@pytest.mark.slow
 def test_stop_ends_the_process_and_fails_what_is_open(tiny_model_dir, ref):
     p = _start(tiny_model_dir)
     pid = p.pid
@@ -264,6 +266,7 @@ def test_lcx_serve_engine_process_streams_and_survives_a_dead_engine(tiny_model_
     assert _gone(engine_pid), "the engine process outlived the server"
 
 
+@pytest.mark.slow
 def test_a_killed_server_leaves_no_engine_process(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with lcx_serve(tiny_model_dir, log, "--max-model-len", str(MAX_MODEL_LEN), "--threads", "1") as (url, server):
@@ -282,6 +285,7 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_dead_engine_is_restarted_then_a_crash_loop_gives_up(tiny_model_dir, ref):
     """kill -9: requests in flight fail (503), new ones fail at once while the child restarts,
     then the new child serves them (the reference's tokens); with max_restarts=1 the second death
@@ -316,6 +320,7 @@ def test_a_dead_engine_is_restarted_then_a_crash_loop_gives_up(tiny_model_dir, r
         p.stop()
 
 
+@pytest.mark.slow
 def test_lcx_serve_heartbeat_and_exit_after_repeated_failures(tiny_model_dir, tmp_path):
     """`lcx serve`: SIGSTOP on the engine process turns /health to 503 ("not responding") within
     the heartbeat timeout, SIGCONT back to 200; with --engine-restarts 0 a kill -9 makes the

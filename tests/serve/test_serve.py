@@ -412,6 +412,7 @@ def test_engine_failure_on_one_request_gives_500_and_others_continue(tiny_model)
 
 
 # -------------------------------------------------------------------------------- lm-eval
+@pytest.mark.slow
 def test_lm_eval_local_completions(server, tiny_model_dir, tmp_path):
     """lm-eval 0.4.13 `local-completions` against the server: passkey (generate_until, stop
     strings) and passkey_ll (loglikelihood: echo + logprobs)."""

@@ -210,6 +210,7 @@ NUMERIC = {  # field: endpoints it exists on
 }
 
 
+@pytest.mark.slow
 def test_every_numeric_field_at_its_extremes_is_4xx_or_200(srv):
     """No numeric value, of any field, alone or with a temperature that samples, gives a 5xx."""
     seen = set()

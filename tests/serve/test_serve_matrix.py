@@ -26,12 +26,13 @@ in-process in the default tier and rope+attention through the CLI entry points i
 Tiers (on 2 shared cores a server start costs 6-25 s, `lm_eval` ~25-40 s):
     default  every config (presets: REPRESENTATIVE_PRESET) x `create_app`, and every config's
              pickle round trip (what the engine process's spawn does with it: the defect of
-             issue #44 was a config that did not pickle); `rope+attention` x every CLI entry
-             point but `lcx serve --no-engine-process`, which takes `methods-json`.
+             issue #44 was a config that did not pickle); `rope+attention` x `lcx serve`, and
+             `lcx serve --no-engine-process` with `methods-json`.
     slow     every config (presets too) x `create_app`; every RoPE type and attention method
              (`SLOW_SERVED`: not the presets, which compose the same parts) x `lcx serve`, the
-             entry point whose process boundary broke in issue #44; `VLLM_SERVED`'s RoPE-only
-             and attention-only configs x the other CLI entry points. (The complete cross
+             entry point whose process boundary broke in issue #44; `rope+attention` and
+             `VLLM_SERVED`'s RoPE-only and attention-only configs x the other CLI entry points
+             (`lm_eval`, `lcx eval ppl`, `lcx report`). (The complete cross
              product is ~150 process starts, over an hour on 2 cores: `LCX_FULL_SERVE_MATRIX=1`.)
     vllm     `lcx serve --engine vllm`: every config the plugin refuses (refused before vLLM
              starts, naming why: seconds each) and the configs of `VLLM_SERVED` (a vLLM server
@@ -122,23 +123,25 @@ def _tier(case: str, entry: str) -> str | None:
     if entry == "serve-no-engine-process" and case == "methods-json":
         return "default"
     if entry != "serve-no-engine-process" and case == "rope+attention":
-        return "default"
+        # in process and through `lcx serve` by default; the other CLIs (a subprocess each, 10-30 s) slow
+        return "default" if entry in ("app", "serve") else "slow"
     if (entry == "serve" and case in SLOW_SERVED) or case in ("rope-yarn", "attention-lm_infinite"):
         return "slow"
     return "slow" if os.environ.get("LCX_FULL_SERVE_MATRIX") == "1" else None
 
 
 # The same matrix on a second family, a hybrid local/global one (tests/conftest.py tiny_gemma3_dir:
-# Gemma 3's q/k norms, scaling, per-layer windows and RoPE bases): every config in-process as in
-# the default tier, the CLI entry points with rope+attention in the slow tier.
+# Gemma 3's q/k norms, scaling, per-layer windows and RoPE bases): every config in-process (the
+# combined ones, rope+attention and methods-json, in the default tier; the rest slow), the CLI entry
+# points with rope+attention in the slow tier.
 FAMILY_MODELS = {"llama": "tiny_model_dir", "gemma3_text": "tiny_gemma3_dir"}
 
 
 def _family_tier(family: str, case: str, entry: str) -> str | None:
     if family == "llama":
         return _tier(case, entry)
-    if entry == "app":
-        return "default" if case in DEFAULT_APP else "slow"
+    if entry == "app":  # the second family: the combined configs by default, the rest slow
+        return "default" if case in ("rope+attention", "methods-json") else "slow"
     return "slow" if case == "rope+attention" and entry != "serve-no-engine-process" else None
 
 

@@ -56,6 +56,7 @@ def test_split_is_by_package_and_disjoint():
     assert split_record(code_split())["eval"]["files_sha256"] == rec["eval"]["files_sha256"]  # deterministic
 
 
+@pytest.mark.slow
 def test_eval_files_and_training_corpus_never_meet():
     ev = stdlib_files(split="eval")
     assert ev and set(ev) <= set(stdlib_files())
@@ -186,6 +187,7 @@ def test_site_code_package_budget(tmp_path, monkeypatch):
     assert sum(len(d.text) for d in sc.documents) <= 2.5 * size
 
 
+@pytest.mark.slow
 def test_site_code_never_shares_heldout_lines():
     """On this machine's site-packages: no kept file shares more than 2 long lines with the
     stdlib's val and eval packages (the rule, checked on the real data)."""

@@ -453,6 +453,7 @@ def _lmeval_in_process(pretrained: str, limit: int) -> dict:
                            bootstrap_iters=0)["results"]
 
 
+@pytest.mark.slow
 def test_lmeval_lcx_model_evaluates_the_exported_decoder(decoder_dir):
     """lm-eval's `lcx` model on the export: the same numbers as the trainer's own check."""
     limit = 4
