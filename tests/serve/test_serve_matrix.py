@@ -123,8 +123,8 @@ def _tier(case: str, entry: str) -> str | None:
     if entry == "serve-no-engine-process" and case == "methods-json":
         return "default"
     if entry != "serve-no-engine-process" and case == "rope+attention":
-        # in process and through `lcx serve` by default; the other CLIs (a subprocess each, 10-30 s) slow
-        return "default" if entry in ("app", "serve") else "slow"
+        # through `lcx serve` by default (in process: above); the other CLIs (a subprocess each, 10-30 s) slow
+        return "default" if entry == "serve" else "slow"
     if (entry == "serve" and case in SLOW_SERVED) or case in ("rope-yarn", "attention-lm_infinite"):
         return "slow"
     return "slow" if os.environ.get("LCX_FULL_SERVE_MATRIX") == "1" else None
