@@ -27,7 +27,8 @@ extension's name carries the ISA, so a cached build is never loaded on a CPU wit
 compiler refuses the flags, the portable build (no ISA flags) is used.
 
 The extension compiles on first use (torch.utils.cpp_extension.load: a C++ compiler and ninja,
-~30-60 s, cached under torch's extensions directory). `unavailable()` says why it cannot be used.
+~30-60 s, cached under torch's extensions directory; behind `lcx.kernels._torch_build`'s lock,
+so a build killed half-way never stalls the next one). `unavailable()` says why it cannot be used.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def isa() -> str:
 def load_extension(verbose: bool = False):
     """Compile (first call; torch caches the build across processes) and import the extension:
     with this CPU's ISA flags (`isa()`), else, if that build fails, the portable one (logged)."""
-    from torch.utils.cpp_extension import load
+    from .._torch_build import load
 
     target = isa()
     if target != "portable":

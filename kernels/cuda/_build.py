@@ -18,7 +18,7 @@ def load_cuda_extension(name: str, sources: tuple[str, ...], verbose: bool = Fal
     if not torch.cuda.is_available():
         raise RuntimeError("lcx.kernels.cuda needs a CUDA build of torch and a GPU "
                            "(torch.cuda.is_available() is False)")
-    from torch.utils.cpp_extension import load
+    from .._torch_build import load
 
     return load(name=name, sources=[str(HERE / s) for s in sources], extra_include_paths=[str(HERE)],
                 extra_cuda_cflags=["-O3"], verbose=verbose)
