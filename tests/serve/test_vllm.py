@@ -17,8 +17,9 @@ Checks:
 - the same prompts give *different* logprobs without the method (so the check can fail);
 - vLLM's greedy decode (paged cache, one query per step) gives lcx's greedy tokens;
 - with `--tensor-parallel-size 2` (CPU backend, two worker processes) the plugin's methods
-  (TP_METHODS: the first example of every method the plugin computes itself, both cache
-  layouts) still equal lcx's logprobs and greedy tokens, i.e. TP=1's;
+  (TP_METHODS: the first example of every method the plugin computes itself; by default one per
+  cache layout, all with LCX_VLLM_FULL_MATRIX=1) still equal lcx's logprobs and greedy tokens,
+  i.e. TP=1's;
 - the grids cover the registries: a registered RoPE type or method is left out only when the
   plugin refuses it (length-dependent RoPE) or it is the model itself;
 - `lcx serve --engine vllm` answers /v1/completions through the plugin (openai client): greedy
@@ -29,8 +30,9 @@ Checks:
 
 The default test run skips this module (pyproject addopts `-m "not vllm and not slow"`); without vLLM
 it skips, unless LCX_REQUIRE_VLLM=1 (the CI step sets it), where a missing vLLM fails.
-Cost: one vLLM start per config (~30-80 s each on 2 busy cores, TP=2 starts ~1.5-4 min), about
-40-50 minutes in all (~33 tests; the grid grows with the registries).
+Cost: the parity grid runs in one worker process (vLLM's engine in-process, `score --cases`: one
+start, then ~5-20 s a config); each TP=2 config is its own vLLM start (two worker processes,
+~1-3 min on 2 busy cores), as is the served test's `lcx serve --engine vllm`.
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ COMBINED = {
 }
 METHODS = {name: d for name, d in {**REGISTRY_CASES, **COMBINED}.items() if _runs_in_vllm(d)}
 # The default vLLM tier runs every RoPE type, the first example of every attention method and the
-# compositions (one vLLM start each, ~2-3 min on 2 cores: CI's vLLM step has 45 min); the other
-# examples of a method run with LCX_VLLM_FULL_MATRIX=1.
+# compositions (all in one worker process, `vllm_cases`); the other examples of a method run with
+# LCX_VLLM_FULL_MATRIX=1.
 _FIRST = {m.name: method_id(m) for m in reversed(examples())}
 METHODS_DEFAULT = [name for name, d in METHODS.items()
                    if "attention" not in d or "rope" in d or _FIRST[d["attention"]["type"]] == name]
@@ -113,6 +115,10 @@ for _m in examples():
     if _runs_in_vllm(_d) and runs_lcx_attention(check_vllm_methods(_d, _HF_CONFIG)) and \
             _m.name not in {m["attention"]["type"] for m in TP_METHODS.values()}:
         TP_METHODS[method_id(_m)] = _d
+# By default one method per cache layout (each TP=2 config is a vLLM start with two worker
+# processes): keys cached after RoPE (LM-Infinite) and unrotated (SWAT); every method of
+# TP_METHODS with LCX_VLLM_FULL_MATRIX=1.
+TP_DEFAULT = [n for n, d in TP_METHODS.items() if d["attention"]["type"] in ("lm_infinite", "swat")]
 GEN = 6  # greedy tokens decoded by vLLM for GEN_PROMPTS (its decode path over the paged cache)
 GEN_PROMPTS = (3, 5)  # prompts of 257 and 1000 tokens: decode past the context, across blocks
 WORKER_TIMEOUT_S = 420
@@ -185,10 +191,37 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
+def _full_matrix() -> bool:
+    return os.environ.get("LCX_VLLM_FULL_MATRIX") == "1"
+
+
 @pytest.fixture(scope="module")
-def vllm_plain(model_dir, prompts, tmp_path_factory, vllm_python) -> list[list[float]]:
+def vllm_cases(model_dir, prompts, tmp_path_factory, vllm_python) -> dict[str, dict]:
+    """Plain vLLM and every parity config of this run, scored by one worker process
+    (`lcx.serve.vllm_plugin.score --cases`: vLLM's engine in that process, one `LLM` after another,
+    ~5-20 s a config instead of a 1-2 min vLLM start each). vLLM's multi-process engine (engine
+    core and worker processes) is what the TP=2 grid and `lcx serve --engine vllm` below start."""
+    tmp = tmp_path_factory.mktemp("vllm-cases")
+    names = [n for n in METHODS if n in METHODS_DEFAULT or _full_matrix()]
+    cases = {"plain": {"model": str(model_dir), "methods": None},
+             **{n: {"model": str(model_dir), "methods": METHODS[n]} for n in names}}
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    (tmp / "prompts.json").write_text(json.dumps(prompts))
+    args = ["--cases", str(tmp / "cases.json"), "--prompts", str(tmp / "prompts.json"),
+            "--max-model-len", str(MAX_MODEL_LEN), "--gen", str(GEN)]
+    return run_score_worker(args, tmp, timeout_s=WORKER_TIMEOUT_S + 60 * len(cases))["cases"]
+
+
+def _case(vllm_cases: dict, name: str) -> dict:
+    out = vllm_cases[name]
+    assert "error" not in out, f"{name}: the vLLM worker refused or failed: {out.get('error')}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_plain(vllm_cases) -> list[list[float]]:
     """vLLM without the plugin (its own Llama, default RoPE, full causal attention)."""
-    return _vllm_logprobs(model_dir, None, prompts, tmp_path_factory.mktemp("vllm-plain"))
+    return _case(vllm_cases, "plain")["logprobs"]
 
 
 def test_plain_vllm_matches_unpatched_model(model_dir, prompts, vllm_plain):
@@ -198,11 +231,11 @@ def test_plain_vllm_matches_unpatched_model(model_dir, prompts, vllm_plain):
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, tmp_path, vllm_python):
-    if name not in METHODS_DEFAULT and os.environ.get("LCX_VLLM_FULL_MATRIX") != "1":
+def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, vllm_cases):
+    if name not in METHODS_DEFAULT and not _full_matrix():
         pytest.skip("another example of a method in the default grid: runs with LCX_VLLM_FULL_MATRIX=1")
     methods = METHODS[name]
-    got, generated = _vllm_logprobs(model_dir, methods, prompts, tmp_path, gen=GEN)
+    got, generated = _case(vllm_cases, name)["logprobs"], _case(vllm_cases, name)["generated"]
     ref = _lcx_hf_logprobs(model_dir, methods, prompts)
     assert _max_diff(got, ref) < TOL, f"{name}: vLLM+plugin vs lcx-patched HF model"
     engine = _lcx_engine(model_dir, methods)
@@ -238,6 +271,8 @@ def test_tensor_parallel_2_equals_tp1(name, model_dir, prompts, vllm_plain, vllm
     logprobs within TOL of lcx's and greedy tokens equal to lcx's greedy decode, the references
     TP=1 is held to (`test_prompt_logprobs_match_lcx`), so TP=2 greedy output = TP=1's. Control:
     plain vLLM at TP=2 equals plain vLLM at TP=1."""
+    if name not in TP_DEFAULT and not _full_matrix():
+        pytest.skip(f"the default TP=2 grid is {TP_DEFAULT} (one per cache layout): LCX_VLLM_FULL_MATRIX=1 runs it")
     assert _max_diff(vllm_plain_tp2[0], vllm_plain) < TOL
     methods = TP_METHODS[name]
     got, generated = _vllm_logprobs(model_dir, methods, prompts, tmp_path, gen=GEN, tp=2)
@@ -271,6 +306,7 @@ def test_grids_cover_the_registries():
     assert left_out == want
     in_grid = {d["attention"]["type"] for d in METHODS.values() if "attention" in d}
     assert in_grid == set(ATTENTION_METHODS) - {"causal"}
+    assert {TP_METHODS[n]["attention"]["type"] for n in TP_DEFAULT} == {"lm_infinite", "swat"}
     tp = {d["attention"]["type"] for d in TP_METHODS.values()}
     assert tp == {n for n in in_grid if runs_lcx_attention(check_vllm_methods({"attention": {"type": n, **_args(n)}},
                                                                                _HF_CONFIG))}
@@ -369,17 +405,16 @@ def test_lm_eval_vllm_model_applies_lcx_methods(model_dir, tmp_path, vllm_python
     try:
         env = {**vllm_env(private, threads=1), "PYTHONPATH": ""}
         got = _lm_eval_run(python, "vllm", json.dumps({"pretrained": model, **kwargs}), tmp_path / "vllm", env)
-        # plain vLLM: only the length limit raised (as the plain scoring worker does)
-        plain = _lm_eval_run(python, "vllm", json.dumps({
-            "pretrained": model, "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-            "hf_overrides": {"max_position_embeddings": MAX_MODEL_LEN}}), tmp_path / "plain", env)
     finally:
         shutil.rmtree(private, ignore_errors=True)
-    lcx_args = (f"pretrained={model_dir},rope_type=yarn,factor=2,attention=lm_infinite,n_global=4,n_local=200,"
-                "dtype=float32")
     base_env = {k: v for k, v in os.environ.items()}
     base_env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    ref = _lm_eval_run(sys.executable, "lcx", lcx_args, tmp_path / "lcx", base_env)
+    ref = _lm_eval_run(sys.executable, "lcx", f"pretrained={model_dir},rope_type=yarn,factor=2,attention=lm_infinite,"
+                       "n_global=4,n_local=200,dtype=float32", tmp_path / "lcx", base_env)
+    # The control (the comparison can fail): the model without methods, through lcx (the plain
+    # model's logprobs equal plain vLLM's: test_plain_vllm_matches_unpatched_model), not a second
+    # vLLM start.
+    plain = _lm_eval_run(sys.executable, "lcx", f"pretrained={model_dir},dtype=float32", tmp_path / "plain", base_env)
     for L in LMEVAL_LENGTHS:
         key = f"bits_per_byte_{L},none"
         assert got[key] == pytest.approx(ref[key], rel=1e-4), (L, got, ref)
