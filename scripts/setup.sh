@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pip's "running as root" warning, printed once per install, buries CI's log: off (it changes nothing else)
+export PIP_ROOT_USER_ACTION=ignore
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 if [ "${LCX_KEEP_TORCH:-0}" = "1" ] && "$PY" -c "import torch" 2>/dev/null; then
