@@ -43,7 +43,11 @@ def test_the_cpu_kernel_loads_past_a_stale_torch_lock():
 
     assert unavailable() is None  # built (set-up builds it), so the next load only imports
     name = "lcx_relative_attention_cpu" + ("" if isa() == "portable" else f"_{isa().lower()}")
-    (build_directory(name) / "lock").touch()
-    code = "from lcx.kernels.cpu import unavailable; assert unavailable() is None"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
-    assert not (build_directory(name) / "lock").exists()
+    lock = build_directory(name) / "lock"
+    lock.touch()
+    try:
+        code = "from lcx.kernels.cpu import unavailable; assert unavailable() is None"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
+        assert not lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)  # never leave the planted lock behind, whatever failed
