@@ -411,9 +411,9 @@ def test_lm_eval_vllm_model_applies_lcx_methods(model_dir, tmp_path, vllm_python
     base_env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     ref = _lm_eval_run(sys.executable, "lcx", f"pretrained={model_dir},rope_type=yarn,factor=2,attention=lm_infinite,"
                        "n_global=4,n_local=200,dtype=float32", tmp_path / "lcx", base_env)
-    # The control (the comparison can fail): the model without methods, through lcx (the plain
-    # model's logprobs equal plain vLLM's: test_plain_vllm_matches_unpatched_model), not a second
-    # vLLM start.
+    # The control (the comparison can fail): the same model without methods scores differently.
+    # Through lcx, not a second vLLM start (plain vLLM equals the plain model on its own:
+    # test_plain_vllm_matches_unpatched_model).
     plain = _lm_eval_run(sys.executable, "lcx", f"pretrained={model_dir},dtype=float32", tmp_path / "plain", base_env)
     for L in LMEVAL_LENGTHS:
         key = f"bits_per_byte_{L},none"
