@@ -235,7 +235,8 @@ def test_prompt_logprobs_match_lcx(name, model_dir, prompts, vllm_plain, vllm_ca
     if name not in METHODS_DEFAULT and not _full_matrix():
         pytest.skip("another example of a method in the default grid: runs with LCX_VLLM_FULL_MATRIX=1")
     methods = METHODS[name]
-    got, generated = _case(vllm_cases, name)["logprobs"], _case(vllm_cases, name)["generated"]
+    case = _case(vllm_cases, name)
+    got, generated = case["logprobs"], case["generated"]
     ref = _lcx_hf_logprobs(model_dir, methods, prompts)
     assert _max_diff(got, ref) < TOL, f"{name}: vLLM+plugin vs lcx-patched HF model"
     engine = _lcx_engine(model_dir, methods)
