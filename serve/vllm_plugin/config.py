@@ -74,12 +74,13 @@ class VllmFamily:
 # HF architecture -> the family the plugin registers an lcx class for (`register()`). A family of
 # `lcx.hf.models.FAMILIES` that vLLM 0.32 runs natively is one line here (its attention module
 # must keep `rotary_emb(positions, q, k)` and an `attn` layer, as vLLM's decoder models do);
-# tests/serve/test_vllm_families.py runs each against lcx's engine. Not here:
-# - olmo, olmo2, starcoder2: vLLM 0.32 has no native class for them; it runs them through its
-#   Transformers backend (`TransformersForCausalLM`), whose layers are transformers' own, not a
-#   vLLM attention module with a rotary module to swap;
-# - the families lcx leaves out (`lcx.hf.models.LEFT_OUT`: interleaved or partial RoPE,
-#   soft-capping, NoPE layers).
+# tests/serve/test_vllm_families.py runs each against lcx's engine. The mixtures of experts need
+# nothing more: their experts are MLPs; attention is the dense families'. Not here (`VLLM_LEFT_OUT`
+# says why for each lcx family): the families vLLM 0.32 runs only through its Transformers backend
+# (`TransformersForCausalLM`: transformers' own layers, no vLLM attention module with a rotary
+# module to swap), the partial or interleaved RoPE families, the soft-capped ones, and three whose
+# vLLM class does not fit (HunYuan v3's fused CUDA rotation, MiniMax-M2's `rotary_dim`, Apertus'
+# own numerics); the families lcx itself leaves out (`lcx.hf.models.LEFT_OUT`) are refused by lcx.
 FAMILIES: dict[str, VllmFamily] = {
     "LlamaForCausalLM": VllmFamily("llama", "LcxLlamaForCausalLM", "llama:LlamaForCausalLM", window_from_config=True),
     "MistralForCausalLM": VllmFamily("mistral", "LcxMistralForCausalLM", "mistral:MistralForCausalLM",
@@ -90,6 +91,15 @@ FAMILIES: dict[str, VllmFamily] = {
     "GemmaForCausalLM": VllmFamily("gemma", "LcxGemmaForCausalLM", "gemma:GemmaForCausalLM"),
     "Gemma3ForCausalLM": VllmFamily("gemma3_text", "LcxGemma3ForCausalLM", "gemma3:Gemma3ForCausalLM"),
     "GraniteForCausalLM": VllmFamily("granite", "LcxGraniteForCausalLM", "granite:GraniteForCausalLM"),
+    "MixtralForCausalLM": VllmFamily("mixtral", "LcxMixtralForCausalLM", "mixtral:MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": VllmFamily("qwen2_moe", "LcxQwen2MoeForCausalLM", "qwen2_moe:Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": VllmFamily("qwen3_moe", "LcxQwen3MoeForCausalLM", "qwen3_moe:Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": VllmFamily("olmoe", "LcxOlmoeForCausalLM", "olmoe:OlmoeForCausalLM"),
+    "GraniteMoeForCausalLM": VllmFamily("granitemoe", "LcxGraniteMoeForCausalLM", "granitemoe:GraniteMoeForCausalLM"),
+    "HyperCLOVAXForCausalLM": VllmFamily("hyperclovax", "LcxHyperCLOVAXForCausalLM",
+                                         "hyperclovax:HyperCLOVAXForCausalLM"),
+    "GraniteMoeSharedForCausalLM": VllmFamily("granitemoeshared", "LcxGraniteMoeSharedForCausalLM",
+                                              "granitemoeshared:GraniteMoeSharedForCausalLM"),
 }
 # HF architecture -> the lcx architecture registered with vLLM's ModelRegistry.
 ARCHITECTURES: dict[str, str] = {hf: f.lcx_arch for hf, f in FAMILIES.items()}
@@ -99,24 +109,31 @@ _TRANSFORMERS_BACKEND = ("vLLM 0.32 has no native class for it and runs it throu
 # lcx families the plugin cannot run in vLLM, and why (named in `hf_overrides`' refusal).
 _NOT_WIRED = ("an lcx family (the engine, `lcx serve` and lm-eval run it) that the vLLM plugin has no class "
               "for yet: its vLLM model's rotary and attention modules are not swapped")
-VLLM_LEFT_OUT: dict[str, str] = {"OlmoForCausalLM": _TRANSFORMERS_BACKEND, "Olmo2ForCausalLM": _TRANSFORMERS_BACKEND,
-                                 "Starcoder2ForCausalLM": _TRANSFORMERS_BACKEND,
-                                 **{arch: _NOT_WIRED for arch in (
-                                     "ApertusForCausalLM", "ArceeForCausalLM", "BitNetForCausalLM",
-                                     "FlexOlmoForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                                     "HYV3ForCausalLM", "HyperCLOVAXForCausalLM", "Jais2ForCausalLM",
-                                     "MiniMaxM2ForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                                     "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM")},
-                                 **{arch: _NOT_WIRED + "; its RoPE is partial or interleaved (lcx holds its heads in "
-                                    "its own channel order, lcx.hf.channel_order; the plugin's rotary swap rotates "
-                                    "whole heads rotate-half)"
-                                    for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM", "StableLmForCausalLM",
-                                                 "NemotronForCausalLM", "CohereForCausalLM",
-                                                 "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
-                                                 "Ernie4_5ForCausalLM", "GPTNeoXForCausalLM")},
-                                 **{arch: _NOT_WIRED + "; its attention-logit soft-capping (which lcx's engine runs) "
-                                    "would have to reach the plugin's method attention from vLLM's module"
-                                    for arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")}}
+VLLM_LEFT_OUT: dict[str, str] = {
+    **{arch: _TRANSFORMERS_BACKEND for arch in (
+        "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
+        "FlexOlmoForCausalLM", "Jais2ForCausalLM", "SeedOssForCausalLM")},
+    **{arch: "vLLM 0.32 has no class registered for it (it would run it through its Transformers backend: "
+       "transformers' own layers, no vLLM attention module whose rotary and attention the plugin swaps)"
+       for arch in ("BitNetForCausalLM", "MinistralForCausalLM")},
+    "HYV3ForCausalLM": _NOT_WIRED + "; on CUDA its vLLM attention rotates q/k in a fused RoPE + q/k-norm + "
+                       "cache-write kernel that reads the rotary cache directly, past the plugin's rotary swap",
+    "MiniMaxM2ForCausalLM": _NOT_WIRED + "; vLLM 0.32's class reads the config key `rotary_dim` (a partial RoPE), "
+                            "which transformers' MiniMaxM2Config does not define",
+    "ApertusForCausalLM": _NOT_WIRED + "; vLLM 0.32's own Apertus, before any method, differs from transformers' "
+                          "by 5e-4 in prompt logprobs on a tiny checkpoint (its own xIELU activation), five times "
+                          "the plugin's parity tolerance",
+    **{arch: _NOT_WIRED + "; its RoPE is partial or interleaved (lcx holds its heads in "
+       "its own channel order, lcx.hf.channel_order; the plugin's rotary swap rotates "
+       "whole heads rotate-half)"
+       for arch in ("PhiForCausalLM", "Glm4MoeForCausalLM", "StableLmForCausalLM",
+                    "NemotronForCausalLM", "CohereForCausalLM",
+                    "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
+                    "Ernie4_5ForCausalLM", "GPTNeoXForCausalLM")},
+    **{arch: _NOT_WIRED + "; its attention-logit soft-capping (which lcx's engine runs) "
+       "would have to reach the plugin's method attention from vLLM's module"
+       for arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")},
+}
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every
 # other registry method runs through `.method_attention` (exact, CPU backend only): the methods

@@ -251,6 +251,11 @@ def test_gemma3_overrides_keep_the_hybrid():
     ("gemma2", "Gemma2ForCausalLM", {}, "attention-logit soft-capping"),
     ("olmo2", "Olmo2ForCausalLM", {}, "Transformers backend"),
     ("starcoder2", "Starcoder2ForCausalLM", {}, "Transformers backend"),
+    ("olmo3", "Olmo3ForCausalLM", {}, "Transformers backend"),
+    ("ministral", "MinistralForCausalLM", {}, "no class registered"),
+    ("hy_v3", "HYV3ForCausalLM", {}, "fused RoPE"),
+    ("minimax_m2", "MiniMaxM2ForCausalLM", {}, "rotary_dim"),
+    ("apertus", "ApertusForCausalLM", {}, "xIELU"),
 ])
 def test_refused_before_vllm(model_type, arch, methods, match):
     from transformers import AutoConfig
