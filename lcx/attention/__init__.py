@@ -34,7 +34,7 @@ from .reference import (
     normalize_scores,
 )
 from .rotary import LambdaInputs, lambda_concat_inputs, lambda_global_mask, lambda_inputs, rotate_qk
-from .spec import ACTIVATIONS, AttentionSpec, CallInfo, LambdaParams, Rotary, soft_cap
+from .spec import ACTIVATIONS, AttentionSpec, CallInfo, LambdaParams, Rotary, sdpa, soft_cap
 
 __all__ = [
     "ACTIVATIONS",
@@ -70,4 +70,6 @@ __all__ = [
     "normalize_scores",
     "register_backend",
     "rotate_qk",
+    "sdpa",
+    "soft_cap",
 ]

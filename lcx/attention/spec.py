@@ -230,3 +230,22 @@ def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     or `scores` as they are when `softcap` is None. The one statement of the cap, for every
     backend and decode path written in PyTorch."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+         scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """torch's `scaled_dot_product_attention` (q `[B, H, Tq, D]`, k/v `[B, Hkv, Tk, D]`, a bool
+    `attn_mask` True where a key is seen, grouped-query heads when Hkv < H) with the scaled logits
+    soft-capped (`soft_cap`). Without a cap torch's fused kernel; with one, scores and softmax in
+    the inputs' dtype (torch's kernels have no cap). Every visible row needs a visible key."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale,
+                                                                enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    s = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5), softcap)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)

@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from lcx.attention import Rotary
+from lcx.attention import Rotary, sdpa
 from lcx.attention.rotary import table_dtype
 from lcx.rope import rope_cos_sin
 
@@ -58,12 +57,14 @@ class LastQueryPlan:
             mask = keys.visible[:, None, None, :]
         return cls(k_cos, k_sin, mask)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-        """UNROTATED q `[B, 1, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` -> `[B, 1, H, Dv]`."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """UNROTATED q `[B, 1, H, D]`, k `[B, Tk, Hkv, D]`, v `[B, Tk, Hkv, Dv]` -> `[B, 1, H, Dv]`.
+        `softcap`: the model's attention-logit soft-capping (Gemma 2) on every scaled logit."""
         wide = torch.promote_types(q.dtype, self.k_cos.dtype)
         kr = _rotate(k.to(wide), self.k_cos, self.k_sin).transpose(1, 2)  # [B, Hkv, Tk, D], relative to q
-        out = F.scaled_dot_product_attention(q.to(wide).transpose(1, 2), kr, v.to(wide).transpose(1, 2),
-                                             attn_mask=self.mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+        out = sdpa(q.to(wide).transpose(1, 2), kr, v.to(wide).transpose(1, 2), attn_mask=self.mask, scale=scale,
+                   softcap=softcap)
         return out.transpose(1, 2).to(v.dtype)
 
 
@@ -132,15 +133,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 
 def attend_last_query(method: AttentionMethod, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      rotary: Rotary, scale: float | None = None, layer_idx: int | None = None) -> torch.Tensor:
+                      rotary: Rotary, scale: float | None = None, layer_idx: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """`method.attend(q, k, v, ...)` for one query per row (Tq = 1), through `LastQueryPlan` where
-    the method allows it (else `attend` itself, given `layer_idx` for methods that differ per layer)."""
+    the method allows it (else `attend` itself, given `layer_idx` for methods that differ per layer);
+    `softcap`: the model's attention-logit soft-capping, in either route."""
     if q.shape[1] != 1:
         raise ValueError(f"attend_last_query takes one query per row, got Tq={q.shape[1]}")
     plan = LastQueryPlan.build(method, rotary, n_keys=k.shape[1], batch=q.shape[0], device=q.device, dtype=q.dtype)
     if plan is None:
-        return method.attend(q, k, v, rotary=rotary, scale=scale, layer_idx=layer_idx)
-    return plan.attend(q, k, v, scale=scale)
+        return method.attend(q, k, v, rotary=rotary, scale=scale, layer_idx=layer_idx, softcap=softcap)
+    return plan.attend(q, k, v, scale=scale, softcap=softcap)
 
 
 __all__ = ["LastQueryPlan", "RelativeKeys", "attend_last_query"]

@@ -78,7 +78,7 @@ class VllmFamily:
 # nothing more: their experts are MLPs; attention is the dense families'. Not here (`VLLM_LEFT_OUT`
 # says why for each lcx family): the families vLLM 0.32 runs only through its Transformers backend
 # (`TransformersForCausalLM`: transformers' own layers, no vLLM attention module with a rotary
-# module to swap), the partial or interleaved RoPE families, the soft-capped ones, and three whose
+# module to swap), the partial or interleaved RoPE families, and three whose
 # vLLM class does not fit (HunYuan v3's fused CUDA rotation, MiniMax-M2's `rotary_dim`, Apertus'
 # own numerics); the families lcx itself leaves out (`lcx.hf.models.LEFT_OUT`) are refused by lcx.
 FAMILIES: dict[str, VllmFamily] = {
@@ -89,6 +89,7 @@ FAMILIES: dict[str, VllmFamily] = {
     "Qwen2ForCausalLM": VllmFamily("qwen2", "LcxQwen2ForCausalLM", "qwen2:Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": VllmFamily("qwen3", "LcxQwen3ForCausalLM", "qwen3:Qwen3ForCausalLM"),
     "GemmaForCausalLM": VllmFamily("gemma", "LcxGemmaForCausalLM", "gemma:GemmaForCausalLM"),
+    "Gemma2ForCausalLM": VllmFamily("gemma2", "LcxGemma2ForCausalLM", "gemma2:Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": VllmFamily("gemma3_text", "LcxGemma3ForCausalLM", "gemma3:Gemma3ForCausalLM"),
     "GraniteForCausalLM": VllmFamily("granite", "LcxGraniteForCausalLM", "granite:GraniteForCausalLM"),
     "MixtralForCausalLM": VllmFamily("mixtral", "LcxMixtralForCausalLM", "mixtral:MixtralForCausalLM"),
@@ -112,7 +113,7 @@ _NOT_WIRED = ("an lcx family (the engine, `lcx serve` and lm-eval run it) that t
 VLLM_LEFT_OUT: dict[str, str] = {
     **{arch: _TRANSFORMERS_BACKEND for arch in (
         "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Starcoder2ForCausalLM", "ArceeForCausalLM",
-        "FlexOlmoForCausalLM", "Jais2ForCausalLM", "SeedOssForCausalLM")},
+        "FlexOlmoForCausalLM", "Jais2ForCausalLM", "SeedOssForCausalLM", "VaultGemmaForCausalLM")},
     **{arch: "vLLM 0.32 has no class registered for it (it would run it through its Transformers backend: "
        "transformers' own layers, no vLLM attention module whose rotary and attention the plugin swaps)"
        for arch in ("BitNetForCausalLM", "MinistralForCausalLM")},
@@ -130,9 +131,6 @@ VLLM_LEFT_OUT: dict[str, str] = {
                     "NemotronForCausalLM", "CohereForCausalLM",
                     "HeliumForCausalLM", "Glm4ForCausalLM", "GlmForCausalLM",
                     "Ernie4_5ForCausalLM", "GPTNeoXForCausalLM")},
-    **{arch: _NOT_WIRED + "; its attention-logit soft-capping (which lcx's engine runs) "
-       "would have to reach the plugin's method attention from vLLM's module"
-       for arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")},
 }
 
 # vLLM's own attention kernels run `sliding_window` (and `causal`, the unpatched model). Every

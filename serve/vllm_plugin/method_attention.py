@@ -56,6 +56,10 @@ SDPA; rotated prefill un-rotates q and k and calls the method's `attend`; the un
 gathers + `LastQueryPlan.attend` for decode and `attend` on `prefill_backend(method)` for
 prefill. Every route is tested against `method.attend` (tests/serve/test_vllm_plugin_decode.py).
 
+A layer whose vLLM attention soft-caps its logits (Gemma 2's `logits_soft_cap`) passes the cap to
+every route (`lcx.attention.sdpa`, `LastQueryPlan.attend`, the method's `attend` on `blockwise`)
+and runs the torch route: the C++ kernel has no cap.
+
 Tensor parallelism: each rank holds its own heads (H / tp query heads, their kv heads) and its
 own cache; everything here is per head, so a rank runs the same code on its slice, with per-head
 parameters (SWAT's ALiBi slopes) cut to its heads (`method_for_rank`).
@@ -80,9 +84,8 @@ import logging
 import types
 
 import torch
-import torch.nn.functional as F
 
-from lcx.attention import Rotary
+from lcx.attention import Rotary, sdpa
 from lcx.attention.rotary import table_dtype
 from lcx.method_config import INFERENCE_BACKEND
 from lcx.methods import AttentionMethod
@@ -151,9 +154,9 @@ class _MethodAttention:
             if lq is None:  # not plain softmax attention (SWAT): the method's own path
                 out = self.lcx_method.attend(q, kv[..., :d], kv[..., d:], scale=self.scale,
                                              rotary=Rotary(self.lcx_inv_freq, g.positions, self.lcx_attention_factor),
-                                             layer_idx=self.lcx_layer_idx)
+                                             layer_idx=self.lcx_layer_idx, softcap=self.lcx_softcap)
             else:
-                out = lq.attend(q, kv[..., :d], kv[..., d:], scale=self.scale)
+                out = lq.attend(q, kv[..., :d], kv[..., d:], scale=self.scale, softcap=self.lcx_softcap)
             output[g.rows] = out[:, 0].to(output.dtype)
         rotary = Rotary(self.lcx_inv_freq, None, self.lcx_attention_factor)
         for g in plan.multi_query_groups:  # one batched call per group of equally shaped requests
@@ -174,7 +177,8 @@ class _MethodAttention:
                 k = apply_rotary_ref(k, cos, sin, inverse=True)
                 q = apply_rotary_ref(q, cos[g.n_keys - g.n_queries:], sin[g.n_keys - g.n_queries:], inverse=True)
             out = self.lcx_method.attend(q, k, kv[..., d:], rotary=rotary, scale=self.scale,
-                                         backend=self.lcx_backend, layer_idx=self.lcx_layer_idx)
+                                         backend=self.lcx_backend, layer_idx=self.lcx_layer_idx,
+                                         softcap=self.lcx_softcap)
             output[g.token_rows] = out.reshape(B * g.n_queries, *out.shape[2:]).to(output.dtype)
         return output
 
@@ -195,15 +199,16 @@ def _rule_decode_attend(impl, dec: "_RuleDecode", query: torch.Tensor, flat: tor
     cos, sin = dec.tables(impl.lcx_inv_freq, wide)  # [B, K, r]: identity for window keys
     k = apply_rotary_ref(kv[..., :d], cos, sin).transpose(1, 2)  # [B, Hkv, K, D]
     q = query[dec.rows][:, :, None].to(wide)  # [B, H, 1, D]
-    out = F.scaled_dot_product_attention(q, k, kv[..., d:].transpose(1, 2), attn_mask=dec.visible[:, None, None, :],
-                                         scale=impl.scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = sdpa(q, k, kv[..., d:].transpose(1, 2), attn_mask=dec.visible[:, None, None, :], scale=impl.scale,
+               softcap=impl.lcx_softcap)
     output[dec.rows] = out[:, :, 0].to(output.dtype)
 
 
-def prefill_backend(method: AttentionMethod) -> str:
+def prefill_backend(method: AttentionMethod, softcap: float | None = None) -> str:
     """The `lcx.attention` backend of multi-query calls: lcx's fastest exact CPU route
-    (`INFERENCE_BACKEND`) where the method runs on it, else blockwise (SWAT's sigmoid)."""
-    return INFERENCE_BACKEND if method.supports(INFERENCE_BACKEND) is None else "blockwise"
+    (`INFERENCE_BACKEND`) where the method runs on it (with the layer's logit cap `softcap`),
+    else blockwise (SWAT's sigmoid, a soft-capped layer)."""
+    return INFERENCE_BACKEND if method.supports(INFERENCE_BACKEND, softcap=softcap) is None else "blockwise"
 
 
 _PREFILL_KEYS_MAX = 64  # shapes of prefill/chunk calls remembered per layer
@@ -277,8 +282,8 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
         raise ValueError(f"attention method {method.name!r} runs inside vLLM on the CPU backend only; "
                          f"this layer uses {type(impl).__name__}")
     # Terms of the layer's own attention that lcx's methods have none for: refused, never dropped.
+    # (Its logit soft-capping, Gemma 2's, every lcx method takes: `softcap` below.)
     own = {"attention sinks (s_aux)": getattr(impl, "sinks", None) is not None,
-           "logit soft-capping": bool(getattr(impl, "logits_soft_cap", 0)),
            "ALiBi slopes": getattr(impl, "alibi_slopes", None) is not None}
     if any(own.values()):
         raise ValueError(f"attention method {method.name!r} cannot run on {attn_layer.layer_name}: the layer has "
@@ -287,8 +292,10 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.do_kv_cache_update = types.MethodType(_MethodAttention.do_kv_cache_update, impl)
     impl.lcx_method = method
     impl.lcx_rotated = bool(rotated)
-    impl.lcx_backend = prefill_backend(method)
-    impl.lcx_kernel = attention_kernel()
+    impl.lcx_softcap = float(getattr(impl, "logits_soft_cap", 0) or 0) or None  # vLLM: 0 means none
+    impl.lcx_backend = prefill_backend(method, impl.lcx_softcap)
+    # the C++ kernel has no logit cap: a soft-capped layer runs the torch route (`sdpa`, the cap in it)
+    impl.lcx_kernel = "torch" if impl.lcx_softcap is not None else attention_kernel()
     impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> (RelativeKeys, cols), see `_prefill_keys`
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)

@@ -29,20 +29,37 @@ def _positions(kind: str, n_keys: int) -> torch.Tensor | None:
 
 @pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("n_keys", [1, 2, 5, 7, 13])
-@pytest.mark.parametrize("pos_kind,af", [("arange", 1.0), ("gaps", 1.0), ("gaps", 1.3)])
-def test_last_query_equals_attend(method, n_keys, pos_kind, af):
+@pytest.mark.parametrize("pos_kind,af,cap", [("arange", 1.0, None), ("gaps", 1.0, None), ("gaps", 1.3, None),
+                                            ("gaps", 1.3, 0.7)])  # cap: Gemma 2's logit soft-capping
+def test_last_query_equals_attend(method, n_keys, pos_kind, af, cap):
     g = torch.Generator().manual_seed(7 * n_keys + 1)
     q = torch.randn(B, 1, H, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, n_keys, HKV, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, n_keys, HKV, D, generator=g, dtype=torch.float64)
     inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
     rotary = Rotary(inv_freq, _positions(pos_kind, n_keys), af)
-    exact = method.attend(q, k, v, rotary=rotary, scale=0.4, layer_idx=0)
+    exact = method.attend(q, k, v, rotary=rotary, scale=0.4, layer_idx=0, softcap=cap)
     f32 = [t.float() for t in (q, k, v)]
-    ref_lowp = method.attend(*f32, rotary=rotary, scale=0.4, layer_idx=0)
-    actual = attend_last_query(method, *f32, rotary=rotary, scale=0.4, layer_idx=0)
+    ref_lowp = method.attend(*f32, rotary=rotary, scale=0.4, layer_idx=0, softcap=cap)
+    actual = attend_last_query(method, *f32, rotary=rotary, scale=0.4, layer_idx=0, softcap=cap)
     assert actual.dtype == torch.float32
     assert_within_budget(actual, ref_lowp, exact, what=method.describe())
+
+
+def test_sdpa_soft_cap():
+    """`lcx.attention.sdpa`: torch's SDPA without a cap; with one, the cap on every scaled logit
+    (GQA heads and a key mask as torch's), checked against the dense definition."""
+    from lcx.attention import sdpa, soft_cap
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, t, D, generator=g, dtype=torch.float64) for h, t in ((H, 5), (HKV, 9), (HKV, 9)))
+    mask = torch.rand(2, 1, 5, 9, generator=g) > 0.3
+    mask[..., 0] = True
+    kk, vv = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+    for cap in (None, 0.5):
+        s = soft_cap(q @ kk.transpose(-1, -2) * 0.3, cap).masked_fill(~mask, float("-inf"))
+        torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask, scale=0.3, softcap=cap), torch.softmax(s, -1) @ vv)
+    assert not torch.allclose(sdpa(q, k, v, scale=0.3, softcap=0.5), sdpa(q, k, v, scale=0.3))
 
 
 def test_plan_only_for_softmax_methods():

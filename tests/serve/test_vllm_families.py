@@ -49,7 +49,11 @@ HEAD_DIM = 64  # vLLM's CPU attention takes head sizes 32, 64, 80, ... (not tiny
 TINY = dict(head_dim=HEAD_DIM, hidden_size=4 * HEAD_DIM, vocab_size=4096, bos_token_id=0, eos_token_id=1,
             pad_token_id=2, max_position_embeddings=CONTEXT)
 TINY_FAMILY = {"gemma3_text": dict(sliding_window=24),  # one sliding layer (window 24) + one global
-               "phi3": dict(original_max_position_embeddings=CONTEXT)}
+               "phi3": dict(original_max_position_embeddings=CONTEXT),
+               # Gemma 2: the same hybrid, and a logit cap low enough to matter on random weights (cap 1
+               # moves lcx's engine's logprobs by 7e-3 against no cap, 70x TOL; Gemma 2's own 50 by 3e-6)
+               "gemma2": dict(sliding_window=24, attn_logit_softcapping=1.0,
+                              tie_word_embeddings=True)}  # vLLM's Gemma 2 has no lm_head of its own
 PROMPT_LENS = (2, 63, 200, 500)  # short, a few windows, past the context (RoPE types matter)
 GEN = 6
 TOL = 1e-4  # |logprob_vllm - logprob_lcx|, float32
@@ -101,8 +105,9 @@ def _family_cases() -> dict[str, dict | None]:
 
 # "family:case" -> (model type, methods or None for plain vLLM): Gemma 3's grid, then each other family's.
 CASES: dict[str, tuple[str, dict | None]] = {}
-for _f in sorted(FAMILIES.values(), key=lambda f: f.model_type != "gemma3_text"):
-    for _name, _m in (_gemma3_cases() if _f.model_type == "gemma3_text" else _family_cases()).items():
+FULL_GRID = ("gemma3_text", "gemma2")  # the hybrids; Gemma 2's logit cap reaches every method's routes
+for _f in sorted(FAMILIES.values(), key=lambda f: f.model_type not in FULL_GRID):
+    for _name, _m in (_gemma3_cases() if _f.model_type in FULL_GRID else _family_cases()).items():
         CASES[f"{_f.model_type}:{_name}"] = (_f.model_type, _m)
 # Refused inside vLLM: a Granite layer built with attention sinks (vLLM's per-head s_aux term).
 REFUSED_IN_VLLM = {"granite_with_sinks:sinks": ("granite", dict(attention_sinks=True), {"attention": _ROTATED.to_dict()},
@@ -248,7 +253,7 @@ def test_gemma3_overrides_keep_the_hybrid():
     ("gemma3_text", "Gemma3ForCausalLM", {"attention": {"type": "sinks", "n_sink": 4, "window": 8},
                                           "layers": "some"}, "layers='some'"),
     ("gemma3_text", "Gemma3ForCausalLM", {"layers": "all"}, "without an attention method"),
-    ("gemma2", "Gemma2ForCausalLM", {}, "attention-logit soft-capping"),
+    ("vaultgemma", "VaultGemmaForCausalLM", {}, "Transformers backend"),
     ("olmo2", "Olmo2ForCausalLM", {}, "Transformers backend"),
     ("starcoder2", "Starcoder2ForCausalLM", {}, "Transformers backend"),
     ("olmo3", "Olmo3ForCausalLM", {}, "Transformers backend"),

@@ -94,26 +94,31 @@ def _step(seed: int = 0):
     return cache, meta, query, keys, values
 
 
-def _impl(method, attention_kernel="torch", rotated=False, af=1.0):
+def _impl(method, attention_kernel="torch", rotated=False, af=1.0, softcap=None):
     impl = types.SimpleNamespace(lcx_method=method, lcx_inv_freq=INV_FREQ, lcx_attention_factor=af, scale=None,
-                                 lcx_backend=prefill_backend(method), lcx_kernel=attention_kernel, lcx_prefill_keys={},
-                                 lcx_rotated=rotated, lcx_layer_idx=0)
+                                 lcx_backend=prefill_backend(method, softcap), lcx_kernel=attention_kernel,
+                                 lcx_prefill_keys={}, lcx_rotated=rotated, lcx_layer_idx=0, lcx_softcap=softcap)
     impl.forward = types.MethodType(_MethodAttention.forward, impl)
     return impl
 
 
+CAPS = (None, 0.7)  # a layer's attention-logit soft-capping (Gemma 2), which every torch route takes
+
+
+@pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("name", list(METHODS))
-def test_every_row_equals_the_method_over_the_whole_cache(name):
+def test_every_row_equals_the_method_over_the_whole_cache(name, cap):
     method = METHODS[name]
     cache, meta, query, keys, values = _step()
-    impl = _impl(method)
+    impl = _impl(method, softcap=cap)
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query, None, None, cache, meta, out)
     starts = meta.query_start_loc.tolist()
     rotary = Rotary(impl.lcx_inv_freq, None, 1.0)
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
-        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary, layer_idx=0)[0]
+        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary, layer_idx=0,
+                             softcap=cap)[0]
         torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
 
 
@@ -138,23 +143,25 @@ def test_fused_attention_kernel_equals_the_method(name):
         assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name}: request {r} (n={n})")
 
 
+@pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("af", ATTENTION_FACTORS)
 @pytest.mark.parametrize("name", ROTATED)
-def test_rotated_layout_equals_the_method(name, af):
+def test_rotated_layout_equals_the_method(name, af, cap):
     """Keys cached rotated at their true positions, queries rotated: every row (decode rows in one
     call under the method's decode rule, prefill and chunk rows) equals the method's `attend` on
     the unrotated inputs (float64, torch route)."""
     method = METHODS[name]
     cache, meta, query, keys, values = _step()
     cache_rot, query_rot = _rotated(cache, meta, query, af)
-    impl = _impl(method, rotated=True, af=af)
+    impl = _impl(method, rotated=True, af=af, softcap=cap)
     out = torch.full_like(query, float("nan"))
     impl.forward(None, query_rot, None, None, cache_rot, meta, out)
     starts = meta.query_start_loc.tolist()
     rotary = Rotary(INV_FREQ, None, af)
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
-        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary, layer_idx=0)[0]
+        want = method.attend(query[s:e][None], keys[r][None], values[r][None], rotary=rotary, layer_idx=0,
+                             softcap=cap)[0]
         torch.testing.assert_close(out[s:e], want, rtol=1e-10, atol=1e-10, msg=f"{name}: request {r} (n={n})")
 
 
