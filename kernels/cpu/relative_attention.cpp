@@ -6,6 +6,7 @@
 //
 //     u     = index[b or 0, t, k]                      (-1: key not visible to this query)
 //     s_k   = scale * q . Rot(cos[u], sin[u]) key_k     key_k = kv[rows[b, k, g], 0:D]
+//             (softcap > 0: s_k = softcap * tanh(s_k / softcap), a model's logit cap, Gemma 2)
 //     out   = sum_k softmax(s)_k * kv[rows[b, k, g], D:2D]
 //
 // Rot is lcx's half-split rotation of the first r = 2 * half channels by the angles a_i of the
@@ -123,7 +124,8 @@ inline float weighted_values(const float* __restrict p, const int64_t* __restric
 template <typename scalar_t>
 void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
                              const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cols,
-                             const torch::Tensor& cos, const torch::Tensor& sin, double scale, torch::Tensor& out) {
+                             const torch::Tensor& cos, const torch::Tensor& sin, double scale, torch::Tensor& out,
+                             double softcap) {
   const int64_t B = rows.size(0), K = rows.size(1), Hkv = rows.size(2), Tq = q_rows.size(1);
   const int64_t Kc = index.size(2);  // entries per query: K, or the compacted width of `cols`
   const int64_t H = query.size(1), D = query.size(2), half = cos.size(1), R = kv.size(0);
@@ -144,6 +146,7 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t kvs = kv.stride(0);
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);  // > 0: every scaled logit soft-capped (Gemma 2)
   const int64_t row_bytes = 2 * D * static_cast<int64_t>(sizeof(scalar_t));
   constexpr int64_t kAhead = 4;
 
@@ -225,7 +228,9 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
         }
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = qf.data() + j * D;
-          s[j * Kc + c] = dot(qj, kp, D) * fscale;
+          float sc = dot(qj, kp, D) * fscale;
+          if (fcap > 0.f) sc = fcap * std::tanh(sc / fcap);
+          s[j * Kc + c] = sc;
           mx[j] = std::max(mx[j], s[j * Kc + c]);
         }
       }
@@ -259,7 +264,9 @@ void relative_attention_impl(const torch::Tensor& query, const torch::Tensor& kv
 
 void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& rows,
                               const torch::Tensor& q_rows, const torch::Tensor& index, const torch::Tensor& cols,
-                              const torch::Tensor& cos, const torch::Tensor& sin, double scale, torch::Tensor out) {
+                              const torch::Tensor& cos, const torch::Tensor& sin, double scale, torch::Tensor out,
+                              double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: no cap)");
   TORCH_CHECK(query.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv.dim() == 2 && rows.dim() == 3 && q_rows.dim() == 2 &&
                   index.dim() == 3,
@@ -294,7 +301,7 @@ void paged_relative_attention(const torch::Tensor& query, const torch::Tensor& k
   TORCH_CHECK(K >= 1, "at least one key per request");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, query.scalar_type(),
                                   "paged_relative_attention", [&] {
-    relative_attention_impl<scalar_t>(query, kv, rows, q_rows, index, cols, cos, sin, scale, out);
+    relative_attention_impl<scalar_t>(query, kv, rows, q_rows, index, cols, cos, sin, scale, out, softcap);
   });
 }
 
@@ -462,7 +469,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_relative_attention", &paged_relative_attention,
         "softmax attention with per-(query, key) relative positions over a paged cache (CPU)", py::arg("query"),
         py::arg("kv"), py::arg("rows"), py::arg("q_rows"), py::arg("index"), py::arg("cols"), py::arg("cos"), py::arg("sin"),
-        py::arg("scale"), py::arg("out"));
+        py::arg("scale"), py::arg("out"), py::arg("softcap") = 0.0);
   m.def("rule_plan", &rule_plan, "the vLLM plugin's rotated-layout step plan under a window + side rule (CPU)",
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"), py::arg("req"), py::arg("window"),
         py::arg("side"), py::arg("key_shift"), py::arg("query_shift"), py::arg("block_size"), py::arg("hkv"));

@@ -107,15 +107,18 @@ _NO_COLS = torch.empty(0, dtype=torch.long)
 
 def paged_relative_attention_cpu(query: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, q_rows: torch.Tensor,
                                  keys, *, scale: float | None, out: torch.Tensor,
-                                 cols: torch.Tensor | None = None) -> torch.Tensor:
+                                 cols: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """See the module docstring; `keys` a `lcx.methods.last_query.RelativeKeys` (float32 tables;
     with `cols`, its index compacted by `compact_index`); `scale` None: head_dim ** -0.5 (SDPA's
-    default). Returns `out`."""
+    default); `softcap`: a model's attention-logit cap on every scaled logit (`lcx.attention.soft_cap`).
+    Returns `out`."""
     if query.dtype not in DTYPES:
         raise ValueError(f"paged_relative_attention_cpu takes {DTYPES}, got {query.dtype}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (None: no cap), got {softcap}")
     load_extension().paged_relative_attention(
         query, kv, rows.contiguous(), q_rows.contiguous(), keys.index, _NO_COLS if cols is None else cols,
-        keys.cos, keys.sin, float(query.shape[-1] ** -0.5 if scale is None else scale), out)
+        keys.cos, keys.sin, float(query.shape[-1] ** -0.5 if scale is None else scale), out, float(softcap or 0.0))
     return out
 
 

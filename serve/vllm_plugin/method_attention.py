@@ -57,8 +57,8 @@ gathers + `LastQueryPlan.attend` for decode and `attend` on `prefill_backend(met
 prefill. Every route is tested against `method.attend` (tests/serve/test_vllm_plugin_decode.py).
 
 A layer whose vLLM attention soft-caps its logits (Gemma 2's `logits_soft_cap`) passes the cap to
-every route (`lcx.attention.sdpa`, `LastQueryPlan.attend`, the method's `attend` on `blockwise`)
-and runs the torch route: the C++ kernel has no cap.
+every route: the C++ kernel, `lcx.attention.sdpa`, `LastQueryPlan.attend`, the method's `attend`
+(on `blockwise`: torch's flash kernels have no cap).
 
 Tensor parallelism: each rank holds its own heads (H / tp query heads, their kv heads) and its
 own cache; everything here is per head, so a rank runs the same code on its slice, with per-head
@@ -146,7 +146,7 @@ class _MethodAttention:
                 keys = g.relative_keys(self.lcx_method, self.lcx_inv_freq, self.lcx_attention_factor, query.dtype)
                 if keys is not None:
                     paged_relative_attention_cpu(query, flat, rows, g.rows[:, None], keys, scale=self.scale,
-                                                 out=output)
+                                                 out=output, softcap=self.lcx_softcap)
                     continue
             kv = flat.index_select(0, rows.flatten()).view(B, K, hkv, two_d)
             q = query[g.rows][:, None]  # [B, 1, H, D]
@@ -166,7 +166,7 @@ class _MethodAttention:
                 if keys is not None:  # each query walks only the keys it sees (window + side: a band)
                     paged_relative_attention_cpu(query, flat, g.cache_rows(kv_cache.shape),
                                                  g.token_rows.view(B, g.n_queries), keys[0], scale=self.scale,
-                                                 out=output, cols=keys[1])
+                                                 out=output, cols=keys[1], softcap=self.lcx_softcap)
                     continue
             kv = kv_cache[g.blocks].permute(0, 1, 3, 2, 4).reshape(B, n_blk * block_size, hkv, two_d)[:, :g.n_keys]
             q = query[g.token_rows].view(B, g.n_queries, *query.shape[1:])  # the last Tq of the Tk keys
@@ -190,7 +190,8 @@ def _rule_decode_attend(impl, dec: "_RuleDecode", query: torch.Tensor, flat: tor
     rows = dec.cache_rows(cache_shape)  # [B, K, Hkv]
     if fused:  # window keys read as they are, side keys re-rotated by their table row: one C++ call
         keys = dec.relative_keys(impl.lcx_inv_freq, query.dtype)
-        paged_relative_attention_cpu(query, flat, rows, dec.rows[:, None], keys, scale=impl.scale, out=output)
+        paged_relative_attention_cpu(query, flat, rows, dec.rows[:, None], keys, scale=impl.scale, out=output,
+                                     softcap=impl.lcx_softcap)
         return
     B, K = dec.visible.shape
     d = flat.shape[1] // 2
@@ -294,8 +295,7 @@ def switch_to_method(attn_layer, method: AttentionMethod, inv_freq: torch.Tensor
     impl.lcx_rotated = bool(rotated)
     impl.lcx_softcap = float(getattr(impl, "logits_soft_cap", 0) or 0) or None  # vLLM: 0 means none
     impl.lcx_backend = prefill_backend(method, impl.lcx_softcap)
-    # the C++ kernel has no logit cap: a soft-capped layer runs the torch route (`sdpa`, the cap in it)
-    impl.lcx_kernel = "torch" if impl.lcx_softcap is not None else attention_kernel()
+    impl.lcx_kernel = attention_kernel()
     impl.lcx_prefill_keys = {}  # (n_keys, n_queries, dtype) -> (RelativeKeys, cols), see `_prefill_keys`
     impl.lcx_inv_freq = inv_freq
     impl.lcx_attention_factor = float(attention_factor)

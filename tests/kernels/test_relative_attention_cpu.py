@@ -49,29 +49,32 @@ def _case(B, Tk, Tq, H, Hkv, D, r, seed, gaps):
     return kv, rows, q_rows, query, Rotary(inv_freq, positions, 1.2)
 
 
-def _check(method, B, Tk, Tq, H, Hkv, D, r, dtype, gaps):
+def _check(method, B, Tk, Tq, H, Hkv, D, r, dtype, gaps, softcap=None):
     kv, rows, q_rows, query, rotary = _case(B, Tk, Tq, H, Hkv, D, r, seed=B * 1000 + Tk * 10 + Tq + H, gaps=gaps)
     scale = D ** -0.5
 
     def reference(dt):
         k, v = kv.to(dt)[rows][..., :D], kv.to(dt)[rows][..., D:]  # [B, Tk, Hkv, D]
-        return method.attend(query.to(dt)[q_rows], k, v, rotary=rotary, scale=scale)  # [B, Tq, H, D]
+        # [B, Tq, H, D]
+        return method.attend(query.to(dt)[q_rows], k, v, rotary=rotary, scale=scale, softcap=softcap)
 
     keys = RelativeKeys.build(method, rotary, n_keys=Tk, n_queries=Tq, dtype=dtype)
     out = poison_(torch.empty(query.shape, dtype=dtype))
-    paged_relative_attention_cpu(query.to(dtype), kv.to(dtype), rows, q_rows, keys, scale=scale, out=out)
+    paged_relative_attention_cpu(query.to(dtype), kv.to(dtype), rows, q_rows, keys, scale=scale, out=out,
+                                 softcap=softcap)
     assert_within_budget(out[q_rows], reference(dtype), reference(torch.float64), what=f"{method.describe()} {dtype}")
     untouched = torch.ones(query.shape[0], dtype=torch.bool)
     untouched[q_rows.flatten()] = False
     assert out[untouched].isnan().all()  # only the queries' rows are written
 
 
+@pytest.mark.parametrize("softcap", [None, 0.8], ids=str)  # 0.8: a logit cap that bites (Gemma 2's kind)
 @pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("B,Tk,Tq", [(3, 13, 1), (2, 29, 6)], ids=str)
-def test_smoke_equals_attend(B, Tk, Tq, method):
+def test_smoke_equals_attend(B, Tk, Tq, method, softcap):
     """The default tier's share of the grids below (which run with `-m slow`): every method,
-    decode on gapped positions and a chunked prefill, GQA, partial rotary."""
-    _check(method, B, Tk, Tq, 6, 2, 40, 16, torch.float32, gaps=Tq == 1)
+    decode on gapped positions and a chunked prefill, GQA, partial rotary, with and without a cap."""
+    _check(method, B, Tk, Tq, 6, 2, 40, 16, torch.float32, gaps=Tq == 1, softcap=softcap)
 
 
 @pytest.mark.slow
@@ -132,3 +135,5 @@ def test_bad_arguments_raise():
         paged_relative_attention_cpu(query.float(), kv.float()[:3], rows, q_rows, keys, scale=0.2, out=out)
     with pytest.raises(ValueError, match="takes"):
         paged_relative_attention_cpu(query.double(), kv.double(), rows, q_rows, keys, scale=0.2, out=out.double())
+    with pytest.raises(ValueError, match="softcap"):
+        paged_relative_attention_cpu(query.float(), kv.float(), rows, q_rows, keys, scale=0.2, out=out, softcap=0.0)

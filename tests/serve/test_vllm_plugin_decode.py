@@ -123,14 +123,15 @@ def test_every_row_equals_the_method_over_the_whole_cache(name, cap):
 
 
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("name", list(METHODS))
-def test_fused_attention_kernel_equals_the_method(name):
+def test_fused_attention_kernel_equals_the_method(name, cap):
     """The same step in float32 with the fused C++ decode (`attention_kernel() == "cpp"`): every row
     within `lcx.testing`'s budget of the float64 method; prefill rows take the same path as above."""
     method = METHODS[name]
     assert attention_kernel() == "cpp"
     cache, meta, query, keys, values = _step()
-    impl = _impl(method, "cpp")
+    impl = _impl(method, "cpp", softcap=cap)
     out = torch.full(query.shape, float("nan"))
     impl.forward(None, query.float(), None, None, cache.float(), meta, out)
     starts = meta.query_start_loc.tolist()
@@ -138,8 +139,8 @@ def test_fused_attention_kernel_equals_the_method(name):
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
         args = (query[s:e][None], keys[r][None], values[r][None])
-        exact = method.attend(*args, rotary=rotary, layer_idx=0)[0]
-        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary, layer_idx=0)[0]
+        exact = method.attend(*args, rotary=rotary, layer_idx=0, softcap=cap)[0]
+        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary, layer_idx=0, softcap=cap)[0]
         assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name}: request {r} (n={n})")
 
 
@@ -166,16 +167,17 @@ def test_rotated_layout_equals_the_method(name, af, cap):
 
 
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("af", ATTENTION_FACTORS)
 @pytest.mark.parametrize("name", ROTATED)
-def test_rotated_layout_fused_kernel_equals_the_method(name, af):
+def test_rotated_layout_fused_kernel_equals_the_method(name, af, cap):
     """The rotated layout in float32 on the C++ kernel (window keys read without rotation, side
     keys re-rotated by their delta): every row within `lcx.testing`'s budget of the float64 method."""
     method = METHODS[name]
     assert attention_kernel() == "cpp"
     cache, meta, query, keys, values = _step()
     cache_rot, query_rot = _rotated(cache, meta, query, af)
-    impl = _impl(method, "cpp", rotated=True, af=af)
+    impl = _impl(method, "cpp", rotated=True, af=af, softcap=cap)
     out = torch.full(query.shape, float("nan"))
     impl.forward(None, query_rot.float(), None, None, cache_rot.float(), meta, out)
     starts = meta.query_start_loc.tolist()
@@ -183,8 +185,8 @@ def test_rotated_layout_fused_kernel_equals_the_method(name, af):
     for r, (n, n_q) in enumerate(STEP):
         s, e = starts[r], starts[r + 1]
         args = (query[s:e][None], keys[r][None], values[r][None])
-        exact = method.attend(*args, rotary=rotary, layer_idx=0)[0]
-        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary, layer_idx=0)[0]
+        exact = method.attend(*args, rotary=rotary, layer_idx=0, softcap=cap)[0]
+        ref_lowp = method.attend(*(t.float() for t in args), rotary=rotary, layer_idx=0, softcap=cap)[0]
         assert_within_budget(out[s:e], ref_lowp, exact, what=f"{name} af={af}: request {r} (n={n})")
 
 
