@@ -347,6 +347,25 @@ class Engine:
         self._check_hook()
         return _whole_rows(self.model, input_ids, self._loaded_rows, INFERENCE_BACKEND)
 
+    def fit_prefix_cache(self, n_tokens: int) -> int:
+        """Raise the prefix cache's byte bound, if needed, to hold one prompt of `n_tokens` whole
+        (every layer's keys and values; `reuse_chain`'s runs reuse each prompt's predecessor, and
+        a prompt longer than the bound keeps only its head). Returns the bound (0 without a cache).
+        The `lcx` lm-eval model calls it with a cell's longest prompt unless given a bound."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        from ..hf.models import model_shape
+
+        bs = cache.block_size
+        per_token = model_shape(self.model).kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        need = -(-max(int(n_tokens), 0) // bs) * bs * per_token
+        if need > cache.max_bytes:
+            log.info("prefix cache: bound raised from %d to %d bytes to hold a %d-token prompt",
+                     cache.max_bytes, need, n_tokens)
+            cache.max_bytes = need
+        return cache.max_bytes
+
     def reuse_chain(self, prompts: list[Sequence[int]]) -> list[int]:
         """An order for running `prompts` one at a time so that each reuses the most of the one
         before it from the prefix cache (which may hold little more than one long prompt): the

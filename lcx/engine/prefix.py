@@ -42,7 +42,9 @@ always computed to give the first logits). A new request walks the chain over it
 reuses the longest run of cached blocks, then prefills only the rest; a request that asks for
 prompt logprobs computes every prompt token (it still fills the cache). Eviction is LRU in
 bytes (`max_bytes`); a hit refreshes its blocks deepest first, so a chain is evicted from its
-tail. A bounded method reads back only the blocks its continuation can see (those overlapping
+tail, and a prompt never evicts its own chain to make room for itself: one whose KV exceeds the
+bound keeps its first blocks and drops the rest (`dropped_blocks`), since a block whose parent is
+gone is one no lookup reaches. A bounded method reads back only the blocks its continuation can see (those overlapping
 the first n_first positions and the last n_recent - 1): the store keeps every block because
 any block may end some later request's shared prefix, but a continuation holds what the method
 can still see. Exact by construction: a reused block holds the very keys/values the request's
@@ -144,6 +146,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # of those, tokens reused
     stored_blocks: int = 0
     evicted_blocks: int = 0
+    dropped_blocks: int = 0  # blocks of a prompt longer than the bound not stored (its tail)
 
     @property
     def hit_rate(self) -> float:
@@ -221,6 +224,7 @@ class PrefixCache:
         if last <= first:
             return
         chain = self._keys(prompt, last)
+        keep = {key for key, _, _ in chain}  # this prompt's chain: never evicted to make room for itself
         for j in range(first, last):
             key, parent, toks = chain[j]
             if key in self._blocks:
@@ -230,9 +234,11 @@ class PrefixCache:
             k = [t[:, a:a + bs].clone() for t in keys]
             v = [t[:, a:a + bs].clone() for t in values]
             nb = sum(t.nbytes for t in (*k, *v))
-            if nb > self.max_bytes:
-                return
-            self._evict(self.max_bytes - nb)
+            if nb > self.max_bytes or not self._evict(self.max_bytes - nb, keep):
+                # a prompt longer than the bound keeps its head: its tail's blocks are dropped
+                # (evicting its own head would leave blocks no lookup can reach)
+                self.stats.dropped_blocks += last - j
+                break
             self._blocks[key] = _Block(parent, toks, j * bs, k, v, nb)
             self.nbytes += nb
             self.stats.stored_blocks += 1
@@ -240,11 +246,16 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def _evict(self, room: int) -> None:
-        while self._blocks and self.nbytes > room:
-            _, blk = self._blocks.popitem(last=False)
-            self.nbytes -= blk.nbytes
+    def _evict(self, room: int, keep: set[int] | frozenset[int] = frozenset()) -> bool:
+        """Evict least recently used blocks, none of `keep`, until at most `room` bytes are held;
+        False (nothing more evicted) when only blocks of `keep` are left to evict."""
+        while self.nbytes > room:
+            key = next((k for k in self._blocks if k not in keep), None)
+            if key is None:
+                return False
+            self.nbytes -= self._blocks.pop(key).nbytes
             self.stats.evicted_blocks += 1
+        return True
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -255,7 +266,7 @@ class PrefixCache:
         return {"block_size": self.block_size, "max_bytes": self.max_bytes, "bytes": self.nbytes,
                 "blocks": len(self._blocks), "queries": s.queries, "hits": s.hits, "query_tokens": s.query_tokens,
                 "hit_tokens": s.hit_tokens, "hit_rate": round(s.hit_rate, 6), "stored_blocks": s.stored_blocks,
-                "evicted_blocks": s.evicted_blocks}
+                "evicted_blocks": s.evicted_blocks, "dropped_blocks": s.dropped_blocks}
 
 
 def reuse_refusal(methods: Any, static_basis: bool) -> str | None:

@@ -235,6 +235,12 @@ def test_prefix_cache_lru_and_chain():
     assert cache.lookup(b, None)[0] == 36
     assert cache.lookup(a, None)[0] == 12  # a's head survives (refreshed root-last), its tail went
     assert PrefixCache({"m": 2}).root != PrefixCache({"m": 1}).root  # another config: another chain
+    # a prompt longer than the bound keeps its head, never evicting its own chain (a block whose
+    # parent is gone is unreachable): 21 blocks into room for 10 -> blocks 0..9, the rest dropped
+    c = list(range(100, 188))
+    cache.insert(c, 0, [torch.zeros(1, 88, 2)], [torch.zeros(1, 88, 2)])
+    assert cache.lookup(c, None)[0] == 40 and cache.stats.dropped_blocks == 11
+    assert cache.lookup(a, None) == (0, None) and len(cache) == 10
     assert cache.stats.hit_rate > 0
     with pytest.raises(ValueError, match="block_size"):
         PrefixCache({}, block_size=0)

@@ -75,3 +75,39 @@ def test_prefix_caching_model_arg_turns_the_cache_off_and_is_checked():
     assert LcxLM(pretrained="tiny-ret-5m", prefix_caching=True).lcx_engine.prefix_cache is not None
     with pytest.raises(ValueError, match="prefix_caching must be true or false"):
         LcxLM(pretrained="tiny-ret-5m", prefix_caching="sometimes")
+
+
+def test_cache_bound_holds_the_longest_prompt_unless_given():
+    """A 48k-token Gemma-3-270m prompt holds 1.8 GB of keys and values, beyond the engine's 1 GiB:
+    with `prefix_cache_mb=auto` (the default) generate_until raises the bound to hold the longest
+    prompt whole, so every prompt reuses its predecessor as with an unbounded cache; a bound given
+    in MiB is kept, and a prompt longer than it keeps its first blocks (it still hits)."""
+    from lm_eval.api.instance import Instance
+
+    from lcx.hf.models import model_shape
+    from lcx.lmeval_model import LcxLM
+
+    reqs = [Instance("generate_until", doc={}, arguments=(p, {"until": ["\n"], "max_gen_toks": 2}), idx=i)
+            for i, p in enumerate(_prompts())]
+
+    def hits(lm):
+        engine = lm.lcx_engine
+        lm.generate_until(reqs, disable_tqdm=True)
+        return engine.stats.prefix_cache_hit_tokens, engine.prefix_cache
+
+    auto = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048)
+    auto.lcx_engine.prefix_cache.max_bytes = 4096  # smaller than any prompt
+    longest = max(len(auto.tok_encode(r.args[0])) for r in reqs)
+    per_token = model_shape(auto.lcx_engine.model.config).kv_bytes_per_token(4)
+    auto_hits, cache = hits(auto)
+    assert cache.max_bytes >= longest * per_token and cache.stats.dropped_blocks == 0
+    big_hits, _ = hits(LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048))
+    assert auto_hits == big_hits > 0
+    # a bound of about a third of a prompt: kept, each prompt's head cached, fewer tokens reused
+    mb = per_token * longest / 3 / (1 << 20)
+    fixed_hits, cache = hits(LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048, prefix_cache_mb=str(mb)))
+    assert cache.max_bytes == int(mb * (1 << 20)) and cache.stats.dropped_blocks > 0
+    assert 0 < fixed_hits < big_hits
+    for bad in ("-1", "lots", True):
+        with pytest.raises(ValueError, match="prefix_cache_mb"):
+            LcxLM(pretrained="tiny-ret-5m", prefix_cache_mb=bad)
