@@ -9,7 +9,9 @@
 # from the measured prefill of the model as loaded on lcx: ~84 CPU s at 16k, ~433 s at 48k, plus
 # a 128-token answer; the prefix cache reuses each prompt's haystack up to its needle): ~0.4
 # core-hours per method at 16k, ~1.9 at 48k, ~14 in all; run after the passkey sweep, in the
-# background across sessions, 48k first (the question is beyond the context).
+# background across sessions, 48k first (the question is beyond the context). Dynamic NTK last:
+# its basis follows the prompt's length, so it alone reuses nothing from the prefix cache (the
+# first 48k cell, YaRN, took ~9 min for its first prompt and 1.5-2 min for the next ones).
 # Resumable: every answer is journaled and every finished (method, length) cell kept; rerun the
 # same command after an interruption. LENGTHS must include 49152 (the RoPE factor follows the
 # longest length).
@@ -23,5 +25,5 @@ reuse=--reuse  # measuring: keep every stored cell; --render measures nothing an
 for a in "${@:2}"; do [ "$a" = --render ] && reuse=; done
 exec lcx report --model gemma3-270m --lengths "${1:-49152}" --decode-lengths none --tasks ruler \
   --ruler-tasks niah_single_1,niah_single_2_pd,niah_single_3_pd --ruler-samples 8 \
-  --presets yarn,self_extend,vanilla,dynamic,lm_infinite,sinks --threads 1 \
+  --presets yarn,self_extend,vanilla,lm_infinite,sinks,dynamic --threads 1 \
   $reuse --keep-other-code --out results/report/gemma3-270m-ruler "${@:2}"
