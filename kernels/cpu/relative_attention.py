@@ -59,6 +59,13 @@ def isa() -> str:
     return cap if platform.machine().lower() in ("x86_64", "amd64") and cap in ISA_FLAGS else "portable"
 
 
+def build_args(target: str) -> dict:
+    """`load`'s arguments for the build of ISA `target` (a key of `ISA_FLAGS` or "portable")."""
+    suffix = "" if target == "portable" else f"_{target.lower()}"
+    return {"name": f"lcx_relative_attention_cpu{suffix}", "sources": [str(CPP_SOURCE)],
+            "extra_cflags": _BASE_FLAGS + ISA_FLAGS.get(target, [])}
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension(verbose: bool = False):
     """Compile (first call; torch caches the build across processes) and import the extension:
@@ -68,15 +75,13 @@ def load_extension(verbose: bool = False):
     target = isa()
     if target != "portable":
         try:
-            return load(name=f"lcx_relative_attention_cpu_{target.lower()}", sources=[str(CPP_SOURCE)],
-                        extra_cflags=_BASE_FLAGS + ISA_FLAGS[target], verbose=verbose)
+            return load(**build_args(target), verbose=verbose)
         except Exception as e:  # noqa: BLE001 - an old compiler without the flags: the portable build
             import logging
 
             logging.getLogger(__name__).warning("lcx: the %s build of the CPU attention kernel failed (%s); "
                                                 "building without ISA flags", target, str(e).splitlines()[0])
-    return load(name="lcx_relative_attention_cpu", sources=[str(CPP_SOURCE)], extra_cflags=_BASE_FLAGS,
-                verbose=verbose)
+    return load(**build_args("portable"), verbose=verbose)
 
 
 def compact_index(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
