@@ -504,14 +504,17 @@ class Engine:
 
     def _chunk(self, s: _Seq, left: float, *, first: bool) -> int:
         """Prompt tokens of `s` to prefill with `left` tokens of budget (0: none this step). A
-        step always makes progress: the first work item gets at least a block."""
+        step always makes progress: the first work item gets at least a block. A chunk that does
+        not end the prompt is whole blocks, so every prompt's progress stays on the prefix
+        cache's block grid: a chunk ending inside a block would leave that block unstored (each
+        call stores the blocks it computes whole) and every later block of the prompt unreachable."""
         rest = len(s.prompt_ids) - s.done
         if rest <= left:
             return rest
         if not self._chunkable:  # one call for the whole remainder (`lcx.engine.prefix`)
             return rest if first else 0
         bs = self.config.prefix_block_size
-        c = int(left) // bs * bs if left >= bs else int(max(left, 0))
+        c = int(max(left, 0)) // bs * bs
         if c <= 0:
             return min(rest, bs) if first else 0
         return c

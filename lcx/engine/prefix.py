@@ -224,6 +224,9 @@ class PrefixCache:
         if last <= first:
             return
         chain = self._keys(prompt, last)
+        if first and chain[first - 1][0] not in self._blocks:  # its parent is gone: unreachable
+            self.stats.dropped_blocks += last - first
+            return
         keep = {key for key, _, _ in chain}  # this prompt's chain: never evicted to make room for itself
         for j in range(first, last):
             key, parent, toks = chain[j]

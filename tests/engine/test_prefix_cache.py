@@ -241,6 +241,10 @@ def test_prefix_cache_lru_and_chain():
     cache.insert(c, 0, [torch.zeros(1, 88, 2)], [torch.zeros(1, 88, 2)])
     assert cache.lookup(c, None)[0] == 40 and cache.stats.dropped_blocks == 11
     assert cache.lookup(a, None) == (0, None) and len(cache) == 10
+    # a later call's blocks whose parent is not held are not stored (no lookup could reach them)
+    d = list(range(300, 340))
+    cache.insert(d, 8, k, k)
+    assert cache.lookup(d, None) == (0, None) and cache.stats.dropped_blocks == 11 + 7
     assert cache.stats.hit_rate > 0
     with pytest.raises(ValueError, match="block_size"):
         PrefixCache({}, block_size=0)
@@ -275,3 +279,28 @@ def test_generate_batch_reuses_its_shared_prefix():
     # each reuses the haystack up to its own (or the leader's) needle, in whole blocks
     assert eng.stats.prefix_cache_hit_tokens == sum(d // BLOCK * BLOCK for d in (20, 100, 60))
     assert eng.stats.prompt_tokens_computed == sum(map(len, prompts)) - eng.stats.prefix_cache_hit_tokens
+
+
+def test_chunks_under_a_shared_budget_stay_on_the_block_grid():
+    """Chunked prefill under a token budget shared by decode rows and several prompts cuts every
+    prompt's chunks in whole blocks, so each prompt's blocks are all stored and reachable: the
+    same prompts sent again reuse all their whole blocks (a budget left over mid-block once gave
+    a prompt a 1-token chunk, leaving its block 0 unstored and the whole prompt unreachable)."""
+    import lcx
+
+    model, tok = lcx.load_model("tiny-ret-5m")
+    eng = Engine(model, tok, EngineConfig(max_model_len=1024, prefix_block_size=16, max_num_batched_tokens=50))
+    g = torch.Generator().manual_seed(0)
+    longs = [torch.randint(10, 500, (300 + 7 * i,), generator=g).tolist() for i in range(3)]
+    eng.add_request([11, 12, 13, 14, 15], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.step()  # one decode row: 49 tokens of budget for the three prompts below
+    for ids in longs:
+        eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert eng.stats.prefill_chunks > 3
+    for ids in longs:
+        h0 = eng.stats.prefix_cache_hit_tokens
+        eng.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+        assert eng.stats.prefix_cache_hit_tokens - h0 == (len(ids) - 1) // 16 * 16
