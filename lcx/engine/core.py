@@ -358,7 +358,7 @@ class Engine:
         from ..hf.models import model_shape
 
         bs = cache.block_size
-        per_token = model_shape(self.model).kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        per_token = model_shape(self.model).kv_bytes_per_token(self.dtype.itemsize)
         need = -(-max(int(n_tokens), 0) // bs) * bs * per_token
         if need > cache.max_bytes:
             log.info("prefix cache: bound raised from %d to %d bytes to hold a %d-token prompt",

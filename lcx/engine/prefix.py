@@ -44,8 +44,8 @@ prompt logprobs computes every prompt token (it still fills the cache). Eviction
 bytes (`max_bytes`); a hit refreshes its blocks deepest first, so a chain is evicted from its
 tail, and a prompt never evicts its own chain to make room for itself: one whose KV exceeds the
 bound keeps its first blocks and drops the rest (`dropped_blocks`), since a block whose parent is
-gone is one no lookup reaches. A bounded method reads back only the blocks its continuation can see (those overlapping
-the first n_first positions and the last n_recent - 1): the store keeps every block because
+gone is one no lookup reaches. A bounded method reads back only the blocks its continuation can
+see (those overlapping the first n_first positions and the last n_recent - 1): the store keeps every block because
 any block may end some later request's shared prefix, but a continuation holds what the method
 can still see. Exact by construction: a reused block holds the very keys/values the request's
 own whole-prompt prefill would compute (tests/engine/test_prefix_cache.py, every registered
