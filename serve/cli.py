@@ -107,8 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse the KV of prompt prefixes seen before (exact; lcx.engine.prefix; hit rates in "
                              "/stats); --no-prefix-caching computes every prompt from its first token "
                              "(default: %(default)s)")
-    parser.add_argument("--prefix-cache-mb", type=float, default=1024.0,
-                        help="memory bound of the prefix cache, MiB (LRU eviction; default: %(default)s)")
+    parser.add_argument("--prefix-cache-mb", type=_cache_mb, default=None, metavar="MiB|auto",
+                        help="memory bound of the prefix cache, MiB (LRU eviction); auto: 1024, raised to hold "
+                             "one prompt of --max-model-len whole; under a fixed bound, a prompt whose KV exceeds it "
+                             "keeps only its first blocks (default: auto)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                         help="token budget of one engine step: running requests decode every step and prompts "
                              "are prefilled in chunks within what is left, so a long prompt cannot stall the "
@@ -120,6 +122,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_method_arguments(parser, json_flag="--methods")
+
+
+def _cache_mb(text: str) -> float | None:
+    """`--prefix-cache-mb`: MiB >= 0, or `auto` (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0 or auto, got {text!r}")
+    return mb
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,11 +158,10 @@ def run(args: argparse.Namespace) -> int:
     # Validate everything that is cheap before loading the model.
     if args.max_num_batched_tokens < 0:
         raise ValueError(f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}")
-    if not args.prefix_cache_mb >= 0:
-        raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     config = EngineConfig(max_model_len=args.max_model_len, max_batch=args.max_batch,
                           methods=method_config_from_args(args), prefix_caching=args.prefix_caching,
-                          prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
+                          prefix_cache_bytes=(None if args.prefix_cache_mb is None
+                                              else int(args.prefix_cache_mb * (1 << 20))),
                           max_num_batched_tokens=args.max_num_batched_tokens or None)
     if args.batch_window_ms < 0:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms}")

@@ -21,7 +21,7 @@ from ..hf.head import check_head, head_logits
 from ..hf.recorded import recorded_method
 from ..method_config import INFERENCE_BACKEND, MethodConfig
 from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
-from .params import ContextLengthError, EngineConfig, SamplingParams, _is_int
+from .params import DEFAULT_PREFIX_CACHE_BYTES, ContextLengthError, EngineConfig, SamplingParams, _is_int
 from .sampling import greedy_and_logprobs, logprob_rows, sample
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,11 @@ class Engine:
             name = getattr(model.config, "_name_or_path", None) or type(model).__name__
             self.prefix_cache = PrefixCache({"methods": self.methods_info(), "model": name, "dtype": str(self.dtype),
                                              "model_rope": getattr(model.config, "rope_parameters", None)},
-                                            block_size=config.prefix_block_size, max_bytes=config.prefix_cache_bytes)
+                                            block_size=config.prefix_block_size,
+                                            max_bytes=DEFAULT_PREFIX_CACHE_BYTES if config.prefix_cache_bytes is None
+                                            else config.prefix_cache_bytes)
+            if config.prefix_cache_bytes is None:  # auto: the longest prompt accepted is kept whole
+                self.fit_prefix_cache(self.max_model_len)
         self._next_id = 0
         self._ids: set[str] = set()
         # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)

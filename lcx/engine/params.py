@@ -105,6 +105,9 @@ class SamplingParams:
                 or self.min_tokens > 0)
 
 
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's bound unless raised (None: auto)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Start-up configuration of an `Engine`.
@@ -120,7 +123,10 @@ class EngineConfig:
     prefix_caching: keep the KV of prompt blocks and reuse the longest cached prefix of a new
         request (`lcx.engine.prefix`: exact; bypassed where a prefix's keys depend on what
         follows, `Engine.prefix_cache_refusal` says why).
-    prefix_cache_bytes: the prefix cache's memory bound (LRU eviction).
+    prefix_cache_bytes: the prefix cache's memory bound (LRU eviction). None (auto): 1 GiB, raised
+        to hold one prompt of `max_model_len` whole (`Engine.fit_prefix_cache`; as vLLM's KV pool
+        always holds one sequence of its max_model_len), so that the longest prompt the engine
+        accepts is reused whole rather than only its head.
     prefix_block_size: tokens per cached block (a prefix is reused in whole blocks).
     max_num_batched_tokens: token budget of one `step` (decode rows + prompt tokens prefilled);
         a prompt longer than what is left is prefilled in chunks over several steps (chunked
@@ -132,7 +138,7 @@ class EngineConfig:
     max_batch: int = 16
     methods: MethodConfig = field(default_factory=MethodConfig)
     prefix_caching: bool = True
-    prefix_cache_bytes: int = 1 << 30
+    prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES
     prefix_block_size: int = 16
     max_num_batched_tokens: int | None = None
 
@@ -143,8 +149,10 @@ class EngineConfig:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
-        if not _is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
-            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        if self.prefix_cache_bytes is not None and (not _is_int(self.prefix_cache_bytes)
+                                                    or self.prefix_cache_bytes < 0):
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0 or None (auto), "
+                             f"got {self.prefix_cache_bytes!r}")
         if not _is_int(self.prefix_block_size) or self.prefix_block_size < 1:
             raise ValueError(f"prefix_block_size must be a positive integer, got {self.prefix_block_size!r}")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)

@@ -257,6 +257,25 @@ def test_engine_config_rejects_bad_values():
             EngineConfig(**{key: bad})
 
 
+def test_auto_bound_holds_one_prompt_of_max_model_len():
+    """`prefix_cache_bytes=None` (auto, `lcx serve`'s default): 1 GiB unless one prompt of
+    max_model_len needs more, then exactly that many whole blocks; an explicit bound is kept,
+    0 included."""
+    from lcx.engine.params import DEFAULT_PREFIX_CACHE_BYTES
+    from lcx.hf.models import model_shape
+
+    model, tok = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
+    per_token = model_shape(model).kv_bytes_per_token(4)
+    assert Engine(model, tok, EngineConfig(max_model_len=256, prefix_cache_bytes=None)
+                  ).prefix_cache.max_bytes == DEFAULT_PREFIX_CACHE_BYTES
+    n = DEFAULT_PREFIX_CACHE_BYTES // per_token + 5  # one prompt of n tokens needs more than 1 GiB
+    eng = Engine(model, tok, EngineConfig(max_model_len=n, prefix_cache_bytes=None, prefix_block_size=BLOCK))
+    assert eng.prefix_cache.max_bytes == -(-n // BLOCK) * BLOCK * per_token > DEFAULT_PREFIX_CACHE_BYTES
+    for fixed in (0, 4096):
+        assert Engine(model, tok, EngineConfig(max_model_len=n, prefix_cache_bytes=fixed)).prefix_cache.max_bytes == fixed
+    assert EngineConfig.from_dict(EngineConfig(prefix_cache_bytes=None).to_dict()).prefix_cache_bytes is None
+
+
 def test_generate_batch_reuses_its_shared_prefix():
     """A batch of prompts sharing a long prefix (a passkey sweep: one haystack, needles at several
     depths) computes the shared part once: the prompt sharing most goes first, the others are

@@ -25,6 +25,11 @@ def test_prefix_caching_flag_defaults_on():
     assert p.parse_args(["--model", "m"]).prefix_caching is True
     assert p.parse_args(["--model", "m", "--no-prefix-caching"]).prefix_caching is False
     assert p.parse_args(["--model", "m", "--prefix-cache-mb", "8"]).prefix_cache_mb == 8
+    assert p.parse_args(["--model", "m"]).prefix_cache_mb is None  # auto: the engine sizes it
+    assert p.parse_args(["--model", "m", "--prefix-cache-mb", "Auto"]).prefix_cache_mb is None
+    for bad in ("-1", "lots", "inf", "nan"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--model", "m", "--prefix-cache-mb", bad])
 
 
 @pytest.mark.parametrize("caching", [True, False])
