@@ -50,6 +50,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from lcx.engine import Engine, EngineConfig, SamplingParams
+from lcx.engine.params import megabytes_or_auto
 from lcx.method_config import INFERENCE_BACKEND, ROPE_KEYS, MethodConfig
 from lcx.methods.registry import ATTENTION_METHODS
 
@@ -115,19 +116,6 @@ def _sampling_params(kwargs: dict[str, Any], max_tokens: int, stop: list[str]) -
         repetition_penalty=float(kwargs.get("repetition_penalty", 1.0)))
 
 
-def _megabytes(name: str, value: float | str | None) -> float | None:
-    """A size model_arg in MiB (>= 0), or None for `auto`/unset."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    try:
-        mb = float(value)
-    except (TypeError, ValueError):
-        mb = -1.0
-    if not mb >= 0 or mb == float("inf") or isinstance(value, bool):
-        raise ValueError(f"lcx model: {name} must be a number of MiB >= 0 or auto, got {value!r}")
-    return mb
-
-
 def _flag(name: str, value: bool | str) -> bool:
     """A boolean model_arg: lm-eval passes `True`/`False` parsed, or the string as typed."""
     if isinstance(value, bool):
@@ -160,7 +148,7 @@ class LcxLM(HFLM):
             raise TypeError("lcx model: pretrained must be a path or preset name (a string)")
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         prefix_caching = _flag("prefix_caching", prefix_caching)
-        cache_mb = _megabytes("prefix_cache_mb", prefix_cache_mb)
+        cache_mb = megabytes_or_auto("lcx model: prefix_cache_mb", prefix_cache_mb)
         model, tokenizer = lcx.load_model(pretrained, dtype=dtype, device=_device(device))
         # the engine applies the methods (as `cfg.apply` would) and keeps them for HFLM's forwards
         self.lcx_engine = Engine(model, tokenizer, EngineConfig(

@@ -126,15 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cache_mb(text: str) -> float | None:
     """`--prefix-cache-mb`: MiB >= 0, or `auto` (None)."""
-    if text.strip().lower() == "auto":
-        return None
+    from lcx.engine.params import megabytes_or_auto
+
     try:
-        mb = float(text)
-    except ValueError:
-        mb = -1.0
-    if not 0 <= mb < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0 or auto, got {text!r}")
-    return mb
+        return megabytes_or_auto("--prefix-cache-mb", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:

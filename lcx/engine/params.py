@@ -108,6 +108,21 @@ class SamplingParams:
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's bound unless raised (None: auto)
 
 
+def megabytes_or_auto(name: str, value: float | str | None) -> float | None:
+    """A size setting in MiB (a number >= 0, finite), or None for `auto`/unset (the prefix cache's
+    bound as `lcx serve --prefix-cache-mb` and the `lcx` lm-eval model take it); ValueError naming
+    `name` otherwise."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        mb = float(value)
+    except (TypeError, ValueError):
+        mb = -1.0
+    if not 0 <= mb < float("inf") or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of MiB >= 0 or auto, got {value!r}")
+    return mb
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Start-up configuration of an `Engine`.
