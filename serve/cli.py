@@ -109,8 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--prefix-cache-mb", type=_cache_mb, default=None, metavar="MiB|auto",
                         help="memory bound of the prefix cache, MiB (LRU eviction); auto: 1024, raised to hold "
-                             "one prompt of --max-model-len whole; under a fixed bound, a prompt whose KV exceeds it "
-                             "keeps only its first blocks (default: auto)")
+                             "one prompt of --max-model-len whole, to at most a quarter of the memory available at "
+                             "start-up; a prompt whose KV exceeds the bound keeps only its first blocks "
+                             "(default: auto)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                         help="token budget of one engine step: running requests decode every step and prompts "
                              "are prefilled in chunks within what is left, so a long prompt cannot stall the "

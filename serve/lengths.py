@@ -18,13 +18,12 @@ in `/v1/models` (`max_model_len`, `lcx_max_model_len_source`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from lcx.engine import Engine, EngineConfig
+from lcx.engine.memory import MEMORY_FRACTION, available_memory
 from lcx.method_config import MethodConfig
 
-MEMORY_FRACTION = 0.25  # of the memory available at start-up, for one prompt's prefill
 MAX_BOUNDED_LEN = 1 << 20  # tokens; a cap on the memory-derived limit (1,048,576)
 LOGIT_BYTES = 8  # per vocabulary entry per prompt token: float32 logits + their log-softmax (echo scoring)
 
@@ -43,25 +42,6 @@ def prompt_token_bytes(model_config: Any, dtype_bytes: int) -> int:
     s = model_shape(model_config)
     inter = s.intermediate_size or 4 * s.hidden_size
     return s.kv_bytes_per_token(dtype_bytes) + dtype_bytes * (4 * s.hidden_size + 3 * inter) + LOGIT_BYTES * s.vocab_size
-
-
-def available_memory(device: Any) -> int:
-    """Bytes available on `device` now: the GPU's free memory, or the host's MemAvailable
-    (/proc/meminfo; else the physical memory)."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def effective_methods(model: Any, methods: MethodConfig) -> MethodConfig:

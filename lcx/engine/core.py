@@ -179,7 +179,9 @@ class Engine:
                                             max_bytes=DEFAULT_PREFIX_CACHE_BYTES if config.prefix_cache_bytes is None
                                             else config.prefix_cache_bytes)
             if config.prefix_cache_bytes is None:  # auto: the longest prompt accepted is kept whole
-                self.fit_prefix_cache(self.max_model_len)
+                from .memory import MEMORY_FRACTION, available_memory
+
+                self.fit_prefix_cache(self.max_model_len, limit=int(MEMORY_FRACTION * available_memory(self.device)))
         self._next_id = 0
         self._ids: set[str] = set()
         # Running batch: its requests and their KV cache (`lcx.engine.kv.KVStore`; None when idle)
@@ -351,11 +353,13 @@ class Engine:
         self._check_hook()
         return _whole_rows(self.model, input_ids, self._loaded_rows, INFERENCE_BACKEND)
 
-    def fit_prefix_cache(self, n_tokens: int) -> int:
+    def fit_prefix_cache(self, n_tokens: int, *, limit: int | None = None) -> int:
         """Raise the prefix cache's byte bound, if needed, to hold one prompt of `n_tokens` whole
         (every layer's keys and values; `reuse_chain`'s runs reuse each prompt's predecessor, and
-        a prompt longer than the bound keeps only its head). Returns the bound (0 without a cache).
-        The `lcx` lm-eval model calls it with a cell's longest prompt unless given a bound."""
+        a prompt longer than the bound keeps only its head), to at most `limit` bytes. Returns the
+        bound (0 without a cache). The `lcx` lm-eval model calls it with a cell's longest prompt
+        unless given a bound; `prefix_cache_bytes=None` with max_model_len, limited to
+        `MEMORY_FRACTION` of the memory available at start-up."""
         cache = self.prefix_cache
         if cache is None:
             return 0
@@ -364,6 +368,9 @@ class Engine:
         bs = cache.block_size
         per_token = model_shape(self.model).kv_bytes_per_token(self.dtype.itemsize)
         need = -(-max(int(n_tokens), 0) // bs) * bs * per_token
+        if limit is not None and need > limit:
+            log.info("prefix cache: a %d-token prompt needs %d bytes; the bound is limited to %d", n_tokens, need, limit)
+            need = limit
         if need > cache.max_bytes:
             log.info("prefix cache: bound raised from %d to %d bytes to hold a %d-token prompt",
                      cache.max_bytes, need, n_tokens)

@@ -141,7 +141,8 @@ class EngineConfig:
     prefix_cache_bytes: the prefix cache's memory bound (LRU eviction). None (auto): 1 GiB, raised
         to hold one prompt of `max_model_len` whole (`Engine.fit_prefix_cache`; as vLLM's KV pool
         always holds one sequence of its max_model_len), so that the longest prompt the engine
-        accepts is reused whole rather than only its head.
+        accepts is reused whole rather than only its head, but raised to at most a quarter of the
+        memory available at start-up (`lcx.engine.memory`).
     prefix_block_size: tokens per cached block (a prefix is reused in whole blocks).
     max_num_batched_tokens: token budget of one `step` (decode rows + prompt tokens prefilled);
         a prompt longer than what is left is prefilled in chunks over several steps (chunked

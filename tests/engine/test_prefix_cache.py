@@ -257,10 +257,10 @@ def test_engine_config_rejects_bad_values():
             EngineConfig(**{key: bad})
 
 
-def test_auto_bound_holds_one_prompt_of_max_model_len():
+def test_auto_bound_holds_one_prompt_of_max_model_len(monkeypatch):
     """`prefix_cache_bytes=None` (auto, `lcx serve`'s default): 1 GiB unless one prompt of
-    max_model_len needs more, then exactly that many whole blocks; an explicit bound is kept,
-    0 included."""
+    max_model_len needs more, then exactly that many whole blocks, at most a quarter of the memory
+    available at start-up; an explicit bound is kept, 0 included."""
     from lcx.engine.params import DEFAULT_PREFIX_CACHE_BYTES
     from lcx.hf.models import model_shape
 
@@ -273,6 +273,14 @@ def test_auto_bound_holds_one_prompt_of_max_model_len():
     assert eng.prefix_cache.max_bytes == -(-n // BLOCK) * BLOCK * per_token > DEFAULT_PREFIX_CACHE_BYTES
     for fixed in (0, 4096):
         assert Engine(model, tok, EngineConfig(max_model_len=n, prefix_cache_bytes=fixed)).prefix_cache.max_bytes == fixed
+    # never past a quarter of the memory available at start-up (8 GiB here: a max_model_len of
+    # 100M tokens gets 2 GiB), and never below 1 GiB (512 MiB available)
+    import lcx.engine.memory
+
+    for avail, want in ((8 << 30, 2 << 30), (512 << 20, DEFAULT_PREFIX_CACHE_BYTES)):
+        monkeypatch.setattr(lcx.engine.memory, "available_memory", lambda device, avail=avail: avail)
+        eng = Engine(model, tok, EngineConfig(max_model_len=100_000_000, prefix_cache_bytes=None))
+        assert eng.prefix_cache.max_bytes == want
     assert EngineConfig.from_dict(EngineConfig(prefix_cache_bytes=None).to_dict()).prefix_cache_bytes is None
 
 
