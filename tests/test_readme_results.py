@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lcx.report import PPL_METRIC, format_interval, passkey_interval
-from lcx.data.io import json_path, read_json
+from lcx.data.io import read_json
 from lcx.report.ruler import ruler_intervals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def _columns():
 
 @pytest.mark.parametrize("col,report,metric,length", _columns())
 def test_headline_column_quotes_its_report(col, report, metric, length):
-    record = read_json(json_path(ROOT / report / "report.json"))  # (gzipped for RULER reports)
+    record = read_json(ROOT / report / "report.json.gz")
     results = record["results"]
     ruler = ruler_intervals(record) if metric == "RULER" else {}
     _, rows = headline_table()
@@ -67,5 +67,5 @@ def test_headline_column_quotes_its_report(col, report, metric, length):
         else:
             want = f"{cell['ppl'][PPL_METRIC]:.1f}"
         if shown != want:
-            wrong.append(f"{method}: README {shown!r}, {report}/report.json {want!r}")
+            wrong.append(f"{method}: README {shown!r}, {report}/report.json.gz {want!r}")
     assert rows and not wrong, wrong

@@ -25,7 +25,7 @@ No method is re-implemented here: each is a `{"rope": ..., "attention": ...}` co
 those two components (`lcx.presets`); a sibling model runs the method its config records. Defaults scale with the model: RoPE factor s =
 max(lengths) / L0, LM-Infinite n_global = 10 (the paper's default) and n_local = L0, windows L0.
 
-Output (`--out`, default results/report/): `report.json` (resolved config, environment, every
+Output (`--out`, default results/report/): `report.json.gz` (gzipped JSON: resolved config, environment, every
 number; `passkey_intervals`: each passkey cell's correct count k, prompts n and Wilson 95%
 interval, recomputed from the stored per-prompt results at every render; `passkey_paired`: every
 pair of methods compared prompt by prompt at each length, the paired difference with its interval
@@ -42,7 +42,7 @@ files, and the environment (python, torch, transformers, lm-eval, tokenizers, de
 an interrupted run with the same settings is resumed, and of its completed cells only those whose
 own fingerprint is unchanged are kept: the modules of that cell's measurement, the models, the
 environment (an engine change re-measures the decode cells, not the lm-eval ones). What was reused
-and why is printed, and recorded in report.json. `--reuse` also
+and why is printed, and recorded in report.json.gz. `--reuse` also
 keeps cells of finished runs whose settings and fingerprint match (e.g. to redraw plots);
 `--fresh` recomputes everything. The cell order is length-major (every method at the shortest
 length first), so an interrupted sweep already has complete tables at the shorter lengths. Inside

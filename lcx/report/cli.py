@@ -123,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "if the lcx code that measured them differs from this checkout's -- for a change you know "
                         "does not touch the numbers (a refactor, a new preset) in a sweep too long to redo. Settings, "
                         "models and environment must still match; the report lists every such cell and the modules "
-                        "that differ (report.json: cells_kept_with_other_code)")
+                        "that differ (report.json.gz: cells_kept_with_other_code)")
     p.add_argument("--reuse", action="store_true",
                    help="keep stored cells of any earlier run whose settings and code/model/environment "
                         "fingerprint match (e.g. to redraw plots)")
@@ -159,5 +159,5 @@ def run(args: argparse.Namespace) -> int:
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
                         keep_other_code=args.keep_other_code)
     print(markdown(record).split("## Methods")[0])
-    print(f"wrote {args.out / 'README.md'}, report.json{'.gz' if record['config'].get('ruler_lengths') else ''} and the plots")
+    print(f"wrote {args.out / 'README.md'}, report.json.gz and the plots")
     return 0

@@ -1,4 +1,4 @@
-"""`lcx report`'s tables and plots from report.json: Wilson intervals for every passkey cell,
+"""`lcx report`'s tables and plots from report.json.gz: Wilson intervals for every passkey cell,
 paired tests between methods on the same prompts, `plot_report`, `markdown`."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _paired_section(record: dict[str, Any]) -> list[str]:
     lines = ["## Paired tests on the same prompts", "",
              "Every method answers the same passkey prompts, so two methods are compared prompt by prompt: "
              "a − b [Newcombe's paired 95% interval], prompts only a : only b retrieved, exact two-sided "
-             "McNemar p (`lcx.stats.paired_difference`; every pair at every length is in report.json, "
+             "McNemar p (`lcx.stats.paired_difference`; every pair at every length is in report.json.gz, "
              "`passkey_paired`). Many pairs are tested: one p just under 0.05 is weak evidence on its own.", ""]
     if "vanilla" in names and len(names) > 1:
         lines += ["| method − vanilla | " + " | ".join(lengths) + " |", "|---|" + "---:|" * len(lengths)]
@@ -295,7 +295,7 @@ def _other_code_note(record: dict[str, Any]) -> str:
         return ""
     mods = sorted({m for c in oc.values() for m in c["modules"]})
     return (f" Kept with `--keep-other-code`: {len(oc)} cell(s) measured by lcx code that differs from this "
-            f"checkout's in {', '.join(f'`{m}`' for m in mods)} (listed in report.json).")
+            f"checkout's in {', '.join(f'`{m}`' for m in mods)} (listed in report.json.gz).")
 
 
 def _decode_section(record: dict[str, Any], dl: list) -> list[str]:

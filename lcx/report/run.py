@@ -1,5 +1,5 @@
 """`run_report`: the cells of a report in length-major order, measured or reused, written as they
-finish, then report.json, the plots and README.md."""
+finish, then report.json.gz, the plots and README.md."""
 
 from __future__ import annotations
 
@@ -177,10 +177,10 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         record["ruler_intervals"] = ruler_intervals(record)
         record["ruler_paired"] = ruler_paired(record)
     out.mkdir(parents=True, exist_ok=True)
-    # with RULER every prompt's output makes report.json large: gzipped then (results/README.md, "Budget")
-    path = out / ("report.json.gz" if cfg.ruler_lengths else "report.json")
-    atomic_write_json(path, record)
-    (out / ("report.json" if cfg.ruler_lengths else "report.json.gz")).unlink(missing_ok=True)
+    # every prompt's output makes the record large: always gzipped (results/README.md, "Budget");
+    # `lcx.data.io.read_json` reads it, `zcat report.json.gz` shows it
+    atomic_write_json(out / "report.json.gz", record)
+    (out / "report.json").unlink(missing_ok=True)  # a plain record an earlier version wrote
     plot_report(record, out)
     from ..data.io import atomic_write_text
 

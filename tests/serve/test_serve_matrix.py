@@ -58,6 +58,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from lcx import presets  # noqa: E402
+from lcx.data.io import read_json  # noqa: E402
 from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from lcx.method_config import MethodConfig  # noqa: E402
 from lcx.methods import ATTENTION_METHODS  # noqa: E402
@@ -281,7 +282,7 @@ def test_method_config_runs_through_entry_point(family, case, entry, request, re
         _run([sys.executable, "-m", "lcx.cli", "report", "--model", model, "--presets", "none",
               "--method", f"m={spec}", "--lengths", "320", "--decode-lengths", "none", "--depths", "1",
               "--samples-per-depth", "1", "--ppl-docs", "1", "--threads", "1", "--out", str(out)], log)
-        rep = json.loads((out / "report.json").read_text())
+        rep = read_json(out / "report.json.gz")
         assert "m" in json.dumps(rep), rep
         return
     if entry == "lm_eval":
