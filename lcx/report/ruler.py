@@ -99,6 +99,9 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     res, resumed = evaluate(lm, journal, tasks=[loaded[n] for n in run_tasks], task_manager=tm,
                              limit=cfg.ruler_samples, metadata=meta, log_samples=True,
                              verbosity="WARNING") if run_tasks else ({"samples": {}}, 0)
+    # `prompt_tokens` is RULER's own `length` of the sample: its input's tokens (RULER's tokenizer
+    # call) plus the task's generation budget (128 for NIAH); the answer prefix lm-eval appends to
+    # the context (`gen_prefix`, ~15-20 tokens) is not counted. Kept under this name: committed cells use it.
     for name in run_tasks:
         samples = []
         for smp in sorted(res["samples"][name], key=lambda s: s["doc_id"]):
