@@ -7,8 +7,9 @@
 # prompts per (task, length) at 16k, 12k, 8k and 4k (inside the context), for vanilla, YaRN x2,
 # dynamic NTK x2, Self-Extend, LM-Infinite +- top-k and sinks -> results/report/smollm2-135m-ruler/.
 # Cost measured on the first 16k cell (Self-Extend, prefix cache on): ~150 CPU s per prompt, ~2.7
-# core-hours per 16k cell; ~30-40 core-hours for the 28 cells, so it runs in the background across
-# sessions, a length at a time (16k first, the most informative; then 12k, 8k, 4k); every answer
+# core-hours per 16k cell; ~30-40 core-hours for the 28 cells (~43 h of one core left on
+# 2026-11-29, docs/report.md), so it runs in the background across sessions, a length at a time
+# (16k first, the most informative; then 12k, 8k, 4k: `sweep` below); every answer
 # is journaled and every finished (method, length) cell kept (--reuse): rerun the same command
 # after an interruption.
 #   bash scripts/report_smollm2_ruler.sh [LENGTHS [EXTRA lcx report FLAGS]]   (LENGTHS must include
@@ -16,10 +17,21 @@
 #   bash scripts/report_smollm2_ruler.sh 16384                    # (default) the 16k cells
 #   bash scripts/report_smollm2_ruler.sh 12288,16384              # then 12k (and so on)
 #   bash scripts/report_smollm2_ruler.sh 4096,8192,12288,16384 --render   # tables from what is measured
-# Method order: vanilla third, so the paired tests against it come early.
+#   bash scripts/report_smollm2_ruler.sh sweep    # every step below in order, informative cells first
+# Method order: vanilla third, so the paired tests against it come early. `sweep`'s order: 16k, 12k
+# (every method), 8k and 4k for Self-Extend, YaRN and vanilla, then 8k and 4k for the rest (where
+# their windows cover RULER's prompts and dynamic NTK does not rescale, so they should answer as
+# vanilla; docs/report.md, "What the real-model RULER sweeps still cost").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ "${1:-}" = sweep ]; then
+  for step in "16384" "12288,16384" "8192,16384 --presets self_extend,yarn,vanilla" \
+              "4096,16384 --presets self_extend,yarn,vanilla" "8192,16384" "4096,16384"; do
+    bash "$0" $step
+  done
+  exit 0
+fi
 reuse=--reuse  # measuring: keep every stored cell; --render measures nothing and takes no --reuse
 for a in "${@:2}"; do [ "$a" = --render ] && reuse=; done
 exec lcx report --model smollm2-135m --lengths "${1:-16384}" --decode-lengths none --tasks ruler \
