@@ -267,6 +267,30 @@ class MethodConfig:
             return None
         return self.attention.cache_window
 
+    def identity_up_to(self, model_config: Any) -> float:
+        """A sequence length T (prompt and answer together) up to which this config computes
+        exactly what the model as loaded computes, on the model of `model_config`; not necessarily
+        the longest such T. `math.inf` for the identity; with an attention method at most its
+        `causal_up_to()`; dynamic NTK on a model whose own RoPE is unscaled (the same theta) is
+        unscaled up to its original context, so at most that; any other RoPE spec changes the
+        basis at every length (0). `lcx report` takes vanilla's RULER answers for a cell whose
+        prompts all fit this (`lcx.report.ruler.vanilla_equivalent`)."""
+        import math
+
+        bound = math.inf
+        if self.rope is not None:
+            spec = self.rope_spec(model_config)
+            own = dict(getattr(model_config, "rope_parameters", None) or {})
+            if isinstance(own.get("full_attention"), Mapping):  # per layer type: the global layers', which lcx scales
+                own = dict(own["full_attention"])
+            if (spec.rope_type != "dynamic" or own.get("rope_type", "default") != "default"
+                    or float(own.get("rope_theta", getattr(model_config, "rope_theta", -1.0))) != spec.rope_theta):
+                return 0
+            bound = spec.original_max_position_embeddings
+        if self.attention is not None:
+            bound = min(bound, self.attention.causal_up_to())
+        return bound
+
     @property
     def is_identity(self) -> bool:
         """True when applying this config leaves the model as loaded."""

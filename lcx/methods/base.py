@@ -182,6 +182,17 @@ class AttentionMethod:
         decodes through `attend` over unrotated keys."""
         return None
 
+    def causal_up_to(self) -> float:
+        """A sequence length T (keys, the query's own included) up to which this method is exactly
+        full causal attention: on every sequence of at most T tokens each query sees every earlier
+        key at its true distance in one softmax, so the method's output is the unpatched model's.
+        Not necessarily the longest such length; `math.inf`: at every length; 0 (the default): at
+        none known (e.g. SWAT's sigmoid is no softmax even when it sees every key). `lcx report`
+        takes vanilla's RULER answers for a cell where every prompt with its answer is this short
+        (`lcx.report.ruler.vanilla_equivalent`); tests/methods/test_causal_up_to.py checks every
+        registered example against `Causal` at this length."""
+        return 0
+
     # --------------------------------------------------------------- what a bounded cache keeps
     @property
     def cache_window(self) -> tuple[int, int] | None:

@@ -7,6 +7,7 @@ branch. Unbounded: no bounded cache.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +32,9 @@ class Causal(AttentionMethod):
 
     def decode_rule(self):
         return DecodeRule(window=None)
+
+    def causal_up_to(self):
+        return math.inf
 
 
 def causal() -> Causal:

@@ -135,6 +135,10 @@ class LMInfinite(AttentionMethod):
     def _spec(self, scale):
         return AttentionSpec.lm_infinite(self.n_global, self.n_local, self.limit_distance, scale=scale)
 
+    def causal_up_to(self):
+        # every key in the window, at its true distance: no global key is capped, no middle key exists
+        return self.n_local
+
     @property
     def cache_window(self):
         return None if self.top_k else (self.n_global, self.n_local)

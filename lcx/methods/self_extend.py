@@ -146,6 +146,10 @@ class SelfExtend(AttentionMethod):
                           side_key=lambda p: grouped_positions(p, G, W, query=False),
                           side_query=lambda p: grouped_positions(p, G, W, query=True))
 
+    def causal_up_to(self):
+        # every key inside the neighbour window: no grouped pass
+        return self.window
+
     def _spec(self, scale):
         raise NotImplementedError("self_extend is two attention calls (see SelfExtend.attend), not one spec")
 

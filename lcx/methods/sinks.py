@@ -84,6 +84,10 @@ class Sinks(AttentionMethod):
         query = (lambda p: torch.clamp(p, max=last)) if self.renumber else (lambda p: p)
         return DecodeRule(window=self.window, side=self.n_sink, side_key=lambda p: p, side_query=query)
 
+    def causal_up_to(self):
+        # every key is a sink or in the window; nothing evicted, so renumbered positions are the true ones
+        return self.n_sink + self.window
+
     @property
     def cache_window(self):
         return (self.n_sink, self.window)

@@ -33,6 +33,9 @@ class SlidingWindow(AttentionMethod):
     def _spec(self, scale):
         return AttentionSpec(mask=sliding_window_mask(left=self.window - 1), scale=scale)
 
+    def causal_up_to(self):
+        return self.window
+
     def last_query_keys(self, positions):
         Tk = positions.shape[-1]
         visible = torch.arange(Tk, device=positions.device) >= Tk - self.window

@@ -27,6 +27,7 @@ EXAMPLE = ATTENTION_METHODS["self_extend"]
 # Every test generated from `examples()`: "file::test" -> a test id fragment of the method's cases.
 GRIDS = (
     "tests/methods/test_backends.py::test_backend_equals_reference",
+    "tests/methods/test_causal_up_to.py::test_method_is_causal_up_to_its_bound",
     "tests/methods/test_last_query.py::test_last_query_equals_attend",
     "tests/methods/test_last_query.py::test_query_keys_reproduce_attend_for_every_query",
     "tests/methods/test_decode_rule.py::test_rule_equals_last_query_keys",
