@@ -147,3 +147,49 @@ def test_ruler_prompts_do_not_depend_on_what_ran_before():
     random.seed(12345)
     random.random()
     assert prompts() == first
+
+
+def test_equivalent_check_option_is_checked_and_recorded_only_when_set():
+    with pytest.raises(ValueError, match="ruler_equivalent_check"):
+        ReportConfig(ruler_equivalent_check=0)
+    assert "ruler_equivalent_check" not in ReportConfig().to_dict()  # the default: records as before
+    assert ReportConfig(ruler_equivalent_check=None).to_dict()["ruler_equivalent_check"] is None
+
+
+def test_cells_taken_from_vanilla_are_named_in_the_readme():
+    taken = {**RECORD["results"]["vanilla"]["ruler"]["1024"],
+             "equivalent_to": {"method": "vanilla", "identity_up_to": 2048, "longest_sequence": 1000, "checked_prompts": 4}}
+    rec = {**RECORD, "results": {**RECORD["results"], "wide": {"lmeval": {}, "ruler": {"1024": taken}}}}
+    text = "\n".join(markdown_section(rec))
+    assert "wide at 1024 (≤ 1000 of its 2048 tokens, 4 prompts checked)" in text
+    assert "--equivalent-check all" in text
+    assert "not measured again" not in "\n".join(markdown_section(RECORD))
+
+
+@pytest.mark.slow
+def test_a_cell_equal_to_vanilla_by_construction_takes_vanillas_answers(tmp_path):
+    """On the bundled model at 1024 tokens: a sliding window of 2048 keys covers every prompt with
+    its answer, so its RULER cell checks 2 prompts per task and takes vanilla's answers; measured in
+    full (`ruler_equivalent_check=None`) it answers the same. A window of 512 does not cover them:
+    measured. Dynamic NTK beyond the context (256) rescales: measured."""
+    import dataclasses
+
+    from lcx.report.run import run_report
+
+    wide = {"attention": {"type": "sliding_window", "window": 2048}}
+    cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla",), lengths=(1024,), decode_lengths=(), tasks=("ruler",),
+                       ruler_tasks=("niah_single_1", "niah_multikey_1_pd"), ruler_samples=3,
+                       custom_methods={"wide": wide, "narrow": {"attention": {"type": "sliding_window", "window": 512}},
+                                       "dyn": {"rope": {"rope_type": "dynamic", "factor": 4}}})
+    lines: list[str] = []
+    rec = run_report(cfg, tmp_path / "a", progress=False, log=lines.append)
+    res = rec["results"]
+    assert res["wide"]["ruler"]["1024"]["equivalent_to"]["checked_prompts"] == 4
+    assert res["wide"]["ruler"]["1024"]["equivalent_to"]["identity_up_to"] == 2048
+    for other in ("narrow", "dyn"):
+        assert "equivalent_to" not in res[other]["ruler"]["1024"]
+    assert res["wide"]["ruler"]["1024"]["tasks"] == res["vanilla"]["ruler"]["1024"]["tasks"]
+    assert "wide at 1024" in (tmp_path / "a" / "README.md").read_text()
+    full = run_report(dataclasses.replace(cfg, ruler_equivalent_check=None, custom_methods={"wide": wide}),
+                      tmp_path / "b", progress=False, log=lines.append)["results"]["wide"]["ruler"]["1024"]
+    assert "equivalent_to" not in full and full["tasks"] == res["vanilla"]["ruler"]["1024"]["tasks"]

@@ -16,7 +16,9 @@ model's training context L0:
   model (`lcx.lmeval_model.LcxLM`, the same model class as `lm_eval --model lcx`);
 - RULER (`--tasks ... ,ruler`, the default; lengths >= 1024 only): lcx's `ruler_offline` tasks
   through the same `simple_evaluate` and `lcx` model, every task per length with Wilson
-  intervals, the headline mean over tasks, paired tests (`lcx.report.ruler`);
+  intervals, the headline mean over tasks, paired tests (`lcx.report.ruler`); a cell whose
+  method computes what vanilla computes on each of its prompts takes vanilla's answers after
+  its first prompts per task answer the same (`--equivalent-check`, docs/report.md);
 - decoding speed (tokens/s after a prompt of L tokens) and KV-cache memory by context length,
   through `lcx.engine.Engine` with the method as an engine method (`rope` / `attention`), i.e.
   the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).

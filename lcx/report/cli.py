@@ -34,6 +34,14 @@ def _custom_method(s: str) -> tuple[str, dict[str, Any]]:
     return name, cfg.to_dict()
 
 
+def _count(flag: str, text: str) -> int:
+    """An integer flag value, or ValueError naming the flag."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be an integer or 'all', got {text!r}") from None
+
+
 def _custom_methods(pairs: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, conf in pairs:
@@ -110,6 +118,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ruler-tasks", default=",".join(ReportConfig.ruler_tasks), metavar="TASKS",
                    help="comma-separated subset of lcx's ruler_offline tasks to run (default: all 11), e.g. the "
                         "tasks a model does above floor inside its context")
+    p.add_argument("--equivalent-check", default=str(ReportConfig.ruler_equivalent_check), metavar="N|all",
+                   help="a RULER cell whose method computes exactly what vanilla computes on every prompt of the "
+                        "cell (its window covers each prompt with its answer, dynamic NTK inside the context: "
+                        "MethodConfig.identity_up_to) measures its first N prompts per task and, if they answer word "
+                        "for word as vanilla's cell at that length, takes vanilla's answers for the rest (marked in "
+                        "the README); 'all' measures such cells in full (default: %(default)s)")
     p.add_argument("--ppl-max-length", type=int, default=None, metavar="TOKENS",
                    help="measure perplexity only at lengths <= TOKENS (longer cells: passkey alone); windows are "
                         "cut at the longest such length, and a held-out work must be that long (default: every length)")
@@ -146,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
             tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
             ruler_samples=extra.get("ruler_samples", args.ruler_samples),
             ruler_tasks=tuple(x.strip() for x in args.ruler_tasks.split(",") if x.strip()),
-            ppl_max_length=args.ppl_max_length)
+            ppl_max_length=args.ppl_max_length,
+            ruler_equivalent_check=None if args.equivalent_check == "all" else _count("--equivalent-check",
+                                                                                     args.equivalent_check))
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2

@@ -66,6 +66,11 @@ class ReportConfig:
     ruler_samples: int = 30  # prompts per (RULER task, length): the first n of each task's 500
     # which of RULER_TASKS to run (e.g. the tasks a model does above floor inside its context)
     ruler_tasks: tuple[str, ...] = RULER_TASKS
+    # a RULER cell whose method computes exactly what vanilla computes on each of its prompts
+    # (`MethodConfig.identity_up_to`): measure its first n prompts per task and, when they answer
+    # word for word as vanilla's cell, take vanilla's answers for the rest; None: measure it in full
+    # (`lcx.report.ruler.vanilla_equivalent`)
+    ruler_equivalent_check: int | None = 2
     # perplexity only at lengths <= this (None: every passkey length); longer cells measure passkey
     # alone. The windows are cut at the longest perplexity length: a held-out work must be that long
     # (about 27k tokens for a 262k-vocabulary tokenizer such as Gemma 3's)
@@ -120,6 +125,10 @@ class ReportConfig:
             object.__setattr__(self, "depths", tuple(sorted({float(x) for x in d})))
         if self.ppl_max_length is not None and (not isinstance(self.ppl_max_length, int) or self.ppl_max_length < 16):
             raise ValueError(f"ppl_max_length must be an integer >= 16, got {self.ppl_max_length!r}")
+        if self.ruler_equivalent_check is not None and (isinstance(self.ruler_equivalent_check, bool) or not isinstance(
+                self.ruler_equivalent_check, int) or self.ruler_equivalent_check < 1):
+            raise ValueError(f"ruler_equivalent_check must be an integer >= 1 or None (measure in full), "
+                             f"got {self.ruler_equivalent_check!r}")
         for name, lo in (("samples_per_depth", 1), ("ppl_docs", 1), ("decode_tokens", 2), ("ruler_samples", 1)) + (
                 (("depths", 1),) if not isinstance(self.depths, tuple) else ()):
             v = getattr(self, name)
@@ -168,6 +177,8 @@ class ReportConfig:
             del d["ppl_max_length"]
         if "ruler_samples" not in d or tuple(d["ruler_tasks"]) == RULER_TASKS:  # (all of them: as before the option)
             del d["ruler_tasks"]
+        if "ruler_samples" not in d or d["ruler_equivalent_check"] == ReportConfig.ruler_equivalent_check:
+            del d["ruler_equivalent_check"]  # (the default: as before the option)
         return d
 
 

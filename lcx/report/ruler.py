@@ -116,6 +116,79 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     return out
 
 
+# Tokens added to a sample's RULER `length` (its input's tokens + the generation budget) for the
+# answer prefix's own tokens' neighbours: a BOS the model adds that RULER's count lacks, and the
+# join of context and answer prefix (the prefix itself is counted exactly).
+SEQUENCE_MARGIN = 4
+
+
+def longest_sequence(model: str, length: int, tasks: Sequence[str], samples: int) -> int:
+    """An upper bound on the tokens of any prompt of a RULER cell (`model`, `length`, the first
+    `samples` prompts of each of `tasks`) together with its answer: RULER's own `length` of the
+    sample (its input's tokens by the model's tokenizer + the task's generation budget), the answer
+    prefix lm-eval appends (`gen_prefix`, tokenized) and `SEQUENCE_MARGIN`. Builds the tasks
+    (seconds to a minute), runs no model."""
+    from lm_eval.tasks.ruler import common_utils
+
+    _, _, loaded = load_ruler_tasks(model, length, tasks)
+    tok = common_utils.get_tokenizer(tokenizer=model)  # (lcx's patched, cached getter: the model's tokenizer)
+    longest = 0
+    for name in tasks:
+        for doc in list(loaded[name].eval_docs)[:samples]:
+            prefix = len(tok(doc.get("gen_prefix") or "", add_special_tokens=False).input_ids)
+            longest = max(longest, int(doc["length"]) + prefix + SEQUENCE_MARGIN)
+    return longest
+
+
+def vanilla_equivalent(model: str, run: PresetRun, cfg: ReportConfig, length: int, reference: tuple[str, dict[str, Any]],
+                       log: Any = print) -> dict[str, Any] | None:
+    """The RULER cell of `run` at `length` taken from `reference` = (name, its RULER cell at this
+    length: vanilla, the model as loaded), when `run`'s config computes exactly what the model as
+    loaded computes on every prompt of the cell with its answer (`MethodConfig.identity_up_to` of
+    the model >= `longest_sequence`), and its first `cfg.ruler_equivalent_check` prompts per task,
+    measured under `run`, answer word for word as `reference`'s. Else None (measure the cell), with
+    the reason logged. The cell returned is the reference's answers and scores with
+    `equivalent_to` saying so (bound, longest sequence, prompts checked) and this check's `wall_s`."""
+    import copy
+    import dataclasses
+    from types import SimpleNamespace
+
+    from .config import model_hf_config
+
+    ref_name, ref = reference
+    if cfg.ruler_equivalent_check is None or run.config.is_identity:
+        return None
+    bound = run.config.identity_up_to(SimpleNamespace(**model_hf_config(run.model)))
+    if bound <= 0:
+        return None
+    t0 = time.perf_counter()
+    longest = longest_sequence(run.model, length, cfg.ruler_tasks, cfg.ruler_samples)
+    if longest > bound:
+        log(f"  {run.name} @ {length}: equals {ref_name} only up to {bound} tokens, a prompt with its answer "
+            f"takes up to {longest}: measured in full")
+        return None
+    k = min(cfg.ruler_equivalent_check, cfg.ruler_samples)
+    check = run_ruler_cell(model, run, dataclasses.replace(cfg, ruler_samples=k), length)
+    checked = 0
+    for name, task in check["tasks"].items():
+        want = {s["index"]: s for s in (ref["tasks"].get(name) or {}).get("samples", [])}
+        for s in task.get("samples", []):
+            r = want.get(s["index"])
+            if r is None or (r["output"], r["score"]) != (s["output"], s["score"]):
+                log(f"  {run.name} @ {length}: {name} prompt {s['index']} answered {s['output']!r}, "
+                    f"{ref_name} {None if r is None else r['output']!r}: measured in full")
+                return None
+            checked += 1
+    cell = copy.deepcopy(ref)
+    cell.pop("resumed_requests", None)
+    cell["wall_s"] = round(time.perf_counter() - t0, 2)
+    cell["equivalent_to"] = {"method": ref_name, "identity_up_to": bound, "longest_sequence": longest,
+                             "checked_prompts": checked}
+    log(f"  {run.name} @ {length}: computes what {ref_name} computes on every prompt (<= {longest} of {bound} "
+        f"tokens); {checked} prompts measured answered as {ref_name}'s: its answers taken")
+    return cell
+
+
 def _counts(task_cell: dict[str, Any] | None) -> tuple[int, int] | None:
     smp = (task_cell or {}).get("samples")
     return (sum(1 for s in smp if s["correct"]), len(smp)) if smp else None
@@ -207,6 +280,7 @@ def markdown_section(record: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(format_interval(ivs.get(name, {}).get(L, {}).get("headline"))
                                                  for L in lengths) + " |")
     lines += ["", "![RULER: task x length per method](ruler_heatmap.png)", ""]
+    lines += _equivalent_note(record, names, lengths)
     paired = record.get("ruler_paired") or ruler_paired(record)
     for L in lengths:
         tasks = [t for t in RULER_TASKS if any(t in ivs.get(m, {}).get(L, {}).get("tasks", {}) for m in names)]
@@ -231,6 +305,22 @@ def markdown_section(record: dict[str, Any]) -> list[str]:
             lines += ["", f"Not measurable at {L}: " + "; ".join(skipped) + "."]
         lines.append("")
     return lines
+
+
+def _equivalent_note(record: dict[str, Any], names: list[str], lengths: list[str]) -> list[str]:
+    """The README's line naming the cells taken from vanilla's answers (`vanilla_equivalent`)."""
+    taken = [(n, L, e) for n in names for L in lengths
+             if (e := (_ruler_cells(record, n).get(L) or {}).get("equivalent_to"))]
+    if not taken:
+        return []
+    cells = "; ".join(f"{n} at {L} (≤ {e['longest_sequence']} of its {e['identity_up_to']} tokens, "
+                      f"{e['checked_prompts']} prompts checked)" for n, L, e in taken)
+    return [f"Answers taken from {taken[0][2]['method']}'s cell at the same length, not measured again, where the "
+            "method computes exactly what the model as loaded computes on every prompt of the cell with its "
+            "answer (its window covers the sequence; dynamic NTK inside the original context: "
+            "`MethodConfig.identity_up_to`) and the first prompts of each task, measured under the method, "
+            f"answered word for word as {taken[0][2]['method']}: {cells}. (`lcx report --equivalent-check all` "
+            "measures them in full.)", ""]
 
 
 def plot_heatmap(record: dict[str, Any], out: Path) -> None:

@@ -26,7 +26,7 @@ from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_s
 from .lm import journal_count, journal_db
 from .measure import CELL_RUNNERS
 from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
-from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired
+from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired, vanilla_equivalent
 
 # The run
 # ============================================================================================
@@ -49,6 +49,15 @@ def cell_journal(out: Path, name: str, kind: str, length: int, settings: dict[st
         if not old.name.startswith(journal.name):  # (sqlite's own side files stay with their db)
             old.unlink(missing_ok=True)
     return journal
+
+
+def _as_loaded_cell(runs: dict[str, PresetRun], cells: dict[str, Any], name: str, length: int
+                    ) -> tuple[str, dict[str, Any]] | None:
+    """(name, RULER cell at `length`) of a run of this report that is the model of `name`'s run as
+    loaded (vanilla), when that cell is already measured or kept; else None."""
+    model = runs[name].model
+    return next(((n, c) for n, r in runs.items() if n != name and r.model == model and r.config.is_identity
+                 and (c := cells[n]["ruler"].get(str(length))) is not None), None)
 
 
 def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], dict[str, str], int, float]:
@@ -132,7 +141,11 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         answered = journal_count(journal)
         if answered:
             bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({answered} answers)")
-        result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L, **({"journal": journal} if journal else {}))
+        result = None
+        if kind == "ruler" and (ref := _as_loaded_cell(runs, cells, name, L)) is not None:
+            result = vanilla_equivalent(cfg.model, runs[name], cfg, L, ref, log=bar.write)
+        if result is None:
+            result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L, **({"journal": journal} if journal else {}))
         dt = time.perf_counter() - t0
         measured_s += dt
         write_cell(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
