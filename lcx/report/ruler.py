@@ -182,7 +182,8 @@ def vanilla_equivalent(model: str, run: PresetRun, cfg: ReportConfig, length: in
     cell = copy.deepcopy(ref)
     cell.pop("resumed_requests", None)
     cell["wall_s"] = round(time.perf_counter() - t0, 2)
-    cell["equivalent_to"] = {"method": ref_name, "identity_up_to": bound, "longest_sequence": longest,
+    cell["equivalent_to"] = {"method": ref_name, "identity_up_to": None if math.isinf(bound) else int(bound),
+                             "longest_sequence": longest,
                              "checked_prompts": checked}
     log(f"  {run.name} @ {length}: computes what {ref_name} computes on every prompt (<= {longest} of {bound} "
         f"tokens); {checked} prompts measured answered as {ref_name}'s: its answers taken")
@@ -313,7 +314,8 @@ def _equivalent_note(record: dict[str, Any], names: list[str], lengths: list[str
              if (e := (_ruler_cells(record, n).get(L) or {}).get("equivalent_to"))]
     if not taken:
         return []
-    cells = "; ".join(f"{n} at {L} (≤ {e['longest_sequence']} of its {e['identity_up_to']} tokens, "
+    cells = "; ".join(f"{n} at {L} (≤ {e['longest_sequence']} of its "
+                      f"{'unbounded' if e['identity_up_to'] is None else e['identity_up_to']} tokens, "
                       f"{e['checked_prompts']} prompts checked)" for n, L, e in taken)
     return [f"Answers taken from {taken[0][2]['method']}'s cell at the same length, not measured again, where the "
             "method computes exactly what the model as loaded computes on every prompt of the cell with its "
