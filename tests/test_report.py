@@ -334,6 +334,36 @@ def test_report_scripts_select_the_presets_of_their_committed_runs(script, out):
     assert args.model == stored["model"] and depths == stored["depths"]
 
 
+def test_smollm2_ruler_sweep_steps_are_valid_reports_of_its_run():
+    """`bash scripts/report_smollm2_ruler.sh sweep` (docs/report.md): every step, with the script's
+    `lcx report` line, parses; its lengths include 16384 (the RoPE factor follows the longest) and
+    its presets are the run's; the steps cover every (length, preset) the sweep promises."""
+    import argparse
+    import re
+    import shlex
+    from pathlib import Path
+
+    from lcx.report.cli import add_arguments
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "scripts/report_smollm2_ruler.sh").read_text()
+    steps = re.findall(r'"([^"]+)"', text[text.index("for step in"):text.index("; do", text.index("for step in"))])
+    line = text[text.index("exec lcx report") + len("exec lcx report"):].split("\n\n")[0].replace("\\\n", " ")
+    base = [a for a in shlex.split(re.sub(r'"?\$\{1:-[^}]*\}"?', "LENGTHS", line)) if "$" not in a]
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    every = p.parse_args([a if a != "LENGTHS" else "16384" for a in base]).presets.split(",")
+    covered = set()
+    for step in steps:
+        lengths, *extra = shlex.split(step)
+        args = p.parse_args([a if a != "LENGTHS" else lengths for a in base] + extra)
+        assert 16384 in args.lengths, step
+        presets = args.presets.split(",")
+        assert set(presets) <= set(every), step
+        covered |= {(L, m) for L in args.lengths for m in presets}
+    assert covered == {(L, m) for L in (4096, 8192, 12288, 16384) for m in every}
+
+
 def test_ppl_max_length_limits_perplexity_to_the_shorter_cells():
     """Gemma 3's tokenizer makes no held-out work 48k tokens long: cells beyond --ppl-max-length
     measure passkey alone, and the windows are cut at the longest perplexity length."""
