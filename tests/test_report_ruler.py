@@ -154,6 +154,12 @@ def test_equivalent_check_option_is_checked_and_recorded_only_when_set():
         ReportConfig(ruler_equivalent_check=0)
     assert "ruler_equivalent_check" not in ReportConfig().to_dict()  # the default: records as before
     assert ReportConfig(ruler_equivalent_check=None).to_dict()["ruler_equivalent_check"] is None
+    from lcx.report.cli import _count
+
+    assert _count("--equivalent-check", "3") == 3
+    for bad in ("0", "-3", "x", ""):
+        with pytest.raises(ValueError, match="--equivalent-check must be an integer >= 1 or 'all'"):
+            _count("--equivalent-check", bad)
 
 
 def test_cells_taken_from_vanilla_are_named_in_the_readme():

@@ -35,11 +35,14 @@ def _custom_method(s: str) -> tuple[str, dict[str, Any]]:
 
 
 def _count(flag: str, text: str) -> int:
-    """An integer flag value, or ValueError naming the flag."""
+    """A count >= 1 given to `flag` (which also takes 'all'), or ValueError naming the flag."""
     try:
-        return int(text)
+        n = int(text)
     except ValueError:
-        raise ValueError(f"{flag} must be an integer or 'all', got {text!r}") from None
+        n = 0
+    if n < 1:
+        raise ValueError(f"{flag} must be an integer >= 1 or 'all', got {text!r}")
+    return n
 
 
 def _custom_methods(pairs: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
