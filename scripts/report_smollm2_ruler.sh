@@ -28,7 +28,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ "${1:-}" = sweep ]; then
   for step in "16384" "12288,16384" "8192,16384 --presets self_extend,yarn,vanilla" \
               "4096,16384 --presets self_extend,yarn,vanilla" "8192,16384" "4096,16384"; do
-    bash "$0" $step
+    bash scripts/report_smollm2_ruler.sh $step  # (the cwd is the checkout now)
   done
   exit 0
 fi
