@@ -279,10 +279,10 @@ class MethodConfig:
 
         bound = math.inf
         if self.rope is not None:
+            from .rope.spec import model_rope_parameters
+
             spec = self.rope_spec(model_config)
-            own = dict(getattr(model_config, "rope_parameters", None) or {})
-            if isinstance(own.get("full_attention"), Mapping):  # per layer type: the global layers', which lcx scales
-                own = dict(own["full_attention"])
+            own = model_rope_parameters(model_config)  # (the global layers' on a hybrid model)
             if (spec.rope_type != "dynamic" or own.get("rope_type", "default") != "default"
                     or float(own.get("rope_theta", getattr(model_config, "rope_theta", -1.0))) != spec.rope_theta):
                 return 0

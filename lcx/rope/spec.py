@@ -264,9 +264,7 @@ class PartialRopeSpec(Mapping):
         (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`) resolves against its
         global layers' entry, the one `lcx.patch` scales."""
         d = dict(self._d)
-        model_rope = dict(getattr(config, "rope_parameters", None) or {})
-        if isinstance(model_rope.get("full_attention"), Mapping):  # per layer type: the global layers'
-            model_rope = dict(model_rope["full_attention"])
+        model_rope = model_rope_parameters(config)
         if d.get("rope_theta") is None:
             theta = model_rope.get("rope_theta", getattr(config, "rope_theta", None))
             if theta is None:
@@ -328,6 +326,16 @@ class PartialRopeSpec(Mapping):
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RopeSpec)}
+
+
+def model_rope_parameters(config: Any) -> dict[str, Any]:
+    """A model config's own RoPE parameters (`rope_parameters`, {} when it has none); for a config
+    with RoPE per layer type (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`)
+    the global layers' entry, the one `lcx.patch` scales."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), Mapping):
+        rope = dict(rope["full_attention"])
+    return rope
 
 
 def _finite(name: str, v: float) -> None:
