@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -452,7 +453,22 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     a = cell_journal(out, "vanilla", "lmeval", 320, settings, {})
     journal_db(a).write_bytes(b"")
     b = cell_journal(out, "vanilla", "lmeval", 320, {**settings, "depths": [0.25]}, {})
-    assert a != b and not journal_db(a).exists()
+    assert a != b and not journal_db(a).exists() and not Path(f"{a}.key.json").exists()
+    # ... and what a stale journal with answers held is said, with what differs and its commit
+    from sqlitedict import SqliteDict
+
+    with SqliteDict(str(journal_db(b)), autocommit=True) as db:
+        db["q1"], db["q2"] = "a1", "a2"
+    key = json.loads(Path(f"{b}.key.json").read_text())
+    assert key["settings"] == {**settings, "depths": [0.25]} and "sha" in key["git"]
+    said: list[str] = []
+    c = cell_journal(out, "vanilla", "lmeval", 320, settings, {"code": {"lmeval": {"lcx.rope": "x"}}}, log=said.append)
+    assert not journal_db(b).exists() and len(said) == 1, said
+    assert "2 answers" in said[0] and "settings.depths" in said[0] and "fingerprint.code" in said[0], said
+    assert f"git {(key['git']['sha'] or '?')[:12]}" in said[0]
+    said.clear()  # an empty stale journal goes without a word
+    cell_journal(out, "vanilla", "lmeval", 320, settings, {}, log=said.append)
+    assert said == [] and not journal_db(c).exists()
 
 
 def test_every_journaled_cell_kind_takes_a_journal():

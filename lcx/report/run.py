@@ -35,20 +35,65 @@ JOURNALED = ("lmeval", "ruler")  # cell kinds answered request by request throug
 
 
 def cell_journal(out: Path, name: str, kind: str, length: int, settings: dict[str, Any],
-                 fingerprint: dict[str, Any]) -> Path:
+                 fingerprint: dict[str, Any], log: Callable[[str], None] | None = None) -> Path:
     """The request journal of one cell (`lcx.report.lm.evaluate`): under `out`/cells/journal/,
     named by the cell and a hash of its settings and `cell_fingerprint`, so answers given under
     other settings, models, environment or numerics code are never read back (a cell resumes
-    only what the same measurement answered). Journals of the same cell under another hash are
-    deleted here; the cell's own is deleted once the cell is written."""
-    key = json.dumps({"settings": settings, "fingerprint": cell_fingerprint(fingerprint, kind)}, sort_keys=True,
-                     default=str)
+    only what the same measurement answered). Beside it, `<journal>.key.json` holds what the hash
+    covers and the commit the journal was started at. Journals of the same cell under another
+    hash are deleted here, and `log` names what a deleted one held (its answers, what differs,
+    its commit: a journal committed mid-sweep resumes only from a checkout of the code that
+    made it); the cell's own is deleted once the cell is written (`drop_journal`)."""
+    from ..data.io import atomic_write_json, git_info
+
+    key_obj = {"settings": settings, "fingerprint": cell_fingerprint(fingerprint, kind)}
+    key = json.dumps(key_obj, sort_keys=True, default=str)
     stem = f"{name}.{kind}.{length}"
     journal = out / "cells" / "journal" / f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    for old in sorted(journal.parent.glob(f"{stem}.*_rank0.db")):
+        if not old.name.startswith(journal.name) and log is not None:
+            note = stale_journal_note(Path(str(old).removesuffix("_rank0.db")), key_obj)
+            if note:
+                log(f"  {name} @ {length}: {note}")
     for old in journal.parent.glob(f"{stem}.*"):
         if not old.name.startswith(journal.name):  # (sqlite's own side files stay with their db)
             old.unlink(missing_ok=True)
+    side = Path(f"{journal}.key.json")
+    if not side.exists():
+        atomic_write_json(side, {**json.loads(key), "git": git_info()})
     return journal
+
+
+def stale_journal_note(journal: Path, key: dict[str, Any]) -> str | None:
+    """What a journal that `key` does not resume held (None: no answers): its answer count, the
+    keys of its settings/fingerprint that differ (from its `.key.json`, when it has one) and the
+    commit it was started at."""
+    try:
+        answered = journal_count(journal)
+    except Exception:  # noqa: BLE001 - a journal that cannot be read is stale either way
+        answered = 0
+    if not answered:
+        return None
+    side = Path(f"{journal}.key.json")
+    try:
+        old = json.loads(side.read_text())
+    except (OSError, ValueError):
+        old = None
+    if old is None:
+        why = "under other settings or code (its key was not recorded)"
+    else:
+        differ = _diff({k: old.get(k) for k in key}, json.loads(json.dumps(key, default=str)))
+        sha = ((old.get("git") or {}).get("sha") or "?")[:12]
+        why = f"under other {', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''} (started at git {sha})"
+    return (f"a journal of {answered} answers made {why} is not resumed and is deleted: answers resume only "
+            f"under the settings and code that gave them (run the cell from that checkout to finish it; a "
+            f"committed journal is still in git)")
+
+
+def drop_journal(journal: Path) -> None:
+    """Delete a cell's journal and its key (the cell is written)."""
+    journal_db(journal).unlink(missing_ok=True)
+    Path(f"{journal}.key.json").unlink(missing_ok=True)
 
 
 def _as_loaded_cell(runs: dict[str, PresetRun], cells: dict[str, Any], name: str, length: int
@@ -135,7 +180,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         if render:
             continue
         t0 = time.perf_counter()
-        journal = cell_journal(out, name, kind, L, settings, fingerprint) if kind in JOURNALED else None
+        journal = cell_journal(out, name, kind, L, settings, fingerprint, log=bar.write) if kind in JOURNALED else None
         if journal is not None and fresh:  # --fresh: every answer too
             journal_db(journal).unlink(missing_ok=True)
         answered = journal_count(journal)
@@ -152,7 +197,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
                                  "result": result})
         if journal is not None:
-            journal_db(journal).unlink(missing_ok=True)
+            drop_journal(journal)
         cells[name][kind][str(L)] = result
         if kind == "ruler":
             bar.write(f"  {name} @ {L}: RULER {ruler_cell_summary(result)} ({dt:.0f} s)")
