@@ -4,6 +4,7 @@
     lcx report --tasks passkey,ppl               # passkey, perplexity, decoding only: ~25 min on 2 CPU cores
     lcx report --model smollm2-135m --lengths 2048,4096,8192 --presets vanilla,yarn,lm_infinite
     lcx report --quick --out /tmp/r              # plumbing check in a minute or two
+    lcx report --jobs 4 --threads 1              # four cells at once, one thread each (4 x the memory)
 
 For each context-extension method (vanilla, linear/PI, NTK, dynamic NTK, YaRN, Giraffe
 truncation, LM-Infinite (also with the paper's top-k middle keys), sliding window, StreamingLLM sinks, LM-Infinite + YaRN, Self-Extend, and SWAT;

@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..threads import add_threads_argument
 
     add_threads_argument(p)
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="measure up to N cells at once, each in a worker process of its own that loads its own model "
+                        "(N x the memory of one cell): same numbers and order as one at a time; decode cells (timed) "
+                        "run alone. Each job gets --threads threads, or cores // N with `auto` (default: %(default)s)")
     p.add_argument("--device", default=ReportConfig.device, help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default=ReportConfig.dtype, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default: %(default)s)")
@@ -169,14 +173,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2
-    from ..threads import resolve_threads
+    from ..threads import AUTO, available_cores, resolve_threads
 
+    if args.jobs < 1:
+        print(f"lcx report: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
     resolve_threads(args.threads)
+    job_threads = max(1, available_cores() // args.jobs) if args.threads in (None, AUTO) else int(args.threads)
     if args.render and (args.fresh or args.reuse):
         print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)
         return 2
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
-                        keep_other_code=args.keep_other_code)
+                        keep_other_code=args.keep_other_code, jobs=args.jobs, job_threads=job_threads)
     print(markdown(record).split("## Methods")[0])
     print(f"wrote {args.out / 'README.md'}, report.json.gz and the plots")
     return 0

@@ -24,9 +24,9 @@ from .cells import (
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
 from .lm import journal_count, journal_db
-from .measure import CELL_RUNNERS
 from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
-from .ruler import ruler_cell_summary, ruler_intervals, ruler_paired, vanilla_equivalent
+from .jobs import measure_cell, run_cells
+from .ruler import longest_sequence, ruler_cell_summary, ruler_intervals, ruler_paired
 
 # The run
 # ============================================================================================
@@ -105,6 +105,28 @@ def _as_loaded_cell(runs: dict[str, PresetRun], cells: dict[str, Any], name: str
                  and (c := cells[n]["ruler"].get(str(length))) is not None), None)
 
 
+def _vanilla_cell_first(runs: dict[str, PresetRun], cfg: ReportConfig, order: list[tuple[str, str, int]],
+                        item: tuple[str, str, int]) -> tuple[str, str, int] | None:
+    """The cell `item` waits for under `--jobs`: vanilla's (the model as loaded) RULER cell at its
+    length, when that comes before it in `order` and `item`'s method may take its answers
+    (`vanilla_equivalent`'s bound covers the cell's prompts); else None."""
+    name, kind, L = item
+    run = runs[name]
+    if kind != "ruler" or cfg.ruler_equivalent_check is None or run.config.is_identity:
+        return None
+    before = order[:order.index(item)]
+    ref = next(((n, k, ln) for n, k, ln in before if k == "ruler" and ln == L and n != name
+                and runs[n].model == run.model and runs[n].config.is_identity), None)
+    if ref is None:
+        return None
+    from types import SimpleNamespace
+
+    bound = run.config.identity_up_to(SimpleNamespace(**model_hf_config(run.model)))
+    if bound <= 0 or longest_sequence(run.model, L, cfg.ruler_tasks, cfg.ruler_samples) > bound:
+        return None
+    return ref
+
+
 def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], dict[str, str], int, float]:
     """What a report of `cfg` runs: (cfg with its lengths resolved, name -> preset run, name ->
     why it is skipped, the model's context L0, the RoPE factor max(lengths) / L0)."""
@@ -126,12 +148,14 @@ def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], di
 
 
 def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
-               keep_other_code: bool = False, progress: bool = True,
+               keep_other_code: bool = False, progress: bool = True, jobs: int = 1, job_threads: int | None = None,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
     module docstring), then write the report. `render=True` measures nothing: it writes the
     report from the stored cells whose settings and fingerprint match (missing ones show as —),
-    e.g. to publish a long sweep's progress."""
+    e.g. to publish a long sweep's progress. `jobs` > 1 measures up to that many cells at once in
+    worker processes of `job_threads` torch threads each (`lcx.report.jobs`: same numbers, same
+    order; decode cells alone)."""
     from tqdm.auto import tqdm
 
     from ..data.io import atomic_write_json, environment, git_info
@@ -155,50 +179,62 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in kinds} for name in runs}
     todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
             for kind in CELL_KINDS if L in cfg.cell_lengths(kind)]
-    bar = tqdm(todo, desc="report cells", unit="cell", disable=not progress)
+    bar = tqdm(total=len(todo), desc="report cells", unit="cell", disable=not progress)
     reused: list[str] = []
     other_code: dict[str, dict[str, Any]] = {}  # kept cells measured by other code (--keep-other-code)
+    pending: list[tuple[str, str, int]] = []  # the cells to measure, in order
+    for name, kind, L in todo:
+        settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
+        stored = (load_cell(_cell_path(out, name, kind, L), settings, fingerprint, keep, other_code=keep_other_code)
+                  if keep is None or keep else None)
+        if stored is None:
+            if render:
+                bar.update(1)
+            else:
+                pending.append((name, kind, L))
+            continue
+        bar.update(1)
+        cells[name][kind][str(L)] = stored["result"]
+        reused.append(f"{name}/{kind}/{L}")
+        code_diff = _diff(cell_fingerprint(stored["fingerprint"], kind)["code"],
+                          cell_fingerprint(fingerprint, kind)["code"])
+        if code_diff:
+            other_code[f"{name}/{kind}/{L}"] = {"run_id": stored.get("run_id"), "modules": code_diff}
+        if stored.get("run_id") != run_id and stored.get("run_id") not in manifest["kept_runs"]:
+            manifest["kept_runs"].append(stored["run_id"])
+            if not render:  # a resumed run keeps what this one kept
+                atomic_write_json(out / "cells" / "run.json", manifest)
     measured_s = 0.0
-    for name, kind, L in bar:
+    journals: dict[tuple[str, str, int], Path | None] = {}
+
+    def prepare(item: tuple[str, str, int]) -> dict[str, Any]:
+        """`measure_cell`'s arguments for a cell about to start (its journal, vanilla's cell)."""
+        name, kind, L = item
         bar.set_postfix_str(f"{name}/{kind}/{L}")
         settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
-        path = _cell_path(out, name, kind, L)
-        stored = (load_cell(path, settings, fingerprint, keep, other_code=keep_other_code)
-                  if keep is None or keep else None)
-        if stored is not None:
-            cells[name][kind][str(L)] = stored["result"]
-            reused.append(f"{name}/{kind}/{L}")
-            code_diff = _diff(cell_fingerprint(stored["fingerprint"], kind)["code"],
-                              cell_fingerprint(fingerprint, kind)["code"])
-            if code_diff:
-                other_code[f"{name}/{kind}/{L}"] = {"run_id": stored.get("run_id"), "modules": code_diff}
-            if stored.get("run_id") != run_id and stored.get("run_id") not in manifest["kept_runs"]:
-                manifest["kept_runs"].append(stored["run_id"])
-                if not render:  # a resumed run keeps what this one kept
-                    atomic_write_json(out / "cells" / "run.json", manifest)
-            continue
-        if render:
-            continue
-        t0 = time.perf_counter()
         journal = cell_journal(out, name, kind, L, settings, fingerprint, log=bar.write) if kind in JOURNALED else None
         if journal is not None and fresh:  # --fresh: every answer too
             journal_db(journal).unlink(missing_ok=True)
+        journals[item] = journal
         answered = journal_count(journal)
         if answered:
             bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({answered} answers)")
-        result = None
-        if kind == "ruler" and (ref := _as_loaded_cell(runs, cells, name, L)) is not None:
-            result = vanilla_equivalent(cfg.model, runs[name], cfg, L, ref, log=bar.write)
-        if result is None:
-            result = CELL_RUNNERS[kind](cfg.model, runs[name], cfg, L, **({"journal": journal} if journal else {}))
-        dt = time.perf_counter() - t0
+        return {"kind": kind, "model": cfg.model, "run": runs[name], "cfg": cfg, "length": L, "journal": journal,
+                "reference": _as_loaded_cell(runs, cells, name, L) if kind == "ruler" else None}
+
+    def finish(item: tuple[str, str, int], result: dict[str, Any], dt: float) -> None:
+        """Write a measured cell (and drop its journal)."""
+        nonlocal measured_s
+        name, kind, L = item
         measured_s += dt
-        write_cell(path, {"settings": settings, "fingerprint": fingerprint, "run_id": run_id,
-                                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
-                                 "result": result})
-        if journal is not None:
+        write_cell(_cell_path(out, name, kind, L),
+                   {"settings": cell_settings(kind, cfg.model, name, runs[name], cfg, L), "fingerprint": fingerprint,
+                    "run_id": run_id, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
+                    "result": result})
+        if (journal := journals.pop(item, None)) is not None:
             drop_journal(journal)
         cells[name][kind][str(L)] = result
+        bar.update(1)
         if kind == "ruler":
             bar.write(f"  {name} @ {L}: RULER {ruler_cell_summary(result)} ({dt:.0f} s)")
         elif kind == "lmeval":
@@ -207,6 +243,15 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         else:
             bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
                       f"({dt:.0f} s)")
+
+    if jobs <= 1 or len(pending) <= 1:
+        for item in pending:
+            finish(item, *measure_cell(**prepare(item), log=bar.write))
+    else:
+        run_cells(pending, jobs=jobs, threads=job_threads or 1, key=lambda it: it, prepare=prepare, finish=finish,
+                  exclusive=lambda it: it[1] == "decode",
+                  waits_for=lambda it: _vanilla_cell_first(runs, cfg, pending, it))
+    bar.close()
     if reused:
         log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
             f"{len(todo) - len(reused)}")
