@@ -18,8 +18,11 @@
 #   bash scripts/report_gemma3_ruler_sweep.sh [LENGTHS [EXTRA lcx report FLAGS]]
 #   bash scripts/report_gemma3_ruler_sweep.sh 49152                 # (default) the 48k cells
 #   bash scripts/report_gemma3_ruler_sweep.sh 16384,49152 --render  # tables from what is measured
+#   bash scripts/report_gemma3_ruler_sweep.sh steps    # the sweep's steps, one per line (scripts/sweeps.sh
+#                                                        resumes them): 48k first, then the 16k row
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = steps ]; then printf '%s\n' "49152" "16384,49152"; exit 0; fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 reuse=--reuse  # measuring: keep every stored cell; --render measures nothing and takes no --reuse
 for a in "${@:2}"; do [ "$a" = --render ] && reuse=; done

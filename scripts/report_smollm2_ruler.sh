@@ -18,6 +18,7 @@
 #   bash scripts/report_smollm2_ruler.sh 12288,16384              # then 12k (and so on)
 #   bash scripts/report_smollm2_ruler.sh 4096,8192,12288,16384 --render   # tables from what is measured
 #   bash scripts/report_smollm2_ruler.sh sweep    # every step below in order, informative cells first
+#   bash scripts/report_smollm2_ruler.sh steps    # the steps, one per line (scripts/sweeps.sh resumes them)
 # Method order: vanilla third, so the paired tests against it come early. `sweep`'s order: 16k, 12k
 # (every method), 8k and 4k for Self-Extend, YaRN and vanilla, then 8k and 4k for the rest (where
 # their windows cover RULER's prompts and dynamic NTK does not rescale, so they should answer as
@@ -25,9 +26,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+STEPS=("16384" "12288,16384" "8192,16384 --presets self_extend,yarn,vanilla"
+       "4096,16384 --presets self_extend,yarn,vanilla" "8192,16384" "4096,16384")
+if [ "${1:-}" = steps ]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi  # (scripts/sweeps.sh runs them)
 if [ "${1:-}" = sweep ]; then
-  for step in "16384" "12288,16384" "8192,16384 --presets self_extend,yarn,vanilla" \
-              "4096,16384 --presets self_extend,yarn,vanilla" "8192,16384" "4096,16384"; do
+  for step in "${STEPS[@]}"; do
     bash scripts/report_smollm2_ruler.sh $step  # (the cwd is the checkout now)
   done
   exit 0

@@ -348,7 +348,11 @@ def test_smollm2_ruler_sweep_steps_are_valid_reports_of_its_run():
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "scripts/report_smollm2_ruler.sh").read_text()
-    steps = re.findall(r'"([^"]+)"', text[text.index("for step in"):text.index("; do", text.index("for step in"))])
+    import subprocess
+
+    steps = subprocess.run(["bash", str(root / "scripts/report_smollm2_ruler.sh"), "steps"], capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert len(steps) == 6
     line = text[text.index("exec lcx report") + len("exec lcx report"):].split("\n\n")[0].replace("\\\n", " ")
     base = [a for a in shlex.split(re.sub(r'"?\$\{1:-[^}]*\}"?', "LENGTHS", line)) if "$" not in a]
     p = argparse.ArgumentParser()
@@ -499,3 +503,40 @@ def test_a_ruler_cell_resumes_from_its_journal(tmp_path, monkeypatch):
     monkeypatch.setattr(HFLM, "generate_until", real)
     got = run_report(cfg, tmp_path / "killed", progress=False, log=lambda _: None)["results"]["vanilla"]["ruler"]["1024"]
     assert got.pop("resumed_requests") == 2 and got["tasks"] == want["tasks"]
+
+
+def test_sweeps_script_plans_each_journal_at_its_commit_then_the_scripts_steps(tmp_path):
+    """`bash scripts/sweeps.sh plan` (what a fresh machine's `resume` runs): every journal of a
+    committed sweep is finished first, at a commit git has (its `.key.json`'s, or the legacy
+    table's), for its method alone with the sweep's longest length; then the sweep script's own
+    steps at HEAD, in order. `status` names every journal; unknown commands and sweeps exit 2."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SWEEPS_LOGS": str(tmp_path / "logs"), "SWEEPS_WT": str(tmp_path / "wt")}
+
+    def sweeps(*args, check=True):
+        return subprocess.run(["bash", str(root / "scripts/sweeps.sh"), *args], capture_output=True, text=True,
+                              env=env, cwd=root, check=check)
+
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=root,
+                          check=True).stdout.strip()
+    for sweep, script, out, longest in (("smollm2-ruler", "report_smollm2_ruler.sh", "smollm2-135m-ruler", 16384),
+                                        ("gemma3-ruler", "report_gemma3_ruler_sweep.sh", "gemma3-270m-ruler", 49152)):
+        lines = [x.removeprefix("  at ") for x in sweeps("plan", sweep).stdout.splitlines()[1:]]
+        steps = subprocess.run(["bash", str(root / "scripts" / script), "steps"], capture_output=True,
+                               text=True, check=True).stdout.splitlines()
+        journals = sorted(p.name.removesuffix("_rank0.db") for p in (root / "results/report" / out / "cells/journal")
+                          .glob("*_rank0.db"))
+        assert len(lines) == len(journals) + len(steps), (sweep, lines)
+        for stem, line in zip(journals, lines):
+            sha, lengths, flag, method = line.split()
+            assert (flag, method) == ("--presets", stem.split(".")[0]) and str(longest) in lengths.split(",")
+            assert subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=root).returncode == 0, line
+        assert [x.split(" ", 1) for x in lines[len(journals):]] == [[head, s] for s in steps]
+        status = sweeps("status", sweep).stdout
+        assert "not running" in status and all(f"in progress: {j}:" in status for j in journals)
+    assert sweeps("bogus", check=False).returncode == 2
+    assert sweeps("plan", "nope", check=False).returncode == 2
