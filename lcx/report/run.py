@@ -244,12 +244,13 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
                       f"({dt:.0f} s)")
 
-    if jobs <= 1 or len(pending) <= 1:
+    in_workers = sum(1 for it in pending if it[1] != "decode")  # (decode cells run here, alone)
+    if jobs <= 1 or in_workers <= 1:
         for item in pending:
             finish(item, *measure_cell(**prepare(item), log=bar.write))
     else:
-        run_cells(pending, jobs=jobs, threads=job_threads or 1, key=lambda it: it, prepare=prepare, finish=finish,
-                  exclusive=lambda it: it[1] == "decode",
+        run_cells(pending, jobs=min(jobs, in_workers), threads=job_threads or 1, key=lambda it: it, prepare=prepare,
+                  finish=finish, exclusive=lambda it: it[1] == "decode",
                   waits_for=lambda it: _vanilla_cell_first(runs, cfg, pending, it))
     bar.close()
     if reused:
