@@ -153,11 +153,12 @@ case "$cmd" in
       sweep_def "$sweep"
       case "$cmd" in
         plan) echo "$sweep ($OUT):"; plan_lines | sed 's/^/  at /' ;;
-        status)
-          echo "$sweep ($OUT): $(ls "$ROOT/$OUT"/cells/*.json.gz 2>/dev/null | wc -l) cells here;" \
-               "$( [ -n "$(running_pid "$sweep")" ] && echo "running (pid $(running_pid "$sweep"), in $(cat "$LOGS/$sweep.active"))" || echo "not running")"
-          for stem in $(journals); do
-            echo "  in progress: $stem: $(answers "$ROOT/$OUT/cells/journal/${stem}_rank0.db") answers, resumes at $(journal_commit "$stem")"
+        status)  # (running: the worktree measuring now, else this checkout)
+          src=$ROOT; [ -n "$(running_pid "$sweep")" ] && src=$(cat "$LOGS/$sweep.active")
+          echo "$sweep ($OUT): $(ls "$src/$OUT"/cells/*.json.gz 2>/dev/null | wc -l) cells;" \
+               "$( [ "$src" != "$ROOT" ] && echo "running (pid $(running_pid "$sweep"), in $src)" || echo "not running")"
+          for stem in $(ROOT=$src journals); do
+            echo "  in progress: $stem: $(answers "$src/$OUT/cells/journal/${stem}_rank0.db") answers, resumes at $(ROOT=$src journal_commit "$stem")"
           done ;;
         resume)
           if [ -n "$(running_pid "$sweep")" ]; then echo "$sweep: already running (pid $(running_pid "$sweep"))"; continue; fi

@@ -10,8 +10,29 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# One torch thread in every test process (LCX_TEST_THREADS=N for more): the tests' models are tiny,
+# and on CI's 2 shared cores two OpenMP threads spin against each other -- an engine case of the
+# family grid took 4-6x longer with torch's default 2 threads than with 1 beside other work
+# (measured 2026-12-01: 6.9-7.4 s against 1.0-1.9 s for the same three cases). Set before torch is
+# imported, so this process and the processes the tests start (servers, CLIs) begin with it; a
+# test that sets another count is undone before the next (`_test_threads`). Tests of threading
+# itself set their own count (tests/test_threads.py, the C++ kernel's two-thread case).
+TEST_THREADS = int(os.environ.get("LCX_TEST_THREADS", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _test_threads():
+    """Every test starts with `TEST_THREADS` torch threads (an earlier test may have set another
+    count through `--threads`/`LCX_THREADS` and kept it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
+    yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -84,17 +105,3 @@ def vllm_python():
         if os.environ.get("LCX_REQUIRE_VLLM") == "1":
             raise
         pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One torch thread for a module's tests, restored afterwards: two OpenMP threads on a shared
-    2-core machine spin against each other (10-100x slower matmuls). A module opts in with
-    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-

@@ -26,7 +26,6 @@ ROPE_PROMPT = 41
 HEAD_DIM = 16  # tiny_llama's
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

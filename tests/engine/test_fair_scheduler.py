@@ -23,7 +23,6 @@ SHORT_TOKENS = 4
 LATENCY_BOUND = 10.0  # measured 1.5x (n = 256) and 3.5-7.5x (16k prompt) on a busy 2-core machine
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _engine(budget=BUDGET, max_batch=8, max_len=1024, **kw):

@@ -65,7 +65,6 @@ def test_call_dependence_is_what_attend_does(name):
         assert worst > 1e-6
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _prompts(tok):

@@ -32,8 +32,8 @@ LIBRA = os.path.join("lm_eval", "tasks", "libra", "passkey.yaml")
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "LCX_NO_LMEVAL_HOOK"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="2", **extra)
+    # (OMP_NUM_THREADS: the tests' one thread, tests/conftest.py)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
     return env
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DEPTHS = (0.2, 0.9, 0.5, 0.7, 0.35)  # needle depths, given out of order

@@ -77,6 +77,27 @@ def test_smoke_equals_attend(B, Tk, Tq, method, softcap):
     _check(method, B, Tk, Tq, 6, 2, 40, 16, torch.float32, gaps=Tq == 1, softcap=softcap)
 
 
+@pytest.mark.parametrize("method", FIRST_OF_EACH, ids=method_id)
+def test_two_threads_give_the_bits_of_one(method):
+    """The kernel's tasks (request, query, kv head) run on torch's intra-op pool, and the tests run
+    with one thread (tests/conftest.py): here the parallel path, two threads, gives the same bits
+    as one, decode and chunked prefill."""
+    before = torch.get_num_threads()
+    try:
+        for B, Tk, Tq in ((3, 13, 1), (2, 29, 6)):
+            kv, rows, q_rows, query, rotary = _case(B, Tk, Tq, 6, 2, 40, 16, seed=7, gaps=Tq == 1)
+            keys = RelativeKeys.build(method, rotary, n_keys=Tk, n_queries=Tq, dtype=torch.float32)
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out = poison_(torch.empty(query.shape, dtype=torch.float32))
+                paged_relative_attention_cpu(query.float(), kv.float(), rows, q_rows, keys, scale=40 ** -0.5, out=out)
+                outs.append(out[q_rows])
+            assert torch.equal(outs[0], outs[1]), (method.describe(), B, Tk, Tq)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS, ids=method_id)
 @pytest.mark.parametrize("D,r", DIMS, ids=str)

@@ -35,7 +35,6 @@ from lcx.serve.scheduler import Scheduler  # noqa: E402
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 MAX_MODEL_LEN = 256
 MAX_BATCH = 4

@@ -27,7 +27,6 @@ from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 from _servers import free_port, lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 MODEL = "tiny"  # --served-model-name
 KEY = "test-key-123"

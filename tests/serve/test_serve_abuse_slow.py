@@ -27,7 +27,7 @@ psutil = pytest.importorskip("psutil")
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # tests/conftest.py
+pytestmark = pytest.mark.slow
 
 FUZZ_MAX_MODEL_LEN = 32  # bounds the work of any generated request
 FUZZ_EXAMPLES = 60  # per operation

@@ -25,7 +25,6 @@ from lcx.serve.connections import header_timeout_protocol  # noqa: E402
 
 from _servers import free_port, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 LIMIT_S = 1.0
 SLACK_S = 1.5  # the close may come this much after the limit on a busy machine

@@ -28,7 +28,6 @@ from lcx.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 MODEL = "tiny"
 KEY = "hardening-key"

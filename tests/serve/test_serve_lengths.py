@@ -33,7 +33,6 @@ from lcx.serve import lengths  # noqa: E402
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 L0 = 128  # the tiny test model's context
 GiB = 1 << 30

@@ -30,7 +30,6 @@ psutil = pytest.importorskip("psutil")
 
 from _servers import free_port, lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024

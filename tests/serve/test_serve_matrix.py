@@ -67,7 +67,6 @@ from lcx.testing import example_rope_spec  # noqa: E402
 
 from _servers import lcx_serve, wait_healthy  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 L0 = 128  # the tiny test model's context (tests/conftest.py tiny_model_dir)
 HEAD_DIM = 16

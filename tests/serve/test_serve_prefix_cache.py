@@ -14,7 +14,6 @@ MODEL = "tiny"
 PREFIX = "You are a terse assistant. Answer in one word. " * 2
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_prefix_caching_flag_defaults_on():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -37,7 +38,6 @@ TINY_RUN = {"steps": 3, "batch_size": 8, "eval_pairs": 7, "eval_offsets": [0, 8,
 TINY_STUDY = StudyConfig(configs=(("baseline", "learned"), ("robust", "rope")), seeds=(0,), run=TINY_RUN)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _numbers(ids: torch.Tensor, length: int) -> list[int]:
@@ -502,7 +502,7 @@ def test_lm_eval_cli_on_the_committed_decoder(tmp_path):
     args = [str(exe) if exe.exists() else "lm_eval", "--model", "lcx", "--model_args",
             f"pretrained={decoder}", "--tasks", "modadd_shift", "--limit", "20",
             "--output_path", str(tmp_path / "out")]
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2",
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
            "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
     out = subprocess.run(args, capture_output=True, text=True, env=env, cwd="/", timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
