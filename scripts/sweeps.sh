@@ -20,8 +20,8 @@
 #      (`--reuse --keep-other-code`, listed in the report).
 # Worktrees live under $SWEEPS_WT (default: ../wt beside this checkout), logs under $SWEEPS_LOGS
 # (default: ../logs): <sweep>.log, and <sweep>.active (the worktree measuring now, which
-# `checkpoint` copies from). Each step runs with --threads 1; LCX_SWEEP_JOBS=N adds --jobs N
-# (cells in parallel, docs/report.md) where a sweep has the machine to itself.
+# `checkpoint` copies from). Each step runs with --threads 1; LCX_SWEEP_JOBS=N adds --jobs N to the
+# steps at HEAD (cells in parallel, docs/report.md) where a sweep has the machine to itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -107,9 +107,11 @@ sync_cells() {  # copy a sweep's cells folder from $1 to $2 (roots of checkouts)
 }
 
 run_sweep() {  # (in the background) every planned command in turn
-  local sweep=$1 from=$ROOT wt sha args
-  local jobs=${LCX_SWEEP_JOBS:+--jobs $LCX_SWEEP_JOBS}
+  local sweep=$1 from=$ROOT wt sha args jobs head
+  head=$(git rev-parse --short=12 HEAD)
   while read -r sha args; do
+    jobs=""  # --jobs at HEAD only (an older checkout's lcx report may not have it)
+    [ "$sha" = "$head" ] && jobs=${LCX_SWEEP_JOBS:+--jobs $LCX_SWEEP_JOBS}
     wt=$(worktree_at "$sha")
     sync_cells "$from" "$wt"
     echo "$wt" > "$LOGS/$sweep.active"
