@@ -1,9 +1,9 @@
 """`lcx report --jobs N`: up to N cells measured at once, each in a worker process of its own.
 
-A report's cells are independent measurements (each builds its model and its prompts), so on a
-machine with more cores than one cell uses well, cells in parallel finish a sweep sooner than more
-threads per cell do (a 135M model's prefill gains little from a second thread; a second cell
-doubles the throughput). What stays as in a sequential run:
+A report's cells are independent measurements (each builds its model and its prompts), so a
+machine with cores to spare can run several at once instead of giving one cell more threads (whose
+gain is partial on an idle machine and negative on a busy one: results/threads_cpu.json). What
+stays as in a sequential run:
 
 - the order: cells start in the report's length-major order, and what one measures does not
   depend on what else runs (every number is a function of the cell's settings; only wall times
