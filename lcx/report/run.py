@@ -23,9 +23,9 @@ from .cells import (
     write_cell,
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
+from .jobs import measure_cell, run_cells
 from .lm import journal_count, journal_db
 from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
-from .jobs import measure_cell, run_cells
 from .ruler import longest_sequence, ruler_cell_summary, ruler_intervals, ruler_paired
 
 # The run
