@@ -249,9 +249,11 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         for item in pending:
             finish(item, *measure_cell(**prepare(item), log=bar.write))
     else:
+        # which cell each waits for, decided once (it may build the cell's RULER prompts; the
+        # scheduler asks again at every turn)
+        first = {it: _vanilla_cell_first(runs, cfg, pending, it) for it in pending}
         run_cells(pending, jobs=min(jobs, in_workers), threads=job_threads or 1, key=lambda it: it, prepare=prepare,
-                  finish=finish, exclusive=lambda it: it[1] == "decode",
-                  waits_for=lambda it: _vanilla_cell_first(runs, cfg, pending, it))
+                  finish=finish, exclusive=lambda it: it[1] == "decode", waits_for=first.get)
     bar.close()
     if reused:
         log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "

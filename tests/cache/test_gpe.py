@@ -15,7 +15,6 @@ GRID = [((1, 1, 1, 1, 1), 1, 0), ((3, 1, 2), 2, 0), ((2, 5, 1, 1), 1, 7), ((1, 2
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(1)
     m, _ = tiny_llama(seed=0)
     return m.eval()
 
