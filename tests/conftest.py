@@ -35,6 +35,17 @@ def _test_threads():
     yield
 
 
+# LCX_TEST_PROGRESS=FILE: each test's id is written there as it starts, so a run stopped from
+# outside (CI's deadline, .ci/run) can say which test it was in even when pytest itself cannot.
+_PROGRESS = os.environ.get("LCX_TEST_PROGRESS")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _PROGRESS:
+        with open(_PROGRESS, "w") as f:
+            f.write(nodeid + "\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [it for it in items if "gpu" in it.keywords]
     if not gpu_items:
