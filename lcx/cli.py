@@ -68,6 +68,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "prefix"), "benchmarks.prefix",
      "lcx's engine with vs without its prefix cache, beside vLLM's if installed: shared-system-prompt and"
      " passkey-sweep loads (throughput, time to first token) -> results/prefix_cpu.json"),
+    (("bench", "allocator"), "benchmarks.allocator",
+     "glibc's default allocator vs freed memory kept for reuse (lcx.allocator): CPU, page faults, peak RSS"
+     " through lcx's engine -> results/allocator_cpu.json"),
     (("bench", "serving"), "benchmarks.serving",
      "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
      " -> results/serving_cpu.json"),

@@ -108,9 +108,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
+    from .allocator import reuse_freed_memory
     from .threads import resolve_threads
 
     resolve_threads(args.threads)
+    reuse_freed_memory()
     methods = list(METHODS) if not args.presets else [ALIASES.get(m.strip(), m.strip())
                                                        for m in args.presets.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]

@@ -141,6 +141,7 @@ class LcxLM(HFLM):
                  prefix_caching: bool | str = True, prefix_cache_mb: float | str | None = None,
                  **kwargs: Any) -> None:
         import lcx
+        from lcx.allocator import reuse_freed_memory
         from lcx.hf.rope_patch import current_spec
 
         cfg, hflm = split_model_args(kwargs)
@@ -149,6 +150,7 @@ class LcxLM(HFLM):
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         prefix_caching = _flag("prefix_caching", prefix_caching)
         cache_mb = megabytes_or_auto("lcx model: prefix_cache_mb", prefix_cache_mb)
+        reuse_freed_memory()  # `lm_eval --model lcx` is a process that runs a model (lcx.allocator)
         model, tokenizer = lcx.load_model(pretrained, dtype=dtype, device=_device(device))
         # the engine applies the methods (as `cfg.apply` would) and keeps them for HFLM's forwards
         self.lcx_engine = Engine(model, tokenizer, EngineConfig(

@@ -115,7 +115,10 @@ class EngineRecipe:
 
         from .lengths import build_engine
 
+        from lcx.allocator import reuse_freed_memory
+
         torch.set_num_threads(int(self.threads))
+        reuse_freed_memory()  # this process runs the model (the server's own process does not: lcx.allocator)
         return build_engine(self.model, self.config, dtype=self.dtype, device=self.device)
 
 

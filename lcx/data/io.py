@@ -163,6 +163,8 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
+    from lcx.allocator import allocator_state
+
     return {
         "python": platform.python_version(),
         "torch": str(torch.__version__),  # a str subclass torch.load(weights_only) refuses
@@ -171,6 +173,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "allocator": allocator_state()["allocator"],  # lcx.allocator: freed memory kept for reuse or not
         "git": git_info(),
     }
 

@@ -284,9 +284,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
+    from lcx.allocator import reuse_freed_memory
     from lcx.threads import resolve_threads
 
     resolve_threads(args.threads)
+    reuse_freed_memory()
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     cfg = method_config_from_args(args).with_default_backend(INFERENCE_BACKEND)  # ValueError naming a bad key

@@ -173,12 +173,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"lcx report: {e}", file=sys.stderr)
         return 2
+    from ..allocator import reuse_freed_memory
     from ..threads import AUTO, available_cores, resolve_threads
 
     if args.jobs < 1:
         print(f"lcx report: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
         return 2
     resolve_threads(args.threads)
+    reuse_freed_memory()
     job_threads = max(1, available_cores() // args.jobs) if args.threads in (None, AUTO) else int(args.threads)
     if args.render and (args.fresh or args.reuse):
         print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)

@@ -52,7 +52,10 @@ def measure_cell(kind: str, model: str, run: PresetRun, cfg: ReportConfig, lengt
 def _init_worker(threads: int) -> None:
     import torch
 
+    from ..allocator import reuse_freed_memory
+
     torch.set_num_threads(threads)
+    reuse_freed_memory()
 
 
 def _spawn_pool(jobs: int, threads: int) -> Any:

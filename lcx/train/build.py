@@ -100,11 +100,13 @@ def retrain(recipe: Path, out: Path, *, threads: int | str = 1, progress: bool =
 
     from lcx.data import encode_documents
     from lcx.data.io import environment
+    from lcx.allocator import reuse_freed_memory
     from lcx.threads import resolve_threads
 
     from .lm import CORPORA, TrainConfig, train
 
     resolve_threads(threads)
+    reuse_freed_memory()
     cfg = TrainConfig.from_dict(json.loads((recipe / "train_config.json").read_text())["train_config"])
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)

@@ -205,10 +205,12 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
+    from lcx.allocator import reuse_freed_memory
     from lcx.threads import resolve_threads
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with ours
     resolve_threads(args.threads)
+    reuse_freed_memory()
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch.cuda.is_available() is False here; use --device cpu")
     try:
