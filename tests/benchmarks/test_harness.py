@@ -248,7 +248,7 @@ COMMITTED = [("threads", "threads_cpu.json"), ("prefill", "prefill_cpu.json"), (
              ("extrapolation", "extrapolation_tiny.json"), ("swat", "swat_vs_softmax.json"),
              ("scale", "scale/cpu.json"), ("pie", "pie_code_edit.json"), ("lmeval", "lmeval/lmeval_results.json"),
              ("serving", "serving_cpu.json"), ("attention", "attention_flash_32k_cpu.json"),
-             ("prefix", "prefix_cpu.json"),  # (prefill_engine_cpu.json: `--engine` mode, its own config)
+             ("prefix", "prefix_cpu.json"), ("allocator", "allocator_cpu.json"),  # (prefill_engine_cpu.json: `--engine` mode, its own config)
              *[("prefill", f"gemma3-270m/prefill_as_loaded_{n}.json") for n in (2048, 8192, 16384)],
              ("prefill", "gemma3-270m/prefill_dynamic_8192.json")]
 
