@@ -19,6 +19,7 @@ PACKAGE_DIRS = {"lcx": ROOT / "lcx", "lcx.kernels": ROOT / "kernels", "lcx.serve
 # __init__ re-exports lazily from every layer) is outside them. docs/contributing.md states
 # this order in the line that `layers_line()` renders.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("allocator",),  # process set-up that lcx.data's environment() records
     ("rope", "masks", "data", "configs", "threads", "stats"),
     ("kernels", "testing"),
     ("attention",),
