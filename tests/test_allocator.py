@@ -20,7 +20,7 @@ state = reuse_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 counts = []
-for _ in range(15):
+for _ in range(30):
     before = faults()
     x = torch.ones(16 << 20)  # 64 MiB, and a second block of the same size
     y = x * 2
@@ -42,10 +42,10 @@ def _loop(**env: str) -> dict:
 def test_reuse_stops_the_page_faults():
     reuse = _loop()
     assert reuse["state"]["allocator"] == "reuse", reuse
-    assert sum(reuse["faults"][5:]) < PAGES // 10, reuse  # after a few iterations the blocks are reused
+    assert sum(reuse["faults"][-10:]) < PAGES // 10, reuse  # once the heap has settled, the blocks are reused
     system = _loop(LCX_MALLOC="system")
     assert system["state"] == {"allocator": "system", "reason": "LCX_MALLOC=system"}
-    assert min(system["faults"][5:]) > PAGES // 2, system  # every iteration faults its blocks in again
+    assert min(system["faults"][-10:]) > PAGES // 2, system  # every iteration faults its blocks in again
 
 
 def test_bad_value_is_named():
