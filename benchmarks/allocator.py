@@ -83,8 +83,10 @@ def parse_cases(text: str) -> list[tuple[str, int]]:
 
 
 def _worker(model: str, length: int, setting: str) -> dict[str, Any]:
+    from lcx.allocator import ENV
+
     env = {**os.environ, "LCX_MALLOC": setting, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"):  # the worker's setting is LCX_MALLOC's alone
+    for name in ENV:  # the worker's setting is LCX_MALLOC's alone
         env.pop(name, None)
     out = subprocess.run([sys.executable, "-c", WORKER, model, str(length), str(NEW_TOKENS)], env=env,
                          capture_output=True, text=True)
@@ -127,11 +129,15 @@ def run(args: argparse.Namespace) -> int:
                     f"{k} {runs[setting][-1][k]:.4g}" for k in ("user_s", "sys_s", "minor_faults", "peak_rss_mb")))
         results[f"{model}:{length}"] = summarize(runs)
         rec.save(results)
+    def x(r: float | None, digits: int) -> str:  # a ratio, or "n/a" where the default's value was 0
+        return "n/a" if r is None else f"{r:.{digits}f}x"
+
     for case, res in results.items():
+        ratio = res["ratio_reuse_vs_system"]
         print(f"{case}: CPU {res['system']['cpu_s']:.1f} -> {res['reuse']['cpu_s']:.1f} s "
-              f"({res['ratio_reuse_vs_system']['cpu_s']:.2f}x; system share {res['system']['sys_share']:.0%} -> "
-              f"{res['reuse']['sys_share']:.0%}), faults {res['ratio_reuse_vs_system']['minor_faults']:.3f}x, "
-              f"peak RSS {res['ratio_reuse_vs_system']['peak_rss_mb']:.2f}x, same tokens: {res['same_tokens']}")
+              f"({x(ratio['cpu_s'], 2)}; system share {res['system']['sys_share']:.0%} -> "
+              f"{res['reuse']['sys_share']:.0%}), faults {x(ratio['minor_faults'], 3)}, "
+              f"peak RSS {x(ratio['peak_rss_mb'], 2)}, same tokens: {res['same_tokens']}")
     rec.finish(results)
     return 0
 

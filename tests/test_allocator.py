@@ -52,3 +52,26 @@ def test_bad_value_is_named():
     out = subprocess.run([sys.executable, "-c", "from lcx.allocator import reuse_freed_memory; reuse_freed_memory()"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "LCX_MALLOC": "jemalloc"})
     assert out.returncode != 0 and "LCX_MALLOC must be 'reuse' or 'system', got 'jemalloc'" in out.stderr
+
+
+def test_sweeps_export_the_same_settings():
+    """scripts/sweeps.sh sets lcx.allocator's settings through glibc's environment variables (for
+    steps at older commits, whose code does not call it): the same values."""
+    from pathlib import Path
+
+    from lcx.allocator import ENV
+
+    line = "export " + " ".join(f"{k}={v}" for k, v in ENV.items())
+    assert line in (Path(__file__).resolve().parents[1] / "scripts" / "sweeps.sh").read_text()
+
+
+def test_bench_allocator_runs_as_documented(tmp_path):
+    """`lcx bench allocator` from the installed entry point, on the bundled model (one run each)."""
+    out = tmp_path / "a.json"
+    run = subprocess.run(["lcx", "bench", "allocator", "--cases", "tiny-5m:256", "--repeats", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]["tiny-5m:256"]
+    assert res["same_tokens"] is True
+    assert [r["allocator"] for r in res["runs"]["system"]] == ["system"]
+    assert [r["allocator"] for r in res["runs"]["reuse"]] == ["reuse"]
