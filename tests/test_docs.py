@@ -91,3 +91,57 @@ def test_every_docs_page_is_indexed():
         if page != index:
             assert page.resolve() in linked, f"docs/README.md does not link {page.name}"
     assert index.resolve() in readme, "README.md does not link docs/README.md"
+
+
+RESULTS = ROOT / "results"
+# folders whose entries each need their own row (the others are listed as one folder)
+RESULTS_LISTED_ONE_BY_ONE = ("", "report", "gemma3-270m")
+
+
+def _results_patterns() -> list[re.Pattern]:
+    """The first column of results/README.md's table as path patterns: `a.{json,png}` is both,
+    `<L>` any name part, `X.json` also its gzipped `X.json.gz`, `dir/` the folder."""
+    patterns = []
+    for line in (RESULTS / "README.md").read_text().split("\n"):
+        if not line.startswith("| `"):
+            continue
+        first = re.sub(r"\([^)]*\)", "", line.split("|")[1])  # "(`README.md`, ...)": a folder's contents
+        for token in re.findall(r"`([^`]+)`", first):
+            token = token.split(" ")[0]
+            m = re.search(r"\{([^}]*)\}", token)
+            variants = [token[:m.start()] + alt + token[m.end():] for alt in m.group(1).split(",")] if m else [token]
+            for v in variants:
+                rx = re.sub(r"<[^>]+>", "[^/]+", re.escape(v).replace(r"\<", "<").replace(r"\>", ">"))
+                patterns.append(re.compile(rx + (r"(\.gz)?" if v.endswith(".json") else "")))
+    return patterns
+
+
+def test_results_readme_lists_every_result():
+    """results/README.md "lists every result file with the command that wrote it": every file and
+    folder at the top of results/, every report folder in results/report/ and every entry of
+    results/gemma3-270m/ has a row (a folder's own files are its own row's or README's business)."""
+    patterns = _results_patterns()
+    missing = []
+    for folder in RESULTS_LISTED_ONE_BY_ONE:
+        base = RESULTS / folder
+        for entry in sorted(base.iterdir()):
+            if entry.name in ("README.md", "cells") or entry.name.startswith("."):
+                continue
+            if folder == "" and entry.name in RESULTS_LISTED_ONE_BY_ONE:
+                continue  # entry by entry below
+            if folder == "report" and not entry.is_dir():
+                continue  # the default report's own files: the `report/` row
+            rel = entry.relative_to(RESULTS).as_posix() + ("/" if entry.is_dir() else "")
+            if not any(p.fullmatch(rel) for p in patterns):
+                missing.append(rel)
+    assert not missing, f"results/README.md has no row for: {missing}"
+
+
+def test_readme_names_every_preset():
+    """The README's list of `lcx.presets` names is the registry's, in its order."""
+    from lcx.presets import PRESETS
+
+    text = " ".join(README.read_text().split())
+    m = re.search(r"`lcx\.presets` is the one table of named settings \(([^)]*)\)", text)
+    assert m, "README: the sentence listing lcx.presets' names is gone"
+    assert re.findall(r"`([^`]+)`", m.group(1)) == list(PRESETS)
