@@ -145,3 +145,55 @@ def test_readme_names_every_preset():
     m = re.search(r"`lcx\.presets` is the one table of named settings \(([^)]*)\)", text)
     assert m, "README: the sentence listing lcx.presets' names is gone"
     assert re.findall(r"`([^`]+)`", m.group(1)) == list(PRESETS)
+
+
+def _python_blocks() -> list[tuple[str, int, str]]:
+    """(page, first line, source) of every ```python block in the README and docs/."""
+    blocks = []
+    for page in PAGES:
+        lines, start = page.read_text().split("\n"), None
+        for i, line in enumerate(lines):
+            if start is None and line.strip() == "```python":
+                start = i + 1
+            elif start is not None and line.strip() == "```":
+                blocks.append((page.relative_to(ROOT).as_posix(), start + 1, "\n".join(lines[start:i])))
+                start = None
+    return blocks
+
+
+@pytest.mark.parametrize("page,line,source", _python_blocks(), ids=lambda x: str(x)[:40])
+def test_python_block_parses_and_its_lcx_imports_exist(page, line, source):
+    """Every Python example in the docs is valid Python, and every name it imports from lcx (or
+    the repository's benchmarks/studies) exists: a renamed or moved function breaks the page here
+    rather than for a reader."""
+    import ast
+    import importlib
+
+    tree = ast.parse(source, filename=f"{page}:{line}")
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] in ("lcx", "benchmarks", "studies"):
+            module = importlib.import_module(node.module)
+            missing += [f"{node.module}.{a.name}" for a in node.names
+                        if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in ("lcx", "benchmarks", "studies"):
+                    importlib.import_module(a.name)
+    for node in ast.walk(tree):  # `lcx.a.b` (after `import lcx`): each attribute in turn
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.insert(0, node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == "lcx" and chain:
+            obj, path = importlib.import_module("lcx"), "lcx"
+            for attr in chain:
+                path += f".{attr}"
+                if not hasattr(obj, attr) and importlib.util.find_spec(path) is None:
+                    missing.append(path)
+                    break
+                obj = getattr(obj, attr, None) or importlib.import_module(path)
+                if not hasattr(obj, "__dict__"):
+                    break
+    assert not missing, f"{page}:{line}: names that do not exist: {missing}"
