@@ -197,3 +197,67 @@ def test_python_block_parses_and_its_lcx_imports_exist(page, line, source):
                 if not hasattr(obj, "__dict__"):
                     break
     assert not missing, f"{page}:{line}: names that do not exist: {missing}"
+
+
+# Placeholders the docs write where a reader fills in a name (`lcx COMMAND --help`, `lcx bench <name>`).
+_PLACEHOLDER = re.compile(r"<[^>]*>|[A-Z][A-Z_]+")
+
+
+def _documented_commands() -> list[tuple[str, int, list[str]]]:
+    """(page, line, argv) of every `lcx ...` command the README, docs/ and results/README.md show,
+    in inline code or in a shell block; elided ones (`...`) and shell around them dropped,
+    `[optional]` brackets opened."""
+    import shlex
+
+    found = []
+    for page in [*PAGES, ROOT / "results" / "README.md"]:
+        fence = None
+        for n, line in enumerate(page.read_text().split("\n"), 1):
+            if line.startswith("```"):
+                fence = None if fence is not None else line[3:].strip()
+                continue
+            if fence is not None:
+                spans = [line.strip()] if fence in ("bash", "sh", "") and line.strip().startswith("lcx ") else []
+            else:
+                spans = re.findall(r"`(lcx [^`]+)`", line)
+            for span in spans:
+                for cmd in re.split(r"\s+(?:#|\\?\||&&|&|;|>)\s*", span):
+                    if not cmd.startswith("lcx ") or "..." in cmd or "…" in cmd:
+                        continue
+                    try:
+                        argv = shlex.split(cmd.replace("[", " ").replace("]", " "))[1:]
+                    except ValueError:
+                        continue
+                    found.append((page.relative_to(ROOT).as_posix(), n, argv))
+    return found
+
+
+def test_documented_commands_name_real_commands_and_flags():
+    """Every `lcx` command line in the docs parses with lcx's own CLI up to what a reader fills in:
+    no subcommand it names is unknown and no flag it passes is unrecognized (a renamed or removed
+    flag fails here). Missing required arguments and placeholder values (`--length L`) are the
+    prose's shorthand and pass; nothing is run."""
+    import argparse
+    from unittest import mock
+
+    from lcx.cli import build_parser
+
+    class _ArgError(Exception):
+        pass
+
+    def error(self, message):
+        raise _ArgError(message)
+
+    commands = _documented_commands()
+    wrong = []
+    for page, line, argv in commands:
+        argv = [a for a in argv if a not in ("--help", "-h")]
+        try:
+            with mock.patch.object(argparse.ArgumentParser, "error", error):
+                build_parser(argv).parse_args(argv)
+        except _ArgError as e:
+            message = str(e)
+            choice = re.search(r"invalid choice: '([^']*)'", message)
+            if "unrecognized arguments" in message or (choice and not _PLACEHOLDER.fullmatch(choice.group(1))):
+                wrong.append(f"{page}:{line}: lcx {' '.join(argv)}: {message}")
+    assert len(commands) > 100 and not wrong, wrong
