@@ -63,13 +63,13 @@ def test_methods_as_a_preset_list_still_parses_and_warns(path, capsys):
     mod = import_experiment(module) if module.split(".")[0] in EXPERIMENTS else import_module(module)
     mod.add_arguments(parser)
     value = ["vanilla"] if opts["--presets"].nargs == "+" else "vanilla"
-    new = parser.parse_args(["--presets", *([value] if isinstance(value, str) else value)])
     capsys.readouterr()
+    new = parser.parse_args(["--presets", *([value] if isinstance(value, str) else value)])
+    assert "deprecated" not in capsys.readouterr().err  # the new spelling is silent
     old = parser.parse_args(["--methods", *([value] if isinstance(value, str) else value)])
     assert old.presets == new.presets == value
     err = capsys.readouterr().err
     assert "--methods for a list of presets is deprecated, use --presets" in err
-    assert "deprecated" not in capsys.readouterr().err  # the new spelling is silent
 
 
 def test_top_level_help_lists_commands():

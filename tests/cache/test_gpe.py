@@ -57,7 +57,7 @@ def test_source_never_attends_to_target(model):
     cfg = StreamingConfig(wait_k=1, mode="group")
     from lcx.cache.gpe import StreamingSession
 
-    keys = []
+    keys, target_keys = [], []
     for forced in ([10, 11, 12, 13], [200, 150, 5, 99]):
         s = StreamingSession(model, cfg)
         s._forced = forced
@@ -66,9 +66,12 @@ def test_source_never_attends_to_target(model):
         s.finish()
         assert s.tokens == forced
         keys.append([k.clone() for k in s.source.keys])
+        target_keys.append([k.clone() for k in s.target.keys])
+    assert keys[0] and len(keys[0]) == len(keys[1])
     for a, b in zip(*keys):
         assert torch.equal(a, b)
-    # ... while the target caches do differ (the perturbation was real).
+    # ... while the target caches do differ (the perturbation was real)
+    assert any(not torch.equal(a, b) for a, b in zip(*target_keys))
 
 
 def test_reencoded_counts(model):

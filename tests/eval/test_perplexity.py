@@ -58,6 +58,7 @@ def test_windows_non_overlapping_within_budget(n_tokens, lengths, budget):
     starts = select_windows(n_tokens, lengths, budget)
     C = max(lengths)
     k = min(n_tokens // C, max(1, budget // C))
+    assert set(starts) == set(lengths)  # every length gets windows (the loop below checks them)
     for n, st in starts.items():
         assert len(st) == k * (C // n)
         spans = sorted((s, s + n) for s in st)

@@ -445,7 +445,10 @@ def test_engine_hybrid_prefix_reuse_equals_reference_loop(family, name):
     engine = _check_engine(family, name, reuse=True)
     method = METHODS[name] if name is not None else None
     assert engine.cache_layout.rotated == (method is None or method.decode_rule() is not None)
-    assert engine.prefix_cache_refusal is not None or engine.stats.prefix_cache_hit_tokens >= REUSE["prefix_block_size"]
+    # refused exactly where a method's keys depend on the call (not on the prefix alone)
+    refused = method is not None and method.call_dependence is not None
+    assert (engine.prefix_cache_refusal is not None) == refused, engine.prefix_cache_refusal
+    assert refused or engine.stats.prefix_cache_hit_tokens >= REUSE["prefix_block_size"]
     assert engine.stats.prefill_chunks > 0 or engine.prefix_cache_refusal is not None or (
         method is not None and method.last_query_extra)
 

@@ -97,11 +97,37 @@ def test_softcapped_backend_equals_reference(method, backend):
     try:
         got = method.attend(*f32, backend=backend, **kw)
     except NotImplementedError as e:
-        assert f"attention backend {backend!r} cannot run" in str(e) and "soft" in str(e) or backend != DEFAULT_BACKEND
-        assert backend != DEFAULT_BACKEND
+        assert backend != DEFAULT_BACKEND, e  # the default backend runs every method's calls
+        assert f"attention backend {backend!r} cannot run" in str(e) and "soft" in str(e), e  # naming why
         return
     exact = method.attend(q, k, v, backend="ref", **kw)
     assert_within_budget(got, method.attend(*f32, backend="ref", **kw), exact, what=f"{method_id(method)} on {backend}")
     uncapped = method.attend(q, k, v, backend="ref", **{**kw, "softcap": None})
     one_key = method.name == "sliding_window" and method.window == 1  # a softmax over one key is 1, capped or not
     assert one_key or (exact - uncapped).abs().max() > 1e-3
+
+
+# Which CPU backends refuse which registered methods (by name), on the grid's calls: pinned, so a
+# backend that starts refusing what it ran (and would pass the grid above as "refused, naming
+# why") fails here. The default backend refuses nothing; `flash` (the engine's default) all but SWAT.
+EXPECTED_REFUSALS = {"blockwise": set(), "flash": {"swat"}, "sdpa": {"self_extend", "sinks", "swat"},
+                     "flex": set()}
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.slow] if b == "flex" else [])
+                                     for b in EXPECTED_REFUSALS])
+def test_which_backends_refuse_which_methods(backend):
+    assert backend in _cpu_backends()
+    inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
+    refused = set()
+    for m in examples():
+        for Tq, Tk in SHAPES:
+            g = torch.Generator().manual_seed(Tq * 100 + Tk)
+            q = torch.randn(B, Tq, H, D, generator=g)
+            k, v = (torch.randn(B, Tk, HKV, D, generator=g) for _ in range(2))
+            try:
+                m.attend(q, k, v, backend=backend, rotary=Rotary(inv_freq, torch.arange(Tk) + 3, 1.2), scale=0.3,
+                         layer_idx=1)
+            except NotImplementedError:
+                refused.add(m.name)
+    assert refused == EXPECTED_REFUSALS[backend]

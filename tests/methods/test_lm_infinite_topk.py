@@ -167,7 +167,8 @@ def test_float32_within_budget():
     q, k, v = _inputs(45, 45, 4, 2, seed=9)
     m = lm_infinite(3, 8, top_k=3, top_k_from_layer=0)
     rot = Rotary(_inv_freq(), None, 1.2)
-    exact = m.attend(q, k, v, rotary=rot, layer_idx=0)
+    # the float64 reference, not the method's own backend: a blockwise bug must not sit in both
+    exact = lambda_topk_attention_ref(q, k, v, rotary=rot, n_global=3, n_local=8, top_k=3, top_k_insert_at=4)
     f32 = [t.float() for t in (q, k, v)]
     ref_lowp = lambda_topk_attention_ref(*f32, rotary=rot, n_global=3, n_local=8, top_k=3, top_k_insert_at=4)
     got = m.attend(*f32, rotary=rot, backend="blockwise", layer_idx=0)
@@ -230,15 +231,11 @@ def test_patched_model_layers_equal_reference():
         for layer in m.model.layers]
     try:
         with attention_patched(m, method, backend="blockwise"), torch.no_grad():
-            try:
-                m(ids)
-            except ValueError as e:
-                if "layer_idx" in str(e):
-                    pytest.xfail("lcx.hf.attention_patch does not pass layer_idx yet")
-                raise
+            m(ids)
     finally:
         for h in hooks:
             h.remove()
+    assert len(seen) == len(m.model.layers)  # every layer's attention ran under the patch and is compared
     inv, af = rope_basis(m)
     for i, (layer, (h, out)) in enumerate(zip(m.model.layers, seen)):
         a = layer.self_attn

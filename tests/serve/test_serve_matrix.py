@@ -282,7 +282,14 @@ def test_method_config_runs_through_entry_point(family, case, entry, request, re
               "--method", f"m={spec}", "--lengths", "320", "--decode-lengths", "none", "--depths", "1",
               "--samples-per-depth", "1", "--ppl-docs", "1", "--threads", "1", "--out", str(out)], log)
         rep = read_json(out / "report.json.gz")
-        assert "m" in json.dumps(rep), rep
+        resolved = rep["config"]["methods_resolved"]
+        assert list(resolved) == ["m"], resolved
+        got = {k: v for k, v in resolved["m"].items() if v is not None}
+        assert MethodConfig.from_dict(got) == MethodConfig.from_dict(d), (resolved["m"], d)  # the config given
+        cell = rep["results"]["m"]["lmeval"]["320"]
+        ppl = cell["ppl"]["word_perplexity"]
+        assert 0 <= cell["passkey"] <= 1 and cell["passkey_docs"] == 1, cell
+        assert math.isfinite(ppl) and ppl > 1, cell["ppl"]
         return
     if entry == "lm_eval":
         out = tmp_path / "lm_eval"
