@@ -21,15 +21,20 @@ FIRST_COMMANDS = ["bash scripts/setup.sh", "python -m pytest -q", "lcx report"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
+def _fenced(text: str):
+    """(line number, fence, line) for each line of a Markdown text that is not a fence marker:
+    fence is None outside code blocks, else the block's info string ("python", "bash", "")."""
+    fence = None
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+        else:
+            yield n, fence, line
+
+
 def _prose(text: str) -> list[str]:
     """The lines of a Markdown text outside fenced code blocks."""
-    lines, fence = [], False
-    for line in text.split("\n"):
-        if line.startswith("```"):
-            fence = not fence
-        elif not fence:
-            lines.append(line)
-    return lines
+    return [line for _, fence, line in _fenced(text) if fence is None]
 
 
 def _slug(heading: str) -> str:
@@ -149,16 +154,17 @@ def test_readme_names_every_preset():
 
 def _python_blocks() -> list[tuple[str, int, str]]:
     """(page, first line, source) of every ```python block in the README and docs/."""
-    blocks = []
+    blocks: dict[tuple[str, int], list[str]] = {}
     for page in PAGES:
-        lines, start = page.read_text().split("\n"), None
-        for i, line in enumerate(lines):
-            if start is None and line.strip() == "```python":
-                start = i + 1
-            elif start is not None and line.strip() == "```":
-                blocks.append((page.relative_to(ROOT).as_posix(), start + 1, "\n".join(lines[start:i])))
-                start = None
-    return blocks
+        start = last = None
+        for n, fence, line in _fenced(page.read_text()):
+            if fence != "python":
+                continue
+            if last != n - 1:  # a fence marker (not yielded) or prose came between: a new block
+                start = n
+            last = n
+            blocks.setdefault((page.relative_to(ROOT).as_posix(), start), []).append(line)
+    return [(page, n, "\n".join(lines)) for (page, n), lines in blocks.items()]
 
 
 @pytest.mark.parametrize("page,line,source", _python_blocks(), ids=lambda x: str(x)[:40])
@@ -168,6 +174,7 @@ def test_python_block_parses_and_its_lcx_imports_exist(page, line, source):
     rather than for a reader."""
     import ast
     import importlib
+    import importlib.util
 
     tree = ast.parse(source, filename=f"{page}:{line}")
     missing = []
@@ -193,7 +200,7 @@ def test_python_block_parses_and_its_lcx_imports_exist(page, line, source):
                 if not hasattr(obj, attr) and importlib.util.find_spec(path) is None:
                     missing.append(path)
                     break
-                obj = getattr(obj, attr, None) or importlib.import_module(path)
+                obj = getattr(obj, attr) if hasattr(obj, attr) else importlib.import_module(path)
                 if not hasattr(obj, "__dict__"):
                     break
     assert not missing, f"{page}:{line}: names that do not exist: {missing}"
@@ -211,11 +218,7 @@ def _documented_commands() -> list[tuple[str, int, list[str]]]:
 
     found = []
     for page in [*PAGES, ROOT / "results" / "README.md"]:
-        fence = None
-        for n, line in enumerate(page.read_text().split("\n"), 1):
-            if line.startswith("```"):
-                fence = None if fence is not None else line[3:].strip()
-                continue
+        for n, fence, line in _fenced(page.read_text()):
             if fence is not None:
                 spans = [line.strip()] if fence in ("bash", "sh", "") and line.strip().startswith("lcx ") else []
             else:

@@ -49,14 +49,19 @@ def test_default_backend_is_attends_default():
     assert inspect.signature(AttentionMethod.attend).parameters["backend"].default == DEFAULT_BACKEND
 
 
-@pytest.mark.parametrize("method,backend,Tq,Tk", list(_cases()))
-def test_backend_equals_reference(method, backend, Tq, Tk):
+def _grid_call(Tq, Tk):
+    """The grid's float64 q, k, v and `attend` keywords for one shape."""
     g = torch.Generator().manual_seed(Tq * 100 + Tk)
     q = torch.randn(B, Tq, H, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, Tk, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
     inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
     # positions need not start at 0; an attention factor; layer 1 (every example's top-k runs there)
-    kw = dict(rotary=Rotary(inv_freq, torch.arange(Tk) + 3, 1.2), scale=0.3, layer_idx=1)
+    return (q, k, v), dict(rotary=Rotary(inv_freq, torch.arange(Tk) + 3, 1.2), scale=0.3, layer_idx=1)
+
+
+@pytest.mark.parametrize("method,backend,Tq,Tk", list(_cases()))
+def test_backend_equals_reference(method, backend, Tq, Tk):
+    (q, k, v), kw = _grid_call(Tq, Tk)
     f32 = [t.float() for t in (q, k, v)]
     try:
         got = method.attend(*f32, backend=backend, **kw)
@@ -118,16 +123,12 @@ EXPECTED_REFUSALS = {"blockwise": set(), "flash": {"swat"}, "sdpa": {"self_exten
                                      for b in EXPECTED_REFUSALS])
 def test_which_backends_refuse_which_methods(backend):
     assert backend in _cpu_backends()
-    inv_freq, _ = compute_inv_freq({"rope_type": "default", "rope_theta": 100.0}, D)
     refused = set()
     for m in examples():
         for Tq, Tk in SHAPES:
-            g = torch.Generator().manual_seed(Tq * 100 + Tk)
-            q = torch.randn(B, Tq, H, D, generator=g)
-            k, v = (torch.randn(B, Tk, HKV, D, generator=g) for _ in range(2))
+            qkv, kw = _grid_call(Tq, Tk)
             try:
-                m.attend(q, k, v, backend=backend, rotary=Rotary(inv_freq, torch.arange(Tk) + 3, 1.2), scale=0.3,
-                         layer_idx=1)
+                m.attend(*(t.float() for t in qkv), backend=backend, **kw)
             except NotImplementedError:
                 refused.add(m.name)
     assert refused == EXPECTED_REFUSALS[backend]
