@@ -69,15 +69,43 @@ def _sha256(data_or_path: bytes | Path) -> str:
     return h.hexdigest()
 
 
+FETCH_TIMEOUT_S = 300  # one commit fetched into a shallow clone (its tree: ~25 MB)
+
+
+def _fetch_into_shallow_clone(top: str, commit: str) -> str:
+    """Where `top` is a shallow clone, fetch `commit` alone (depth 1) from its `origin` so that its
+    blobs are here; '' when fetched, else why not (not shallow, no origin, the fetch failed)."""
+    run = dict(capture_output=True, text=True)
+    if subprocess.run(["git", "-C", top, "rev-parse", "--is-shallow-repository"], **run).stdout.strip() != "true":
+        return "not a shallow clone"
+    try:
+        r = subprocess.run(["git", "-C", top, "fetch", "--quiet", "--no-tags", "--depth=1", "origin", commit],
+                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"}, timeout=FETCH_TIMEOUT_S, **run)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"fetching it from origin into this shallow clone failed: {e}"
+    lines = r.stderr.strip().splitlines()
+    return "" if r.returncode == 0 else (f"fetching it from origin into this shallow clone failed"
+                                         f"{': ' + lines[-1] if lines else ''}")
+
+
 def committed_weights(recipe: Path, prov: dict[str, Any]) -> tuple[bytes | None, str]:
     """The committed `model.safetensors` from git's history (checked against its sha256), or None
-    and why not."""
+    and why not. In a shallow clone (CI's, `git clone --depth 1`) the one commit that holds them is
+    fetched from `origin` first (depth 1, no prompt, `FETCH_TIMEOUT_S`)."""
     git = prov["git"]
+    blob_cmd = ["cat-file", "blob", f"{git['commit']}:{git['path']}"]
+    fetched = ""
     try:
         top = subprocess.run(["git", "-C", str(recipe), "rev-parse", "--show-toplevel"], capture_output=True,
                              text=True, check=True).stdout.strip()
-        blob = subprocess.run(["git", "-C", top, "cat-file", "blob", f"{git['commit']}:{git['path']}"],
-                              capture_output=True, check=True).stdout
+        r = subprocess.run(["git", "-C", top, *blob_cmd], capture_output=True)
+        if r.returncode != 0:
+            why_not = _fetch_into_shallow_clone(top, git["commit"])
+            fetched = " (fetched from origin into this shallow clone)" if not why_not else ""
+            if why_not and why_not != "not a shallow clone":
+                return None, f"git does not have {git['path']} at {git['commit'][:12]} here; {why_not}"
+            r = subprocess.run(["git", "-C", top, *blob_cmd], capture_output=True, check=True)
+        blob = r.stdout
     except (OSError, subprocess.CalledProcessError) as e:
         err = getattr(e, "stderr", None) or b""  # (text from rev-parse, bytes from cat-file)
         detail = (err.decode(errors="replace") if isinstance(err, bytes) else err).strip().splitlines()
@@ -87,7 +115,7 @@ def committed_weights(recipe: Path, prov: dict[str, Any]) -> tuple[bytes | None,
     want = prov[WEIGHTS]["sha256"]
     if _sha256(data) != want:
         return None, f"the weights in git at {git['commit'][:12]} do not have the recorded sha256 {want[:12]}"
-    return data, f"restored from git ({git['commit'][:12]}:{git['path']}), sha256 {want[:12]} checked"
+    return data, f"restored from git ({git['commit'][:12]}:{git['path']}){fetched}, sha256 {want[:12]} checked"
 
 
 def retrain(recipe: Path, out: Path, *, threads: int | str = 1, progress: bool = True,

@@ -474,7 +474,8 @@ COMMITTED_DECODER = ROOT / "results" / "modadd" / "decoder"
 def _committed_decoder(tmp_path: Path) -> Path:
     """The committed decoder export: results/modadd/decoder itself where its weights are there, else a
     copy in `tmp_path` with the weights restored from git's history as its weights.json says (sha256
-    checked; the weights left the tracked tree in #45). Skips where git does not hold them (a shallow clone)."""
+    checked; the weights left the tracked tree in #45; a shallow clone fetches their commit from origin).
+    Skips where git cannot give them (a shallow clone whose origin cannot be reached)."""
     if any(COMMITTED_DECODER.glob("model*.safetensors*")):
         return COMMITTED_DECODER
     from lcx.train.build import WEIGHTS, committed_weights

@@ -58,9 +58,12 @@ def _git_has(prov: dict) -> bool:
 def test_build_restores_the_committed_weights_from_git(name, tmp_path, monkeypatch, capsys):
     from lcx.models import load_model
 
+    from lcx.train.build import committed_weights
+
     prov = json.loads((recipe_dir(name) / PROVENANCE).read_text())
-    if not _git_has(prov):
-        pytest.skip(f"this checkout's git has no {prov['git']['commit'][:12]} (a shallow clone)")
+    data, why = committed_weights(recipe_dir(name), prov)  # a shallow clone fetches the commit here
+    if data is None:
+        pytest.skip(f"this checkout's git cannot give {prov['git']['commit'][:12]}: {why}")
     monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path))
     entry = build(name)
     record = json.loads((entry / "build.json").read_text())
@@ -73,6 +76,36 @@ def test_build_restores_the_committed_weights_from_git(name, tmp_path, monkeypat
     with pytest.raises(ValueError, match="--force"):
         build(name)
     assert not list(tmp_path.joinpath("built").glob(".*"))  # no temporary directory left behind
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_shallow_clone_fetches_the_commit_that_holds_the_weights(name, tmp_path):
+    """`git clone --depth 1` (as a CI checkout may be) lacks the commit the weights are in:
+    `committed_weights` fetches that one commit from origin and restores them, sha256 checked;
+    with no origin to fetch from it says why, and nothing is restored."""
+    from lcx.train.build import committed_weights
+
+    prov = json.loads((recipe_dir(name) / PROVENANCE).read_text())
+    if not _git_has(prov):
+        pytest.skip(f"this checkout's git has no {prov['git']['commit'][:12]} to clone from (itself shallow)")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", "--depth", "1", f"file://{ROOT}", str(clone)], check=True)
+    recipe = clone / recipe_dir(name).relative_to(ROOT)
+    shallow_prov = json.loads((recipe / PROVENANCE).read_text())
+    run = dict(cwd=clone, capture_output=True, text=True)
+    assert subprocess.run(["git", "rev-parse", "--is-shallow-repository"], **run).stdout.strip() == "true"
+    assert subprocess.run(["git", "cat-file", "-e", f"{prov['git']['commit']}:{prov['git']['path']}"],
+                          **run).returncode != 0  # the clone does not hold the weights' commit
+
+    subprocess.run(["git", "remote", "remove", "origin"], check=True, **run)
+    data, why = committed_weights(recipe, shallow_prov)
+    assert data is None and "git does not have" in why and "fetching it from origin" in why, why
+
+    subprocess.run(["git", "remote", "add", "origin", f"file://{ROOT}"], check=True, **run)
+    data, why = committed_weights(recipe, shallow_prov)
+    assert data is not None and "fetched from origin into this shallow clone" in why, why
+    import hashlib
+    assert hashlib.sha256(data).hexdigest() == prov[WEIGHTS]["sha256"]
 
 
 def test_restore_only_never_retrains(tmp_path, monkeypatch, capsys):
