@@ -95,6 +95,19 @@ worktree_at() {  # a worktree of commit $1 -> its path
     mkdir -p "$WT_ROOT"
     git worktree add -f --detach "$wt" "$1" > /dev/null 2>&1
   fi
+  # pyproject maps lcx.kernels, lcx.eval_tasks and lcx.serve to top-level folders; with only
+  # PYTHONPATH=$wt those would come from the editable install (another checkout's code, or none:
+  # a moved checkout fails with "No module named 'lcx.kernels'"). Link them inside the worktree's
+  # lcx/ (untracked, so the checkout is not dirty) so every module is the commit's own.
+  python - "$wt" <<'PY'
+import os, sys, tomllib
+wt = sys.argv[1]
+dirs = tomllib.load(open(os.path.join(wt, "pyproject.toml"), "rb"))["tool"]["setuptools"]["package-dir"]
+for name, folder in dirs.items():
+    link = os.path.join(wt, *name.split("."))
+    if name != "lcx" and not os.path.lexists(link):
+        os.symlink(os.path.relpath(os.path.join(wt, folder), os.path.dirname(link)), link)
+PY
   echo "$wt"
 }
 
