@@ -191,7 +191,9 @@ case "$cmd" in
           echo "$sweep: started (pid $!), log $LOGS/$sweep.log" ;;
       esac
     done ;;
-  _run) sweep_def "$1"; run_sweep "$1" ;;
+  # exit at once: bash reads a script as it runs, so a runner (hours long) must not read on into a file
+  # edited meanwhile
+  _run) sweep_def "$1"; run_sweep "$1"; exit $? ;;
   checkpoint)
     if [ "${1:-}" = --every ]; then
       every=${2:?--every SECONDS}
