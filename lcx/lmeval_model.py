@@ -5,8 +5,8 @@
         --metadata '{"max_seq_lengths": [256, 512, 1024]}'
 
 `pretrained` is anything `lcx.load_model` accepts: a local Hugging Face directory, a `.gguf`
-file, or a preset (`tiny-ret-5m`, `tiny-5m`, `smollm2-135m`; `lcx models` lists them). Nothing is
-downloaded.
+file, or a preset (`tiny-ret-5m`, `tiny-5m`, `smollm2-135m`, `gemma3-270m`, ...; `lcx models` lists
+them). Nothing is downloaded.
 
 Methods come from `--model_args` keys:
 - RoPE: `rope_type` and any other `RopeSpec` key (`factor`, `rope_theta`,

