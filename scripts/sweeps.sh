@@ -7,6 +7,7 @@
 #   bash scripts/sweeps.sh status [SWEEP...]   # cells measured, journals in progress, running or not
 #   bash scripts/sweeps.sh checkpoint          # copy each sweep's cells + journals here and commit
 #   bash scripts/sweeps.sh checkpoint --every SECONDS   # ... forever, in the background
+#   bash scripts/sweeps.sh worktree [COMMIT]   # the worktree a step at COMMIT runs in (made if missing)
 #   SWEEPs: smollm2-ruler (scripts/report_smollm2_ruler.sh), gemma3-ruler (scripts/report_gemma3_ruler_sweep.sh)
 #
 # Why worktrees: a journal resumes only under the settings *and the numerics code* that started it
@@ -202,6 +203,7 @@ case "$cmd" in
     else
       checkpoint
     fi ;;
-  -h|--help|help) sed -n '2,26p' "$0" ;;
-  *) echo "sweeps.sh: unknown command '$cmd' (plan, resume, status, checkpoint)" >&2; exit 2 ;;
+  worktree) worktree_at "$(git rev-parse --short=12 "${1:-HEAD}")" ;;
+  -h|--help|help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" ;;  # the comment above
+  *) echo "sweeps.sh: unknown command '$cmd' (plan, resume, status, checkpoint, worktree)" >&2; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -545,3 +546,29 @@ def test_sweeps_script_plans_each_journal_at_its_commit_then_the_scripts_steps(t
         assert "not running" in status and all(f"in progress: {j}:" in status for j in journals)
     assert sweeps("bogus", check=False).returncode == 2
     assert sweeps("plan", "nope", check=False).returncode == 2
+
+
+def test_a_sweep_worktree_imports_its_own_mapped_packages(tmp_path):
+    """pyproject maps lcx.kernels, lcx.eval_tasks and lcx.serve to top-level folders, which a
+    worktree on PYTHONPATH alone would take from the editable install (another checkout). The
+    worktree `sweeps.sh` makes links them inside its lcx/, untracked, so every module a step
+    imports is the commit's own and the checkout still reads as clean."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SWEEPS_LOGS": str(tmp_path / "logs"), "SWEEPS_WT": str(tmp_path / "wt")}
+    wt = Path(subprocess.run(["bash", str(root / "scripts/sweeps.sh"), "worktree"], capture_output=True, text=True,
+                             env=env, cwd=root, check=True).stdout.strip())
+    try:
+        assert wt.parent == tmp_path / "wt"
+        code = ("import lcx, lcx.kernels, lcx.eval_tasks, lcx.serve as s; "
+                "print('\\n'.join(m.__file__ for m in (lcx, lcx.kernels, lcx.eval_tasks, s)))")
+        files = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=wt,
+                               env={**os.environ, "PYTHONPATH": str(wt)}).stdout.split()
+        assert len(files) == 4 and all(Path(f).resolve().is_relative_to(wt.resolve()) for f in files), files
+        assert subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                              text=True, cwd=wt, check=True).stdout == ""
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=root, capture_output=True)
