@@ -15,7 +15,8 @@
 # checkout of the commit its journal was started at (`<journal>.key.json` records it; the two
 # journals of older code that have none are listed below). `resume` therefore, per sweep:
 #   1. finishes every journaled cell in a worktree at its journal's commit (that method alone;
-#      the lengths keep the sweep's longest, which sets the RoPE factor);
+#      the lengths keep the sweep's longest, which sets the RoPE factor), unless that commit's
+#      code is HEAD's (only results, docs, tests or the README differ): then step 2 finishes it;
 #   2. runs the sweep's steps in order in a worktree of this checkout's HEAD at launch, so editing
 #      this checkout mid-sweep changes nothing under it. Finished cells are kept across code
 #      (`--reuse --keep-other-code`, listed in the report).
@@ -73,6 +74,10 @@ answers() {  # answers held by a journal db
   python3 -c 'import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute("select count(*) from unnamed").fetchone()[0])' "$1" 2>/dev/null || echo "?"
 }
 
+same_code() {  # does commit $1 hold HEAD's code (all but results/, docs/, tests/, README.md and this runner)?
+  git diff --quiet "$1" HEAD -- . ':!results' ':!docs' ':!tests' ':!README.md' ':!scripts/sweeps.sh' 2>/dev/null
+}
+
 # The commands `resume` runs for one sweep, one per line: "<worktree commit> <script args>".
 plan_lines() {
   local stem name len sha head
@@ -84,6 +89,9 @@ plan_lines() {
       echo "sweeps.sh: journal $stem has no recorded commit: it is resumed at HEAD only if HEAD's code matches" >&2
       sha=$head
     fi
+    # a journal of a commit whose code is HEAD's (they differ in results, prose or tests only)
+    # is finished by HEAD's steps, which plan every cell, in parallel under LCX_SWEEP_JOBS
+    same_code "$sha" && continue
     [ "$len" = "$LONGEST" ] && lens=$len || lens="$len,$LONGEST"
     echo "$(git rev-parse --short=12 "$sha") $lens --presets $name"
   done

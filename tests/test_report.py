@@ -536,6 +536,7 @@ def test_sweeps_script_plans_each_journal_at_its_commit_then_the_scripts_steps(t
                                text=True, check=True).stdout.splitlines()
         journals = sorted(p.name.removesuffix("_rank0.db") for p in (root / "results/report" / out / "cells/journal")
                           .glob("*_rank0.db"))
+        journals = [j for j in journals if not _same_code_as_head(root, _journal_sha(root, out, j))]
         assert len(lines) == len(journals) + len(steps), (sweep, lines)
         for stem, line in zip(journals, lines):
             sha, lengths, flag, method = line.split()
@@ -546,6 +547,76 @@ def test_sweeps_script_plans_each_journal_at_its_commit_then_the_scripts_steps(t
         assert "not running" in status and all(f"in progress: {j}:" in status for j in journals)
     assert sweeps("bogus", check=False).returncode == 2
     assert sweeps("plan", "nope", check=False).returncode == 2
+
+
+def _journal_sha(root, out, stem):
+    import json
+
+    key = root / "results/report" / out / "cells/journal" / f"{stem}.key.json"
+    return json.loads(key.read_text())["git"]["sha"] if key.exists() else None
+
+
+def _same_code_as_head(root, sha):
+    """Does commit `sha` hold HEAD's measuring code (lcx and its mapped packages, scripts but the
+    runner, the project file)?"""
+    import subprocess
+
+    return sha is not None and subprocess.run(
+        ["git", "diff", "--quiet", sha, "HEAD", "--", "lcx", "kernels", "eval_tasks", "serve", "pyproject.toml",
+         "scripts", ":!scripts/sweeps.sh"], cwd=root).returncode == 0
+
+
+def test_sweeps_plan_finishes_a_journal_of_heads_code_in_heads_steps(tmp_path):
+    """A journal started at a commit that differs from HEAD only in results, docs, tests or the
+    README is not given a step of its own at that commit (one cell, one core): HEAD's steps plan
+    every cell and finish it, in parallel under LCX_SWEEP_JOBS. One started before a change to
+    the code is still finished at its own commit. (A throwaway repository: the runner, a sweep
+    script and journals at three commits.)"""
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(root / "scripts/sweeps.sh", repo / "scripts/sweeps.sh")
+    (repo / "scripts/report_smollm2_ruler.sh").write_text(
+        'if [ "${1:-}" = steps ]; then echo 4096,16384; exit 0; fi\n')
+    (repo / "lcx").mkdir()
+    journal = repo / "results/report/smollm2-135m-ruler/cells/journal"
+    journal.mkdir(parents=True)
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    def commit(message):
+        git("add", "-A")
+        git("commit", "-q", "-m", message)
+        return git("rev-parse", "HEAD")
+
+    def start_journal(stem, sha):
+        (journal / f"{stem}_rank0.db").write_bytes(b"")
+        (journal / f"{stem}.key.json").write_text(json.dumps({"git": {"sha": sha}}))
+
+    git("init", "-q")
+    (repo / "lcx/numerics.py").write_text("SCALE = 1\n")
+    old_code = commit("code")
+    (repo / "lcx/numerics.py").write_text("SCALE = 2\n")
+    same_code = commit("changed code")
+    start_journal("yarn.ruler.4096.aaaaaaaaaaaa", old_code)
+    start_journal("vanilla.ruler.8192.bbbbbbbbbbbb", same_code)
+    (repo / "docs").mkdir()
+    (repo / "docs/report.md").write_text("prose\n")
+    (repo / "README.md").write_text("table\n")
+    head = commit("results and prose")[:12]
+    env = {**os.environ, "SWEEPS_LOGS": str(tmp_path / "logs"), "SWEEPS_WT": str(tmp_path / "wt")}
+    plan = subprocess.run(["bash", "scripts/sweeps.sh", "plan", "smollm2-ruler"], cwd=repo, env=env,
+                          capture_output=True, text=True, check=True).stdout.splitlines()[1:]
+    assert [x.removeprefix("  at ") for x in plan] == [f"{old_code[:12]} 4096,16384 --presets yarn",
+                                                       f"{head} 4096,16384"]
 
 
 def test_a_sweep_worktree_imports_its_own_mapped_packages(tmp_path):
