@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import Benchmark, figure, replot
+from benchmarks.harness import Benchmark, cpu_gemm_flops, figure, op_shares, replot
 
 DESCRIPTION = "CPU attention time and peak memory: Λ-mask / LM-Infinite per lcx.attention backend vs dense causal SDPA"
 BENCH = Benchmark("attention", DESCRIPTION, __doc__, out="results/attention_cpu.json", threads=1, plot=True,
@@ -204,10 +204,7 @@ def profile_case(case: str, T: int, G: int, L: int, threads: int, top: int = 8) 
         call()
         with profile() as prof:
             call()
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in ops)
-    return {"self_cpu_share": {e.key: round(e.self_cpu_time_total / total, 4) for e in ops[:top]},
-            "calls": {e.key: e.count for e in ops[:top]}}
+    return op_shares(prof, top)
 
 
 def ceiling(T: int, G: int, L: int, dense_s: float, lambda_s: float | None, threads: int) -> dict:
@@ -229,12 +226,7 @@ def ceiling(T: int, G: int, L: int, dense_s: float, lambda_s: float | None, thre
     r = -(-L // C)
     b0 = min(T, r * C)
     computed = per_key * ((T - b0) * ((r + 1) * C + G) + b0 * (b0 + 1) / 2)
-    a = torch.randn(2048, 2048)
-    a @ a
-    c0 = time.process_time()
-    for _ in range(3):
-        a @ a
-    gemm = 3 * 2 * 2048**3 / (time.process_time() - c0)
+    gemm = cpu_gemm_flops(threads)
     out = {"dense_gflop": dense / 1e9, "lambda_mask_gflop": nnz * per_key / 1e9,
            "lambda_flash_computed_gflop": computed / 1e9, "chunk": C,
            "flop_ratio": dense / (nnz * per_key), "decomposition_flop_ratio": dense / computed,

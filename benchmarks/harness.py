@@ -413,6 +413,30 @@ def measure_ceilings(device: str, *, tiny: bool = False) -> dict[str, float]:
 
 
 
+def op_shares(prof: Any, top: int = 8) -> dict[str, Any]:
+    """A finished torch.profiler run's operators by self CPU time: each of the `top` ones' share
+    of the total and its call count (the profiler's overhead inflates the total; the shares are
+    what it is for)."""
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return {"self_cpu_share": {e.key: round(e.self_cpu_time_total / total, 4) for e in ops[:top]},
+            "calls": {e.key: e.count for e in ops[:top]}}
+
+
+def cpu_gemm_flops(threads: int, n: int = 2048, repeats: int = 3) -> float:
+    """This process's float32 single-GEMM throughput (flop/s of CPU time) on `threads` threads:
+    an n x n x n matmul, after one warm-up."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n)
+    a @ a
+    c0 = time.process_time()
+    for _ in range(repeats):
+        a @ a
+    return repeats * 2 * n**3 / (time.process_time() - c0)
+
+
 def roofline(prep: Prepared, times: list[float], ceilings: dict[str, float]) -> dict[str, Any]:
     """A timed call's row: median/min/every time (ms), bytes and FLOPs, GB/s and TFLOP/s, and their
     percentage of the ceilings measured in the same run (`measure_ceilings`)."""

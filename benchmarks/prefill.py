@@ -19,6 +19,15 @@ at most 1.1x vanilla's when its window covers the prompt, and cheaper beyond it?
 
     lcx bench prefill --engine                                       # -> results/prefill_engine_cpu.json
     lcx bench prefill --engine --model tiny-5m --lengths 256 1024 --window 512 --out /tmp/e.json
+    lcx bench prefill --engine --presets vanilla --lengths 4096 --repeats 1 --profile \
+        --out results/prefill_profile_cpu.json                     # where a prefill's CPU goes
+
+`--profile` adds, after the timed rounds, one untimed prefill per method at the longest length
+under torch.profiler (`profile` in the record): the operators' shares of its self CPU time, the
+GEMMs' GFLOP/s, vanilla's attention kernel's useful GFLOP/s (causal pairs only), and this
+process's 2048^3 sgemm GFLOP/s, i.e. how near a prefill already runs to the core's fp32 peak.
+The profiler's self times are wall clock inside each operator (the sgemm's is CPU time): on a
+loaded machine the rates read low while the shares hold, so profile on an idle one.
 
 The methods' windows are the presets' for a model of context `--window` (`lcx.presets.resolve`
 with L0 = --window: LM-Infinite n_local = W, sinks window W - 4, sliding window W, Self-Extend
@@ -115,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"methods {','.join(ENGINE_METHODS)} unless --presets; writes {ENGINE_OUT} unless --out")
     parser.add_argument("--lengths", type=int, nargs="+", default=[768, 4096],
                         help="--engine: prompt lengths, one inside --window and one beyond (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="--engine: after the timed rounds, one untimed prefill per method at the longest length "
+                             "under torch.profiler: the operators' shares of its self CPU time, the GEMMs' GFLOP/s, "
+                             "vanilla's attention kernel's useful GFLOP/s and this process's 2048^3 sgemm beside them")
     parser.add_argument("--window", type=int, default=1024,
                         help="--engine: size the methods' windows as the presets do for a model of this context "
                              "(default: %(default)s)")
@@ -254,8 +267,43 @@ def run_engine(args: argparse.Namespace) -> int:
     for name in engines:
         print(f"{name:>15}" + "".join(f"{summary[str(n)][name]['cpu_s']:>12.1f}"
                                       f"{summary[str(n)][name]['ratio_vs_vanilla']:>11.3f}" for n in lengths))
-    rec.finish(rows, summary=summary, loadavg_1min_end=os.getloadavg()[0])
+    extra = {"profile": _engine_profiles(engines, prompt[:max(lengths)], threads)} if args.profile else {}
+    rec.finish(rows, summary=summary, loadavg_1min_end=os.getloadavg()[0], **extra)
     return 0
+
+
+def _engine_profiles(engines: dict[str, Any], ids: list[int], threads: int) -> dict[str, Any]:
+    """One untimed prefill of `ids` per engine under torch.profiler (`_engine_prefill_s`): the
+    top operators' shares of self CPU time and, from the profiler's self times, the GEMMs'
+    throughput (2 flops per weight of the decoder's Linear layers per token; the LM head is one
+    row) and, for vanilla, the attention kernel's useful throughput (causal (query, key) pairs,
+    4 flops per pair per head dimension per query head), beside this process's sgemm."""
+    from torch import nn
+    from torch.profiler import profile
+
+    from benchmarks.harness import cpu_gemm_flops, op_shares
+
+    T = len(ids)
+    out: dict[str, Any] = {"length": T, "gemm_2048_gflops": round(cpu_gemm_flops(threads) / 1e9, 1)}
+    for name, eng in engines.items():
+        with profile() as prof:
+            _engine_prefill_s(eng, ids)
+        self_s: dict[str, float] = {}
+        for e in prof.key_averages():
+            self_s[e.key] = self_s.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
+        row = op_shares(prof)
+        weights = sum(m.weight.numel() for m in eng._decoder.modules() if isinstance(m, nn.Linear))
+        mm_s = self_s.get("aten::mm", 0.0) + self_s.get("aten::addmm", 0.0)
+        row["self_cpu_s_total"] = round(sum(self_s.values()), 3)
+        row["gemm_gflops"] = round(2 * weights * T / mm_s / 1e9, 1) if mm_s else None
+        attn_s = sum(v for k, v in self_s.items() if "scaled_dot_product" in k)
+        if name == "vanilla" and attn_s:
+            c = eng.model.config
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            flops = 4 * head_dim * c.num_attention_heads * c.num_hidden_layers * T * (T + 1) / 2
+            row["attention_useful_gflops"] = round(flops / attn_s / 1e9, 1)
+        out[name] = row
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,3 +51,18 @@ def test_bench_prefill_engine_record(tmp_path):
         for name in ("lm_infinite", "sliding_window"):
             row = rec["summary"][n][name]
             assert abs(row["ratio_vs_vanilla"] - row["cpu_s"] / van) < 0.01 + 1e-3 / van
+
+
+def test_bench_prefill_engine_profile(tmp_path):
+    """`--profile`: one profiled prefill per method at the longest length, operators' shares and
+    the GEMMs' / vanilla's attention kernel's throughput beside the process's sgemm."""
+    out = tmp_path / "p.json"
+    assert main(["bench", "prefill", "--engine", "--model", "tiny-5m", "--lengths", "64", "300", "--window", "128",
+                 "--presets", "vanilla,lm_infinite", "--repeats", "1", "--profile", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["length"] == 300 and prof["gemm_2048_gflops"] > 0
+    for name in ("vanilla", "lm_infinite"):
+        shares = prof[name]["self_cpu_share"]
+        assert "aten::mm" in shares and 0 < sum(shares.values()) <= 1.0001
+        assert prof[name]["gemm_gflops"] > 0 and prof[name]["self_cpu_s_total"] > 0
+    assert prof["vanilla"]["attention_useful_gflops"] > 0 and "attention_useful_gflops" not in prof["lm_infinite"]
