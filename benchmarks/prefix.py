@@ -53,6 +53,7 @@ given. -> results/prefix_cell_<model>_<preset>_<length>.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -117,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--cell: passkey prompts per depth (default: %(default)s; the n16 sweep's 16 prompts)")
     parser.add_argument("--compare", type=Path, default=None,
                         help="--cell: a committed report cell (.json.gz) whose passkey answers must be reproduced")
+    parser.add_argument("--baseline-at", metavar="REV", default=None,
+                        help="--cell: run the no-cache setting on the code of this git commit (a `git archive` "
+                             "of it, glibc's allocator defaults where it predates lcx.allocator) and the cache "
+                             "setting on this checkout: what a cell costs now against what it cost at REV, "
+                             "the two processes at the same time as always")
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -368,15 +374,17 @@ def cell_worker(spec: dict[str, Any], out: str) -> None:
     atomic_write_json(Path(out), res)
 
 
-def _children(specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _children(specs: dict[str, dict[str, Any]], roots: dict[str, Path] | None = None) -> dict[str, dict[str, Any]]:
     """Run `cell_worker` for each spec in its own fresh process, all at once (the settings share
     the machine's conditions: on a shared machine, sequential runs see different loads); each
-    process's CPU seconds (user + system) from the kernel's accounting of that child (`wait4`)."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    process's CPU seconds (user + system) from the kernel's accounting of that child (`wait4`).
+    `roots`: a setting's source tree other than this checkout (`--baseline-at`)."""
+    here = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         procs: dict[int, tuple[str, str, float]] = {}
         for name, spec in specs.items():
+            root = (roots or {}).get(name, here)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
             out = os.path.join(tmp, f"{name}.json")
             code = (f"import json; from benchmarks.prefix import cell_worker; "
                     f"cell_worker(json.loads({json.dumps(spec)!r}), {out!r})")
@@ -401,6 +409,27 @@ def _children(specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return results
 
 
+def _baseline_tree(rev: str, stack: contextlib.ExitStack) -> tuple[str, Path]:
+    """(full sha, a temporary source tree of `rev`): `git archive` of this repository's commit,
+    its CPU kernel built there before anything is timed (that build is not the cell's cost)."""
+    here = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ValueError(f"--baseline-at: {rev!r} is not a commit of this repository") from e
+    tree = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lcx-baseline-")))
+    archive = subprocess.run(["git", "-C", str(here), "archive", sha], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    warm = ("import importlib\n"
+            "for m in ('lcx.kernels.cpu', 'kernels.cpu.relative_attention'):\n"
+            "    try:\n        mod = importlib.import_module(m)\n    except ImportError:\n        continue\n"
+            "    getattr(mod, 'unavailable', lambda: None)()\n    break\n")
+    subprocess.run([sys.executable, "-c", warm], cwd=tree, env=env, check=True)
+    return sha, tree
+
+
 def _answers(cell: dict[str, Any]) -> list[tuple[float, str, float, Any]]:
     return sorted((float(s["depth"]), str(s["key"]), float(s["correct"]), s["output"]) for s in cell["passkey_samples"])
 
@@ -423,13 +452,23 @@ def run_cell(args: argparse.Namespace, threads: int) -> int:
            "compare": str(args.compare) if args.compare else None}
     out = args.out if args.out != Path(BENCH.out) else Path(
         f"results/prefix_cell_{args.model}_{args.cell}_{args.passkey_length}.json")
-    rec = BENCH.start(args, cfg, out=out)
-    results: dict[str, Any] = {}
     specs = {s: {"model": args.model, "preset": args.cell, "length": args.passkey_length, "depths": args.depths,
                  "per_depth": args.samples_per_depth, "cache": s == "cache", "threads": threads}
              for s in ("no_cache", "cache")}
-    rec.log("running the cell with and without the prefix cache, one process each, at the same time")
-    for s, r in _children(specs).items():
+    roots: dict[str, Path] = {}
+    results: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        if args.baseline_at is not None:
+            sha, roots["no_cache"] = _baseline_tree(args.baseline_at, stack)
+            cfg["baseline_at"] = {"rev": args.baseline_at, "sha": sha,
+                                  "what": "the no_cache setting ran on the code of this commit, the cache setting "
+                                          "on this checkout"}
+        rec = BENCH.start(args, cfg, out=out)
+        if roots:
+            rec.log(f"no_cache runs at {cfg['baseline_at']['sha'][:12]} ({args.baseline_at}), cache on this checkout")
+        rec.log("running the cell with and without the prefix cache, one process each, at the same time")
+        children = _children(specs, roots)
+    for s, r in children.items():
         results[s] = {k: r[k] for k in ("cpu_s", "process_wall_s", "wall_s", "passkey", "passkey_docs",
                                         "prompt_tokens_computed", "prefix_cache_hit_rate", "prefix_cache_on")}
         results[s]["answers"] = _answers(r)
@@ -558,6 +597,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.cell is not None:
         return run_cell(args, BENCH.resolve_threads(args))
+    if args.baseline_at is not None:
+        raise ValueError("--baseline-at goes with --cell (it sets where the cell's no-cache setting runs)")
 
     for name in ("requests", "concurrency", "system_tokens", "question_tokens", "passkey_length", "depths",
                  "max_tokens", "repeats"):
