@@ -48,6 +48,12 @@ given. -> results/prefix_cell_<model>_<preset>_<length>.json
 
     lcx bench prefix --cell self_extend --model smollm2-135m --passkey-length 16384 \
         --compare results/report/smollm2-135m-n16/cells/self_extend.lmeval.16384.json.gz
+
+`--baseline-at REV` runs the no-cache setting on the code of a past commit instead (a `git archive`
+of REV in a temporary directory, its CPU kernel built before anything is timed; the record names
+REV's full sha), the cache setting on this checkout: what a cell costs now against what it cost
+at REV, every change since included (the prefix cache, `lcx.allocator`'s freed-memory reuse, ...).
+Each setting's allocator is recorded beside its CPU seconds.
 """
 
 from __future__ import annotations
@@ -371,6 +377,9 @@ def cell_worker(spec: dict[str, Any], out: str) -> None:
     res["prefix_cache_hit_rate"] = round(st.prefix_cache_hit_rate, 4)
     res["prefix_cache_on"] = lm.lcx_engine.prefix_cache is not None
     res["method"] = run.config.to_dict()
+    from lcx.allocator import allocator_state
+
+    res["allocator"] = allocator_state()  # the lcx model keeps freed memory for reuse (lcx.allocator)
     atomic_write_json(Path(out), res)
 
 
@@ -471,6 +480,8 @@ def run_cell(args: argparse.Namespace, threads: int) -> int:
     for s, r in children.items():
         results[s] = {k: r[k] for k in ("cpu_s", "process_wall_s", "wall_s", "passkey", "passkey_docs",
                                         "prompt_tokens_computed", "prefix_cache_hit_rate", "prefix_cache_on")}
+        # a worker older than lcx.allocator (--baseline-at) kept glibc's defaults
+        results[s]["allocator"] = r.get("allocator", {"allocator": "system", "reason": "the code predates lcx.allocator"})
         results[s]["answers"] = _answers(r)
         rec.log(f"{s}: {results[s]['cpu_s']} CPU s, passkey {r['passkey']:.3f}")
     same = results["cache"]["answers"] == results["no_cache"]["answers"]

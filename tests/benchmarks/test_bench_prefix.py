@@ -71,6 +71,37 @@ def test_bench_prefix_cell_reproduces_a_committed_report_cell(tmp_path):
     assert res["cache"]["cpu_s"] > 0 and res["ratio_cache_vs_no_cache"]["cpu_s"] > 0
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--baseline-at", "HEAD"], "--baseline-at goes with --cell"),
+    (["--cell", "lm_infinite", "--model", "tiny-ret-5m", "--baseline-at", "no-such-rev"], "not a commit"),
+])
+def test_bench_prefix_baseline_at_refuses_misuse(argv, says, tmp_path, capsys):
+    """`--baseline-at` without `--cell`, or naming no commit: a clear error before any model runs."""
+    assert main(["bench", "prefix", *argv, "--no-vllm", "--out", str(tmp_path / "x.json")]) == 2
+    assert says in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_prefix_cell_baseline_at_a_commit(tmp_path):
+    """`--cell --baseline-at REV`: the no-cache setting runs on REV's code (a `git archive` of it),
+    recorded by its full sha; at HEAD both settings answer alike."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    out = tmp_path / "cell.json"
+    assert main(["bench", "prefix", "--cell", "lm_infinite", "--model", "tiny-ret-5m", "--passkey-length", "1024",
+                 "--depths", "2", "--samples-per-depth", "1", "--baseline-at", "HEAD", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["config"]["baseline_at"]["sha"] == sha and rec["config"]["baseline_at"]["rev"] == "HEAD"
+    res = rec["results"]
+    assert res["same_answers"] is True and len(res["cache"]["answers"]) == 2
+    assert res["no_cache"]["cpu_s"] > 0 and not res["no_cache"]["prefix_cache_on"]
+    assert res["cache"]["allocator"]["allocator"] in ("reuse", "system") and "allocator" in res["no_cache"]
+
+
 # The vLLM test's load: a system prompt longer than vLLM's CPU block (128 tokens, the unit its
 # prefix cache reuses) and passkey prompts whose shared prefixes span a block, so both loads can hit.
 VLLM_LOAD = ["--requests", "4", "--concurrency", "2", "--system-tokens", "160", "--question-tokens", "8",
