@@ -80,6 +80,7 @@ BENCH = Benchmark("prefix", DESCRIPTION, __doc__, out="results/prefix_cpu.json",
                                      "time to first token with and without the cache on a shared-system-prompt "
                                      "and a passkey-sweep load")
 SETTINGS = ("no_cache", "cache")
+ROOT = Path(__file__).resolve().parents[1]  # the repository this module runs from
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ class VllmEngine:
 
         self.private = tempfile.mkdtemp(prefix="lcx-vllm-")
         env = {**vllm_env(self.private, threads=self.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(ROOT)
         # the repository goes last on sys.path: vLLM finds the installed lcx's metadata first, and the
         # cwd is the private directory (lcx.serve.vllm_plugin.launch says why)
         code = (f"import sys; sys.path.append({root!r}); from benchmarks.prefix import vllm_worker; "
@@ -388,11 +389,10 @@ def _children(specs: dict[str, dict[str, Any]], roots: dict[str, Path] | None = 
     the machine's conditions: on a shared machine, sequential runs see different loads); each
     process's CPU seconds (user + system) from the kernel's accounting of that child (`wait4`).
     `roots`: a setting's source tree other than this checkout (`--baseline-at`)."""
-    here = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         procs: dict[int, tuple[str, str, float]] = {}
         for name, spec in specs.items():
-            root = (roots or {}).get(name, here)
+            root = (roots or {}).get(name, ROOT)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
             out = os.path.join(tmp, f"{name}.json")
             code = (f"import json; from benchmarks.prefix import cell_worker; "
@@ -420,22 +420,39 @@ def _children(specs: dict[str, dict[str, Any]], roots: dict[str, Path] | None = 
 
 def _baseline_tree(rev: str, stack: contextlib.ExitStack) -> tuple[str, Path]:
     """(full sha, a temporary source tree of `rev`): `git archive` of this repository's commit,
-    its CPU kernel built there before anything is timed (that build is not the cell's cost)."""
-    here = Path(__file__).resolve().parents[1]
+    laid out as its pyproject's `package-dir` installs it (lcx.kernels, lcx.eval_tasks, lcx.serve
+    live at the top of the repository: linked into lcx/, else those imports would fall through to
+    the editable install's current code), checked to import from the tree, and its CPU kernel built
+    there before anything is timed (that build is not the cell's cost)."""
+    import tomllib
+
     try:
-        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"], check=True,
                              capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as e:
         raise ValueError(f"--baseline-at: {rev!r} is not a commit of this repository") from e
     tree = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lcx-baseline-")))
-    archive = subprocess.run(["git", "-C", str(here), "archive", sha], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    dirs = tomllib.loads((tree / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {}).get(
+        "package-dir", {})
+    mapped = [pkg for pkg, src in dirs.items() if pkg.startswith("lcx.") and src != pkg.replace(".", "/")]
+    for pkg in mapped:
+        link = tree / pkg.replace(".", "/")
+        if not link.exists():
+            link.symlink_to(tree / dirs[pkg], target_is_directory=True)
+    check = ("import importlib, json, sys\n"
+             f"mods = {['lcx', *mapped]!r}\n"
+             "print(json.dumps({m: importlib.import_module(m).__file__ for m in mods}))\n"
+             "try:\n    from lcx.kernels.cpu import unavailable\nexcept ImportError:  # a commit without it\n"
+             "    unavailable = lambda: None\n"
+             "unavailable()\n")
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    warm = ("import importlib\n"
-            "for m in ('lcx.kernels.cpu', 'kernels.cpu.relative_attention'):\n"
-            "    try:\n        mod = importlib.import_module(m)\n    except ImportError:\n        continue\n"
-            "    getattr(mod, 'unavailable', lambda: None)()\n    break\n")
-    subprocess.run([sys.executable, "-c", warm], cwd=tree, env=env, check=True)
+    found = json.loads(subprocess.run([sys.executable, "-c", check], cwd=tree, env=env, check=True,
+                                      capture_output=True, text=True).stdout.splitlines()[0])
+    outside = {m: f for m, f in found.items() if not Path(f).resolve().is_relative_to(tree.resolve())}
+    if outside:
+        raise RuntimeError(f"--baseline-at {rev}: these modules do not import from its tree: {outside}")
     return sha, tree
 
 
