@@ -3,7 +3,9 @@
 Bodies are validated strictly from the raw JSON (pydantic strict mode: `"5"` is not an integer,
 `true` is not a number, NaN and Infinity are not numbers) and unknown fields are rejected by
 name: a field lcx does not implement would otherwise be silently ignored. Fields OpenAI defines
-but lcx cannot honour (logit_bias, best_of > 1, suffix) are accepted only at their neutral value.
+but lcx cannot honour (logit_bias, best_of > 1, suffix; in chat tools, tool_choice,
+response_format and the rest of `CHAT_NEUTRAL`) are accepted only at their neutral value, `null`
+included (what OpenAI clients send for an unset field); another value is 400 naming the field.
 Of vLLM's extensions, the sampling ones the engine implements are accepted (`VLLM_SAMPLING`);
 value ranges are checked by `lcx.engine.SamplingParams`, which names the field.
 
@@ -16,6 +18,7 @@ Responses are models too (`CompletionResponse`, `ChatCompletionResponse`, their 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
@@ -173,6 +176,62 @@ class CompletionRequest(_Common):
             raise bad_request("suffix is not supported by the lcx server", "suffix", "unsupported_parameter")
 
 
+# OpenAI fields of /v1/chat/completions that lcx does not implement but accepts where they change
+# nothing: `null` (what OpenAI clients send for an unset field: the openai client for an explicit
+# `None`, LangChain and other wrappers for every field they know) and the values listed here, the
+# same as leaving the field out. Any other value gets 400 naming the field and what lcx lacks
+# (`unsupported_parameter`), never a silent ignore. From the OpenAI chat completions schema
+# (openai-python's `CompletionCreateParams`); the fields lcx implements are the model's own.
+# field -> (values besides null that change nothing, what the field asks for)
+CHAT_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((), "tool calling"),
+    "tool_choice": (("none",), "tool calling"),
+    # without tools (refused above) the flag has nothing to act on, either way
+    "parallel_tool_calls": ((True, False), "tool calling"),
+    "functions": ((), "function calling (deprecated in OpenAI's API for tools)"),
+    "function_call": (("none",), "function calling (deprecated in OpenAI's API for tools)"),
+    "response_format": (({"type": "text"},), "structured output (JSON mode, JSON schema)"),
+    "modalities": ((["text"],), "output modalities other than text"),
+    "audio": ((), "audio output"),
+    "prediction": ((), "predicted outputs"),
+    "reasoning_effort": ((), "reasoning models' effort"),
+    "verbosity": ((), "verbosity control"),
+    "web_search_options": ((), "web search"),
+    "store": ((False,), "stored completions"),
+    "metadata": ((), "stored completions' metadata"),
+    "service_tier": (("auto", "default"), "service tiers"),
+    "prompt_cache_retention": ((), "prompt cache retention (lcx's prefix cache is automatic, "
+                                   "lcx serve --prefix-caching)"),
+    "moderation": ((), "moderation"),
+}
+
+
+def _neutral_values(allowed: tuple[Any, ...]) -> str:
+    """'null', 'null or "none"', 'null, true or false'."""
+    vals = ["null", *(json.dumps(a) for a in allowed)]
+    return vals[0] if len(vals) == 1 else f"{', '.join(vals[:-1])} or {vals[-1]}"
+
+
+def _neutral_field(name: str, table: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
+    allowed, what = table[name]
+    return Field(None, description=f"accepted only as {_neutral_values(allowed)} ({what} is not supported by the "
+                                   "lcx server)")
+
+
+def check_neutral(req: BaseModel, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """400 `unsupported_parameter` naming the first field of `table` set to a value other than
+    null and its neutral values (compared as JSON: `0` is not `false`)."""
+    for name, (allowed, what) in table.items():
+        v = getattr(req, name)
+        if v is None:
+            continue
+        text = json.dumps(v, sort_keys=True, default=str)
+        if any(text == json.dumps(a, sort_keys=True) for a in allowed):
+            continue
+        raise bad_request(f"{name}: {what} is not supported by the lcx server (got {_short_repr(v)}); send "
+                          f"{_neutral_values(allowed)}, or leave the field out", name, "unsupported_parameter")
+
+
 class ContentPart(_Strict):
     type: Literal["text"]
     text: str
@@ -201,9 +260,32 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
+    # OpenAI's informational fields, like `user`: accepted and not used
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = Field(None, description="accepted and not used (lcx's prefix cache is "
+                                                           "automatic: lcx serve --prefix-caching)")
+    # OpenAI's fields lcx does not implement, accepted where they change nothing (CHAT_NEUTRAL)
+    tools: Any = _neutral_field("tools", CHAT_NEUTRAL)
+    tool_choice: Any = _neutral_field("tool_choice", CHAT_NEUTRAL)
+    parallel_tool_calls: Any = _neutral_field("parallel_tool_calls", CHAT_NEUTRAL)
+    functions: Any = _neutral_field("functions", CHAT_NEUTRAL)
+    function_call: Any = _neutral_field("function_call", CHAT_NEUTRAL)
+    response_format: Any = _neutral_field("response_format", CHAT_NEUTRAL)
+    modalities: Any = _neutral_field("modalities", CHAT_NEUTRAL)
+    audio: Any = _neutral_field("audio", CHAT_NEUTRAL)
+    prediction: Any = _neutral_field("prediction", CHAT_NEUTRAL)
+    reasoning_effort: Any = _neutral_field("reasoning_effort", CHAT_NEUTRAL)
+    verbosity: Any = _neutral_field("verbosity", CHAT_NEUTRAL)
+    web_search_options: Any = _neutral_field("web_search_options", CHAT_NEUTRAL)
+    store: Any = _neutral_field("store", CHAT_NEUTRAL)
+    metadata: Any = _neutral_field("metadata", CHAT_NEUTRAL)
+    service_tier: Any = _neutral_field("service_tier", CHAT_NEUTRAL)
+    prompt_cache_retention: Any = _neutral_field("prompt_cache_retention", CHAT_NEUTRAL)
+    moderation: Any = _neutral_field("moderation", CHAT_NEUTRAL)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        check_neutral(self, CHAT_NEUTRAL)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
