@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from .base import AttentionMethod
 from .causal import Causal, causal
+from .dca import DCA, chunkllama_dca, dca, dca_from_hf_config, dca_ref
 from .lm_infinite import LMInfinite, lm_infinite
 from .self_extend import SelfExtend, self_extend, self_extend_ref
 from .sinks import Sinks, sinks
@@ -28,7 +29,7 @@ from .swat import SWAT, swat
 
 # name -> class, in this order. The only list of attention methods; tests iterate over it.
 ATTENTION_METHODS: dict[str, type[AttentionMethod]] = {
-    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend, SWAT)
+    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend, SWAT, DCA)
 }
 # the methods whose caches hold unrotated keys (read from the classes; not a second list)
 UNROTATED_METHODS: tuple[str, ...] = tuple(n for n, cls in ATTENTION_METHODS.items() if cls.needs_unrotated_keys)
