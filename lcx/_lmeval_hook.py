@@ -180,13 +180,15 @@ def _patch_yaml_loader() -> None:
 
 def lcx_tokenizer_dir(name: str) -> str | None:
     """The directory of the tokenizer `lcx.load_model(name)` returns, or None when `name` is not
-    something lcx loads (a hub id: left to `AutoTokenizer`). A `.gguf` is dequantized into lcx's
-    cache first if needed (the `lcx` model has normally done it already). A preset whose files are
-    missing raises `FileNotFoundError` saying how to get them."""
+    something lcx loads (left to `AutoTokenizer`). A Hub id `org/name[@revision]` is its snapshot in
+    the Hugging Face cache (config and tokenizer files suffice: `lcx.models.hub`). A `.gguf` is
+    dequantized into lcx's cache first if needed (the `lcx` model has normally done it already). A
+    preset whose files are missing, or a Hub id not cached while offline, raises
+    `FileNotFoundError` saying how to get them."""
     from lcx.models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
 
     try:
-        kind, path = resolve_source(name)
+        kind, path = resolve_source(name, weights=False)
     except ValueError:
         return None
     if kind == "gguf":
