@@ -20,8 +20,9 @@ patches each right after it executes:
   - 1 tokens, 2,047 by default, with only a log line, so a "4096" passkey measured through a
   server would silently score ~2,035-token prompts. When `max_length` is not in `--model_args`,
   the patched class asks the server (`GET /v1/models`: lcx's and vLLM's cards carry
-  `max_model_len`) and uses its `max_model_len`; if the server does not say, it warns that
-  prompts will be cut at 2,047 tokens unless `max_length=` is given (`server_max_model_len`).
+  `max_model_len`) and uses its `max_model_len` (`server_max_model_len`); and a request longer
+  than `max_length` raises `lcx.eval.truncation.PromptTooLongError` (the task, its tokens, the
+  limit, the flag that raises it) instead of being cut, unless `allow_truncation=true`.
 - `lm_eval.tasks.ruler.common_utils` (imported by every RULER task before it builds data): wraps
   `get_tokenizer` so RULER sizes its prompts with the tokenizer `lcx.load_model` gives the model
   named in `--model_args pretrained=...` (a preset, a local HF directory, a `.gguf`) instead of
@@ -251,8 +252,17 @@ def server_max_model_len(base_url: str | None, auth_token: str | None = None, ti
 
 
 def patch_local_completions(module=None) -> None:
-    """Make `local-completions` use the server's `max_model_len` when `max_length` is not given
-    (lm-eval would left-truncate prompts to 2,047 tokens), or warn when the server does not say."""
+    """Make `local-completions` measure the length its task asks for (`lcx.eval.truncation`):
+
+    - `max_length` not in `--model_args`: use the server's `max_model_len` (lm-eval's default
+      would cut every prompt to 2,047 tokens), or warn when the server does not say;
+    - a request longer than `max_length` (a generation prompt with its `max_gen_toks`, a
+      log-likelihood request, a rolling document) raises `PromptTooLongError` naming the task,
+      the tokens, the limit and the flag that raises it, where lm-eval would left-truncate it and
+      exit 0; `allow_truncation=true` in `--model_args` restores lm-eval's cut.
+
+    Without a client-side tokenizer (`tokenizer_backend=None`) lm-eval sends text and cannot
+    cut: the server refuses a prompt over its limit with a 400 that lm-eval raises."""
     import functools
 
     if module is None:
@@ -260,26 +270,83 @@ def patch_local_completions(module=None) -> None:
     cls = module.LocalCompletionsAPI
     if getattr(cls.__init__, _LENGTH_PATCHED_ATTR, False):
         return
+    from lcx.eval import truncation
+
     original = cls.__init__
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
+        allow = truncation.allow_truncation(kwargs.pop(truncation.ALLOW_KEY, False))
+        source = "max_length in --model_args"
         if type(self) is cls and kwargs.get("max_length") is None:  # not OpenAI's own API (a subclass)
             n = server_max_model_len(kwargs.get("base_url"), kwargs.get("auth_token"))
             if n is not None:
                 kwargs["max_length"] = n
+                source = f"the server's max_model_len, GET /v1/models at {kwargs.get('base_url')}"
                 print(f"lcx: local-completions max_length={n}, the server's max_model_len (GET /v1/models); "
                       "pass max_length= in --model_args to choose another", file=sys.stderr)
             else:
+                source = "lm-eval's default: the server does not state its max_model_len"
                 warnings.warn(
                     f"lcx: max_length is not in --model_args and the server at {kwargs.get('base_url')} does not "
-                    f"state its max_model_len: lm-eval's local-completions will LEFT-TRUNCATE every prompt to "
-                    f"{LM_EVAL_DEFAULT_MAX_LENGTH - 1} tokens; pass max_length=<the server's limit>",
+                    f"state its max_model_len: lm-eval's default max_length {LM_EVAL_DEFAULT_MAX_LENGTH} applies, "
+                    f"and lcx refuses longer prompts; pass max_length=<the server's limit>",
                     RuntimeWarning, stacklevel=2)
         original(self, *args, **kwargs)
+        self._lcx_allow_truncation = allow
+        # TemplateAPI keeps max_length - 1 (one token for generation): the limit its cuts use
+        self._lcx_where = {
+            "limit_source": f"{source}, less the one token lm-eval keeps for generation",
+            "raise_with": "`lcx serve --max-model-len N` or vLLM's `--max-model-len N`, and max_length=N "
+                          "in --model_args"}
+
+    def checking(self) -> bool:
+        return type(self) is cls and not getattr(self, "_lcx_allow_truncation", True)
+
+    generate_until = cls.generate_until
+
+    @functools.wraps(generate_until)
+    def _generate_until(self, requests, disable_tqdm: bool = False):
+        if checking(self) and self.tokenized_requests and requests:
+            contexts = [r.args[0] for r in requests]
+            encoded = self.tok_encode(contexts, add_special_tokens=self.add_bos_token)
+            budgets = [int(r.args[1].get("max_gen_toks", self._max_gen_toks)) for r in requests]
+            truncation.check_generation(requests, encoded, budgets, self.max_length, **self._lcx_where)
+        return generate_until(self, requests, disable_tqdm=disable_tqdm)
+
+    loglikelihood = cls.loglikelihood
+
+    @functools.wraps(loglikelihood)
+    def _loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._lcx_tasks = truncation.task_names(requests)
+        return loglikelihood(self, requests, disable_tqdm=disable_tqdm)
+
+    batch = cls.batch_loglikelihood_requests
+
+    @functools.wraps(batch)
+    def _batch_loglikelihood_requests(self, chunks):
+        chunks = [list(c) for c in chunks]
+        if checking(self):
+            truncation.check_loglikelihood((r for c in chunks for r in c), self.max_length,
+                                           tasks=getattr(self, "_lcx_tasks", "(task not named)"), **self._lcx_where)
+        return batch(self, chunks)
+
+    rolling = cls.loglikelihood_rolling
+
+    @functools.wraps(rolling)
+    def _loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        if checking(self) and requests:
+            # lm-eval's windows hold max_length - 1 tokens (one for the context token)
+            truncation.check_rolling((len(self.tok_encode(r.args[0])) for r in requests), self.max_length - 1,
+                                     tasks=truncation.task_names(requests), **self._lcx_where)
+        return rolling(self, requests, disable_tqdm=disable_tqdm)
 
     setattr(__init__, _LENGTH_PATCHED_ATTR, True)
     cls.__init__ = __init__
+    cls.generate_until = _generate_until
+    cls.loglikelihood = _loglikelihood
+    cls.batch_loglikelihood_requests = _batch_loglikelihood_requests
+    cls.loglikelihood_rolling = _loglikelihood_rolling
 
 
 def apply(force: bool = False) -> bool:
