@@ -25,11 +25,12 @@ from .lm_infinite import LMInfinite, lm_infinite
 from .self_extend import SelfExtend, self_extend, self_extend_ref
 from .sinks import Sinks, sinks
 from .sliding_window import SlidingWindow, sliding_window
+from .string import STRING, string, string_distances, string_ref
 from .swat import SWAT, swat
 
 # name -> class, in this order. The only list of attention methods; tests iterate over it.
 ATTENTION_METHODS: dict[str, type[AttentionMethod]] = {
-    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend, SWAT, DCA)
+    cls.name: cls for cls in (Causal, LMInfinite, SlidingWindow, Sinks, SelfExtend, SWAT, DCA, STRING)
 }
 # the methods whose caches hold unrotated keys (read from the classes; not a second list)
 UNROTATED_METHODS: tuple[str, ...] = tuple(n for n, cls in ATTENTION_METHODS.items() if cls.needs_unrotated_keys)
