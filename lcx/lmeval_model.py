@@ -5,8 +5,10 @@
         --metadata '{"max_seq_lengths": [256, 512, 1024]}'
 
 `pretrained` is anything `lcx.load_model` accepts: a local Hugging Face directory, a `.gguf`
-file, or a preset (`tiny-ret-5m`, `tiny-5m`, `smollm2-135m`, `gemma3-270m`, ...; `lcx models` lists
-them). Nothing is downloaded.
+file, a preset (`tiny-ret-5m`, `tiny-5m`, `smollm2-135m`, `gemma3-270m`, ...; `lcx models` lists
+them), or a Hub id `org/name[@revision][:file.gguf]`, resolved through the Hugging Face cache as
+transformers would (downloaded unless `HF_HUB_OFFLINE=1`; `lcx.models.hub`). `revision=R` (the
+`hf` model's key) is the same as `pretrained=org/name@R`.
 
 Methods come from `--model_args` keys:
 - RoPE: `rope_type` and any other `RopeSpec` key (`factor`, `rope_theta`,
@@ -87,7 +89,7 @@ def split_model_args(kwargs: dict[str, Any]) -> tuple[MethodConfig, dict[str, An
         rest.pop(k, None)
     if rest:
         raise ValueError(
-            f"lcx model: unknown model_args {sorted(rest)}; accepted: pretrained, dtype, device, "
+            f"lcx model: unknown model_args {sorted(rest)}; accepted: pretrained, revision, dtype, device, "
             f"RoPE keys {sorted(ROPE_KEYS)}, attention=<{'|'.join(sorted(ATTENTION_METHODS))}> and its keys, "
             f"attn_backend, attn_decode_backend, lm-eval keys {sorted(HFLM_KEYS)}")
     try:  # the RoPE keys are checked once, by `lcx.rope.PartialRopeSpec` (e.g. a missing rope_type)
@@ -135,11 +137,25 @@ def _device(device: str | None) -> str:
     return device or "cpu"
 
 
+def _with_revision(pretrained: str, revision: str | None) -> str:
+    """`pretrained` with lm-eval's `revision=` model arg folded into the Hub id (`org/name@revision`)."""
+    if revision is None:
+        return pretrained
+    from lcx.models.hub import HubId, parse_hub_id
+
+    hub = parse_hub_id(pretrained)
+    if hub is None or hub.revision is not None:
+        raise ValueError(f"lcx model: revision={revision!r} needs pretrained to be a Hub id without its own "
+                         f"@revision (org/name), got {pretrained!r}")
+    return str(HubId(hub.repo_id, str(revision), hub.filename))
+
+
 @register_model("lcx")
 class LcxLM(HFLM):
     """lm-eval model `lcx`: `HFLM` over `lcx.load_model(pretrained)` with lcx methods applied."""
 
     def __init__(self, pretrained: str, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
+                 revision: str | None = None,
                  prefix_caching: bool | str = True, prefix_cache_mb: float | str | None = None,
                  **kwargs: Any) -> None:
         import lcx
@@ -151,7 +167,8 @@ class LcxLM(HFLM):
         self.lcx_allow_truncation = truncation.allow_truncation(kwargs.pop(truncation.ALLOW_KEY, False))
         cfg, hflm = split_model_args(kwargs)
         if not isinstance(pretrained, str):
-            raise TypeError("lcx model: pretrained must be a path or preset name (a string)")
+            raise TypeError("lcx model: pretrained must be a path, preset name or Hub id (a string)")
+        pretrained = _with_revision(pretrained, revision)
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         prefix_caching = _flag("prefix_caching", prefix_caching)
         cache_mb = megabytes_or_auto("lcx model: prefix_cache_mb", prefix_cache_mb)

@@ -358,6 +358,19 @@ def test_lm_eval_lcx_model_pretrained_hub_id(hub_env):
     assert res["config"]["model_args"].startswith(f"pretrained={REPO}@v1")
 
 
+def test_lm_eval_lcx_model_revision_arg(hub_env):
+    """`revision=R` (the `hf` model's key) is `pretrained=org/name@R`; with a path or an @revision: refused."""
+    pytest.importorskip("lm_eval")
+    from lcx.lmeval_model import LcxLM
+
+    lm = LcxLM(pretrained=REPO, revision="dev")
+    assert lm.pretrained == f"{REPO}@dev" and lm.model.config.max_position_embeddings == 512
+    assert lm.get_model_info()["lcx_source"] == f"hf:{hub_env / 'models--lcx-test--tiny-llama' / 'snapshots' / COMMIT_B}"
+    for bad in (f"{REPO}@v1", "tiny-5m"):
+        with pytest.raises(ValueError, match="revision='dev' needs pretrained to be a Hub id"):
+            LcxLM(pretrained=bad, revision="dev")
+
+
 @pytest.mark.slow
 def test_lm_eval_cli_and_lcx_cli_in_fresh_processes(hub_cache, tmp_path):
     """The literal commands, in fresh interpreters that read the cache from the environment."""
