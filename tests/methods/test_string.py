@@ -1,0 +1,188 @@
+"""STRING (`lcx.methods.string`): the position map pinned by a hand-written matrix, the dense
+reference pinned by hand at the boundary key, the two passes `attend` runs equal the reference on
+every backend, the exact causal bound, the decode rule by hand, parameters and the official
+defaults. (The grids over every method, `lcx.methods.examples`, run it too:
+tests/methods/test_registry.py lists them; the parity with the authors' code on Llama and Qwen2
+models is tests/methods/test_string_parity.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lcx.attention import Rotary
+from lcx.methods import STRING, causal, method_from_dict, string, string_distances, string_ref
+from lcx.rope import RopeSpec, apply_rotary_ref, compute_inv_freq, rope_cos_sin
+
+SHAPES = [  # (Tq, Tk, S, W)
+    (1, 1, 4, 1), (37, 37, 4, 1), (1, 50, 7, 3), (5, 29, 5, 2), (13, 13, 20, 3), (63, 63, 1, 0), (9, 40, 6, 5),
+    (1, 9, 9, 0), (1, 10, 9, 0),  # the last query just before and at the shift
+]
+BACKENDS = ("blockwise", "flash", "flex")
+
+
+def _inv_freq(D: int) -> torch.Tensor:
+    return compute_inv_freq(RopeSpec.from_dict({"rope_type": "default", "rope_theta": 10000.0}), D)[0]
+
+
+def _qkv(Tq: int, Tk: int, seed: int, B: int = 2, D: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, 4, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Tk, 2, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
+def test_distances_by_hand():
+    # the paper's Figure 5 shape: L = 9, S = 3 (W = 2): diagonals i - j < 3 keep i - j, the others
+    # are i - j - 3 + 2; the largest distance is 8 - 3 + 2 = 7 (entries above the diagonal are masked)
+    d = string_distances(torch.arange(9), torch.arange(9), 3, 2)
+    want = torch.tensor([
+        [0, -1, -2, -3, -4, -5, -6, -7, -8],
+        [1, 0, -1, -2, -3, -4, -5, -6, -7],
+        [2, 1, 0, -1, -2, -3, -4, -5, -6],
+        [2, 2, 1, 0, -1, -2, -3, -4, -5],
+        [3, 2, 2, 1, 0, -1, -2, -3, -4],
+        [4, 3, 2, 2, 1, 0, -1, -2, -3],
+        [5, 4, 3, 2, 2, 1, 0, -1, -2],
+        [6, 5, 4, 3, 2, 2, 1, 0, -1],
+        [7, 6, 5, 4, 3, 2, 2, 1, 0],
+    ], dtype=torch.float64)
+    assert torch.equal(d, want)
+    # the last 2 queries of the 9 keys, positions starting at 5: the same rows, values from positions
+    d = string_distances(torch.arange(12, 14), torch.arange(5, 14), 3, 2)
+    assert torch.equal(d, want[7:])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["matrix", "overlap"])
+def test_reference_by_hand_at_the_boundary(overlap):
+    """One query S keys after the first: keys 1..S at their true distances, key 0 (distance S) at
+    W; with overlap, key 0 ALSO at its true distance S, a second softmax entry."""
+    S, W, D = 5, 2, 16
+    inv = _inv_freq(D)
+    q, k, v = _qkv(1, S + 1, seed=3, B=1, D=D)
+    rot = Rotary(inv, torch.arange(S + 1) + 4, 1.3)
+
+    def at(x, p):  # x [1, 1, H, D] rotated to position p (the attention factor on cos and sin)
+        cos, sin = rope_cos_sin(torch.tensor([p]), inv, 1.3, torch.float64)
+        return apply_rotary_ref(x, cos, sin)
+
+    p_q = S + 4
+    qh = q[0, 0].reshape(2, 2, D)  # query heads grouped by their kv head
+    logits, vals = [], []
+    for j in range(S + 1):
+        kj = at(k[:, j : j + 1], j + 4)[0, 0]  # [Hkv, D]
+        pq = p_q if j > 0 else p_q - S + W
+        qj = at(q, pq)[0, 0].reshape(2, 2, D)
+        logits.append(torch.einsum("ghd,gd->gh", qj, kj))
+        vals.append(v[0, j])
+    if overlap:
+        logits.append(torch.einsum("ghd,gd->gh", at(q, p_q)[0, 0].reshape(2, 2, D), at(k[:, :1], 4)[0, 0]))
+        vals.append(v[0, 0])
+    p = torch.softmax(torch.stack(logits) * D ** -0.5, dim=0)  # [keys, Hkv, g]
+    want = torch.einsum("jgh,jgd->ghd", p, torch.stack(vals)).reshape(1, 1, 4, D)
+    got = string_ref(q, k, v, rotary=rot, shifted_offset=S, local_value=W, overlap=overlap)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(string_ref(q, k, v, rotary=rot, shifted_offset=S, local_value=W, overlap=not overlap),
+                              want)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["matrix", "overlap"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("Tq,Tk,S,W", SHAPES, ids=[f"q{a}k{b}S{c}W{d}" for a, b, c, d in SHAPES])
+def test_two_passes_equal_the_reference(Tq, Tk, S, W, backend, overlap):
+    """STRING.attend (window pass + shifted-query causal pass, merged by lse) == the dense definition,
+    positions not starting at 0, GQA, an attention factor."""
+    q, k, v = _qkv(Tq, Tk, seed=Tq * 100 + Tk)
+    rot = Rotary(_inv_freq(16), torch.arange(Tk) + 3, 1.07)
+    want = string_ref(q, k, v, rotary=rot, shifted_offset=S, local_value=W, overlap=overlap)
+    got = string(S, W, overlap).attend(q, k, v, rotary=rot, backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ("blockwise", "flex"))  # flash has no soft-capping (it says so)
+def test_scale_softcap_and_batched_positions(backend):
+    q, k, v = _qkv(11, 30, seed=7)
+    pos = torch.stack((torch.arange(30), torch.arange(30) + 17))  # [B, Tk]: per-row positions
+    rot = Rotary(_inv_freq(16), pos)
+    for overlap in (False, True):
+        want = string_ref(q, k, v, rotary=rot, shifted_offset=6, local_value=2, overlap=overlap, scale=0.3, softcap=2.5)
+        got = string(6, 2, overlap).attend(q, k, v, rotary=rot, backend=backend, scale=0.3, softcap=2.5)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_flash_within_derived_tolerance():
+    """float32 on the flash backend: error vs float64 at most twice the float32 reference's."""
+    q, k, v = _qkv(33, 61, seed=11)
+    rot = Rotary(_inv_freq(16), None)
+    exact = string_ref(q, k, v, rotary=rot, shifted_offset=9, local_value=3)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    ref_err = (string_ref(q32, k32, v32, rotary=rot, shifted_offset=9, local_value=3).double() - exact).abs().max()
+    err = (string(9, 3).attend(q32, k32, v32, rotary=rot, backend="flash").double() - exact).abs().max()
+    assert err <= 2 * ref_err + 1e-6
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["matrix", "overlap"])
+@pytest.mark.parametrize("S", [1, 4, 9])
+def test_exactly_causal_up_to_the_shift(S, overlap):
+    """causal_up_to() = S, and it is the exact bound: one key more and some query sees a shifted key."""
+    m = string(S, S - 1 if S > 1 else 0, overlap)
+    assert m.causal_up_to() == S
+    q, k, v = _qkv(S + 1, S + 1, seed=S)
+    rot = Rotary(_inv_freq(16), None)
+    torch.testing.assert_close(m.attend(q[:, :S], k[:, :S], v[:, :S], rotary=rot),
+                               causal().attend(q[:, :S], k[:, :S], v[:, :S], rotary=rot), rtol=1e-12, atol=1e-12)
+    m_far = string(S, 0, overlap)  # W = 0: the shifted key at distance S scored at 0, surely different
+    assert not torch.allclose(m_far.attend(q, k, v, rotary=rot), causal().attend(q, k, v, rotary=rot))
+
+
+def test_decode_rule_by_hand():
+    # S = 3, W = 1, query at p = 6: keys 4, 5, 6 at -2, -1, 0; keys 0..3 against the query at
+    # 6 - 3 + 1 = 4: -4, -3, -2, -1
+    vis, rel = string(3, 1).decode_rule().relative_positions(7)
+    assert vis.all()
+    assert rel.tolist() == [-4.0, -3.0, -2.0, -1.0, -2.0, -1.0, 0.0]
+    assert string(3, 1, overlap=True).decode_rule() is None  # a key in both branches: no rule
+    assert string(3, 1, overlap=True).last_query_keys(torch.arange(7)[None]) is None
+    # fewer keys than S: the window alone
+    vis, rel = string(3, 1).decode_rule().relative_positions(3)
+    assert rel.tolist() == [-2.0, -1.0, 0.0]
+
+
+def test_prefix_reuse_and_chunks_are_exact():
+    m = string(4, 1)
+    assert m.call_dependence is None and not m.last_query_extra and m.cache_window is None
+    # a prefix's rows do not depend on what follows: rows of a call over 20 keys == the same rows
+    # computed in a call over their first 12 keys (queries = last 5 of those)
+    q, k, v = _qkv(20, 20, seed=5)
+    rot = Rotary(_inv_freq(16), None)
+    whole = m.attend(q, k, v, rotary=rot, backend="flash")
+    part = m.attend(q[:, 7:12], k[:, :12], v[:, :12], rotary=rot, backend="flash")
+    torch.testing.assert_close(part, whole[:, 7:12], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("make, bad", [
+    (lambda: string(0), "shifted_offset"),
+    (lambda: string(4.0), "shifted_offset"),
+    (lambda: string(4, -1), "local_value"),
+    (lambda: string(4, 4), "local_value"),
+    (lambda: string(4, True), "local_value"),
+    (lambda: string(4, 1, overlap="yes"), "overlap"),
+    (lambda: method_from_dict({"type": "string", "local_value": 3}), "shifted_offset"),
+    (lambda: method_from_dict({"type": "string", "shifted_offset": 8, "window": 3}), "window"),
+    (lambda: STRING.for_length(1), "length"),
+    (lambda: STRING.for_length(1000, shifted_ratio=1.2), "shifted_ratio"),
+])
+def test_bad_params_raise_value_error_naming_them(make, bad):
+    with pytest.raises(ValueError, match=bad):
+        make()
+
+
+def test_official_defaults():
+    # README: replace_with_string(L, shifted_offset=int(0.33 * L), small_local_value=128); for
+    # Llama 3.1's L = 131072 it writes shifted_offset 43253 (the vLLM config example)
+    m = STRING.for_length(131072)
+    assert (m.shifted_offset, m.local_value, m.overlap) == (43253, 128, False)
+    assert m.to_dict() == {"type": "string", "shifted_offset": 43253}
+    assert method_from_dict(m.to_dict()) == m
+    assert STRING.for_length(16384, shifted_ratio=0.25, local_value=512) == string(4096, 512)
+    assert STRING.for_length(64).local_value == 20  # W lowered below a small S (int(0.33 * 64) = 21)
