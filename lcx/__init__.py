@@ -4,7 +4,7 @@ Core entry points (heavy modules are imported lazily so `import lcx` stays cheap
 touches optional packages such as triton, vllm, lm-eval or flash-attn):
 
 - `lcx.RopeSpec`, `lcx.rope` — RoPE types and rotary maths.
-- `lcx.load_model(name_or_path)` — offline model + tokenizer loading (HF dir, GGUF, presets).
+- `lcx.load_model(name_or_path)` — model + tokenizer loading (HF dir, GGUF, presets, Hub ids).
 - `lcx.MethodConfig` — a RoPE spec + an attention method + backends, one value in one format
   for every entry point; `lcx.presets` — the named experiment presets (`yarn`, `lm_infinite`, ...).
 - `lcx.patch(model, cfg)` / `lcx.unpatch(model)` / `lcx.patched(model, cfg)` — apply any method

@@ -207,7 +207,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: EngineConfig | None = None, *,
                         dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> "Engine":
-        """Load with `lcx.load_model` (HF dir, .gguf, preset) and build an engine."""
+        """Load with `lcx.load_model` (HF dir, .gguf, preset, Hub id) and build an engine."""
         from ..models import load_model
 
         model, tok = load_model(name_or_path, dtype=dtype, device=device)

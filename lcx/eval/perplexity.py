@@ -226,7 +226,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  lcx eval ppl --model tiny-5m --rope truncate --truncate-length 128\n"
         "  lcx eval ppl --model tiny-ret-5m --attention lm_infinite --n-global 10 --n-local 256 --attn-backend flash\n"
     )
-    parser.add_argument("--model", default="tiny-5m", help="preset name or local HF directory / .gguf (default tiny-5m)")
+    parser.add_argument("--model", default="tiny-5m",
+                        help="preset name, local HF directory / .gguf, or Hub id org/name[@revision] (default tiny-5m)")
     parser.add_argument("--lengths", type=_parse_lengths, default=[256, 512, 1024],
                         help="comma-separated context lengths (default 256,512,1024)")
     parser.add_argument("--split", default="validation", choices=("validation", "train", "all"),

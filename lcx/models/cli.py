@@ -3,6 +3,7 @@
     lcx models                       # presets, their files, presence and GGUF cache status
     lcx models --load smollm2-135m   # load (building the GGUF cache if needed) and summarise
     lcx models --load path/to/dir --dtype bfloat16
+    lcx models --load HuggingFaceTB/SmolLM2-135M@main   # a Hub id, from the Hugging Face cache
     lcx models --export runs/my-model --out lcx/assets/my-model --dtype bfloat16 --xz
                                      # copy an HF directory with its weights stored in bfloat16,
                                      # xz-compressed (a third of float32's bytes; how the bundled
@@ -18,7 +19,8 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", metavar="NAME_OR_PATH",
-                        help="load this preset, HF directory or .gguf file and print a summary")
+                        help="load this preset, HF directory, .gguf file or Hub id (org/name[@revision]"
+                             "[:file.gguf], through the Hugging Face cache) and print a summary")
     parser.add_argument("--dtype", default="float32",
                         help="parameter dtype for --load (float32, bfloat16, float16)")
     parser.add_argument("--device", default="cpu", help="device for --load (cpu, cuda, ...)")

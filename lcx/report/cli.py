@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     doc = sys.modules[__package__].__doc__  # the package docstring: what the report does
     p.description = doc.split("\n\n")[0] + "\n\n" + doc.split("\n\n", 2)[2].split("Output")[0]
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--model", default="tiny-ret-5m", help="preset, HF directory or .gguf (default: %(default)s)")
+    p.add_argument("--model", default="tiny-ret-5m",
+                   help="preset, HF directory, .gguf or Hub id org/name[@revision] (default: %(default)s)")
     add_presets_argument(p, default=",".join(DEFAULT_METHODS),
                          help="comma-separated presets, a subset of: " + ", ".join(PRESETS) + " (default: "
                               + ", ".join(DEFAULT_METHODS) + "); none: only the --method configs")

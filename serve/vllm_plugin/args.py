@@ -28,8 +28,9 @@ DESCRIPTION = ("print vLLM arguments that run lcx methods: lm-eval `--model vllm
 def vllm_arguments(model: str, methods: Any, *, max_model_len: int | None = None,
                    dtype: str = "float32") -> tuple[str, dict[str, Any], Any]:
     """(model directory, vLLM keyword arguments, the checked `lcx.MethodConfig`) that run `methods`
-    (an `lcx.MethodConfig` or its dict) on `model` (a preset name, a Hugging Face directory or a
-    GGUF file: its dequantized float32 directory in lcx's cache, `lcx.models.hf_directory`).
+    (an `lcx.MethodConfig` or its dict) on `model` (a preset name, a Hugging Face directory, a Hub
+    id `org/name[@revision]`: its snapshot in the Hugging Face cache, or a GGUF file: its
+    dequantized float32 directory in lcx's cache, `lcx.models.hf_directory`).
     The keyword arguments are `hf_overrides`, `dtype` and, when known, `max_model_len`."""
     from transformers import AutoConfig
 
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n", 1)[1]
-    parser.add_argument("--model", required=True, help="preset (lcx models), Hugging Face model directory or GGUF file (vLLM reads its dequantized cache entry)")
+    parser.add_argument("--model", required=True, help="preset (lcx models), Hugging Face model directory, Hub id org/name[@revision] (its "
+                             "cached snapshot) or GGUF file (vLLM reads its dequantized cache entry)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="vLLM's max_model_len (default: the RoPE method's extended context, else the model's)")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
