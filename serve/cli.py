@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine vllm: extra arguments for vLLM's server, one shell-quoted string")
     from lcx.models.presets import preset_list
     parser.add_argument("--model", required=True,
-                        help=f"model: a Hugging Face directory, a .gguf file or a preset ({preset_list()}; "
-                             "`lcx models` describes them)")
+                        help=f"model: a Hugging Face directory, a .gguf file, a preset ({preset_list()}; "
+                             "`lcx models` describes them) or a Hub id org/name[@revision] (through the "
+                             "Hugging Face cache; HF_HUB_OFFLINE=1: the cache only)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients send as `model` (default: --model as given)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
