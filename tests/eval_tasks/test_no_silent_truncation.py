@@ -131,3 +131,19 @@ def test_lm_eval_cli_against_a_server(tiny_model_dir, tmp_path):
         text = run("passkey_ll", 1024, "tokenizer_backend=None")  # no client tokenizer: the server refuses
         assert text.returncode != 0
         assert "400" in text.stderr and "--max-model-len" in text.stderr, text.stderr[-3000:]
+
+
+def test_report_cells_never_cut(tiny_model_dir):
+    """`lcx report`'s cells evaluate the `lcx` model at its default limit (2**20 tokens) with cuts
+    refused: a cell whose prompts would be cut fails with `PromptTooLongError`, never a number."""
+    from lcx.lmeval_model import DEFAULT_MAX_LENGTH
+    from lcx.method_config import MethodConfig
+    from lcx.presets import PresetRun
+    from lcx.report.config import ReportConfig
+    from lcx.report.lm import lmeval_model
+
+    lm = lmeval_model(PresetRun("vanilla", str(tiny_model_dir), MethodConfig()), ReportConfig(model=str(tiny_model_dir)))
+    assert lm.max_length == DEFAULT_MAX_LENGTH and lm._check_lengths() is not None
+    lm._max_length = 64  # a limit under the document, as a cell past its limit would meet it
+    with pytest.raises(PromptTooLongError, match="rolling"):
+        lm.loglikelihood_rolling([SimpleNamespace(args=("ab" * 64,), task_name="lcx_ppl")])
