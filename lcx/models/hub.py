@@ -168,7 +168,14 @@ def resolve_hub_model(hub: HubId | str, *, weights: bool = True) -> tuple[str, P
             _check_shards(hub, snap, cache, offline)
         return "hf", snap
     except not_found as e:
-        raise HubModelNotFoundError(_describe(hub, cache, offline, f"{type(e).__name__}: {_first_line(e)}")) from e
+        if isinstance(e, errors.LocalEntryNotFoundError) and not isinstance(e, getattr(errors, "IncompleteSnapshotError", ())):
+            # huggingface_hub's text speaks of its own arguments (local_files_only); say what is missing
+            what = (f"{hub.filename} is not cached for revision {hub.revision or 'main'!r}" if hub.filename
+                    else f"no snapshot of revision {hub.revision or 'main'!r} is cached")
+            cause = what if offline else f"{what}, and the Hub could not be reached ({_first_line(e)})"
+        else:
+            cause = f"{type(e).__name__}: {_first_line(e)}"
+        raise HubModelNotFoundError(_describe(hub, cache, offline, cause)) from e
 
 
 def _gguf_files(hub: HubId, snap: Path, offline: bool) -> list[str]:
@@ -229,12 +236,13 @@ def _describe(hub: HubId, cache: Path, offline: bool, cause: str) -> str:
               if have else "the cache holds nothing of this repo")
     if offline:
         how = ("HF_HUB_OFFLINE=1: nothing is downloaded; download it where the network is reachable "
-               f"(`hf download {hub.repo_id}{' --revision ' + rev if hub.revision else ''}`) into this cache, "
+               f"(`hf download {hub.repo_id}{' ' + hub.filename if hub.filename else ''}"
+               f"{' --revision ' + rev if hub.revision else ''}`) into this cache, "
                "or point HF_HUB_CACHE / HF_HOME at a cache that holds it")
     else:
         how = ("HF_HUB_OFFLINE=0; a gated or private repo needs a token with access (HF_TOKEN or "
                "`hf auth login`)")
-    return (f"Hugging Face model {str(hub)!r} (revision {rev!r}) is not available: {cause}. "
+    return (f"Hugging Face model {str(hub)!r} (revision {rev!r}) is not available: {cause.rstrip('.')}. "
             f"Cache {cache}: {cached}. {how}.")
 
 

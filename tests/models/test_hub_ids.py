@@ -203,6 +203,7 @@ def test_uncached_revision_or_id_names_id_cache_and_offline_flag(hub_env, arg):
         load_model(arg)
     msg = str(e.value)
     assert repr(arg) in msg and str(hub_env) in msg and "HF_HUB_OFFLINE=1" in msg
+    assert "no snapshot of revision" in msg and "local_files_only" not in msg  # lcx's words, not the library's
     if arg.startswith(REPO):  # what is cached of the repo is listed
         assert f"main -> {COMMIT_A[:12]}" in msg and f"dev -> {COMMIT_B[:12]}" in msg
     else:
@@ -345,6 +346,7 @@ def test_ruler_tokenizer_lookup(hub_env):
         lcx_tokenizer_dir("lcx-test/absent")
 
 
+@pytest.mark.slow  # ~15-40 s, mostly lm-eval's task index; the default tier builds LcxLM directly (below)
 def test_lm_eval_lcx_model_pretrained_hub_id(hub_env):
     """`lm_eval --model lcx --model_args pretrained=ID` (in process; the literal CLI: below)."""
     pytest.importorskip("lm_eval")
@@ -369,6 +371,21 @@ def test_lm_eval_lcx_model_revision_arg(hub_env):
     for bad in (f"{REPO}@v1", "tiny-5m"):
         with pytest.raises(ValueError, match="revision='dev' needs pretrained to be a Hub id"):
             LcxLM(pretrained=bad, revision="dev")
+
+
+@pytest.mark.slow
+def test_report_runs_on_a_hub_id(hub_env, tmp_path):
+    """`lcx report --model ID`: one vanilla passkey + perplexity cell (~30 s on 2 cores)."""
+    pytest.importorskip("lm_eval")
+    from lcx.report.config import ReportConfig
+    from lcx.report.run import run_report
+
+    cfg = ReportConfig(model=REPO, methods=("vanilla",), lengths=(320,), decode_lengths=(), tasks=("passkey", "ppl"),
+                       depths=(0.5,), samples_per_depth=1, ppl_docs=1)
+    rec = run_report(cfg, tmp_path, progress=False, log=lambda _: None)
+    cell = rec["results"]["vanilla"]["lmeval"]["320"]
+    assert cell["passkey_docs"] == 1 and cell["ppl"]["word_perplexity"] > 1
+    assert rec["config"]["model"] == REPO and (tmp_path / "README.md").is_file()
 
 
 @pytest.mark.slow
