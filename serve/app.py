@@ -48,7 +48,10 @@ loop and the engine do not share a GIL (`lcx.serve.engine_process`). A request t
 gets a 500 error object (or, mid-stream, an `error` event before `[DONE]`) and other requests go
 on; if the engine process dies, requests in flight get 503 and new ones 503 with Retry-After while it is
 restarted (`lcx.serve.engine_process`: bounded restarts, then `lcx serve` exits non-zero), and
-/health answers 503 meanwhile, and while the engine process does not respond. Every error
+/health answers 503 meanwhile. While the engine process does not respond (no heartbeat), /health
+answers 503 and new requests get 503 with Retry-After at once; requests in flight get 503
+`engine_timeout` once it has been silent for `lcx serve --engine-timeout-s`, and it is killed and
+restarted. Every error
 response (and every disconnect) is counted in /stats and logged with
 the request's id, which each response carries in `X-Request-Id` (a client's own, if it sends a
 short one, else a fresh one).

@@ -32,7 +32,7 @@ from lcx.threads import add_threads_argument, resolve_threads
 from .body import DEFAULT_MAX_BODY_BYTES
 from .connections import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
 from .sampling import DEFAULT_MAX_N, WORK_FACTOR
-from .engine_process import MAX_RESTARTS, RESTART_WINDOW_S
+from .engine_process import ENGINE_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, MAX_RESTARTS, RESTART_WINDOW_S
 from .lengths import RULE as LENGTH_RULE
 from .pacing import DEFAULT_SHARE
 
@@ -106,6 +106,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Retry-After until it is back) at most N times within "
                              f"{RESTART_WINDOW_S:g} s; one more failure makes the server exit with status "
                              f"{GAVE_UP_EXIT} so that a supervisor restarts it (default: %(default)s)")
+    parser.add_argument("--engine-heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S, metavar="S",
+                        help="an engine process without a heartbeat for S seconds (stopped or frozen) is not "
+                             "responding: /health answers 503 and a new request gets 503 with Retry-After at once, "
+                             "instead of waiting on it (default: %(default)s)")
+    parser.add_argument("--engine-timeout-s", type=float, default=ENGINE_TIMEOUT_S, metavar="S",
+                        help="the deadline of requests in flight on an engine that stopped responding: after S "
+                             "seconds without a heartbeat the engine process is killed and restarted (counted by "
+                             "--engine-restarts) and each request in flight gets 503 engine_timeout with "
+                             "Retry-After (a stream: an error event, then [DONE]); a long generation on a live "
+                             "engine is never cut; 0 = never; at least --engine-heartbeat-timeout-s "
+                             "(default: %(default)s)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt prefixes seen before (exact; lcx.engine.prefix; hit rates in "
                              "/stats); --no-prefix-caching computes every prompt from its first token "
@@ -178,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
     if args.engine_restarts < 0:
         raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
+    check_engine_process_flags(args)
     if args.max_stop < 1:
         raise ValueError(f"--max-stop must be >= 1, got {args.max_stop}")
     if not 0 < args.loop_share <= 1:
@@ -201,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
         recipe = EngineRecipe(args.model, config, dtype=args.dtype, device=args.device, threads=threads,
                               log_level=args.log_level)
         scheduler = EngineProcess(recipe, batch_window_s=batch_window_s, max_restarts=args.engine_restarts,
-                                  on_give_up=give_up).start()
+                                  heartbeat_timeout_s=args.engine_heartbeat_timeout_s,
+                                  engine_timeout_s=args.engine_timeout_s, on_give_up=give_up).start()
         engine = scheduler.engine
         length_source = engine.max_model_len_source
     else:
@@ -254,7 +267,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.batch_window_ms != parser_default(args, "batch_window_ms"):
         raise ValueError("--batch-window-ms is for the built-in engine (vLLM batches continuously)")
     for dest in ("max_body_mb", "body_timeout_s", "header_timeout_s", "max_stop", "loop_share", "chat_template",
-                 "engine_process", "max_request_tokens", "max_n", "engine_restarts"):
+                 "engine_process", "max_request_tokens", "max_n", "engine_restarts", "engine_heartbeat_timeout_s",
+                 "engine_timeout_s"):
         if getattr(args, dest) != parser_default(args, dest):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "
@@ -294,6 +308,24 @@ def run_vllm(args: argparse.Namespace) -> int:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(private, ignore_errors=True)
+
+
+def check_engine_process_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a bad --engine-heartbeat-timeout-s / --engine-timeout-s, or
+    for an engine-process flag given with --no-engine-process."""
+    from .engine_process import HEARTBEAT_S
+
+    if not args.engine_heartbeat_timeout_s > HEARTBEAT_S:
+        raise ValueError(f"--engine-heartbeat-timeout-s must be > {HEARTBEAT_S} (the heartbeat period), got "
+                         f"{args.engine_heartbeat_timeout_s}")
+    if args.engine_timeout_s != 0 and not args.engine_timeout_s >= args.engine_heartbeat_timeout_s:
+        raise ValueError(f"--engine-timeout-s must be 0 (never) or >= --engine-heartbeat-timeout-s "
+                         f"({args.engine_heartbeat_timeout_s:g}), got {args.engine_timeout_s}")
+    if not args.engine_process:
+        for dest in ("engine_restarts", "engine_heartbeat_timeout_s", "engine_timeout_s"):
+            if getattr(args, dest) != parser_default(args, dest):
+                raise ValueError(f"--{dest.replace('_', '-')} is for the engine process; --no-engine-process runs "
+                                 "the engine in a thread of the server, which has no heartbeat and is not restarted")
 
 
 def parser_default(args: argparse.Namespace, dest: str) -> Any:

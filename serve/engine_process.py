@@ -34,8 +34,19 @@ that a supervisor restarts it) and requests keep getting 503.
 Heartbeat. A thread of the child writes the time (`time.monotonic`, one clock for all processes
 on Linux) to shared memory every HEARTBEAT_S; `responsive` is False once it is older than
 `heartbeat_timeout_s` (the child is stopped, SIGSTOP, or frozen), and /health answers 503 until
-it beats again (SIGCONT). It is a thread of its own, not the engine loop, so a long prefill does
-not look like a hang; torch releases the GIL in its ops, so the thread beats during steps. An exception
+it beats again (SIGCONT); meanwhile a new request gets 503 with Retry-After at once, before it
+is queued (`lcx.serve.jobs.JobRunner.check_engine`). It is a thread of its own, not the engine
+loop, so a long prefill does not look like a hang; torch releases the GIL in its ops, so the
+thread beats during steps.
+
+Hang deadline. A watchdog thread of the server process gives a silent child `engine_timeout_s`
+(`lcx serve --engine-timeout-s`, 60 s by default as vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; 0:
+never): no heartbeat for that long and the child is taken for hung, killed (SIGKILL, which a
+stopped process receives too) and healed as after any death: every request in flight ends with
+`EngineTimeoutError` (the server answers 503 `engine_timeout` with Retry-After; a stream gets an
+error event and [DONE]), and a new child is started. So no request waits on a frozen engine for
+more than `engine_timeout_s`, and the server comes back by itself. The deadline is on the
+engine's silence, not on a request's age: a long generation on a live engine is never cut. An exception
 in a `StepEvent` that does not survive pickling is sent as a `RemoteEngineError` carrying its
 type name and message. `stop` asks the child to finish, then terminates and kills it if it has
 not within the timeout. The child exits by itself when the server process goes away (its pipe
@@ -70,7 +81,8 @@ log = logging.getLogger("lcx.serve.engine_process")
 START_TIMEOUT_S = 600.0  # loading a large model on a busy CPU takes minutes
 STOP_TIMEOUT_S = 10.0  # `stop`: the child's own shutdown, before terminate, then kill
 HEARTBEAT_S = 0.25  # the child's heartbeat period
-HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the engine is not responding (/health 503)
+HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the engine is not responding (/health 503, new requests 503)
+ENGINE_TIMEOUT_S = 60.0  # no heartbeat for this long: the engine is hung, killed and restarted (0: never)
 MAX_RESTARTS = 3  # restarts of a dead engine process within RESTART_WINDOW_S before giving up
 RESTART_WINDOW_S = 300.0
 RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before a restart, and the most (doubling in between)
@@ -78,6 +90,11 @@ RESTART_BACKOFF_S = (0.5, 30.0)  # first wait before a restart, and the most (do
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone: the request could not run (the server answers 503)."""
+
+
+class EngineTimeoutError(EngineDeadError):
+    """The engine process did not respond within `engine_timeout_s` and was killed, to be
+    restarted: the request was stopped (the server answers 503 `engine_timeout`)."""
 
 
 class RemoteEngineError(RuntimeError):
@@ -169,16 +186,20 @@ class EngineProcess:
     def __init__(self, recipe: EngineRecipe, *, batch_window_s: float = 0.01,
                  start_timeout_s: float = START_TIMEOUT_S, max_restarts: int = MAX_RESTARTS,
                  restart_window_s: float = RESTART_WINDOW_S, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
-                 on_give_up: Callable[[str], None] | None = None):
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S, on_give_up: Callable[[str], None] | None = None):
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if not heartbeat_timeout_s > HEARTBEAT_S:
             raise ValueError(f"heartbeat_timeout_s must be > {HEARTBEAT_S}, got {heartbeat_timeout_s}")
+        if engine_timeout_s != 0 and not engine_timeout_s >= heartbeat_timeout_s:
+            raise ValueError(f"engine_timeout_s must be 0 (never) or >= heartbeat_timeout_s ({heartbeat_timeout_s:g}), "
+                             f"got {engine_timeout_s}")
         self.recipe, self.batch_window_s, self.start_timeout_s = recipe, batch_window_s, start_timeout_s
         self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
         self.heartbeat_timeout_s, self.on_give_up = heartbeat_timeout_s, on_give_up
+        self.engine_timeout_s = engine_timeout_s
         self._mp = mp.get_context("spawn")  # no forked torch, thread or event-loop state in the child
         self.counts = self._mp.RawArray("q", 2)  # the child's engine.num_waiting, num_running
         self.heartbeat = self._mp.RawValue("d", 0.0)  # the child's last beat (time.monotonic)
@@ -195,12 +216,18 @@ class EngineProcess:
         self._conn: Any = None
         self._reader: threading.Thread | None = None
         self.engine: EngineView | None = None
+        self._watching = False  # the watchdog may kill the child (it is serving: ready, reader running)
+        self._hung: str | None = None  # why the watchdog killed the child (read by the reader thread)
+        self.timeouts = 0  # children killed by the watchdog
+        self._stop_watchdog = threading.Event()
 
     # ------------------------------------------------------------------ control
     def start(self) -> "EngineProcess":
         if self._proc is not None:
             return self
         self._spawn()
+        if self.engine_timeout_s:
+            threading.Thread(target=self._watchdog, name="lcx-engine-watchdog", daemon=True).start()
         return self
 
     def _spawn(self) -> None:
@@ -232,6 +259,8 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, args=(self._conn, self._proc), name="lcx-engine-reader",
                                         daemon=True)
         self._reader.start()
+        with self._lock:
+            self._watching = True
         log.info("engine process %d ready (max_model_len %d, max_batch %d)", self._proc.pid,
                  self.engine.max_model_len, self.engine.config.max_batch)
 
@@ -241,7 +270,9 @@ class EngineProcess:
         if self._proc is None:
             return
         self._stopping = True
+        self._stop_watchdog.set()
         with self._lock:
+            self._watching = False
             if self._dead is None or self.restarting:
                 self._dead = "the server is shutting down"
             try:
@@ -328,7 +359,9 @@ class EngineProcess:
                                   "exitcode": None if self._proc is None else self._proc.exitcode,
                                   "dead": self._dead, "responsive": self.responsive,
                                   "restarts": len(self._restarts), "restarting": self.restarting,
-                                  "gave_up": self.gave_up}
+                                  "gave_up": self.gave_up, "timeouts": self.timeouts,
+                                  "engine_timeout_s": self.engine_timeout_s,
+                                  "heartbeat_timeout_s": self.heartbeat_timeout_s}
         return snap
 
     # ------------------------------------------------------------------ reader thread
@@ -348,18 +381,46 @@ class EngineProcess:
                     sink = self._open.pop(ev.request_id, None) if ev.finished else self._open.get(ev.request_id)
                 if sink is not None:
                     Scheduler._emit(sink, ev)
-        died = False
+        died = timed_out = False
         with self._lock:
+            self._watching = False
             if self._dead is None and not self._stopping:
                 proc.join(1)
-                self._dead = f"the engine process exited ({_exit_text(proc.exitcode)})"
+                timed_out = self._hung is not None
+                self._dead = self._hung or f"the engine process exited ({_exit_text(proc.exitcode)})"
                 died = True
+            self._hung = None
         if died:
             log.error("%s; failing %d request(s) in flight; new requests get 503 until it is restarted",
                       self._dead, len(self._open))
-        self._fail_open()
+        self._fail_open(EngineTimeoutError if timed_out else EngineDeadError)
         if died:
             self._heal()
+
+    # ------------------------------------------------------------------ watchdog
+    def _watchdog(self) -> None:
+        """Kill a child whose heartbeat is older than `engine_timeout_s` (see the module
+        docstring); the reader thread then sees its pipe close and fails what is in flight with
+        `EngineTimeoutError`, and the child is healed as after any death."""
+        period = min(HEARTBEAT_S, self.engine_timeout_s / 8)
+        while not self._stop_watchdog.wait(period):
+            silent = time.monotonic() - self.heartbeat.value
+            if silent <= self.engine_timeout_s:
+                continue
+            with self._lock:
+                proc = self._proc if self._watching and self._dead is None and not self._stopping else None
+                if proc is None:
+                    continue
+                self._watching = False
+                self._hung = (f"the engine process did not respond for {silent:.1f} s (no heartbeat; lcx serve "
+                              f"--engine-timeout-s {self.engine_timeout_s:g}): it was killed and is restarted")
+                self.timeouts += 1
+            log.error("engine process %d: no heartbeat for %.1f s (engine timeout %g s): killing it, failing %d "
+                      "request(s) in flight", proc.pid, silent, self.engine_timeout_s, len(self._open))
+            try:
+                proc.kill()  # SIGKILL: a stopped (SIGSTOP) process receives it too
+            except (OSError, ValueError):
+                pass  # already gone: the reader handles it
 
     # ------------------------------------------------------------------ healing
     def _heal(self) -> None:
@@ -402,16 +463,16 @@ class EngineProcess:
         if self.on_give_up is not None:
             self.on_give_up(reason)
 
-    def _fail_open(self) -> None:
+    def _fail_open(self, error: type[EngineDeadError] = EngineDeadError) -> None:
         with self._lock:
             open_, self._open = self._open, {}
             reason = self._dead or "the engine process is gone"
         for rid, sink in open_.items():
-            Scheduler._emit(sink, _dead_event(rid, reason))
+            Scheduler._emit(sink, _dead_event(rid, reason, error))
 
 
-def _dead_event(rid: str, reason: str) -> StepEvent:
-    return StepEvent(rid, finished=True, finish_reason="error", error=EngineDeadError(reason))
+def _dead_event(rid: str, reason: str, error: type[EngineDeadError] = EngineDeadError) -> StepEvent:
+    return StepEvent(rid, finished=True, finish_reason="error", error=error(reason))
 
 
 def _exit_text(code: int | None) -> str:

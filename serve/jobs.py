@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from lcx.engine import SamplingParams, StepEvent, TokenLogprob
 
-from .engine_process import EngineDeadError, EngineProcess, error_type_name
+from .engine_process import EngineDeadError, EngineProcess, EngineTimeoutError, error_type_name
 from .gate import ClientGone, HttpStats, request_id
 from .protocol import APIError, Usage
 from .scheduler import Scheduler
@@ -58,13 +58,23 @@ def usage(jobs: Sequence[Job]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=gen, total_tokens=prompt + gen)
 
 
-RETRY_AFTER_S = 5  # the Retry-After of a 503 while the engine process is down or restarting
+RETRY_AFTER_S = 5  # the Retry-After of a 503 while the engine process is down, restarting or not responding
 
 
 def engine_error(ev: StepEvent) -> APIError:
     """The error a request the engine failed gets: 503 when the engine is gone (its process died
-    or the server is stopping: the request could not run, another try may), else 500."""
+    or the server is stopping: the request could not run, another try may), 503 `engine_timeout`
+    when the engine stopped responding and was killed to be restarted (`lcx serve
+    --engine-timeout-s`), else 500.
+
+    503 rather than 504 for the timeout: 504 says a gateway's upstream did not answer in time,
+    but here the server is the origin and what failed is its own engine, which is restarting; 503
+    with Retry-After says the service is briefly unavailable and when to try again (the openai
+    client retries both), the same answer a request gets when the engine process dies."""
     e = ev.error
+    if isinstance(e, EngineTimeoutError):
+        return APIError(503, f"the engine did not finish this request: {e}; retry after it is back (see /health)",
+                        type="server_error", code="engine_timeout", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_unavailable",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -133,10 +143,14 @@ class JobRunner:
         return None if self.sched.alive else "the engine worker is not running"
 
     def check_engine(self) -> None:
-        """503 with Retry-After before anything is queued while the engine is not running (its
-        process died and is being restarted, or the server gave up on it)."""
-        if not self.sched.alive:
-            why = self.engine_problem() or "the engine is not running"
+        """503 with Retry-After before anything is queued while the engine cannot take requests,
+        as /health says: its process died and is being restarted, the server gave up on it, or it
+        is not responding (no heartbeat for `heartbeat_timeout_s`: stopped or frozen). A request
+        queued on a frozen engine would wait until it resumes or is restarted."""
+        why = self.engine_problem()
+        if why is None and not self.sched.alive:
+            why = "the engine is not running"
+        if why is not None:
             raise APIError(503, f"{why} (see /health and the server's log); the request was not queued",
                            type="server_error", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
