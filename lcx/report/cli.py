@@ -106,10 +106,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..threads import add_threads_argument
 
     add_threads_argument(p)
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="measure up to N cells at once, each in a worker process of its own that loads its own model "
                         "(N x the memory of one cell): same numbers and order as one at a time; decode cells (timed) "
-                        "run alone. Each job gets --threads threads, or cores // N with `auto` (default: %(default)s)")
+                        "run alone. Each job gets --threads threads, or cores // N with `auto` (default: 1; with --ray: "
+                        "as many as the cluster holds)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="measure each cell as a Ray task (pip install 'lcx[ray]'; docs/report.md, \"Ray\"): on the "
+                        "cluster at ADDRESS (host:port, or `auto`; default: $RAY_ADDRESS), else on one started for the "
+                        "run on this machine, bound to 127.0.0.1, with --jobs x --threads CPUs (default: every core). "
+                        "A cell asks for --threads CPUs (default 1 under --ray), one GPU with --device cuda and its "
+                        "memory estimate; decode cells run alone on their node. Same numbers, order and cell store as "
+                        "a serial run; a cell whose node is lost is retried from its journal, one that fails is "
+                        "reported and the others go on (exit status 1)")
     p.add_argument("--device", default=ReportConfig.device, help="cpu or cuda[:N] (default: %(default)s)")
     p.add_argument("--dtype", default=ReportConfig.dtype, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default: %(default)s)")
@@ -177,17 +186,33 @@ def run(args: argparse.Namespace) -> int:
     from ..allocator import reuse_freed_memory
     from ..threads import AUTO, available_cores, resolve_threads
 
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         print(f"lcx report: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    if args.ray is not None and args.device not in ("cpu", "cuda"):
+        print(f"lcx report: --ray gives each cell its own GPU: --device must be cpu or cuda, got {args.device!r}",
+              file=sys.stderr)
         return 2
     resolve_threads(args.threads)
     reuse_freed_memory()
-    job_threads = max(1, available_cores() // args.jobs) if args.threads in (None, AUTO) else int(args.threads)
+    ray_kw: dict[str, Any] = {}
+    if args.ray is not None:  # a cell per task: --threads each (auto: 1, the cluster runs more cells instead)
+        job_threads = 1 if args.threads in (None, AUTO) else int(args.threads)
+        jobs = args.jobs
+        ray_kw = {"ray": True, "ray_address": args.ray or os.environ.get("RAY_ADDRESS") or None,
+                  "ray_cpus": jobs * job_threads if jobs else None}
+    else:
+        jobs = args.jobs or 1
+        job_threads = max(1, available_cores() // jobs) if args.threads in (None, AUTO) else int(args.threads)
     if args.render and (args.fresh or args.reuse):
         print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)
         return 2
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
-                        keep_other_code=args.keep_other_code, jobs=args.jobs, job_threads=job_threads)
+                        keep_other_code=args.keep_other_code, jobs=jobs, job_threads=job_threads, **ray_kw)
     print(markdown(record).split("## Methods")[0])
     print(f"wrote {args.out / 'README.md'}, report.json.gz and the plots")
+    if record.get("cells_failed"):
+        print(f"lcx report: {len(record['cells_failed'])} cell(s) failed (listed above; report.json.gz: cells_failed); "
+              "the same command measures them again", file=sys.stderr)
+        return 1
     return 0

@@ -148,19 +148,25 @@ def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], di
 
 
 def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
-               keep_other_code: bool = False, progress: bool = True, jobs: int = 1, job_threads: int | None = None,
+               keep_other_code: bool = False, progress: bool = True, jobs: int | None = 1, job_threads: int | None = None,
+               ray: bool = False, ray_address: str | None = None, ray_cpus: int | None = None,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
     module docstring), then write the report. `render=True` measures nothing: it writes the
     report from the stored cells whose settings and fingerprint match (missing ones show as —),
     e.g. to publish a long sweep's progress. `jobs` > 1 measures up to that many cells at once in
     worker processes of `job_threads` torch threads each (`lcx.report.jobs`: same numbers, same
-    order; decode cells alone)."""
+    order; decode cells alone). `ray=True` measures each cell as a Ray task (`lcx.report.ray_executor`)
+    on the cluster at `ray_address`, or on one started for the run with `ray_cpus` CPUs (None: every
+    core): `job_threads` CPUs per cell, at most `jobs` cells at once (None: as many as the cluster
+    holds); a cell that fails is reported (`cells_failed`) and the others go on."""
     from tqdm.auto import tqdm
 
     from ..data.io import atomic_write_json, environment, git_info
 
     t_start = time.perf_counter()
+    if ray and cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"--ray: device must be 'cpu' or 'cuda' (Ray gives each cell its own GPU), got {cfg.device!r}")
     cfg, runs, skipped, context, factor = plan_runs(cfg)
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
@@ -244,23 +250,53 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
                       f"({dt:.0f} s)")
 
+    failed: dict[str, str] = {}  # cells that failed under --ray (the others went on)
+
+    def fail(item: tuple[str, str, int], error: str) -> None:
+        name, kind, L = item
+        failed[f"{name}/{kind}/{L}"] = error
+        bar.update(1)
+        bar.write(f"  {name} @ {L}: {kind} cell FAILED: {error}")
+
     in_workers = sum(1 for it in pending if it[1] != "decode")  # (decode cells run here, alone)
-    if jobs <= 1 or in_workers <= 1:
+    if ray and pending:
+        from .ray_executor import cell_memory, ray_session, run_cells_ray
+
+        first = {it: _vanilla_cell_first(runs, cfg, pending, it) for it in pending}
+        hf_configs = {r.model: model_hf_config(r.model) for r in runs.values()}
+        extra = {"decode": cfg.decode_tokens + 1}
+        with ray_session(ray_address, num_cpus=ray_cpus) as ray_module:
+            run_cells_ray(pending, ray=ray_module, threads=job_threads or 1, gpu=cfg.device == "cuda", key=lambda it: it,
+                          prepare=prepare, finish=finish, fail=fail, exclusive=lambda it: it[1] == "decode",
+                          waits_for=first.get, jobs=jobs,
+                          memory=lambda it: cell_memory(hf_configs[runs[it[0]].model], cfg.dtype,
+                                                        it[2] + extra.get(it[1], 0)),
+                          expect=lambda it: cell_fingerprint(fingerprint, it[1]),
+                          status=bar.set_postfix_str, log=bar.write)
+    elif (jobs or 1) <= 1 or in_workers <= 1:
         for item in pending:
             finish(item, *measure_cell(**prepare(item), log=bar.write))
     else:
         # which cell each waits for, decided once (it may build the cell's RULER prompts; the
         # scheduler asks again at every turn)
         first = {it: _vanilla_cell_first(runs, cfg, pending, it) for it in pending}
-        run_cells(pending, jobs=min(jobs, in_workers), threads=job_threads or 1, key=lambda it: it, prepare=prepare,
+        run_cells(pending, jobs=min(jobs or 1, in_workers), threads=job_threads or 1, key=lambda it: it, prepare=prepare,
                   finish=finish, exclusive=lambda it: it[1] == "decode", waits_for=first.get)
     bar.close()
+    # the serial order whatever order the cells finished in (and kept cells among measured ones)
+    cells = {name: {k: dict(sorted(c.items(), key=lambda kv: int(kv[0]))) for k, c in by_kind.items()}
+             for name, by_kind in cells.items()}
+    if failed:
+        log(f"lcx report: {len(failed)} cell(s) failed (the same command measures them again): "
+            + "; ".join(f"{c}: {e}" for c, e in failed.items()))
     if reused:
         log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
             f"{len(todo) - len(reused)}")
     if other_code:
         log("lcx report:" + _other_code_note({"cells_kept_with_other_code": other_code}))
-    if not render:
+    if failed:  # not finished: the same command resumes it, measuring the failed cells again
+        atomic_write_json(out / "cells" / "run.json", {**manifest, "cells_failed": failed})
+    elif not render:
         atomic_write_json(out / "cells" / "run.json", {**manifest, "finished": True,
                                                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     record = {
@@ -275,6 +311,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
         "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
         "cells_kept_with_other_code": other_code,
+        **({"cells_failed": failed} if failed else {}),
         "results": cells,
     }
     record["passkey_intervals"] = passkey_intervals(record)
@@ -282,6 +319,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     if cfg.ruler_lengths:
         record["ruler_intervals"] = ruler_intervals(record)
         record["ruler_paired"] = ruler_paired(record)
+    from .effective import report_effective_lengths
+
+    record["effective_length"] = report_effective_lengths(record)
     out.mkdir(parents=True, exist_ok=True)
     # every prompt's output makes the record large: always gzipped (results/README.md, "Budget");
     # `lcx.data.io.read_json` reads it, `zcat report.json.gz` shows it
