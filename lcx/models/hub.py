@@ -43,12 +43,20 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# What an HF model directory needs from its repo: config and generation config, tokenizer files
-# (tokenizer.json / tokenizer_config.json / special_tokens_map.json, a SentencePiece model,
-# vocab/merges text files, tiktoken files, a chat template) and the weights.
-CONFIG_PATTERNS = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
-SAFETENSORS_PATTERNS = ("*.safetensors",)
-BIN_PATTERNS = ("pytorch_model*.bin",)
+# What transformers reads of an HF model repo besides the weights: config and generation config,
+# tokenizer files (fast tokenizer, its config and special tokens, a SentencePiece model, vocab and
+# merges files, tiktoken files, a chat template) and the weights' shard indexes. Downloaded online;
+# offline only config.json is required (a repo fetched with a narrower pattern, e.g. by vLLM, still
+# loads if its tokenizer is there).
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json",
+                "vocab.txt", "merges.txt", "*.tiktoken", "chat_template.jinja", "chat_template.json",
+                "model.safetensors.index.json", "pytorch_model.bin.index.json")
+# The weights transformers loads, in its order: safetensors, else PyTorch pickles (loaded with
+# weights_only); each a single file or the shards its index names. Nothing else (a repo's
+# `consolidated.safetensors` or ONNX export is not downloaded).
+WEIGHTS = (("model.safetensors", "model.safetensors.index.json"),
+           ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 
 _TRUE = {"1", "true", "yes", "on"}
 # huggingface_hub's repo id rules (`validate_repo_id`): [A-Za-z0-9_.-], a name part of at most 96
@@ -150,23 +158,31 @@ def resolve_hub_model(hub: HubId | str, *, weights: bool = True) -> tuple[str, P
     try:
         if hub.filename is not None:
             return "gguf", Path(hf_hub_download(filename=hub.filename, **common))
-        patterns = list(CONFIG_PATTERNS) + (list(SAFETENSORS_PATTERNS) if weights else [])
-        snap = Path(snapshot_download(allow_patterns=patterns, **common))
+        snap = Path(snapshot_download(allow_patterns=["config.json"] if offline else list(CONFIG_FILES), **common))
         if not (snap / "config.json").is_file():
             ggufs = _gguf_files(hub, snap, offline)
             if len(ggufs) != 1:
                 raise ValueError(_gguf_choice_message(hub, snap, ggufs))
+            # the snapshot path (a symlink into blobs/) keeps the file's name, which transformers
+            # and lcx's GGUF cache read
             return "gguf", Path(hf_hub_download(filename=ggufs[0], **common))
-        if weights and not _has_safetensors(snap):
-            # an older repo with PyTorch pickles only (transformers loads them with weights_only)
-            snap = Path(snapshot_download(allow_patterns=patterns + list(BIN_PATTERNS), **common))
-            if not any(snap.glob("pytorch_model*.bin")):
+        if not weights:
+            return "hf", snap
+        for single, index in WEIGHTS:
+            names = _shards(snap / index) if (snap / index).is_file() else [single]
+            # online: downloads them (nothing if the repo has none); offline: huggingface_hub's
+            # completeness check where it cached the repo's file list
+            snap = Path(snapshot_download(allow_patterns=names, **common))
+            missing = [n for n in names if not (snap / n).is_file()]
+            if not missing:
+                return "hf", snap
+            if (snap / index).is_file():
                 raise HubModelNotFoundError(_describe(
-                    hub, cache, offline, f"the snapshot {snap} holds config.json but no weights "
-                    "(model*.safetensors or pytorch_model*.bin): only part of the repo is cached"))
-        if weights:
-            _check_shards(hub, snap, cache, offline)
-        return "hf", snap
+                    hub, cache, offline, f"the snapshot {snap} misses {len(missing)} of the {len(names)} "
+                    f"weight shards its {index} names ({', '.join(missing[:3])})"))
+        raise HubModelNotFoundError(_describe(
+            hub, cache, offline, f"the snapshot {snap} holds config.json but no weights (model.safetensors, "
+            "pytorch_model.bin or the shards of their index)" + (": only part of the repo is cached" if offline else "")))
     except not_found as e:
         if isinstance(e, errors.LocalEntryNotFoundError) and not isinstance(e, getattr(errors, "IncompleteSnapshotError", ())):
             # huggingface_hub's text speaks of its own arguments (local_files_only); say what is missing
@@ -195,21 +211,9 @@ def _gguf_choice_message(hub: HubId, snap: Path, ggufs: list[str]) -> str:
             f"{hub.repo_id}{'@' + hub.revision if hub.revision else ''}:FILE, one of {ggufs}")
 
 
-def _has_safetensors(snap: Path) -> bool:
-    return any(snap.glob("*.safetensors"))
-
-
-def _check_shards(hub: HubId, snap: Path, cache: Path, offline: bool) -> None:
-    """Every shard a sharded checkpoint's index names is in the snapshot."""
-    for index in (snap / "model.safetensors.index.json", snap / "pytorch_model.bin.index.json"):
-        if not index.is_file():
-            continue
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        missing = [s for s in shards if not (snap / s).is_file()]
-        if missing:
-            raise HubModelNotFoundError(_describe(
-                hub, cache, offline, f"the snapshot {snap} misses {len(missing)} of the {len(shards)} "
-                f"weight shards its {index.name} names ({', '.join(missing[:3])})"))
+def _shards(index: Path) -> list[str]:
+    """The weight files a sharded checkpoint's index names."""
+    return sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
 
 
 def cached_revisions(repo_id: str, cache: Path | None = None) -> dict[str, str]:

@@ -235,6 +235,33 @@ def test_missing_shard_is_named(hub_env, tmp_path, tiny_dir, monkeypatch):
         resolve_source("lcx-test/sharded")
 
 
+def test_sharded_and_pickled_weights_load_as_the_single_file(hub_env, tmp_path, tiny_dir, monkeypatch):
+    """What transformers loads, in its order: the shards an index names (two here, as
+    `save_pretrained(max_shard_size=...)` writes them), else `pytorch_model.bin`; stray weight
+    files beside them are neither needed nor used."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tiny_dir / "model.safetensors")
+    keys = sorted(state)
+    half = {k: state[k] for k in keys[: len(keys) // 2]}, {k: state[k] for k in keys[len(keys) // 2:]}
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for part, name in zip(half, names):
+        save_file(part, tmp_path / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: names[i] for i, part in enumerate(half) for k in part}}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    base = {n: tiny_dir / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json")}
+    cache = tmp_path / "hub"
+    add_snapshot(cache, "lcx-test/sharded", COMMIT_A, base | {n: tmp_path / n for n in names} | {
+        "model.safetensors.index.json": json.dumps(index).encode()}, refs=("main",))
+    add_snapshot(cache, "lcx-test/pickled", COMMIT_A, base | {"pytorch_model.bin": tmp_path / "pytorch_model.bin"},
+                 refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    ids = torch.tensor([[0, 17, 250, 3, 99]])
+    ref = load_model("tiny-5m")[0](ids).logits
+    for repo in ("lcx-test/sharded", "lcx-test/pickled"):
+        torch.testing.assert_close(load_model(repo)[0](ids).logits, ref, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- GGUF repos
 def test_gguf_repo_one_file_is_taken_several_need_a_name(hub_env, tmp_path, monkeypatch):
     gguf = b"GGUF" + bytes(60)  # only its name and place matter to the resolution
