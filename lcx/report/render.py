@@ -135,6 +135,9 @@ def plot_report(record: dict[str, Any], out: Path) -> None:
 
     from ..data.io import atomic_savefig
 
+    from .effective import plot as plot_effective
+
+    plot_effective(record, out / "effective_length.png")
     if record["config"].get("ruler_lengths"):
         from .ruler import plot_heatmap
 
@@ -342,6 +345,9 @@ def markdown(record: dict[str, Any]) -> str:
         from .ruler import markdown_section
 
         lines += markdown_section(record)
+    from .effective import markdown_section as effective_section
+
+    lines += effective_section(record)
     if dl:
         lines += _decode_section(record, dl)
     lines += ["## Methods (resolved)", ""]
