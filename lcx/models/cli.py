@@ -67,6 +67,10 @@ def _list() -> int:
             print(f"  cache:  {gguf_cache_dir(path)} ({state})")
         print()
     print(f"cache root: {cache_root()} (set LCX_CACHE_DIR to move it)")
+    from .hub import hub_cache_dir, hub_offline
+
+    print(f"Hub ids (org/name[@revision][:file.gguf]) load through the Hugging Face cache {hub_cache_dir()} "
+          f"({'HF_HUB_OFFLINE=1: cached models only' if hub_offline() else 'downloaded when missing'}; docs/models.md)")
     return 0
 
 

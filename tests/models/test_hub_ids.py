@@ -353,6 +353,8 @@ def test_cli_eval_ppl_and_models_load(hub_env, tmp_path, capsys):
     assert main(["models", "--load", REPO + "@dev"]) == 0
     out = capsys.readouterr().out
     assert f"{REPO}@dev: loaded" in out and "512" in out
+    assert main(["models"]) == 0
+    assert f"Hugging Face cache {hub_env} (HF_HUB_OFFLINE=1: cached models only" in capsys.readouterr().out
     assert main(["models", "--load", "lcx-test/absent"]) == 2
     err = capsys.readouterr().err
     assert "'lcx-test/absent'" in err and str(hub_env) in err and "HF_HUB_OFFLINE=1" in err
