@@ -30,6 +30,13 @@ Settings (papers' defaults where they give one; see ../shared/METHODS.md):
                       models: the window bounds distances, YaRN the frequencies)
     self_extend       Self-Extend: true positions within W = L0 / 4 keys, floor(p / G) beyond,
                       G the smallest group size with (L0 - W) * G + W >= s * L0
+    string            STRING as its authors run it (`lcx.methods.string`): for the target length
+                      L = s * L0, shifted offset S = int(0.33 L) and local value W = 128 (below S),
+                      plus the official code's constant attention factor 0.1 ln 2 + 1 and, past
+                      L0 / 0.67, its Qwen2 recipe's YaRN at factor s (1 - 0.33), both as a YaRN
+                      RoPE spec (factor 1 leaves the frequencies alone); not in `lcx report`'s
+                      default set. It replaces the model's RoPE type (a Llama-3.1 banded RoPE
+                      loses its banding)
     swat              SWAT (sigmoid, sliding window, ALiBi + RoPE; the registry method `swat`):
                       meaningful on a model trained with it, so the preset runs the sibling model
                       its `siblings` names, as loaded (that model's config records the method;
@@ -103,6 +110,16 @@ def _self_extend(L0: int, s: float) -> dict[str, Any]:
     return {"attention": {"type": "self_extend", "group_size": G, "window": W}}
 
 
+def _string(L0: int, s: float) -> dict[str, Any]:
+    """STRING for s x L0 as the official scripts set it (see the module docstring)."""
+    from .methods.string import ATTENTION_FACTOR, SHIFTED_RATIO, STRING
+
+    method = STRING.for_length(max(2, int(s * L0)))
+    factor = max(1.0, round(s * (1 - SHIFTED_RATIO), 6))
+    return {"rope": {"rope_type": "yarn", "factor": factor, "attention_factor": ATTENTION_FACTOR},
+            "attention": method.to_dict()}
+
+
 _ALL = (
     Preset("vanilla", lambda L0, s: {}, "the model as loaded"),
     Preset("linear", _rope("linear"), "position interpolation, positions / s"),
@@ -125,6 +142,8 @@ _ALL = (
            "LM-Infinite's window with YaRN's frequencies"),
     Preset("self_extend", _self_extend, "Self-Extend: window L0/4, positions beyond it floor-divided by G "
            "(the smallest G reaching s x L0)"),
+    Preset("string", _string, "STRING: distances from S = 0.33 x the target length on scored S - 128 nearer, "
+           "the official attention factor 0.1 ln 2 + 1 and (past L0 / 0.67) YaRN at 0.67 s", in_report=False),
     Preset("swat", lambda L0, s: {}, "SWAT: the sibling model trained with sigmoid sliding-window attention",
            siblings={"tiny-5m": "tiny-swat-5m"}),
 )

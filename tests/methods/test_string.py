@@ -186,3 +186,19 @@ def test_official_defaults():
     assert method_from_dict(m.to_dict()) == m
     assert STRING.for_length(16384, shifted_ratio=0.25, local_value=512) == string(4096, 512)
     assert STRING.for_length(64).local_value == 20  # W lowered below a small S (int(0.33 * 64) = 21)
+
+
+def test_preset_is_the_official_recipe():
+    """`lcx.presets`' `string`: S = int(0.33 L), W = 128 for L = s x L0; the constant attention factor
+    as a YaRN spec whose factor is 1 up to L0 / 0.67 and the Qwen2 recipe's s (1 - 0.33) beyond."""
+    from lcx import presets
+    from lcx.methods.string import ATTENTION_FACTOR
+
+    cfg = presets.config("string", L0=8192, factor=2)  # SmolLM2 at 16k
+    assert cfg.attention == string(5406, 128)
+    assert cfg.rope.to_dict() == {"rope_type": "yarn", "factor": 1.34, "attention_factor": ATTENTION_FACTOR}
+    cfg = presets.config("string", L0=131072, factor=1)  # Llama 3.1 at its length, as the README runs it
+    assert cfg.attention == string(43253, 128)
+    assert cfg.rope.to_dict()["factor"] == 1.0
+    assert presets.config("string", L0=32768, factor=4).rope.to_dict()["factor"] == 2.68  # Qwen2 at 128k
+    assert not presets.get("string").in_report
