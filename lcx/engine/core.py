@@ -90,7 +90,16 @@ class Engine:
         self._decoder = decoder(model)  # the stack the batched forwards call (no lm_head)
         # fast by default: an attention method without a backend named runs on the fastest exact
         # one that supports its calls (`INFERENCE_BACKEND`, flash, else lcx.methods' blockwise)
-        methods = config.methods.with_default_backend(INFERENCE_BACKEND)
+        methods = config.methods
+        if methods.attention is None:
+            # none asked for, and the model arrives patched (`lcx.load_model` applies what its
+            # config asks for, e.g. DCA: `lcx.hf.config_attention`): the engine runs that method
+            from ..hf.attention_patch import current_patch
+
+            ran = current_patch(model)
+            if ran is not None:
+                methods = dataclasses.replace(methods, attention=ran.method, layers=ran.layers)
+        methods = methods.with_default_backend(INFERENCE_BACKEND)
         context = methods.context_len(model.config)  # before the patch changes the model's rope
         methods.apply(model)
         own = recorded_method(model) if methods.attention is None else None

@@ -52,7 +52,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
 
     Returns:
         `(model, tokenizer)`: a `*ForCausalLM` whose `model(input_ids).logits` is
-        `[B, T, vocab_size]` for `input_ids: [B, T]`, and its fast tokenizer.
+        `[B, T, vocab_size]` for `input_ids: [B, T]`, and its fast tokenizer. A model whose
+        config.json carries `dual_chunk_attention_config` comes back running Dual Chunk
+        Attention, logged (`lcx.hf.config_attention`; `attention=causal` replaces it).
 
     Raises:
         ValueError: neither an existing path nor a preset (the message lists the presets), or a
@@ -68,6 +70,10 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
         model, tok = _load_gguf(path, dtype, device)
     else:
         model, tok = _load_hf_dir(path, dtype, device)
+        # the attention its config asks for (Qwen's dual_chunk_attention_config: DCA), logged
+        from lcx.hf.config_attention import apply_config_attention
+
+        apply_config_attention(model)
     log.info("loaded %s (%s) in %.1f s", name_or_path, kind, time.perf_counter() - t0)
     return model, tok
 
