@@ -160,7 +160,7 @@ def resolve_hub_model(hub: HubId | str, *, weights: bool = True) -> tuple[str, P
             return "gguf", Path(hf_hub_download(filename=hub.filename, **common))
         snap = Path(snapshot_download(allow_patterns=["config.json"] if offline else list(CONFIG_FILES), **common))
         if not (snap / "config.json").is_file():
-            ggufs = _gguf_files(hub, snap, offline)
+            ggufs = _gguf_files(hub, snap, cache, offline)
             if len(ggufs) != 1:
                 raise ValueError(_gguf_choice_message(hub, snap, ggufs))
             # the snapshot path (a symlink into blobs/) keeps the file's name, which transformers
@@ -194,13 +194,20 @@ def resolve_hub_model(hub: HubId | str, *, weights: bool = True) -> tuple[str, P
         raise HubModelNotFoundError(_describe(hub, cache, offline, cause)) from e
 
 
-def _gguf_files(hub: HubId, snap: Path, offline: bool) -> list[str]:
-    """The repo's .gguf files: the Hub's listing online, the cached snapshot's files offline."""
+def _gguf_files(hub: HubId, snap: Path, cache: Path, offline: bool) -> list[str]:
+    """The repo's .gguf files: the Hub's listing online, the cached snapshot's files offline or
+    when the Hub cannot be reached."""
+    cached = sorted(str(p.relative_to(snap)) for p in snap.rglob("*.gguf"))
     if offline:
-        return sorted(str(p.relative_to(snap)) for p in snap.rglob("*.gguf"))
-    from huggingface_hub import HfApi
+        return cached
+    from huggingface_hub import errors, snapshot_download
 
-    return sorted(f for f in HfApi().list_repo_files(hub.repo_id, revision=snap.name) if f.lower().endswith(".gguf"))
+    try:  # a listing, nothing downloaded; the revision as given, so an unreachable Hub fails fast
+        infos = snapshot_download(hub.repo_id, revision=hub.revision, cache_dir=str(cache), allow_patterns=["*.gguf"],
+                                  dry_run=True)
+    except errors.DryRunError:
+        return cached
+    return sorted(i.filename for i in infos)
 
 
 def _gguf_choice_message(hub: HubId, snap: Path, ggufs: list[str]) -> str:
@@ -244,8 +251,8 @@ def _describe(hub: HubId, cache: Path, offline: bool, cause: str) -> str:
                f"{' --revision ' + rev if hub.revision else ''}`) into this cache, "
                "or point HF_HUB_CACHE / HF_HOME at a cache that holds it")
     else:
-        how = ("HF_HUB_OFFLINE=0; a gated or private repo needs a token with access (HF_TOKEN or "
-               "`hf auth login`)")
+        how = ("HF_HUB_OFFLINE=0: check the id and revision, the network, and for a gated or private repo "
+               "a token with access (HF_TOKEN or `hf auth login`)")
     return (f"Hugging Face model {str(hub)!r} (revision {rev!r}) is not available: {cause.rstrip('.')}. "
             f"Cache {cache}: {cached}. {how}.")
 

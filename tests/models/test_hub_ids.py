@@ -298,6 +298,45 @@ def test_gguf_repo_resolves_to_the_snapshot_path_of_the_file(hub_env, tmp_path, 
     assert (kind, path) == ("gguf", snap / src.name) and path.stat().st_size == src.stat().st_size
 
 
+ONLINE_PROBE = """
+import json, sys
+from lcx.models import resolve_source
+out = {}
+for arg in sys.argv[1:]:
+    try:
+        out[arg] = list(map(str, resolve_source(arg)))
+    except Exception as e:
+        out[arg] = [type(e).__name__, str(e)]
+print(json.dumps(out))
+"""
+
+
+def test_online_with_the_hub_unreachable_uses_the_cache(hub_cache, tmp_path):
+    """HF_HUB_OFFLINE=0 and a Hub that refuses connections (HF_ENDPOINT on a closed local port):
+    as transformers, the cached snapshot is used; an uncached id says the Hub could not be reached.
+    (A fresh interpreter: huggingface_hub reads the offline flag once, at import.)"""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    add_snapshot(tmp_path / "hub", "lcx-test/one-GGUF", COMMIT_A, {"m.Q4_1.gguf": b"GGUF" + bytes(60)}, refs=("main",))
+    shutil.copytree(hub_cache / "models--lcx-test--tiny-llama", tmp_path / "hub" / "models--lcx-test--tiny-llama",
+                    symlinks=True)
+    env = _env(tmp_path / "hub") | {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+                                    "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    args = [REPO + "@dev", "lcx-test/one-GGUF", "lcx-test/absent"]
+    out = subprocess.run([sys.executable, "-c", ONLINE_PROBE, *args], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    snaps = tmp_path / "hub" / "models--{}" / "snapshots"
+    assert got[args[0]] == ["hf", str(snaps).format("lcx-test--tiny-llama") + f"/{COMMIT_B}"]
+    assert got[args[1]] == ["gguf", str(snaps).format("lcx-test--one-GGUF") + f"/{COMMIT_A}/m.Q4_1.gguf"]
+    kind, msg = got[args[2]]
+    assert kind == "HubModelNotFoundError" and "the Hub could not be reached" in msg and "HF_HUB_OFFLINE=0" in msg
+
+
 # --------------------------------------------------------------------------- entry points
 def test_report_model_resolution(hub_env):
     """`lcx report --model ID`: the config, context and fingerprint the report takes from the model."""
