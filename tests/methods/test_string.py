@@ -202,3 +202,42 @@ def test_preset_is_the_official_recipe():
     assert cfg.rope.to_dict()["factor"] == 1.0
     assert presets.config("string", L0=32768, factor=4).rope.to_dict()["factor"] == 2.68  # Qwen2 at 128k
     assert not presets.get("string").in_report
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["rule", "overlap-general-path"])
+def test_engine_on_a_model_equals_full_recompute(model64, overlap):
+    """The official recipe (STRING + the constant attention factor as a YaRN spec) in a tiny Llama:
+    the engine's greedy tokens, with chunked prefill and a reused prefix, equal greedy decoding by
+    full recompute; STRING changes the model's output. overlap=False decodes on the decode rule
+    (keys rotated once), overlap=True on the general path (unrotated keys through `attend`)."""
+    import lcx
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.methods.string import ATTENTION_FACTOR
+
+    m, tok = model64
+    cfg = {"rope": {"rope_type": "yarn", "factor": 1.5, "attention_factor": ATTENTION_FACTOR},
+           "attention": {"type": "string", "shifted_offset": 9, "local_value": 3, "overlap": overlap}}
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 259, (37,), generator=g).tolist()]
+    prompts.append(prompts[0][:33] + torch.randint(3, 259, (8,), generator=g).tolist())  # shares 2 blocks of 16
+    want = []
+    with torch.no_grad(), lcx.patched(m, cfg):
+        for p in prompts:
+            seq = list(p)
+            for _ in range(7):
+                seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+            want.append(seq[len(p):])
+        with_string = m(torch.tensor([prompts[0]])).logits
+    with torch.no_grad(), lcx.patched(m, {"rope": cfg["rope"]}):
+        assert (m(torch.tensor([prompts[0]])).logits - with_string).abs().max() > 1e-3
+    engine = Engine(m, tok, EngineConfig(methods=cfg, max_num_batched_tokens=16, max_batch=1))
+    sp = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    got = [engine.generate([p], sp)[0].token_ids for p in prompts]
+    assert got == want
+    assert engine.stats.prefix_cache_hit_tokens == 32 and engine.stats.prefill_batches >= 4  # reused; 37 tokens in 16-token steps
+    assert engine.methods.kv_window is None
+    from lcx.hf.attention_patch import unpatch_attention
+    from lcx.hf.rope_patch import unpatch_rope
+
+    unpatch_attention(m)
+    unpatch_rope(m)
