@@ -244,16 +244,23 @@ class MethodConfig:
     def context_len(self, model_config: Any) -> int | None:
         """The context this config implies for a model: L x factor for a RoPE spec with a factor
         (the spec resolved against the model: L is its original_max_position_embeddings, else
-        the model's max_position_embeddings); None when nothing here changes the model's length.
-        The one place lcx computes it (the engine's default `max_model_len`, `lcx serve`, the
-        vLLM plugin's `max_model_len`)."""
-        if self.rope is None:
-            return None
-        spec = self.rope_spec(model_config)
-        if spec.factor is None:
-            return None
-        L = spec.original_max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
-        return int(L * spec.factor) if L else None
+        the model's max_position_embeddings); then, for an attention method that lengthens the
+        context it is given (Self-Extend: `AttentionMethod.context_len`), the length it reaches
+        from that one (or from the model's max_position_embeddings); None when nothing here
+        changes the model's length. The one place lcx computes it (the engine's default
+        `max_model_len`, `lcx serve` on either engine, the vLLM plugin's `max_model_len`)."""
+        context = None
+        if self.rope is not None:
+            spec = self.rope_spec(model_config)
+            if spec.factor is not None:
+                L = spec.original_max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
+                context = int(L * spec.factor) if L else None
+        if self.attention is not None:
+            trained = context or getattr(model_config, "max_position_embeddings", None)
+            reach = self.attention.context_len(int(trained)) if trained else None
+            if reach is not None:
+                context = reach
+        return context
 
     @property
     def kv_window(self) -> tuple[int, int] | None:

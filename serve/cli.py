@@ -259,8 +259,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from .vllm_plugin.args import vllm_arguments
-    from .vllm_plugin.launch import serve_command, split_args, vllm_python, vllm_env
+    from .vllm_plugin.launch import vllm_python
 
     if args.device != "cpu":
         raise ValueError("--device is for the built-in engine; vLLM picks its platform itself")
@@ -274,20 +273,10 @@ def run_vllm(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} is for the built-in engine" + (" (vLLM's own: --vllm-args '--chat-template "
                                                                      "FILE')" if dest == "chat_template" else ""))
     python = vllm_python()  # a clear error naming the install script if vLLM is missing
-    model_dir, kwargs, methods = vllm_arguments(args.model, method_config_from_args(args),
-                                                max_model_len=args.max_model_len, dtype=args.dtype)
-    max_model_len, overrides = kwargs.get("max_model_len"), kwargs["hf_overrides"]
-    name = args.served_model_name or args.model
-    extra = ["--max-num-seqs", str(args.max_batch), "--uvicorn-log-level", args.log_level]
-    if not args.access_log:
-        extra.append("--disable-uvicorn-access-log")
-    cmd = serve_command(model_dir, overrides, host=args.host, port=args.port, served_model_name=name,
-                        dtype=args.dtype, max_model_len=max_model_len, api_key=args.api_key,
-                        extra=extra + split_args(args.vllm_args), python=python)
     private = tempfile.mkdtemp(prefix="lcx-vllm-")
-    env = vllm_env(private, threads=resolve_threads(args.threads, apply=False))
-    print(f"lcx serve --engine vllm: {name} on http://{args.host}:{args.port}/v1 (methods "
-          f"{methods.describe()}, max_model_len {max_model_len or 'model default'})", file=sys.stderr, flush=True)
+    cmd, env, how = vllm_launch(args, private, python=python)
+    print(f"lcx serve --engine vllm: {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1 "
+          f"({how})", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, cwd=private)
 
     def forward(signum, _frame):
@@ -308,6 +297,42 @@ def run_vllm(args: argparse.Namespace) -> int:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(private, ignore_errors=True)
+
+
+def vllm_launch(args: argparse.Namespace, private: str, *, python: Any = None,
+                memory: int | None = None) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, a line saying what it serves) of `lcx serve --engine vllm`'s vLLM
+    server, `private` its private directory (`vllm_env`). max_model_len is `--max-model-len`, else
+    what lcx's engine serves for the same model, methods and dtype (`lcx.serve.lengths.
+    default_length` through `vllm_arguments`; `memory`: bytes available, default the host's), and
+    vLLM's CPU KV cache is sized to hold one sequence of it (`vllm_kv_cache_gb`)."""
+    from transformers import AutoConfig
+
+    from lcx.engine.memory import available_memory
+
+    from .vllm_plugin.args import vllm_arguments, vllm_default_length, vllm_kv_cache_gb
+    from .vllm_plugin.launch import serve_command, split_args, vllm_env
+
+    if memory is None:
+        memory = available_memory("cpu")  # read once: the limit and its description agree
+    model_dir, kwargs, methods = vllm_arguments(args.model, method_config_from_args(args),
+                                                max_model_len=args.max_model_len, dtype=args.dtype, memory=memory)
+    max_model_len, overrides = kwargs["max_model_len"], kwargs["hf_overrides"]
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if args.max_model_len is not None:
+        how = f"--max-model-len {args.max_model_len}"
+    else:
+        how = vllm_default_length(hf_config, methods, args.dtype, memory=memory)[1]
+    name = args.served_model_name or args.model
+    extra = ["--max-num-seqs", str(args.max_batch), "--uvicorn-log-level", args.log_level]
+    if not args.access_log:
+        extra.append("--disable-uvicorn-access-log")
+    cmd = serve_command(model_dir, overrides, host=args.host, port=args.port, served_model_name=name,
+                        dtype=args.dtype, max_model_len=max_model_len, api_key=args.api_key,
+                        extra=extra + split_args(args.vllm_args), python=python)
+    env = vllm_env(private, threads=resolve_threads(args.threads, apply=False),
+                   kv_cache_gb=vllm_kv_cache_gb(hf_config, max_model_len, args.dtype))
+    return cmd, env, f"methods {methods.describe()}, max_model_len {max_model_len}: {how}"
 
 
 def check_engine_process_flags(args: argparse.Namespace) -> None:

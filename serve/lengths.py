@@ -2,6 +2,8 @@
 
     vanilla (no method, or an unbounded one)   the model's context L0 (max_position_embeddings)
     RoPE scaling with a factor s                L0 x s (`MethodConfig.context_len`)
+    an attention method that lengthens the      what it reaches from the context above (Self-Extend:
+    context (`AttentionMethod.context_len`)     G * (L - W + floor(W / G)); `MethodConfig.context_len`)
     an attention method whose queries see a     what memory allows: one prompt of that many tokens
     bounded set of keys (`cache_window`: LM-    fits in MEMORY_FRACTION of the memory available at
     Infinite without top-k, StreamingLLM sinks, start-up (`prompt_token_bytes` per token), at most
@@ -13,6 +15,10 @@ prompts by default. Its decode cache never grows past the window, but a prompt's
 computes every position's keys, values, activations and (for echo scoring) logits, hence the
 memory bound. The rule is stated in `lcx serve --help` and the limit, with how it was derived,
 in `/v1/models` (`max_model_len`, `lcx_max_model_len_source`).
+
+One rule for both engines: `default_length` reads only the model's config, so `lcx serve
+--engine vllm` and `lcx vllm-args` (`lcx.serve.vllm_plugin.args.vllm_arguments`) derive the same
+max_model_len as lcx's engine (`build_engine`) for the same model, methods, dtype and memory.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from lcx.method_config import MethodConfig
 MAX_BOUNDED_LEN = 1 << 20  # tokens; a cap on the memory-derived limit (1,048,576)
 LOGIT_BYTES = 8  # per vocabulary entry per prompt token: float32 logits + their log-softmax (echo scoring)
 
-RULE = (f"default: the model's context, x the RoPE factor if one is given; for an attention method whose "
-        f"queries see a bounded set of keys (LM-Infinite without top-k, sinks, sliding window, SWAT) what "
-        f"memory allows: one prompt's prefill in {MEMORY_FRACTION:.0%} of the memory available at start-up, "
-        f"at most {MAX_BOUNDED_LEN} tokens; /v1/models states the limit and how it was derived")
+RULE = (f"default: the model's context, x the RoPE factor if one is given, or as far as an attention method that "
+        f"lengthens it reaches (Self-Extend); for an attention method whose queries see a bounded set of keys "
+        f"(LM-Infinite without top-k, sinks, sliding window, SWAT) what memory allows: one prompt's prefill in "
+        f"{MEMORY_FRACTION:.0%} of the memory available at start-up, at most {MAX_BOUNDED_LEN} tokens; the same "
+        f"with --engine vllm; /v1/models states the limit and how it was derived")
 
 
 def prompt_token_bytes(model_config: Any, dtype_bytes: int) -> int:
@@ -46,36 +53,49 @@ def prompt_token_bytes(model_config: Any, dtype_bytes: int) -> int:
 
 def effective_methods(model: Any, methods: MethodConfig) -> MethodConfig:
     """`methods`, or the attention method the model's config records (a model trained with one,
-    as `lcx.engine.Engine` runs it) when `methods` has none."""
+    as `lcx.engine.Engine` runs it) when `methods` has none. `model`: a model or its config."""
     from lcx.hf.recorded import recorded_method
 
     own = recorded_method(model) if methods.attention is None else None
     return methods if own is None else dataclasses.replace(methods, attention=own.attention)
 
 
-def default_max_model_len(model: Any, methods: MethodConfig, *, memory: int | None = None) -> tuple[int | None, str]:
-    """(max_model_len, how it was derived) for a server of `model` running `methods` without
-    `--max-model-len`; None: the engine's own default (the model's context, x the RoPE factor),
-    which the description then names. `memory`: bytes available (default: `available_memory`)."""
-    cfg = model.config
+def default_length(model_config: Any, methods: MethodConfig, *, dtype_bytes: int, device: Any = "cpu",
+                   memory: int | None = None) -> tuple[int, str, bool]:
+    """(max_model_len, how it was derived, bounded) for a server of the model of `model_config`
+    (an HF config) running `methods` without `--max-model-len`, parameters of `dtype_bytes`
+    bytes on `device`: the rule of the module docstring, for lcx's engine and vLLM alike.
+    `bounded`: the memory rule decided (an attention method with a bounded cache). `memory`:
+    bytes available (default: `available_memory(device)`, read only for a bounded method)."""
+    cfg = model_config
     L0 = int(cfg.max_position_embeddings)
     context = methods.context_len(cfg)
     if context is not None:
-        base, how = context, f"the RoPE factor: {methods.describe()} gives {context}"
+        base, how = context, f"{methods.describe()} extends the model's context (max_position_embeddings {L0}) to {context}"
     else:
         base, how = L0, f"the model's context (max_position_embeddings {L0})"
-    eff = effective_methods(model, methods)
+    eff = effective_methods(cfg, methods)
     if eff.kv_window is None:
-        return None, how + "; --max-model-len overrides it"
-    p = next(model.parameters())
-    per_token = prompt_token_bytes(cfg, p.element_size())
-    avail = available_memory(p.device) if memory is None else memory
+        return base, how + "; --max-model-len overrides it", False
+    per_token = prompt_token_bytes(cfg, dtype_bytes)
+    avail = available_memory(device) if memory is None else memory
     fits = int(MEMORY_FRACTION * avail) // per_token
     limit = max(base, min(MAX_BOUNDED_LEN, fits))
     return limit, (f"the attention method {eff.attention.name} sees a bounded set of keys "
                    f"(cache window {list(eff.kv_window)}): {MEMORY_FRACTION:.0%} of {avail / 2**30:.1f} GiB available "
                    f"/ {per_token} bytes per prompt token = {fits} tokens, at most {MAX_BOUNDED_LEN}, at least "
-                   f"{base} ({how}); --max-model-len overrides it")
+                   f"{base} ({how}); --max-model-len overrides it"), True
+
+
+def default_max_model_len(model: Any, methods: MethodConfig, *, memory: int | None = None) -> tuple[int | None, str]:
+    """(max_model_len, how it was derived) for a server of `model` running `methods` without
+    `--max-model-len` (`default_length` for the loaded model's dtype and device); None: the
+    engine's own default (the model's context, x the RoPE factor or as an attention method
+    extends it: `MethodConfig.context_len`), which the description then names."""
+    p = next(model.parameters())
+    limit, how, bounded = default_length(model.config, methods, dtype_bytes=p.element_size(), device=p.device,
+                                         memory=memory)
+    return (limit if bounded else None), how
 
 
 def build_engine(model_name: str, config: EngineConfig, *, dtype: str = "float32",

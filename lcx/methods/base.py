@@ -193,6 +193,15 @@ class AttentionMethod:
         registered example against `Causal` at this length."""
         return 0
 
+    def context_len(self, trained: int) -> int | None:
+        """The sequence length this method extends a model to whose attention was trained on
+        `trained` tokens (its context, after any RoPE scaling): every query-key distance it
+        scores at is one the model saw. None (the default): the method does not lengthen the
+        model's context this way (a bounded method, `cache_window`, serves what memory allows
+        instead: `lcx.serve.lengths`). `lcx.MethodConfig.context_len` reads it: the engine's and
+        both servers' default max_model_len."""
+        return None
+
     # --------------------------------------------------------------- what a bounded cache keeps
     @property
     def cache_window(self) -> tuple[int, int] | None:

@@ -9,8 +9,9 @@ times slower and stay inside the range the model was trained on. For query i and
     i - j >= W  (grouped):     q rotated to floor(p_i / G) + W - W/G, k rotated to floor(p_j / G)
 
 one softmax over all keys. The shift W - W/G makes the grouped distance continue from the
-window: at i - j = W it is W (for G | W). Largest reachable distance with a trained context L:
-about (L - W) * G + W. The paper's defaults: G in 2..16, W in 512..2048 (larger W, smaller G
+window: at i - j = W it is W (for G | W). Longest sequence whose distances all stay within a
+trained context L: G * (L - W + floor(W / G)), i.e. (L - W) * G + W for G | W (`context_len`, the
+default max_model_len of the engine and both servers). The paper's defaults: G in 2..16, W in 512..2048 (larger W, smaller G
 keep more of the model's precision). Not implemented: the optional log-scaling of queries
 (`scale_base`, off by default in the official code).
 
@@ -149,6 +150,15 @@ class SelfExtend(AttentionMethod):
     def causal_up_to(self):
         # every key inside the neighbour window: no grouped pass
         return self.window
+
+    def context_len(self, trained):
+        # The largest scored distance is the grouped one to key 0: gq(p) - gk(0) = floor(p / G)
+        # + W - W/G, within the trained distances (<= L - 1) while floor(p / G) <= L - 1 - W +
+        # floor(W / G), i.e. for p < G * (L - W + floor(W / G)): that many tokens, (L - W) * G + W
+        # when G divides W (the paper's reach). The neighbours' distances (< W) need W <= L.
+        L, G, W = int(trained), self.group_size, self.window
+        reach = G * (L - W + W // G) if W <= L else 0
+        return reach if reach > L else None
 
     def _spec(self, scale):
         raise NotImplementedError("self_extend is two attention calls (see SelfExtend.attend), not one spec")

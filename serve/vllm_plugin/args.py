@@ -26,12 +26,17 @@ DESCRIPTION = ("print vLLM arguments that run lcx methods: lm-eval `--model vllm
 
 
 def vllm_arguments(model: str, methods: Any, *, max_model_len: int | None = None,
-                   dtype: str = "float32") -> tuple[str, dict[str, Any], Any]:
+                   dtype: str = "float32", memory: int | None = None) -> tuple[str, dict[str, Any], Any]:
     """(model directory, vLLM keyword arguments, the checked `lcx.MethodConfig`) that run `methods`
-    (an `lcx.MethodConfig` or its dict) on `model` (a preset name, a Hugging Face directory, a Hub
-    id `org/name[@revision]`: its snapshot in the Hugging Face cache, or a GGUF file: its
-    dequantized float32 directory in lcx's cache, `lcx.models.hf_directory`).
-    The keyword arguments are `hf_overrides`, `dtype` and, when known, `max_model_len`."""
+    (an `lcx.MethodConfig` or its dict) on `model` (a preset name, a Hugging Face directory or a
+    GGUF file: its dequantized float32 directory in lcx's cache, `lcx.models.hf_directory`).
+    The keyword arguments are `hf_overrides`, `dtype` and `max_model_len`.
+
+    `max_model_len` defaults to what lcx's own engine serves for the same model, methods and
+    dtype (`lcx.serve.lengths.default_length`, one rule for both engines): the RoPE factor's or
+    Self-Extend's extended context, and for a bounded attention method (LM-Infinite, sinks,
+    sliding window) what `memory` bytes allow (default: the host's available memory, where
+    vLLM-on-CPU keeps its KV cache; `vllm_kv_cache_gb` sizes that cache)."""
     from transformers import AutoConfig
 
     from lcx.models import hf_directory
@@ -43,11 +48,50 @@ def vllm_arguments(model: str, methods: Any, *, max_model_len: int | None = None
     model_dir = hf_directory(model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     vm = check_vllm_methods(methods, hf_config)
-    max_len = max_model_len or vm.context_len(hf_config)
-    kwargs: dict[str, Any] = {"hf_overrides": hf_overrides(hf_config, vm, max_model_len=max_len), "dtype": dtype}
-    if max_len:
-        kwargs["max_model_len"] = int(max_len)
+    max_len = max_model_len or vllm_default_length(hf_config, vm, dtype, memory=memory)[0]
+    kwargs: dict[str, Any] = {"hf_overrides": hf_overrides(hf_config, vm, max_model_len=max_len), "dtype": dtype,
+                              "max_model_len": int(max_len)}
     return str(model_dir), kwargs, vm
+
+
+def dtype_bytes(dtype: str, hf_config: Any) -> int:
+    """Bytes per parameter of vLLM's `--dtype` (auto: the config's torch_dtype, else float32)."""
+    import torch
+
+    name = {"half": "float16", "float": "float32"}.get(dtype, dtype)
+    if name == "auto":
+        got = getattr(hf_config, "dtype", None) or "float32"  # transformers' name (torch_dtype before)
+        name = str(got).removeprefix("torch.")
+    t = getattr(torch, name, None)
+    if not isinstance(t, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; vLLM takes auto, half, float16, bfloat16, float, float32")
+    return torch.empty((), dtype=t).element_size()
+
+
+def vllm_default_length(hf_config: Any, methods: Any, dtype: str, *, memory: int | None = None) -> tuple[int, str]:
+    """(max_model_len, how it was derived) of vLLM serving `methods` (checked) on the model of
+    `hf_config` without --max-model-len: `lcx.serve.lengths.default_length`, lcx's engine's rule,
+    with vLLM's dtype on the host's memory (vLLM-on-CPU, `lcx.serve.vllm_plugin.launch.vllm_env`)."""
+    from lcx.method_config import MethodConfig
+
+    from ..lengths import default_length
+
+    cfg = methods if isinstance(methods, MethodConfig) else MethodConfig.from_dict(methods)
+    limit, how, _ = default_length(hf_config, cfg, dtype_bytes=dtype_bytes(dtype, hf_config), device="cpu",
+                                   memory=memory)
+    return limit, how
+
+
+def vllm_kv_cache_gb(hf_config: Any, max_model_len: int, dtype: str, *, least: int = 1) -> int:
+    """GiB of vLLM-on-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE) that hold one sequence of
+    `max_model_len` tokens, at least `least`: vLLM refuses to start with less, and keeps every
+    block of the methods its own kernels lack (`lcx.serve.vllm_plugin.config`)."""
+    import math
+
+    from lcx.hf.models import model_shape
+
+    need = model_shape(hf_config).kv_bytes_per_token(dtype_bytes(dtype, hf_config)) * int(max_model_len)
+    return max(int(least), math.ceil(need * 1.1 / (1 << 30)))  # 10%: vLLM's block rounding
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset (lcx models), Hugging Face model directory, Hub id org/name[@revision] (its "
                              "cached snapshot) or GGUF file (vLLM reads its dequantized cache entry)")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="vLLM's max_model_len (default: the RoPE method's extended context, else the model's)")
+                        help="vLLM's max_model_len (default: what lcx's engine serves for the same methods: the RoPE "
+                             "factor's or Self-Extend's extended context, else the model's; for a bounded attention "
+                             "method what memory allows, lcx.serve.lengths; vLLM-on-CPU then needs "
+                             "VLLM_CPU_KVCACHE_SPACE large enough to hold it)")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (default float32)")
     parser.add_argument("--format", choices=("lm-eval", "serve"), default="lm-eval",
                         help="lm-eval: one JSON object for --model_args (default); serve: `vllm serve` flags")
@@ -73,9 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "lm-eval":
         print(json.dumps({"pretrained": model_dir, **kwargs}))
     else:
-        flags = [model_dir, "--hf-overrides", json.dumps(kwargs["hf_overrides"]), "--dtype", kwargs["dtype"]]
-        if "max_model_len" in kwargs:
-            flags += ["--max-model-len", str(kwargs["max_model_len"])]
+        flags = [model_dir, "--hf-overrides", json.dumps(kwargs["hf_overrides"]), "--dtype", kwargs["dtype"],
+                 "--max-model-len", str(kwargs["max_model_len"])]
         print(shlex.join(flags))
     return 0
 
