@@ -35,13 +35,10 @@ transformers; preset names have no `/`, so a preset never shadows an id.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 # What transformers reads of an HF model repo besides the weights: config and generation config,
 # tokenizer files (fast tokenizer, its config and special tokens, a SentencePiece model, vocab and

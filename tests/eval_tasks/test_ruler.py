@@ -60,8 +60,13 @@ def test_lcx_tokenizer_dir_of_a_preset_and_its_directory(name):
     assert hook.lcx_tokenizer_dir(str(MODELS[name].path())) == str(path)  # a local directory
 
 
-def test_lcx_tokenizer_dir_leaves_hub_ids_to_autotokenizer_and_names_missing_presets(monkeypatch):
-    assert hook.lcx_tokenizer_dir("Qwen/Qwen3-0.6B") is None
+def test_lcx_tokenizer_dir_names_uncached_hub_ids_and_missing_presets(monkeypatch, tmp_path):
+    # a Hub id resolves through the Hugging Face cache (tests/models/test_hub_ids.py); offline and
+    # not cached, the error names it and the cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"'Qwen/Qwen3-0.6B'.*{tmp_path}.*HF_HUB_OFFLINE=1"):
+        hook.lcx_tokenizer_dir("Qwen/Qwen3-0.6B")
+    assert hook.lcx_tokenizer_dir("not-a-preset-or-path") is None  # left to AutoTokenizer
     monkeypatch.setitem(MODELS, "absent-5m", MODELS[MODEL].__class__(
         name="absent-5m", format="hf", description="", how_to_get="train it.", locate=lambda: Path("/nonexistent")))
     with pytest.raises(FileNotFoundError, match="absent-5m.*train it"):
