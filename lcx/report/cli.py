@@ -161,10 +161,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render", action="store_true",
                    help="measure nothing: write the report from the stored matching cells (a sweep's progress)")
     p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens, 2 RULER prompts")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print what lm-eval and transformers say on every cell (the warnings lcx's own use "
+                        "triggers, per-task progress bars); by default only the report's bar and its cell lines")
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.verbose:  # read by every cell, in worker processes too (lcx.report.quiet)
+        from .quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     extra = dict(QUICK) if args.quick else {}
     try:
         cfg = ReportConfig(

@@ -180,7 +180,8 @@ def plot(record: dict[str, Any], out_png: Any) -> None:
     ax.axvline(record["config"]["context"], color="gray", ls=":", lw=1)
     ax.set_xlabel("effective length, tokens (hatched: >= the longest measured; x: < the shortest; dotted: L0)",
                   fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # (no bar at all: every method below the shortest length)
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_title(f"Effective context length · {record['config']['model']}", fontsize=10)
     fig.tight_layout()
     atomic_savefig(fig, out_png, dpi=90)

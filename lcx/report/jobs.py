@@ -38,14 +38,16 @@ def measure_cell(kind: str, model: str, run: PresetRun, cfg: ReportConfig, lengt
     this length) lets a RULER cell take vanilla's answers (`vanilla_equivalent`); `journal`: the
     cell's request journal (lm-eval cells)."""
     from .measure import CELL_RUNNERS
+    from .quiet import quiet
     from .ruler import vanilla_equivalent
 
     t0 = time.perf_counter()
     result = None
-    if kind == "ruler" and reference is not None:
-        result = vanilla_equivalent(model, run, cfg, length, reference, log=log)
-    if result is None:
-        result = CELL_RUNNERS[kind](model, run, cfg, length, **({"journal": journal} if journal else {}))
+    with quiet():  # lm-eval's per-cell warnings about lcx's own use and its bars (`--verbose` shows them)
+        if kind == "ruler" and reference is not None:
+            result = vanilla_equivalent(model, run, cfg, length, reference, log=log)
+        if result is None:
+            result = CELL_RUNNERS[kind](model, run, cfg, length, **({"journal": journal} if journal else {}))
     return result, time.perf_counter() - t0
 
 
