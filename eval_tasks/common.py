@@ -78,10 +78,12 @@ def tokenizer_from(meta: Mapping[str, Any]):
 
 @lru_cache(maxsize=8)
 def load_tokenizer(name: str):
-    """A tokenizer from anything `lcx.load_model` accepts, else a locally cached hub id.
+    """A tokenizer from anything `lcx.load_model` accepts, else a locally cached hub name.
 
-    Never touches the network: GGUF files go through lcx's dequantization cache (built on first
-    use by `lcx.load_model`), everything else loads with `local_files_only=True`.
+    GGUF files go through lcx's dequantization cache (built on first use by `lcx.load_model`); a
+    Hub id `org/name[@revision]` through the Hugging Face cache as `lcx.load_model` resolves it
+    (its config and tokenizer files, downloaded unless `HF_HUB_OFFLINE=1`); everything else
+    loads with `local_files_only=True`.
     """
     from transformers import AutoTokenizer
 
