@@ -20,9 +20,10 @@ and ONE softmax over all keys of query i (the paper's definition; `dca_ref`). So
 - successive: the previous chunk at its true distance r_i + c - r_j while r_i <= w (the first w + 1
   queries of a chunk, the "local window" across the chunk boundary), beyond it the query is held
   at position s, so successive distances are at most s;
-- inter: every older chunk seen from the one query position min(2c - 1, s) (= s when w < c, the
-  usual case; vLLM and ChunkLlama both take their `qc` table at index c - 1), distances in
-  [s - c + 1, s] = [w + 1, s]: beyond the successive chunk a key's distance no longer grows.
+- inter: every older chunk seen from the one query position min(2c - 1, s) (vLLM and ChunkLlama
+  both take their `qc` table at index c - 1): s when w < c, the usual case, with distances in
+  [s - c + 1, s] = [w + 1, s] (2c - 1 and [c, 2c - 1] when w >= c): beyond the successive chunk a
+  key's distance no longer grows.
 The largest distance any query sees is s, whatever the length.
 
     ┌ keys ────────────────────────────────────────────────────────────▶
@@ -40,8 +41,8 @@ Sources and where they differ (lcx follows ChunkLlama's and vLLM's dense attenti
   prefill and from `(kv_len - 1) // c` in decode, i.e. from position 0 when positions are
   0, 1, ...; lcx counts them from position 0 (chunk(p)), which is the same for a sequence and
   also defines chunked prefill and decode from a cache.
-  Defaults: `replace_with_chunkllama(pretraining_length=L0)`: s = 3 L0 // 4; w = L0 // 16 in the
-  first release (the paper's setting), L0 // 8 in the current code. `chunkllama_dca(L0)` gives
+  Defaults: `replace_with_chunkllama(pretraining_length=L0)`: s = 3 L0 // 4; w = L0 // 16 in its
+  first released code, L0 // 8 in its current code. `chunkllama_dca(L0)` gives
   the former; pass `local_size` for the latter. ChunkLlama's current code also multiplies cos/sin
   by an mscale 0.05 ln(T / L0) + 1 once the length T exceeds its table (it notes that the paper's
   results did not use it): lcx leaves it out (a RoPE spec's attention_factor can add one).
@@ -51,10 +52,11 @@ Sources and where they differ (lcx follows ChunkLlama's and vLLM's dense attenti
   sparse attention (vertical-and-slash, `sparse_attention_config`, with two more query rotations
   `qc_no_clamp` = r + c and `q_inter` = r + s used only to pick the sparse indices): lcx leaves it
   out, it is an approximation for speed; (2) with `original_max_position_embeddings` > 0, a
-  length-dependent logit scale max(1, 0.1 ln(T / L_orig) + 1) (T: the request's length, applied
-  to the keys as they are cached and again to the prefill softmax scale): lcx leaves it out, since
-  it makes a query's output depend on the request's total length (no exact chunked prefill or
-  prefix cache) and is 1 at every length up to L_orig (262,144 for Qwen2.5-1M).
+  length-dependent logit scale max(1, 0.1 ln(T / L_orig) + 1) (T: the request's length; applied
+  to the keys as they are cached, and again to the prefill softmax scale or the decode query):
+  lcx leaves it out, since it makes a query's output depend on the request's total length (no
+  exact chunked prefill or prefix cache) and is 1 at every length up to L_orig (262,144 for
+  Qwen2.5-1M).
 - Qwen2.5-7B/14B-Instruct-1M's config.json: `dual_chunk_attention_config = {"chunk_size": 262144,
   "local_size": 8192, "original_max_position_embeddings": 262144, ...}`: s and w given explicitly
   (`dca_from_hf_config` reads it).
