@@ -24,7 +24,9 @@ and ONE softmax over all keys of query i (the paper's definition; `dca_ref`). So
   both take their `qc` table at index c - 1): s when w < c, the usual case, with distances in
   [s - c + 1, s] = [w + 1, s] (2c - 1 and [c, 2c - 1] when w >= c): beyond the successive chunk a
   key's distance no longer grows.
-The largest distance any query sees is s, whatever the length.
+The largest distance any query sees is s, whatever the length: DCA sets no length of its own
+(`context_len` None: the engine's and servers' default max_model_len stays the model's; Qwen's 1M
+configs give 1,010,000 there; pass `max_model_len` to serve more).
 
     ┌ keys ────────────────────────────────────────────────────────────▶
     │ chunks 0 .. m-2: inter │ chunk m-1: successive │ chunk m up to i: intra (causal)
