@@ -81,6 +81,8 @@ class _NullIsDefault(_Strict):
 
 class StreamOptions(_NullIsDefault):
     include_usage: bool | None = False
+    include_obfuscation: bool | None = Field(None, description="accepted only as null or false (lcx's stream "
+                                                               "events carry no obfuscation padding)")
 
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -120,6 +122,10 @@ class _Common(_NullIsDefault):
             raise bad_request("logit_bias is not supported by the lcx server", "logit_bias", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is allowed only with stream=true", "stream_options")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise bad_request("stream_options.include_obfuscation: stream obfuscation is not supported by the lcx "
+                              "server (its events carry no padding); send null or false, or leave it out",
+                              "stream_options", "unsupported_parameter")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The `lcx.engine.SamplingParams` keywords these fields give (but max_tokens, seed, logprobs)."""

@@ -108,6 +108,19 @@ def test_an_unsupported_value_is_a_400_naming_the_field(field, value, words):
     assert err.message.startswith(f"{field}: ") and words in err.message and "null" in err.message, err.message
 
 
+@pytest.mark.parametrize("model,base", [(ChatCompletionRequest, {"messages": CHAT}),
+                                        (CompletionRequest, {"prompt": "x"})], ids=["chat", "completions"])
+def test_stream_options_fields_at_null(model, base):
+    req = _parse(model, {**base, "stream": True, "stream_options": {"include_usage": None,
+                                                                    "include_obfuscation": None}})
+    assert req.stream_options.include_usage is False
+    _parse(model, {**base, "stream": True, "stream_options": {"include_obfuscation": False}})
+    with pytest.raises(APIError) as e:
+        _parse(model, {**base, "stream": True, "stream_options": {"include_obfuscation": True}})
+    assert (e.value.param, e.value.code) == ("stream_options", "unsupported_parameter")
+    assert "include_obfuscation" in e.value.message
+
+
 def test_chat_only_fields_stay_unknown_to_completions():
     with pytest.raises(APIError) as e:
         _parse(CompletionRequest, {"prompt": "x", "tools": None})
