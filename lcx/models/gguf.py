@@ -29,13 +29,16 @@ log = logging.getLogger(__name__)
 
 
 def gguf_cache_dir(gguf_path: str | os.PathLike) -> Path:
-    """The cache entry a GGUF file maps to (it may not exist yet)."""
-    p = Path(gguf_path).expanduser().resolve()
+    """The cache entry a GGUF file maps to (it may not exist yet): keyed by the file it resolves
+    to, named after the name it was given (a Hub snapshot's `x.gguf` is a link to a blob named by
+    its hash)."""
+    given = Path(gguf_path).expanduser()
+    p = given.resolve()
     st = p.stat()
     ident = "|".join([str(p), str(st.st_size), str(st.st_mtime_ns),
                       metadata.version("transformers"), str(CACHE_FORMAT)])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{p.stem}-{key}"
+    return cache_root() / "gguf" / f"{given.stem}-{key}"
 
 
 def is_gguf_cached(gguf_path: str | os.PathLike) -> bool:

