@@ -220,3 +220,30 @@ def test_vllm_dtype_bytes(dtype, nbytes, tiny_model_dir):
     assert dtype_bytes(dtype, hf) == nbytes
     with pytest.raises(ValueError, match="unknown dtype 'float13'"):
         dtype_bytes("float13", hf)
+
+
+@pytest.mark.vllm
+def test_engine_vllm_serves_self_extends_reach_by_default(vllm_python, tmp_path):
+    """vLLM tier (not run where vLLM is missing): `lcx serve --engine vllm` with Self-Extend and no
+    --max-model-len reports lcx's engine's default in /v1/models and serves a prompt beyond L0."""
+    import httpx
+
+    from lcx.models import load_model
+
+    from _servers import lcx_serve, wait_healthy
+
+    methods = {"attention": {"type": "self_extend", "group_size": 4, "window": 64}}
+    model, tok = load_model("tiny-5m")
+    want = Engine(model, tok, EngineConfig(methods=MethodConfig.from_dict(methods))).max_model_len
+    L = model.config.max_position_embeddings
+    assert want > L
+    log = tmp_path / "vllm.log"
+    with lcx_serve("tiny-5m", log, "--engine", "vllm", "--threads", "1", "--methods", json.dumps(methods),
+                   stop_timeout_s=60) as (url, proc):
+        wait_healthy(url, proc, log, timeout_s=600)
+        card = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+        assert card["max_model_len"] == want, card
+        prompt = [3 + i % 250 for i in range(L + 40)]
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny-5m", "prompt": prompt, "max_tokens": 2,
+                                                      "temperature": 0}, timeout=600)
+        assert r.status_code == 200, r.text
