@@ -94,11 +94,13 @@ class Engine:
         if methods.attention is None:
             # none asked for, and the model arrives patched (`lcx.load_model` applies what its
             # config asks for, e.g. DCA: `lcx.hf.config_attention`): the engine runs that method
-            from ..hf.attention_patch import current_patch
+            from ..hf.attention_patch import DEFAULT_BACKEND, current_patch
 
             ran = current_patch(model)
-            if ran is not None:
-                methods = dataclasses.replace(methods, attention=ran.method, layers=ran.layers)
+            if ran is not None:  # (its backends kept unless the patch's default: then the fast one)
+                methods = dataclasses.replace(methods, attention=ran.method, layers=ran.layers,
+                                              backend=None if ran.backend == DEFAULT_BACKEND else ran.backend,
+                                              decode_backend=ran.decode_backend)
         methods = methods.with_default_backend(INFERENCE_BACKEND)
         context = methods.context_len(model.config)  # before the patch changes the model's rope
         methods.apply(model)

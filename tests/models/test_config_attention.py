@@ -103,3 +103,14 @@ def test_a_bad_config_raises_naming_the_key(tmp_path):
     path = _qwen2_dir(tmp_path / "bad", {"chunk_size": 8, "local_size": 8})
     with pytest.raises(ValueError, match="dual_chunk_attention_config: local_size must be < chunk_size"):
         lcx.load_model(path)
+
+
+def test_the_engine_keeps_a_backend_the_patch_names(dirs):
+    """A model patched with a backend of its own (not the patch's default) keeps it in the engine;
+    the patch's default gives way to the engine's fast one."""
+    from lcx.engine import Engine, EngineConfig
+
+    model, tok = lcx.load_model(dirs[0], dtype="float64")
+    assert Engine(model, tok, EngineConfig()).methods.backend == "flash"
+    lcx.patch(model, {"attention": {"type": "dca", "chunk_size": 8, "local_size": 3}, "backend": "ref"})
+    assert Engine(model, tok, EngineConfig()).methods.backend == "ref"
