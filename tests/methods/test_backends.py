@@ -115,7 +115,7 @@ def test_softcapped_backend_equals_reference(method, backend):
 # Which CPU backends refuse which registered methods (by name), on the grid's calls: pinned, so a
 # backend that starts refusing what it ran (and would pass the grid above as "refused, naming
 # why") fails here. The default backend refuses nothing; `flash` (the engine's default) all but SWAT.
-EXPECTED_REFUSALS = {"blockwise": set(), "flash": {"swat"}, "sdpa": {"dca", "self_extend", "sinks", "swat"},
+EXPECTED_REFUSALS = {"blockwise": set(), "flash": {"swat"}, "sdpa": {"dca", "self_extend", "sinks", "string", "swat"},
                      "flex": set()}
 
 
