@@ -197,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
     from .chat_template import read_chat_template
 
     chat_template = read_chat_template(args.chat_template)
+    from lcx.models import resolve_source
+
+    # here, not in the engine process: a name that is no model (an uncached Hub id offline, a
+    # missing preset) is the CLI's error (exit 2), and a Hub id is downloaded once, in this process
+    resolve_source(args.model)
     batch_window_s = args.batch_window_ms / 1000
     scheduler = None
     server: list[Any] = []  # the uvicorn server, once made (for `give_up`)

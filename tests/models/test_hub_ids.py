@@ -389,6 +389,28 @@ def test_serve_engine_and_app_on_a_hub_id(hub_env):
         assert r.json()["choices"][0]["text"] == want
 
 
+@pytest.mark.slow  # a server process (~15-30 s on 2 cores)
+def test_lcx_serve_process_on_a_hub_id(hub_env, tmp_path):
+    """The literal `lcx serve --model ID` (the cache from the environment it inherits)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
+    from _servers import lcx_serve, wait_healthy
+
+    log = tmp_path / "server.log"
+    with lcx_serve(REPO + "@dev", log, "--threads", "1", "--max-batch", "2") as (url, proc):
+        wait_healthy(url, proc, log)
+        card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        assert card["id"] == f"{REPO}@dev" and card["max_model_len"] == 512  # dev's config
+        r = httpx.post(f"{url}/v1/completions", json={"model": f"{REPO}@dev", "prompt": "To be", "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    with lcx_serve("lcx-test/absent", log, "--threads", "1") as (url, proc):
+        assert proc.wait(120) == 2
+    text = log.read_text()
+    assert "'lcx-test/absent'" in text and str(hub_env) in text and "HF_HUB_OFFLINE=1" in text
+
+
 def test_vllm_args_model_dir_is_the_snapshot(hub_env):
     """`lcx vllm-args` / `lcx serve --engine vllm`: vLLM gets the snapshot directory."""
     from lcx.serve.vllm_plugin.args import vllm_arguments
