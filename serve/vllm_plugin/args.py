@@ -115,8 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from lcx.method_config import method_config_from_args
 
+    import sys
+
+    from transformers import AutoConfig
+
     model_dir, kwargs, _ = vllm_arguments(args.model, method_config_from_args(args), max_model_len=args.max_model_len,
                                        dtype=args.dtype)
+    n = kwargs["max_model_len"]
+    gb = vllm_kv_cache_gb(AutoConfig.from_pretrained(model_dir), n, args.dtype)
+    print(f"lcx vllm-args: max_model_len {n} ({'--max-model-len' if args.max_model_len else 'lcx engine default'}); "
+          f"vLLM-on-CPU needs VLLM_CPU_KVCACHE_SPACE >= {gb} (GiB) to hold one sequence of it "
+          "(--max-model-len lowers it)", file=sys.stderr)
     if args.format == "lm-eval":
         print(json.dumps({"pretrained": model_dir, **kwargs}))
     else:

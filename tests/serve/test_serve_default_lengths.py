@@ -202,7 +202,9 @@ def test_vllm_args_prints_the_same_default(tiny_model_dir, capsys):
     from lcx.serve.vllm_plugin import args as vargs
 
     assert vargs.main(["--model", str(tiny_model_dir), "--methods", json.dumps(SELF_EXTEND)]) == 0
-    assert json.loads(capsys.readouterr().out)["max_model_len"] == 416
+    out = capsys.readouterr()
+    assert json.loads(out.out)["max_model_len"] == 416
+    assert "max_model_len 416 (lcx engine default)" in out.err and "VLLM_CPU_KVCACHE_SPACE >= 1" in out.err
     assert vargs.main(["--model", str(tiny_model_dir), "--format", "serve"]) == 0
     flags = capsys.readouterr().out.split()
     assert flags[flags.index("--max-model-len") + 1] == str(L0)
