@@ -62,6 +62,14 @@ def test_bad_engine_timeout_flags_are_refused_by_name(argv, flag):
         check_engine_process_flags(_parse(*argv))
 
 
+@pytest.mark.parametrize("flag", ["--engine-timeout-s", "--engine-heartbeat-timeout-s"])
+def test_engine_vllm_refuses_the_engine_process_flags(flag):
+    from lcx.serve.cli import run_vllm
+
+    with pytest.raises(ValueError, match=f"{flag} is for the built-in engine"):
+        run_vllm(_parse("--engine", "vllm", flag, "7"))
+
+
 def test_engine_timeout_flags_accepted_and_documented():
     check_engine_process_flags(_parse())
     check_engine_process_flags(_parse("--engine-timeout-s", "0"))  # never
