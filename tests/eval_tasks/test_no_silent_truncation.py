@@ -128,7 +128,7 @@ def test_lm_eval_cli_against_a_server(tiny_model_dir, tmp_path):
         assert "--max-model-len" in cut.stderr and "passkey" in cut.stderr
         assert httpx.get(f"{url}/stats", timeout=10).json()["prompts"]["longest"] == longest  # nothing sent
 
-        text = run("passkey_ll", 1024, f"tokenizer={tiny_model_dir},tokenizer_backend=None")  # text: the server refuses
+        text = run("passkey", 1024, f"tokenizer={tiny_model_dir},tokenizer_backend=None")  # text: the server refuses
         assert text.returncode != 0
         assert "400" in text.stderr and "--max-model-len" in text.stderr, text.stderr[-3000:]
 
