@@ -21,7 +21,7 @@ patches each right after it executes:
   server would silently score ~2,035-token prompts. When `max_length` is not in `--model_args`,
   the patched class asks the server (`GET /v1/models`: lcx's and vLLM's cards carry
   `max_model_len`) and uses its `max_model_len` (`server_max_model_len`); and a request longer
-  than `max_length` raises `lcx.eval.truncation.PromptTooLongError` (the task, its tokens, the
+  than `max_length` raises `lcx.truncation.PromptTooLongError` (the task, its tokens, the
   limit, the flag that raises it) instead of being cut, unless `allow_truncation=true`.
 - `lm_eval.tasks.ruler.common_utils` (imported by every RULER task before it builds data): wraps
   `get_tokenizer` so RULER sizes its prompts with the tokenizer `lcx.load_model` gives the model
@@ -252,7 +252,7 @@ def server_max_model_len(base_url: str | None, auth_token: str | None = None, ti
 
 
 def patch_local_completions(module=None) -> None:
-    """Make `local-completions` measure the length its task asks for (`lcx.eval.truncation`):
+    """Make `local-completions` measure the length its task asks for (`lcx.truncation`):
 
     - `max_length` not in `--model_args`: use the server's `max_model_len` (lm-eval's default
       would cut every prompt to 2,047 tokens), or warn when the server does not say;
@@ -270,7 +270,7 @@ def patch_local_completions(module=None) -> None:
     cls = module.LocalCompletionsAPI
     if getattr(cls.__init__, _LENGTH_PATCHED_ATTR, False):
         return
-    from lcx.eval import truncation
+    from lcx import truncation
 
     original = cls.__init__
 

@@ -39,7 +39,7 @@ Gemma 3) with HFLM's order, truncation, caching and answers. Generation kwargs t
 to the model's `max_position_embeddings`; here `max_length` defaults to `DEFAULT_MAX_LENGTH` (2**20 tokens), so prompts beyond the original context reach
 the model whole, which is the point of extrapolation. With `max_length=N`, a request longer than N
 (a prompt with its `max_gen_toks`, a log-likelihood request, a perplexity document) raises
-`lcx.eval.truncation.PromptTooLongError` where HFLM would left-truncate it and score a shorter
+`lcx.truncation.PromptTooLongError` where HFLM would left-truncate it and score a shorter
 prompt than the task asked for; `allow_truncation=true` restores HFLM's cut. `batch_size=auto`
 probes memory at `max_length` and so needs an explicit, realistic `max_length`.
 """
@@ -162,7 +162,7 @@ class LcxLM(HFLM):
         from lcx.allocator import reuse_freed_memory
         from lcx.hf.rope_patch import current_spec
 
-        from lcx.eval import truncation
+        from lcx import truncation
 
         self.lcx_allow_truncation = truncation.allow_truncation(kwargs.pop(truncation.ALLOW_KEY, False))
         cfg, hflm = split_model_args(kwargs)
@@ -204,7 +204,7 @@ class LcxLM(HFLM):
         if where is not None and requests:  # HFLM keeps the last max_length - max_gen_toks prompt tokens
             from lm_eval.models.utils import normalize_gen_kwargs
 
-            from lcx.eval.truncation import check_generation
+            from lcx.truncation import check_generation
 
             budgets = [int(normalize_gen_kwargs(dict(r.args[1]), self.max_gen_toks)["max_gen_toks"]) for r in requests]
             _, masks = self.tok_batch_encode([r.args[0] for r in requests])
@@ -213,7 +213,7 @@ class LcxLM(HFLM):
         return self._generate_until(requests, disable_tqdm=disable_tqdm)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        from lcx.eval.truncation import task_names
+        from lcx.truncation import task_names
 
         self.lcx_tasks = task_names(requests)
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
@@ -221,7 +221,7 @@ class LcxLM(HFLM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         where = self._check_lengths()
         if where is not None and requests:  # HFLM's windows hold max_length tokens
-            from lcx.eval.truncation import check_rolling, task_names
+            from lcx.truncation import check_rolling, task_names
 
             check_rolling((len(self.tok_encode(r.args[0])) for r in requests), self.max_length,
                           tasks=task_names(requests), **where)
@@ -299,7 +299,7 @@ class LcxLM(HFLM):
         for chunk in re_ord.get_batched(n=batch_size, batch_fn=batch_fn):
             inps = []
             if (where := self._check_lengths()) is not None:  # HFLM's input: all but the last token
-                from lcx.eval.truncation import check_loglikelihood
+                from lcx.truncation import check_loglikelihood
 
                 check_loglikelihood(chunk, self.max_length, input_drops_last=True,
                                     tasks=getattr(self, "lcx_tasks", None) or "(task not named)", **where)

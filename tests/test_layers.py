@@ -20,7 +20,7 @@ PACKAGE_DIRS = {"lcx": ROOT / "lcx", "lcx.kernels": ROOT / "kernels", "lcx.serve
 # this order in the line that `layers_line()` renders.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("allocator",),  # process set-up that lcx.data's environment() records
-    ("rope", "masks", "data", "configs", "threads", "stats"),
+    ("rope", "masks", "data", "configs", "threads", "stats", "truncation"),
     ("kernels", "testing"),
     ("attention",),
     ("methods",),

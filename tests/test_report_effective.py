@@ -59,6 +59,9 @@ def test_report_record_and_markdown():
     record = {"config": {"context": 256, "model": "m", "lengths": [256, 512]},
               "results": {"vanilla": {"lmeval": {"256": cell(30, 30), "512": cell(2, 30)}},
                           "yarn": {"lmeval": {"256": cell(30, 30), "512": cell(30, 30)}}}}
+    from lcx.report.render import passkey_intervals
+
+    record["passkey_intervals"] = passkey_intervals(record)
     eff = report_effective_lengths(record)
     assert set(eff) == {"passkey"}
     assert eff["passkey"]["methods"]["yarn"]["absolute"]["length"] == 512

@@ -74,13 +74,12 @@ def effective_lengths(intervals: dict[str, dict[str, dict[str, Any]]], context: 
 
 def report_effective_lengths(record: dict[str, Any]) -> dict[str, Any]:
     """{"passkey": ..., "ruler": ...} (`effective_lengths`) of a report record, for the tasks it
-    measured."""
-    from .render import passkey_intervals
+    measured, from its `passkey_intervals` and `ruler_intervals` (`lcx.report.run` stores both)."""
     from .ruler import ruler_intervals
 
     context = int(record["config"]["context"])
     out: dict[str, Any] = {}
-    pk = record.get("passkey_intervals") or passkey_intervals(record)
+    pk = record.get("passkey_intervals") or {}
     if any(pk.values()):
         out["passkey"] = effective_lengths(pk, context)
     if record["config"].get("ruler_lengths"):

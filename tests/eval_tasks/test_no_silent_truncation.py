@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from lcx.eval.truncation import PromptTooLongError, allow_truncation  # noqa: E402
+from lcx.truncation import PromptTooLongError, allow_truncation  # noqa: E402
 
 LIMIT = 400  # max_length: the tasks run at 384 tokens (fits) and 512 (does not; byte tokenizer)
 
