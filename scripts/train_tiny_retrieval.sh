@@ -38,7 +38,7 @@ if [ ! -f "$P2/train_log.json" ] || [ -f "$P2/state.pt" ] || ! grep -q final_val
   fi
 fi
 lcx models --export "$P2" --out "$OUT" --dtype float16
-cp "$P1/train_log.json" "$LOGS/tiny_retrieval_phase1_copy.json"
-cp "$P2/train_log.json" "$LOGS/tiny_retrieval_phase2_mix.json"
+gzip -n -9 -c "$P1/train_log.json" > "$LOGS/tiny_retrieval_phase1_copy.json.gz"
+gzip -n -9 -c "$P2/train_log.json" > "$LOGS/tiny_retrieval_phase2_mix.json.gz"
 cp "$P2/train_log.png" "$LOGS/tiny_retrieval_phase2_mix.png"
 echo "tiny-ret-5m written to $OUT; logs in $LOGS"
