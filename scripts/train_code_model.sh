@@ -12,16 +12,16 @@
 # Optimisation: full fine-tune, AdamW, bf16 autocast (float32 weights), two stages:
 #   1. from SmolLM2: lr 3e-4 (warmup 10, cosine to 3e-5 over 250 steps), 4 x 512-token windows
 #      per step (~17 s a step on one CPU thread, ~70 min) -> runs/code-smollm2-135m,
-#      log results/pie_code_model/train_log.{json,png}
+#      log results/pie_code_model/train_log.{json.gz,png}
 #   2. from stage 1: lr 1.5e-4 (warmup 10, cosine to 1.5e-5 over 240 steps), 2 x 1024-token
 #      windows per step (same tokens a step; longer windows for the 2048-token eval), batch
 #      seed 1 (other windows than stage 1) (~16 s a step, ~65 min) -> runs/code-smollm2-135m-s2,
-#      log results/pie_code_model/train_log_stage2.{json,png}
+#      log results/pie_code_model/train_log_stage2.{json.gz,png}
 #   3. from stage 2: more kinds of code (`--corpus python-code`: the train packages plus ~26 MB of
 #      third-party code from site-packages, filtered and decontaminated against the stdlib's val
 #      and eval packages, lcx.data.code.site_code), lr 1e-4 (warmup 10, cosine over 360 steps),
 #      2 x 1024-token windows, batch seed 2 (~16 s a step, ~95 min) -> runs/code-smollm2-135m-s3,
-#      log results/pie_code_model/train_log_stage3.{json,png}; its selection depends on the
+#      log results/pie_code_model/train_log_stage3.{json.gz,png}; its selection depends on the
 #      installed packages and is listed in runs/code-smollm2-135m-s3/site_code_files.json
 # Output models are float32, ~540 MB each: not committed.
 set -euo pipefail
@@ -49,11 +49,11 @@ stage() {
   if [ -f "$out/state.pt" ]; then echo "$out stopped early: rerun to continue"; exit 0; fi
 }
 
-stage "$S1" results/pie_code_model/train_log.json --init smollm2-135m --corpus stdlib-code \
+stage "$S1" results/pie_code_model/train_log.json.gz --init smollm2-135m --corpus stdlib-code \
   --steps 250 --batch-size 4 --seq-len 512 --lr 3e-4 --warmup-steps 10 --eval-every 50
 [ "$STAGES" -ge 2 ] || exit 0
-stage "$S2" results/pie_code_model/train_log_stage2.json --init "$S1" --corpus stdlib-code \
+stage "$S2" results/pie_code_model/train_log_stage2.json.gz --init "$S1" --corpus stdlib-code \
   --steps 240 --batch-size 2 --seq-len 1024 --lr 1.5e-4 --warmup-steps 10 --eval-every 60 --seed 1
 [ "$STAGES" -ge 3 ] || exit 0
-stage "$S3" results/pie_code_model/train_log_stage3.json --init "$S2" --corpus python-code \
+stage "$S3" results/pie_code_model/train_log_stage3.json.gz --init "$S2" --corpus python-code \
   --steps 360 --batch-size 2 --seq-len 1024 --lr 1e-4 --warmup-steps 10 --eval-every 60 --seed 2

@@ -13,7 +13,7 @@ Files in `out` (written atomically, temp file + `os.replace`):
     train_config.json                                         resolved TrainConfig + runtime
     state.pt                                                  resume state (removed at the end
                                                               unless keep_state)
-The log (`log_path`, default `<out>/train_log.json`) holds per-step losses, validation losses,
+The log (`log_path`, default `<out>/train_log.json`; gzipped when it ends in `.gz`) holds per-step losses, validation losses,
 wall time, tokens seen, the config, the environment and the git SHA; a PNG curve is written
 beside it (`plot_curve`).
 """
@@ -207,7 +207,7 @@ def train(
         _save_hf(model, tokenizer, out, meta)
         atomic_write_json(log_path, log)
         if plot:
-            plot_curve(log, log_path.with_suffix(".png"))
+            plot_curve(log, log_path.parent / (log_path.name.removesuffix(".gz").removesuffix(".json") + ".png"))
         if final and not keep_state:
             state_path.unlink(missing_ok=True)
         else:
