@@ -330,3 +330,69 @@ def _comm(pid: int) -> str:
     except OSError:
         return ""
 
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_sweep_resumes_with_the_same_command(serial, cluster, tmp_path):
+    """A driver process SIGKILLed once cells are written and a RULER cell's journal holds answers:
+    the same call in a new driver keeps the written cells, resumes the journaled one from its
+    answers, and ends with every number of the serial run."""
+    import sys
+
+    from lcx.report import ReportConfig, run_report
+
+    out = tmp_path / "r"
+    script = ("import sys; from pathlib import Path; from lcx.report import ReportConfig, run_report; "
+              f"run_report(ReportConfig(**{SWEEP!r}), Path({str(out)!r}), progress=False, ray=True, "
+              f"ray_address={cluster.address!r}, job_threads=1, jobs=None, log=lambda s: None)")
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and driver.poll() is None:
+            if (len(list((out / "cells").glob("*.json.gz"))) >= 2
+                    and any(journal_rows(db)[0] for db in (out / "cells" / "journal").glob("*.ruler.*_rank0.db"))):
+                break
+            time.sleep(0.05)
+        assert driver.poll() is None, "the driver finished before it could be killed"
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    written = len(list((out / "cells").glob("*.json.gz")))
+    rec = run_report(ReportConfig(**SWEEP), out, progress=False, ray=True, ray_address=cluster.address,
+                     job_threads=1, jobs=None, log=lambda s: None)
+    assert rec["cells_reused"] == written >= 2 and "cells_failed" not in rec
+    assert _numbers(rec["results"]) == _numbers(serial["results"])
+    assert max(c.get("resumed_requests", 0) for r in rec["results"].values() for c in r["ruler"].values()) >= 1
+
+
+@pytest.mark.slow
+def test_a_cluster_started_for_the_run_listens_on_loopback_only(tmp_path):
+    """`--ray` without an address: a local cluster started for the run (2 CPUs) measures a serial
+    run's cells; while it runs, every socket its Ray processes listen on is on 127.0.0.1."""
+    pytest.importorskip("ray")
+    from lcx.report import ReportConfig, run_report
+
+    cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla", "lm_infinite"), lengths=(383,), decode_lengths=(383,),
+                       depths=(0.5,), samples_per_depth=1, ppl_docs=1, decode_tokens=3, tasks=("passkey", "ppl"))
+    want = run_report(cfg, tmp_path / "serial", progress=False, log=lambda s: None)
+    seen: list[tuple[str, str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.extend(_listening(_descendants(os.getpid())))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        got = run_report(cfg, tmp_path / "ray", progress=False, ray=True, ray_cpus=2, job_threads=1, jobs=None,
+                         log=lambda s: None)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert _numbers(got["results"]) == _numbers(want["results"]) and "cells_failed" not in got
+    assert {name for _, name in seen} >= {"gcs_server", "raylet"}
+    assert sorted({s for s in seen if not _on_loopback(s[0])}) == []

@@ -1,0 +1,139 @@
+"""`lcx bench sweep`: cells per hour of one `lcx report` sweep run serially, with `--jobs 2`, and on
+Ray (`--ray`) with 1 and 2 local workers; and what Ray adds per cell.
+
+    lcx bench sweep                                  # -> results/sweep_cpu.json (run from the repo root)
+    lcx bench sweep --modes serial,ray1 --out /tmp/s.json
+
+The sweep: tiny-ret-5m, 4 methods x 2 lengths of passkey + perplexity cells (8 cells, one torch
+thread each; no decode cells: a timed cell runs alone, which would measure that barrier rather
+than the executor). Every mode measures the whole sweep in a fresh folder:
+
+- `serial`: one cell after another in this process (`lcx report`);
+- `jobs2`: `--jobs 2`, two spawned worker processes (`lcx.report.jobs`);
+- `ray1`, `ray2`: `--ray` on a cluster started for the run on 127.0.0.1 with 1 or 2 CPUs
+  (`lcx.report.ray_executor`), its start-up included.
+
+Per mode: wall seconds, cells per hour, the speed-up over serial (ideal with 2 workers: 2x on two
+idle cores), and whether every number equals the serial run's (a faster executor with other
+numbers is no win). Ray's start-up (a local cluster up and down, timed alone) and its overhead per
+cell = (ray1's wall - start-up - serial's wall) / cells: what a task, its journal streamed back and
+its node's fingerprint check add to a cell. The load average at start and end is recorded: on a
+machine shared with other jobs the scaling is capped by what the neighbours leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Benchmark
+
+DESCRIPTION = "cells per hour of a report sweep: serial, --jobs 2, Ray with 1 and 2 local workers; Ray's overhead per cell"
+BENCH = Benchmark("sweep", DESCRIPTION, __doc__, out="results/sweep_cpu.json")
+MODES = ("serial", "jobs2", "ray1", "ray2")
+TIMINGS = {"wall_s", "prefill_s", "decode_s", "decode_cpu_s", "tokens_per_s", "threads", "resumed_requests"}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    methods: tuple[str, ...]
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    ppl_docs: int
+    modes: tuple[str, ...]
+    threads_per_cell: int = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    BENCH.add_arguments(parser)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {', '.join(MODES)} (default: all; serial is always run first, "
+                             "as the baseline)")
+    parser.add_argument("--model", default="tiny-ret-5m", help="model preset or directory (default: %(default)s)")
+
+
+def _numbers(results: dict[str, Any]) -> Any:
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in TIMINGS}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    return strip(json.loads(json.dumps(results)))
+
+
+def _ray_startup_s(cpus: int) -> float:
+    """A local cluster up and down, as `--ray` starts one (seconds)."""
+    from lcx.report.ray_executor import ray_session
+
+    t0 = time.perf_counter()
+    with ray_session(None, num_cpus=cpus):
+        pass
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    from lcx.report import ReportConfig, run_report
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes: expected a subset of {list(MODES)}, got {args.modes!r}")
+    modes = ("serial",) + tuple(m for m in modes if m != "serial")
+    config = Config(model=args.model, methods=("vanilla", "yarn", "lm_infinite", "ntk"), lengths=(1024, 2048),
+                    depths=(0.2, 0.5, 0.8), ppl_docs=1, modes=modes)
+    cfg = ReportConfig(model=config.model, methods=config.methods, lengths=config.lengths, decode_lengths=(),
+                       depths=config.depths, samples_per_depth=1, ppl_docs=config.ppl_docs, tasks=("passkey", "ppl"))
+    rec = BENCH.start(args, config, environment={"load_average_start": list(os.getloadavg())})
+    rows: dict[str, Any] = {}
+    base: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="lcx-bench-sweep-") as tmp:
+        for mode in rec.progress(modes, unit="mode"):
+            kw: dict[str, Any] = {"jobs": 1, "job_threads": 1}
+            if mode == "jobs2":
+                kw = {"jobs": 2, "job_threads": 1}
+            elif mode.startswith("ray"):
+                kw = {"ray": True, "ray_cpus": int(mode[3:]), "jobs": None, "job_threads": 1}
+            t0 = time.perf_counter()
+            out = run_report(cfg, Path(tmp) / mode, progress=False, log=lambda s: None, **kw)
+            wall = time.perf_counter() - t0
+            cells = out["cells_total"] - out["cells_reused"]
+            row: dict[str, Any] = {"wall_s": round(wall, 2), "cells": cells,
+                                   "cells_per_hour": round(3600 * cells / wall, 1),
+                                   "failed": sorted(out.get("cells_failed", {}))}
+            if base is None:
+                base = {"wall_s": wall, "numbers": _numbers(out["results"])}
+            else:
+                row["speedup_vs_serial"] = round(base["wall_s"] / wall, 3)
+                row["numbers_equal_serial"] = _numbers(out["results"]) == base["numbers"]
+            rows[mode] = row
+            rec.log(f"{mode:6s} {row}")
+            rec.save(rows)
+    if "ray1" in rows:
+        start = _ray_startup_s(1)
+        rows["ray_overhead"] = {"startup_s": round(start, 2),
+                                "per_cell_s": round((rows["ray1"]["wall_s"] - start - rows["serial"]["wall_s"])
+                                                    / rows["serial"]["cells"], 2)}
+        rec.log(f"ray overhead: {rows['ray_overhead']}")
+    rec.environment["load_average_end"] = list(os.getloadavg())
+    rec.finish(rows)
+    bad_numbers = [m for m, r in rows.items() if r.get("numbers_equal_serial") is False or r.get("failed")]
+    if bad_numbers:
+        print(f"lcx bench sweep: {', '.join(bad_numbers)} measured other numbers than serial, or failed cells",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+main = BENCH.command(add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())
