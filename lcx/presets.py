@@ -30,6 +30,12 @@ Settings (papers' defaults where they give one; see ../shared/METHODS.md):
                       models: the window bounds distances, YaRN the frequencies)
     self_extend       Self-Extend: true positions within W = L0 / 4 keys, floor(p / G) beyond,
                       G the smallest group size with (L0 - W) * G + W >= s * L0
+    dca               Dual Chunk Attention with ChunkLlama's defaults (`lcx.methods.dca.chunkllama_dca`):
+                      chunk_size 3 L0 / 4, local_size L0 / 16 (its first release; rounded down),
+                      whatever the length factor (DCA bounds every distance by chunk_size, so the
+                      target length does not enter); the model's RoPE as loaded. Not in
+                      `lcx report`'s default set (every decode step runs its three passes, no
+                      decode rule)
     string            STRING as its authors run it (`lcx.methods.string`): for the target length
                       L = s * L0, shifted offset S = int(0.33 L) and local value W = 128 (below S),
                       plus the official code's constant attention factor 0.1 ln 2 + 1 and, past
@@ -110,6 +116,17 @@ def _self_extend(L0: int, s: float) -> dict[str, Any]:
     return {"attention": {"type": "self_extend", "group_size": G, "window": W}}
 
 
+def _dca(L0: int, s: float) -> dict[str, Any]:
+    """DCA with ChunkLlama's defaults for a model trained on L0 tokens (module docstring); the
+    length factor does not enter (no distance exceeds chunk_size at any length). L0 < 16 has no
+    local window (L0 // 16 = 0): a ValueError naming it."""
+    from .methods.dca import chunkllama_dca
+
+    if L0 < 16:
+        raise ValueError(f"dca: ChunkLlama's local_size L0 // 16 needs L0 >= 16, got L0={L0}")
+    return {"attention": chunkllama_dca(L0).to_dict()}
+
+
 def _string(L0: int, s: float) -> dict[str, Any]:
     """STRING for s x L0 as the official scripts set it (see the module docstring)."""
     from .methods.string import ATTENTION_FACTOR, SHIFTED_RATIO, STRING
@@ -142,6 +159,8 @@ _ALL = (
            "LM-Infinite's window with YaRN's frequencies"),
     Preset("self_extend", _self_extend, "Self-Extend: window L0/4, positions beyond it floor-divided by G "
            "(the smallest G reaching s x L0)"),
+    Preset("dca", _dca, "Dual Chunk Attention, ChunkLlama's defaults: chunks of 3 L0 / 4 with a local window "
+           "of L0 / 16 (no distance beyond 3 L0 / 4 at any length)", in_report=False),
     Preset("string", _string, "STRING: distances from S = 0.33 x the target length on scored S - 128 nearer, "
            "the official attention factor 0.1 ln 2 + 1 and (past L0 / 0.67) YaRN at 0.67 s", in_report=False),
     Preset("swat", lambda L0, s: {}, "SWAT: the sibling model trained with sigmoid sliding-window attention",
