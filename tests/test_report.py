@@ -199,7 +199,7 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     # LM-Infinite keeps n_global 10 + n_local 128 - 1 = 137 < 384 keys; vanilla keeps all
     by = {n: rec["results"][n]["decode"] for n in ("vanilla", "lm_infinite")}
     assert by["lm_infinite"]["384"]["kv_cache_mb"] < 0.5 * by["vanilla"]["384"]["kv_cache_mb"]
-    for f in ("report.json.gz", "README.md", "passkey_heatmap.png", "ppl_by_length.png", "decode_by_length.png"):
+    for f in ("report.json.gz", "README.md", "index.html", "passkey_heatmap.png", "ppl_by_length.png", "decode_by_length.png"):
         assert (tmp_path / f).stat().st_size > 0
     assert markdown(rec).startswith("# lcx report") and "Partial" not in markdown(rec)
 

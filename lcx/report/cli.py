@@ -160,6 +160,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fingerprint match (e.g. to redraw plots)")
     p.add_argument("--render", action="store_true",
                    help="measure nothing: write the report from the stored matching cells (a sweep's progress)")
+    p.add_argument("--page", action="store_true",
+                   help="write only --out's index.html (the report as a page: tables, pictures, every answer "
+                        "browsable) from the report.json.gz, README.md and PNGs it holds; measures and renders "
+                        "nothing else (`lcx report` and --render write the page too)")
     p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens, 2 RULER prompts")
     p.add_argument("--verbose", action="store_true",
                    help="also print what lm-eval and transformers say on every cell (the warnings lcx's own use "
@@ -168,6 +172,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.page:
+        from .page import write_page_from_folder
+
+        try:
+            path = write_page_from_folder(args.out)
+        except ValueError as e:
+            print(f"lcx report --page: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
+        return 0
     if args.verbose:  # read by every cell, in worker processes too (lcx.report.quiet)
         from .quiet import VERBOSE_ENV
 
@@ -217,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     record = run_report(cfg, args.out, fresh=args.fresh, reuse=args.reuse, render=args.render,
                         keep_other_code=args.keep_other_code, jobs=jobs, job_threads=job_threads, **ray_kw)
     print(markdown(record).split("## Methods")[0])
-    print(f"wrote {args.out / 'README.md'}, report.json.gz and the plots")
+    print(f"wrote {args.out / 'README.md'}, report.json.gz, index.html and the plots")
     if record.get("cells_failed"):
         print(f"lcx report: {len(record['cells_failed'])} cell(s) failed (listed above; report.json.gz: cells_failed); "
               "the same command measures them again", file=sys.stderr)
