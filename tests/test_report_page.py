@@ -88,8 +88,10 @@ def test_every_committed_answer_is_in_the_data_with_the_verdict_the_tables_count
         right[key] = right.get(key, 0) + (data["kinds"][k] == "right")
         if data["tasks"][t] == "passkey":  # the key is stored, and the kind follows from it and the output
             assert x is not None and (o is None or passkey_outcome(data["outputs"][o], x) == data["kinds"][k])
-        else:
-            assert x is None  # RULER's expected answers are not in the cells
+        elif x is not None:  # RULER cells since 2026-12-07: a right answer holds one of the expected (all, for NIAH)
+            assert isinstance(x, list) and all(isinstance(v, str) for v in x)
+            if data["kinds"][k] == "right":
+                assert any(v.lower() in data["outputs"][o].lower() for v in x)
     for m, by_len in passkey_intervals(record).items():
         for L, iv in by_len.items():
             assert right[(m, L, "passkey")] == iv["k"]
@@ -110,6 +112,34 @@ def test_the_prose_misses_of_issue_76_are_counted():
     beyond = {k: sum(c.get(k, 0) for by_len in counts.values() for L, c in by_len.items() if int(L) > 8192)
               for k in KINDS}
     assert beyond["prose"] == 145 and beyond["prose"] + beyond["wrong_number"] + beyond["key_late"] == 148
+
+
+def _ruler_record(expected: bool) -> dict:
+    smp = [{"index": 0, "score": 1.0, "correct": True, "prompt_tokens": 1000, "output": " 7 and 8"},
+           {"index": 1, "score": 0.5, "correct": False, "prompt_tokens": 1000, "output": " 7"},
+           {"index": 2, "score": 0.0, "correct": False, "prompt_tokens": 1000, "output": None}]
+    if expected:
+        for s, x in zip(smp, (["7", "8"], ["7", "9"], ["5", "6"])):
+            s["expected"] = x
+    cell = {"tasks": {"niah_multivalue": {"samples": smp}, "cwe": {"skipped": "no room"}}}
+    taken = {**cell, "equivalent_to": {"method": "vanilla", "identity_up_to": 2048, "longest_sequence": 1100,
+                                       "checked_prompts": 2}}
+    return {"config": {"context": 256, "lengths": [1024], "ruler_lengths": [1024],
+                       "ruler_tasks": ["niah_multivalue", "cwe"]},
+            "results": {"vanilla": {"lmeval": {}, "ruler": {"1024": cell}},
+                        "wide": {"lmeval": {}, "ruler": {"1024": taken}}}}
+
+
+@pytest.mark.parametrize("expected", [True, False], ids=["expected-stored", "cells-before-2026-12-07"])
+def test_ruler_answers_carry_their_expected_values_where_the_cell_stored_them(expected):
+    data = answers(_ruler_record(expected))
+    c = data["cols"]
+    assert data["tasks"] == ["niah_multivalue"] and data["suites"] == ["passkey", "RULER"] and set(c["g"]) == {1}
+    assert [data["kinds"][k] for k in c["k"]] == ["right", "partial", "miss"] * 2
+    assert c["x"] == ([["7", "8"], ["7", "9"], ["5", "6"]] * 2 if expected else [None] * 6)
+    assert c["o"] == [0, 1, None, 0, 1, None] and data["outputs"] == [" 7 and 8", " 7"]  # stored once
+    assert c["s"] == [1.0, 0.5, 0.0] * 2 and c["d"] == [None] * 6 and c["i"] == [0, 1, 2] * 2
+    assert list(data["notes"]) == ["1|0|1024"] and "taken from vanilla's cell" in data["notes"]["1|0|1024"]
 
 
 def test_a_stored_verdict_the_rule_contradicts_is_refused():
@@ -379,3 +409,25 @@ def test_committed_page_loads_in_chromium(browser, folder):
     assert browser.errors == []
     assert browser.run("document.getElementById('count').textContent").startswith(f"{n} of {n} answers match")
     assert browser.run("[...document.querySelectorAll('#tables img')].every(i => i.complete && i.naturalWidth > 0)")
+
+
+@pytest.mark.slow
+def test_a_ruler_cell_stores_its_expected_answers_and_the_page_shows_them(tmp_path):
+    """A RULER cell measured now (the bundled model, 1024 tokens, 2 prompts of one task) keeps each
+    prompt's expected answers (lm-eval's doc `outputs`), and the page's data carries them."""
+    from lcx.presets import resolve
+    from lcx.report.config import ReportConfig
+    from lcx.report.ruler import run_ruler_cell
+
+    cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla",), lengths=(1024,), tasks=("ruler",),
+                       ruler_tasks=("niah_single_1",), ruler_samples=2)
+    run = resolve("vanilla", "tiny-ret-5m", L0=256, factor=4.0)
+    cell = run_ruler_cell("tiny-ret-5m", run, cfg, 1024)
+    samples = cell["tasks"]["niah_single_1"]["samples"]
+    assert len(samples) == 2
+    for s in samples:
+        assert s["expected"] and all(isinstance(x, str) and x.isdigit() for x in s["expected"])
+        assert s["correct"] == all(x in (s["output"] or "") for x in s["expected"])
+    record = {"config": {"context": 256, "lengths": [1024], "ruler_lengths": [1024], "ruler_tasks": ["niah_single_1"]},
+              "results": {"vanilla": {"lmeval": {}, "ruler": {"1024": cell}}}}
+    assert answers(record)["cols"]["x"] == [s["expected"] for s in samples]

@@ -12,9 +12,10 @@ task, depth, right/wrong and kind of miss in plain JavaScript. The answers come 
 
 Expected values. A passkey sample stores its key (`eval_tasks/passkey/data.py` draws it from
 `random.Random(f"{seed}:{sample}:{depth}")`; the cell records it), so the page shows it. A RULER
-sample stores its output, score and prompt index only: its expected answers are drawn by lm-eval
-when the task is built and are not in the cell, so the page says "not stored" instead of
-rebuilding the tasks (which needs the model's tokenizer and lm-eval's generators) or guessing.
+sample stores its expected answers (`expected`, lm-eval's doc `outputs`) since 2026-12-07; the
+RULER cells measured before kept only the output, score and prompt index, and for those the page
+says "not stored" instead of rebuilding the tasks (the model's tokenizer and lm-eval's seeded
+generators) or guessing.
 
 Kinds of answer (`passkey_outcome`, `ruler_outcome`; computed here and stored in the page's data,
 so the page only filters on them):
@@ -63,8 +64,9 @@ KIND_HELP = {
     "partial": "RULER: some of the expected answers found (0 < score < 1)",
     "miss": "RULER: none of the expected answers found (score 0)",
 }
-RULER_EXPECTED_NOTE = ("not stored: a RULER cell keeps each prompt's output, score and index; the expected "
-                       "answers are drawn by lm-eval when it builds the task")
+RULER_EXPECTED_NOTE = ("RULER cells measured before 2026-12-07 keep each prompt's output, score and index, not "
+                       "its expected answers (lm-eval draws them when it builds the task): \"not stored\" there "
+                       "rather than rebuilt or guessed")
 PAGE = "index.html"
 _DIGITS = re.compile(r"\d+")  # eval_tasks.common.first_int's pattern
 
@@ -105,7 +107,8 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
     """Every passkey and RULER answer of a report record as columns: `m` method, `L` length, `t`
     task (indices into `methods`, `tasks`), `d` needle depth (passkey; None for RULER), `i` the
     prompt's index (RULER's; a passkey prompt's position in its cell), `o` index into `outputs`
-    (None: not recorded), `x` expected value (None: not stored), `c` 1 right / 0 wrong as
+    (None: not recorded), `x` expected value (passkey: the key; RULER: the list of expected
+    answers; None: not stored), `c` 1 right / 0 wrong as
     scored, `s` score, `k` index into `kinds`, `g` suite (index into `suites`: passkey or RULER);
     `notes`: "method index|task index|length" -> a note on the cell (answers taken from vanilla's). A passkey answer whose stored verdict disagrees with
     `passkey_outcome` raises ValueError (the scoring rule and this page would disagree)."""
@@ -148,7 +151,9 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
                 equivalent.append((m, L, cell))
             for t in sorted(cell["tasks"], key=lambda t: ruler_tasks.index(t) if t in ruler_tasks else len(ruler_tasks)):
                 for smp in cell["tasks"][t].get("samples", []):
-                    add(m, int(L), t, None, int(smp["index"]), smp.get("output"), None, bool(smp["correct"]),
+                    expected = smp.get("expected")  # (cells measured before 2026-12-07 lack it)
+                    add(m, int(L), t, None, int(smp["index"]), smp.get("output"),
+                        None if expected is None else [str(x) for x in expected], bool(smp["correct"]),
                         float(smp["score"]), ruler_outcome(float(smp["score"])))
     for m, L, cell in equivalent:
         eq = cell["equivalent_to"]
@@ -503,7 +508,7 @@ function render() {
     tr.dataset.method = A.methods[c.m[i]];
     td(tr, A.methods[c.m[i]]); td(tr, String(c.L[i]), "num"); td(tr, A.tasks[c.t[i]]);
     td(tr, c.d[i] === null ? "#" + c.i[i] : label("d", c.d[i]) + " #" + c.i[i]);
-    td(tr, c.x[i] === null ? (A.tasks[c.t[i]] === "passkey" ? "—" : "not stored") : c.x[i]);
+    td(tr, c.x[i] === null ? "not stored" : Array.isArray(c.x[i]) ? c.x[i].join(" | ") : c.x[i]);
     const out = td(tr, c.o[i] === null ? "(no output recorded)" : JSON.stringify(A.outputs[c.o[i]]).slice(1, -1), "out");
     const note = A.notes[c.m[i] + "|" + c.t[i] + "|" + c.L[i]];
     if (note) { const s = document.createElement("div"); s.className = "tag"; s.textContent = note; out.append(s); }
@@ -520,7 +525,8 @@ async function main() {
   A = D.answers;
   $("tables").innerHTML = D.tables;
   $("summary").innerHTML = D.summary;
-  $("ruler-note").textContent = A.tasks.some((t) => t !== "passkey") ? "RULER's expected answers: " + A.ruler_expected + "." : "";
+  const unstored = A.cols.x.some((x, i) => x === null && A.tasks[A.cols.t[i]] !== "passkey");
+  $("ruler-note").textContent = unstored ? "Expected answers: " + A.ruler_expected + "." : "";
   buildFilters();
   readHash();
   render();

@@ -107,7 +107,8 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
         for smp in sorted(res["samples"][name], key=lambda s: s["doc_id"]):
             resps = smp.get("filtered_resps") or [None]
             samples.append({"index": smp["doc"]["index"], "score": float(smp[L]), "correct": float(smp[L]) == 1.0,
-                            "prompt_tokens": smp["doc"]["length"], "output": resps[0]})
+                            "prompt_tokens": smp["doc"]["length"], "output": resps[0],
+                            "expected": list(smp["doc"]["outputs"])})  # (cells before 2026-12-07 lack it)
         out["tasks"][name] = {"samples": samples}
     out["tasks"] = {n: out["tasks"][n] for n in cfg.ruler_tasks}
     out["wall_s"] = round(time.perf_counter() - t0, 2)
