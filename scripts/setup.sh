@@ -25,8 +25,10 @@ pip_install -e ".[dev,gemma,ray]"
 # the C++ CPU attention kernel (lcx.kernels.cpu) compiles on first use (~45 s; torch caches the
 # build): compile it now, so the first engine call, test or benchmark does not pay for it
 "$PY" -c "from lcx.kernels.cpu import unavailable; r = unavailable(); print('[setup] CPU kernel:', r or 'built')"
-# tiny-swat-5m is kept as a recipe (#45): restore its committed weights from git's history (seconds),
-# never retrain here (~45 min; `lcx train build tiny-swat-5m` does that where git lacks them)
-"$PY" -m lcx.cli train build tiny-swat-5m --restore-only --no-progress 2>/dev/null \
-  || echo "[setup] tiny-swat-5m not restored (built already, or git lacks its commit): see \`lcx train build --help\`"
+# tiny-swat-5m (#45) and tiny-5m (#74) are kept as recipes: restore their committed weights from git's
+# history (seconds), never retrain here (`lcx train build NAME` does that where git lacks them)
+for m in tiny-swat-5m tiny-5m; do
+  "$PY" -m lcx.cli train build "$m" --restore-only --no-progress 2>/dev/null \
+    || echo "[setup] $m not restored (built already, or git lacks its commit): see \`lcx train build --help\`"
+done
 echo "[setup] done: $("$PY" -c 'import lcx, torch, transformers; print("lcx", lcx.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)')"

@@ -192,9 +192,11 @@ MODELS: dict[str, ModelPreset] = {
             name="tiny-5m",
             format="hf",
             description="lcx's bundled ~5M-parameter Llama trained on Shakespeare + KJV Bible",
-            how_to_get="Create it with `lcx train lm` (see `lcx train lm --help`), which writes "
-                       "lcx/assets/tiny-llama-5m/.",
-            locate=_asset("tiny-llama-5m"),
+            how_to_get="lcx keeps it as a recipe (lcx/assets/tiny-llama-5m/, no weights): build it with "
+                       "`lcx train build tiny-5m` (in a git checkout: the committed weights from git's "
+                       "history, seconds; else retrained from its train_config.json, ~15 min on 2 cores); "
+                       "scripts/setup.sh does it.",
+            locate=_asset_or_built("tiny-llama-5m", "tiny-5m"),
             license="Apache-2.0 (lcx's own weights)",
         ),
         ModelPreset(

@@ -1,8 +1,8 @@
 """`lcx train build NAME`: build a bundled model that the repository keeps as a recipe, not as weights.
 
 The tracked tree must fit a GPU call's payload with 8 MiB to spare (tests/test_packaging.py), so
-of lcx's three trained models two ship their weights (tiny-5m, tiny-ret-5m) and tiny-swat-5m ships
-its recipe: lcx/assets/tiny-swat-5m/ holds its config, tokenizer, the `train_config.json` it was
+of lcx's three trained models one ships its weights (tiny-ret-5m, the report's) and tiny-swat-5m
+(#45) and tiny-5m (#74) ship their recipes: lcx/assets/<dir>/ holds a model's config, tokenizer, the `train_config.json` it was
 trained with, and `weights.json`, the provenance of the weights every committed result used (their
 sha256, and the commit and path where git still holds them). This command puts the model where
 its preset finds it, `$LCX_CACHE_DIR/built/<name>/` (default ~/.cache/lcx), in one of two ways:

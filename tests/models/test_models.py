@@ -164,14 +164,19 @@ def test_non_gguf_file_raises(tmp_path):
         load_model(f)
 
 
-def test_tiny_5m_preset_resolves_inside_the_package():
+def test_tiny_5m_preset_is_a_recipe_built_into_the_cache():
+    """tiny-5m ships its recipe (lcx/assets/tiny-llama-5m/, #74) and loads from its build in the
+    lcx cache (`lcx train build tiny-5m`, which scripts/setup.sh runs)."""
+    from lcx.models.loading import built_dir
+
     preset = MODELS["tiny-5m"]
-    assert preset.path() == Path(lcx.__file__).parent / "assets" / "tiny-llama-5m"
+    assert preset.path() == built_dir("tiny-5m")
+    assert (Path(lcx.__file__).parent / "assets" / "tiny-llama-5m" / "weights.json").is_file()
     if preset.is_present():
         model, _ = load_model("tiny-5m")
         assert model_family(model) == "llama"
     else:
-        with pytest.raises(FileNotFoundError, match="lcx train lm"):
+        with pytest.raises(FileNotFoundError, match="lcx train build tiny-5m"):
             load_model("tiny-5m")
 
 
@@ -206,9 +211,15 @@ needs_smollm2 = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm2_cache(tmp_path_factory):
-    """A fresh cache root for this module (the user's ~/.cache/lcx is never touched)."""
+    """A fresh cache root for this module (the user's ~/.cache/lcx is never touched); the bundled
+    models built from their recipes (`lcx train build`: tiny-5m, tiny-swat-5m) stay visible in it."""
+    from lcx.models.loading import built_dir
+
     mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("lcx-cache")
+    built = built_dir("tiny-5m").parent
+    if built.is_dir():
+        (root / "built").symlink_to(built, target_is_directory=True)
     mp.setenv("LCX_CACHE_DIR", str(root))
     yield root
     mp.undo()
@@ -328,11 +339,11 @@ def test_export_casts_weights_and_keeps_the_tokenizer(tmp_path):
     from lcx.models.cli import export_model
     from lcx.models.loading import MODELS
 
-    src = MODELS["tiny-5m"].path()  # stored compressed (bfloat16): export unpacks it
+    src = MODELS["tiny-ret-5m"].path()  # stored compressed (float16): export unpacks it
     export_model(str(src), str(tmp_path / "m16"), "float16")
     assert (tmp_path / "m16" / "train_config.json").read_text() == (src / "train_config.json").read_text()
     size16 = (tmp_path / "m16" / "model.safetensors").stat().st_size
-    m32, tok = load_model("tiny-5m")
+    m32, tok = load_model("tiny-ret-5m")
     n_params = sum(p.numel() for p in m32.parameters())
     assert 2 * n_params <= size16 < 2 * n_params + 2**16  # 2 bytes per weight + the header
     export_model(str(src), str(tmp_path / "m16xz"), "float16", compress=True)
@@ -387,16 +398,15 @@ def test_compressed_weights_unpack_once_to_the_same_bytes(tmp_path, monkeypatch,
 
 
 def test_bundled_models_load_in_float32_from_compressed_weights():
-    """The bundled models that ship weights store them compressed (tiny-5m in bfloat16, tiny-ret-5m
-    in float16; tiny-swat-5m is a recipe, `lcx train build`: tests/train/test_build.py) and load
-    as float32 by default."""
+    """The bundled model that ships weights stores them compressed (tiny-ret-5m in float16; tiny-5m
+    and tiny-swat-5m are recipes built in bfloat16, `lcx train build`: tests/train/test_build.py)
+    and they load as float32 by default."""
     import torch
 
     from lcx.models import load_model
     from lcx.models.loading import MODELS, is_compressed
 
-    for name in ("tiny-5m", "tiny-ret-5m"):
-        assert is_compressed(MODELS[name].path()), name
+    assert is_compressed(MODELS["tiny-ret-5m"].path())
     model, _ = load_model("tiny-5m")
     p = next(model.parameters())
     assert p.dtype == torch.float32

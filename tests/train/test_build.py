@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = recipes()  # every model kept as a recipe: each gets every test below
 
 
-def test_tiny_swat_is_a_recipe():
-    assert "tiny-swat-5m" in RECIPES
+def test_tiny_swat_and_tiny_5m_are_recipes():
+    assert {"tiny-swat-5m", "tiny-5m"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -45,7 +45,7 @@ def test_an_unbuilt_recipe_names_the_build_command(name, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=f"lcx train build {name}"):
         load_model(name)
     with pytest.raises(ValueError, match="not a model lcx keeps as a recipe"):
-        recipe_dir("tiny-5m")
+        recipe_dir("tiny-ret-5m")  # (ships its weights)
 
 
 def _git_has(prov: dict) -> bool:
