@@ -24,6 +24,11 @@ Cases (`CASES`; each an `lcx.MethodConfig` the engine applies):
   lm_infinite/L0       `lcx.presets` lm_infinite for the shape's L0 (window L0 = 8192: the report's)
   sinks/L0             `lcx.presets` sinks (4 + L0 - 4)
   self_extend          `lcx.presets` self_extend (W = L0 / 4, the smallest G reaching the longest length)
+  dca                  `lcx.presets` dca (Dual Chunk Attention, ChunkLlama's chunk 3 L0 / 4, local L0 / 16):
+                       no decode rule, so the engine keeps unrotated keys and decodes through its
+                       three passes (`fast_path` false); not in the default run (`--cases`)
+  string               `lcx.presets` string (S = 0.33 x the longest length, W = 128, YaRN spec with
+                       STRING's attention factor): a window + side decode rule; not in the default run
 
 The model is the shape's LlamaForCausalLM with random weights (`benchmarks.scale.SHAPES`; no
 download): decode cost does not depend on the weights' values, only on their shapes and on what
@@ -98,6 +103,7 @@ class Case:
     preset: str | None = None
     attention: dict[str, Any] | None = None
     layers: str | None = None  # `MethodConfig.layers` (a hybrid model: "all" = the sliding layers too)
+    default: bool = True  # in a Llama shape's default run (False: only when `--cases` names it)
 
     def method_config(self, L0: int, max_len: int):
         from lcx import MethodConfig, presets
@@ -118,6 +124,8 @@ CASES: tuple[Case, ...] = (
     Case("lm_infinite/L0", preset="lm_infinite"),
     Case("sinks/L0", preset="sinks"),
     Case("self_extend", preset="self_extend"),
+    Case("dca", preset="dca", default=False),  # issue #77: beside vanilla and Self-Extend
+    Case("string", preset="string", default=False),
     Case("lm_infinite/w1024/all", attention={"type": "lm_infinite", "n_global": 10, "n_local": 1024}, layers="all"),
     Case("sinks/w1024/all", attention={"type": "sinks", "n_sink": 4, "window": 1020}, layers="all"),
 )
@@ -139,7 +147,7 @@ DEFAULT_CASES: dict[str, tuple[str, ...]] = {
 
 
 def default_cases(shape: str) -> list[str]:
-    return list(DEFAULT_CASES.get(shape, [c.name for c in CASES if c.layers is None]))
+    return list(DEFAULT_CASES.get(shape, [c.name for c in CASES if c.layers is None and c.default]))
 
 
 def build_model(shape: str, *, layers: int | None, vocab: int | None, seed: int):
