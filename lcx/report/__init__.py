@@ -35,7 +35,7 @@ pair of methods compared prompt by prompt at each length, the paired difference 
 and the exact McNemar p), `passkey_heatmap.png`
 (k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars), `headline.png`
 (the README's first picture: passkey and, with RULER cells, RULER's headline by length),
-`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), and `cells/` — one gzipped JSON per (method, measurement, length)
+`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), `index.html` (the report as one self-contained page: the tables, pictures and every prompt's answer, filterable; `lcx.report.page`, `lcx report --page` writes it alone), and `cells/` — one gzipped JSON per (method, measurement, length)
 (`X.json.gz`; plain `X.json` cells of earlier versions are still read), written atomically as it finishes, plus `cells/run.json`, the run they belong to.
 
 Measure, not replay. A cell records its settings and a fingerprint of what produced its numbers:
