@@ -108,10 +108,11 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
     task (indices into `methods`, `tasks`), `d` needle depth (passkey; None for RULER), `i` the
     prompt's index (RULER's; a passkey prompt's position in its cell), `o` index into `outputs`
     (None: not recorded), `x` expected value (passkey: the key; RULER: the list of expected
-    answers; None: not stored), `c` 1 right / 0 wrong as
-    scored, `s` score, `k` index into `kinds`, `g` suite (index into `suites`: passkey or RULER);
-    `notes`: "method index|task index|length" -> a note on the cell (answers taken from vanilla's). A passkey answer whose stored verdict disagrees with
-    `passkey_outcome` raises ValueError (the scoring rule and this page would disagree)."""
+    answers; None: not stored), `c` 1 right / 0 wrong as scored, `s` score, `k` index into
+    `kinds`, `g` suite (index into `suites`: passkey or RULER); `notes`: "method index|task
+    index|length" -> a note on the cell (answers taken from vanilla's). A passkey answer whose
+    stored verdict disagrees with `passkey_outcome` raises ValueError (the task's scoring rule and
+    this page would disagree)."""
     methods = list(record["results"])
     cfg = record["config"]
     ruler_tasks = list(cfg.get("ruler_tasks") or RULER_TASKS) if cfg.get("ruler_lengths") else []
@@ -121,7 +122,7 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
     where: dict[str, int] = {}
     notes: dict[str, str] = {}
 
-    def add(m: str, L: int, task: str, depth: float | None, i: int, out: str | None, expected: str | None,
+    def add(m: str, L: int, task: str, depth: float | None, i: int, out: str | None, expected: str | list[str] | None,
             correct: bool, score: float, kind: str) -> None:
         if task not in tasks:
             tasks.append(task)
@@ -169,7 +170,7 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def kind_counts(data: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
-    """task group ("passkey" / "RULER") -> method -> length -> kind -> answers, from `answers`."""
+    """suite ("passkey" / "RULER") -> method -> length -> kind -> answers, from `answers`."""
     c = data["cols"]
     out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
     for m, L, t, k in zip(c["m"], c["L"], c["t"], c["k"]):
