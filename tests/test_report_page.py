@@ -175,7 +175,7 @@ def test_markdown_subset():
     md = ("# Title `x<y`\n\nSome **bold** text\nover two lines.\n\n| method | 256 |\n|---|---:|\n| a<b | 0.5 |\n\n"
           "![pic](there.png)\n\n![gone](missing.png)\n\n- **m**: `{}`\n\n```json\n{\"a\": \"<b>\"}\n```\n")
     out = markdown_html(md)
-    assert '<h2 id="r-title-x-y">Title <code>x&lt;y</code></h2>' in out
+    assert '<h1 id="r-title-x-y">Title <code>x&lt;y</code></h1>' in out
     assert "<p>Some <strong>bold</strong> text over two lines.</p>" in out
     assert "<th>method</th><th class=num>256</th>" in out and "<td>a&lt;b</td><td class=num>0.5</td>" in out
     assert '<img src="there.png"' in out and "<li><strong>m</strong>: <code>{}</code></li>" in out
@@ -201,11 +201,18 @@ def test_page_holds_the_tables_the_effective_length_and_every_answer(tmp_path):
     assert data["answers"] == json.loads(json.dumps(answers(read_json(tmp_path / "report.json.gz"))))
     assert "Passkey accuracy by context length" in data["tables"] and '<img src="passkey_heatmap.png"' in data["tables"]
     assert 'id="r-effective-context-length"' in data["tables"] and 'class="bar passkey absolute"' in data["tables"]
+    t = data["tables"]
+    assert t.count("Effective context length</h2>") == 1 and t.count('<h2 id="r-methods-resolved"') == 1
+    assert t.index("Effective context length</h2>") < t.index('class="bar passkey') < t.index('id="r-methods-resolved"')
     assert 'href="#m=vanilla&amp;L=16384&amp;g=passkey&amp;k=prose"' in data["summary"]
-    # the same folder without its README: the tables are rendered from the record
+    # the same folder without its README: the tables are rendered from the record, whose README
+    # has the effective-length section: the bars follow it, and it is there once
     (tmp_path / "README.md").unlink()
-    assert "Passkey accuracy by context length" in _decode(page_html(read_json(tmp_path / "report.json.gz"),
-                                                                     tmp_path))["tables"]
+    t = _decode(page_html(read_json(tmp_path / "report.json.gz"), tmp_path))["tables"]
+    assert "Passkey accuracy by context length" in t
+    assert t.count("Effective context length</h2>") == 1 and t.count('<h2 id="r-methods-resolved"') == 1
+    assert t.index("Effective context length</h2>") < t.index('class="bar passkey') < t.index('id="r-methods-resolved"')
+    assert t.index('class="bar passkey') < t.index("<h2", t.index("Effective context length</h2>"))
 
 
 def test_a_folder_without_a_record_is_refused(tmp_path):

@@ -218,7 +218,7 @@ def markdown_html(text: str, folder: Path | None = None) -> str:
         elif (h := re.match(r"(#{1,4}) (.*)", line)):
             n = len(h.group(1))
             slug = re.sub(r"[^a-z0-9]+", "-", h.group(2).lower()).strip("-")[:40]
-            out.append(f'<h{n + 1} id="r-{slug}">{_inline(h.group(2))}</h{n + 1}>')
+            out.append(f'<h{n} id="r-{slug}">{_inline(h.group(2))}</h{n}>')
             i += 1
         elif (img := re.fullmatch(r"!\[([^\]]*)\]\(([^)\s]+)\)", line.strip())):
             alt, src = img.groups()
@@ -257,9 +257,10 @@ def markdown_html(text: str, folder: Path | None = None) -> str:
     return "\n".join(out)
 
 
-def effective_html(record: dict[str, Any], folder: Path) -> str:
-    """The effective context length: the README's section (`lcx.report.effective`) when the README
-    lacks it, and bars per method (length on a log2 scale) for every (task, threshold)."""
+def effective_html(record: dict[str, Any], folder: Path, *, with_section: bool) -> str:
+    """The effective context length: bars per method (length on a log2 scale) for every (task,
+    threshold), after the README's section (`lcx.report.effective`) if `with_section` (a README
+    written before that section existed)."""
     from .effective import describe, markdown_section, report_effective_lengths
 
     eff = record.get("effective_length") or report_effective_lengths(record)
@@ -278,7 +279,7 @@ def effective_html(record: dict[str, Any], folder: Path) -> str:
         for task, kind in series:
             entry = eff[task]["methods"].get(name, {}).get(kind)
             thr = eff[task]["thresholds"][kind]
-            label = f"{'RULER' if task == 'ruler' else 'passkey'} ≥ {thr:.2f}"
+            label = f"{'RULER' if task == 'ruler' else 'passkey'} ≥ {thr:.3g}"
             if entry is None:
                 continue
             width = 0.0 if entry["length"] is None else 100 * (math.log2(entry["length"]) - lo) / (hi - lo)
@@ -289,8 +290,7 @@ def effective_html(record: dict[str, Any], folder: Path) -> str:
              f'log2 scale from {lengths[0] // 2} to {lengths[-1]} tokens; ≥: every measured length passes, &lt;: '
              "the shortest already fails)</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>")
     text = ""
-    readme = folder / "README.md"
-    if not (readme.is_file() and "## Effective context length" in readme.read_text(encoding="utf-8")):
+    if with_section:
         lines = markdown_section(record)  # (its picture only where the folder has it: the bars draw the same)
         text = markdown_html("\n".join(x for x in lines if "(effective_length.png)" not in x
                                        or (folder / "effective_length.png").is_file()), folder)
@@ -350,8 +350,8 @@ def page_html(record: dict[str, Any], folder: Path) -> str:
     if md.startswith("# "):  # the page's own title says it
         md = md.split("\n", 1)[1] if "\n" in md else ""
     tables = markdown_html(md, folder)
-    eff = effective_html(record, folder)
-    if eff:  # after the README's own section, or before its method list when it has none
+    eff = effective_html(record, folder, with_section="\n## Effective context length" not in md)
+    if eff:  # at the end of the README's own section, or (with its heading) before the method list
         at = tables.find('<h2 id="r-effective-context-length"')
         if at >= 0:
             nxt = tables.find("<h2", at + 4)
@@ -359,8 +359,7 @@ def page_html(record: dict[str, Any], folder: Path) -> str:
         else:
             at = tables.find('<h2 id="r-methods-resolved"')
             at = len(tables) if at < 0 else at
-        tables = tables[:at] + ('<h2 id="r-effective-context-length">Effective context length</h2>'
-                                if "r-effective-context-length" not in tables else "") + eff + tables[at:]
+        tables = tables[:at] + eff + tables[at:]
     payload = {"answers": data, "tables": tables, "summary": summary_html(data)}
     encoding, blob = encode(payload)
     c = record["config"]
