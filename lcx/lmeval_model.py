@@ -120,6 +120,17 @@ def _sampling_params(kwargs: dict[str, Any], max_tokens: int, stop: list[str]) -
         repetition_penalty=float(kwargs.get("repetition_penalty", 1.0)))
 
 
+def _positive_int(name: str, value: int | str) -> int:
+    """A positive integer model_arg (lm-eval passes ints parsed, or the string as typed)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"lcx model: {name} must be a positive integer, got {value!r}")
+    return n
+
+
 def _flag(name: str, value: bool | str) -> bool:
     """A boolean model_arg: lm-eval passes `True`/`False` parsed, or the string as typed."""
     if isinstance(value, bool):
@@ -157,10 +168,9 @@ class LcxLM(HFLM):
     def __init__(self, pretrained: str, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                  revision: str | None = None,
                  prefix_caching: bool | str = True, prefix_cache_mb: float | str | None = None,
-                 **kwargs: Any) -> None:
+                 generation_batch: int | str = 1, **kwargs: Any) -> None:
         import lcx
         from lcx.allocator import reuse_freed_memory
-        from lcx.hf.rope_patch import current_spec
 
         from lcx import truncation
 
@@ -171,6 +181,7 @@ class LcxLM(HFLM):
         pretrained = _with_revision(pretrained, revision)
         dtype = torch.float32 if dtype in (None, "auto") else dtype
         prefix_caching = _flag("prefix_caching", prefix_caching)
+        self.lcx_generation_batch = _positive_int("generation_batch", generation_batch)
         cache_mb = megabytes_or_auto("lcx model: prefix_cache_mb", prefix_cache_mb)
         reuse_freed_memory()  # `lm_eval --model lcx` is a process that runs a model (lcx.allocator)
         model, tokenizer = lcx.load_model(pretrained, dtype=dtype, device=_device(device))
@@ -178,10 +189,11 @@ class LcxLM(HFLM):
         self.lcx_engine = Engine(model, tokenizer, EngineConfig(
             methods=cfg, max_model_len=int(hflm.get("max_length") or DEFAULT_MAX_LENGTH),
             prefix_caching=prefix_caching,
+            **({"max_batch": self.lcx_generation_batch} if self.lcx_generation_batch > 1 else {}),
             **({} if cache_mb is None else {"prefix_cache_bytes": int(cache_mb * (1 << 20))})))
         self.lcx_fit_prefix_cache = cache_mb is None  # auto: the bound holds a cell's longest prompt
         self.lcx_config = cfg
-        self.lcx_spec = current_spec(model)  # the RoPE spec resolved against the model, or None
+        self.lcx_spec = self.lcx_engine.applied.rope  # the RoPE spec apply() resolved against the model, or None
         if cfg.rope is not None:
             log.info("lcx model: %s", cfg.describe())
         self.lcx_attention = cfg.attention.name if cfg.attention is not None else None
@@ -236,7 +248,11 @@ class LcxLM(HFLM):
         Each request goes through HFLM's own code as before and the cache is exact, so the answers
         are the same as in HFLM's order (tests/eval_tasks/test_lmeval_reuse.py); other batch sizes
         keep HFLM's order and batching."""
-        if self.batch_size != 1 or len(requests) < 3 or self.lcx_engine.prefix_cache is None:
+        if self.batch_size != 1 or len(requests) < 2:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        if self.lcx_generation_batch > 1:
+            return self._generate_batched(requests, disable_tqdm)
+        if len(requests) < 3 or self.lcx_engine.prefix_cache is None:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
         from tqdm import tqdm
 
@@ -249,6 +265,42 @@ class LcxLM(HFLM):
             out[i] = super().generate_until([requests[i]], disable_tqdm=True)[0]
         return out
 
+    def _generate_batched(self, requests: list[Any], disable_tqdm: bool) -> list[str]:
+        """`generation_batch=N`: the requests' tokens decoded together, up to N rows a step, then
+        each request through HFLM's own `generate_until` as at batch size 1, its tokens taken from
+        that run. Three passes: (1) plan: each request through HFLM with the engine call recorded
+        instead of run (its prompt ids and sampling parameters; lm-eval's cache hook off, so the
+        journal never sees a planning answer); (2) one `Engine.generate` over every recorded
+        prompt (the engine orders them for its prefix cache and batches their decode steps);
+        (3) replay: each request through HFLM again, its `_model_generate` answered from (2).
+        HFLM's encoding, truncation, stop handling and post-processing are untouched, so the
+        answers are batch size 1's wherever a batched decode step computes the same greedy tokens
+        as a single-row one (tests/eval_tasks/test_lmeval_reuse.py compares them)."""
+        from lm_eval.api.model import CacheHook
+        from tqdm import tqdm
+
+        planned: list[tuple[list[int], SamplingParams]] = []
+        self._lcx_generation_mode = ("plan", planned)
+        hook, self.cache_hook = self.cache_hook, CacheHook(None)
+        try:
+            for r in requests:
+                super().generate_until([r], disable_tqdm=True)
+        finally:
+            self.cache_hook = hook
+            self._lcx_generation_mode = None
+        if self.lcx_fit_prefix_cache:  # prompts reuse each other's prefixes: hold the longest whole
+            self.lcx_engine.fit_prefix_cache(max(len(row) for row, _ in planned))
+        outs = self.lcx_engine.generate([row for row, _ in planned], [params for _, params in planned])
+        answers = {i: o for i, o in enumerate(outs)}
+        self._lcx_generation_mode = ("replay", answers)
+        try:
+            out = [super(LcxLM, self).generate_until([r], disable_tqdm=True)[0]
+                   for r in tqdm(requests, disable=(disable_tqdm or self.rank != 0),
+                                 desc="Running generate_until requests")]
+        finally:
+            self._lcx_generation_mode = None
+        return out
+
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> torch.Tensor:
         """HFLM's generation hook, run by `lcx.engine`: `context` `[B, T]` (left-padded; HFLM passes
@@ -259,7 +311,18 @@ class LcxLM(HFLM):
         mask = generation_kwargs.get("attention_mask")
         rows = context.tolist() if mask is None else [
             [t for t, m in zip(row, keep) if m] for row, keep in zip(context.tolist(), mask.tolist())]
-        outs = self.lcx_engine.generate(rows, params)
+        mode = getattr(self, "_lcx_generation_mode", None)
+        if mode is not None and mode[0] == "plan":  # (one request at a time: record it, answer nothing)
+            mode[1].extend((row, params) for row in rows)
+            return torch.cat((context.cpu(), torch.full((len(rows), 1), pad, dtype=context.dtype)), dim=1)
+        if mode is not None:  # replay: the planned requests' order, one row each
+            answers = mode[1]
+            key = min(answers)
+            outs = [answers.pop(key)]
+            if list(outs[0].prompt_ids) != rows[0]:
+                raise RuntimeError("lcx model: a replayed request's prompt differs from the planned one")
+        else:
+            outs = self.lcx_engine.generate(rows, params)
         width = max(len(o.token_ids) for o in outs)
         cont = torch.full((len(outs), width), pad, dtype=context.dtype)
         for b, o in enumerate(outs):

@@ -10,13 +10,36 @@ from ..presets import PresetRun
 from .config import ReportConfig
 
 
-def lmeval_model(run: PresetRun, cfg: ReportConfig, *, prefix_caching: bool = True) -> Any:
+# Generation: a cell's prompts decode together, as many rows a step as fit GENERATION_BATCH_BYTES of
+# keys and values at the cell's longest sequence (at most MAX_GENERATION_BATCH): the bundled model
+# decodes 16 rows at once, SmolLM2 at 16k one (as before). Answers are batch size 1's
+# (`LcxLM(generation_batch=N)`, tests/eval_tasks/test_lmeval_reuse.py).
+GENERATION_BATCH_BYTES = 1 << 30
+MAX_GENERATION_BATCH = 16
+
+
+def generation_batch(model: str, length: int, dtype: str = "float32") -> int:
+    """Rows a cell at `length` tokens (+ a 256-token answer budget) decodes together."""
+    from ..hf.models import model_shape
+    from .config import model_hf_config
+
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**model_hf_config(model))
+    per_token = model_shape(config).kv_bytes_per_token(2 if dtype in ("bfloat16", "float16") else 4)
+    return max(1, min(MAX_GENERATION_BATCH, GENERATION_BATCH_BYTES // max(1, per_token * (length + 256))))
+
+
+def lmeval_model(run: PresetRun, cfg: ReportConfig, *, prefix_caching: bool = True, length: int | None = None) -> Any:
     """The `lcx` lm-eval model a cell of `run` evaluates (batch size 1: prompts in prefix-reuse
-    order; `prefix_caching=False`: the engine without its prefix cache)."""
+    order; `prefix_caching=False`: the engine without its prefix cache; `length`: the cell's, whose
+    prompts then decode together, `generation_batch`)."""
     from ..lmeval_model import LcxLM
 
+    batch = 1 if length is None else generation_batch(run.model, length, cfg.dtype)
     return LcxLM(pretrained=run.model, batch_size=1, dtype=cfg.dtype, device=cfg.device,
-                 prefix_caching=prefix_caching, **run.config.with_default_backend(cfg.attn_backend).to_flat())
+                 prefix_caching=prefix_caching, generation_batch=batch,
+                 **run.config.with_default_backend(cfg.attn_backend).to_flat())
 
 
 def journal_db(journal: str | Path) -> Path:

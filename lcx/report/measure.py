@@ -32,7 +32,7 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
     came from it (absent: none)."""
     from lm_eval.tasks import TaskManager
 
-    lm = lmeval_model(run, cfg) if lm is None else lm
+    lm = lmeval_model(run, cfg, length=length) if lm is None else lm
     ppl = length in cfg.ppl_lengths if ppl is None else ppl
     meta = {"tokenizer": run.model, "max_seq_lengths": [length], "window_tokens": cfg.ppl_window,
             "depths": list(cfg.depths) if isinstance(cfg.depths, tuple) else cfg.depths,

@@ -84,7 +84,7 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     `journal`: as `lcx.report.measure.run_lmeval_cell`'s (a cell resumes from its last answer)."""
     from .lm import evaluate, lmeval_model
 
-    lm = lmeval_model(run, cfg)
+    lm = lmeval_model(run, cfg, length=length)
     L = str(length)
     out: dict[str, Any] = {"tasks": {}}
     t0 = time.perf_counter()

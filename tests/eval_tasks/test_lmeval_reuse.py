@@ -110,3 +110,49 @@ def test_cache_bound_holds_the_longest_prompt_unless_given():
     for bad in ("-1", "lots", True):
         with pytest.raises(ValueError, match="prefix_cache_mb"):
             LcxLM(pretrained="tiny-ret-5m", prefix_cache_mb=bad)
+
+
+def _passkey_requests(n_gen=12):
+    from lm_eval.api.instance import Instance
+
+    return [Instance("generate_until", doc={}, arguments=(p, {"until": ["\n"], "max_gen_toks": n_gen}), idx=i)
+            for i, p in enumerate(_prompts() + _prompts(keys=(91, 2024, 777777, 5, 3141592)))]
+
+
+def test_generation_batch_answers_as_batch_size_one_and_decodes_together():
+    """`generation_batch=N` (issue #76 item 6): the requests' tokens decoded together, each request
+    then through HFLM's own code: the answers of batch size 1, in fewer decode steps."""
+    from lcx.lmeval_model import LcxLM
+
+    reqs = _passkey_requests(n_gen=24)
+    one = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048)
+    many = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048, generation_batch="8")
+    want = one.generate_until(reqs, disable_tqdm=True)
+    got = many.generate_until(reqs, disable_tqdm=True)
+    assert got == want and len(set(want)) > 1
+    assert many.lcx_engine.stats.decode_steps < 0.5 * one.lcx_engine.stats.decode_steps
+    assert many.lcx_engine.stats.max_batch_size == 8
+
+
+def test_generation_batch_never_journals_a_planning_answer():
+    """The plan pass runs HFLM with lm-eval's cache hook off: the journal holds the real answers only."""
+    from lcx.lmeval_model import LcxLM
+
+    seen = []
+
+    class Hook:
+        def add_partial(self, kind, key, value):
+            seen.append(value)
+
+    lm = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048, generation_batch=4)
+    lm.set_cache_hook(Hook())
+    out = lm.generate_until(_passkey_requests()[:5], disable_tqdm=True)
+    assert seen == out
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "x", 1.5])
+def test_generation_batch_is_checked(bad):
+    from lcx.lmeval_model import LcxLM
+
+    with pytest.raises(ValueError, match="generation_batch must be a positive integer"):
+        LcxLM(pretrained="tiny-ret-5m", generation_batch=bad)
