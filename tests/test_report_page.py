@@ -124,7 +124,7 @@ def _ruler_record(expected: bool) -> dict:
     cell = {"tasks": {"niah_multivalue": {"samples": smp}, "cwe": {"skipped": "no room"}}}
     taken = {**cell, "equivalent_to": {"method": "vanilla", "identity_up_to": 2048, "longest_sequence": 1100,
                                        "checked_prompts": 2}}
-    return {"config": {"context": 256, "lengths": [1024], "ruler_lengths": [1024],
+    return {"config": {"model": "tiny-ret-5m", "context": 256, "lengths": [1024], "ruler_lengths": [1024],
                        "ruler_tasks": ["niah_multivalue", "cwe"]},
             "results": {"vanilla": {"lmeval": {}, "ruler": {"1024": cell}},
                         "wide": {"lmeval": {}, "ruler": {"1024": taken}}}}
@@ -438,3 +438,26 @@ def test_a_ruler_cell_stores_its_expected_answers_and_the_page_shows_them(tmp_pa
     record = {"config": {"context": 256, "lengths": [1024], "ruler_lengths": [1024], "ruler_tasks": ["niah_single_1"]},
               "results": {"vanilla": {"lmeval": {}, "ruler": {"1024": cell}}}}
     assert answers(record)["cols"]["x"] == [s["expected"] for s in samples]
+
+
+def test_page_in_chromium_reads_plain_json_data_and_shows_rulers_expected_answers(browser, tmp_path):
+    """The page's other encoding (compact JSON, `encode` picks it when shorter), on RULER answers
+    that store their expected values: each row shows them; a cell taken from vanilla says so."""
+    (tmp_path / "README.md").write_text("# lcx report · a RULER cell\n\nNo tables here.\n")
+    page = page_html(_ruler_record(expected=True), tmp_path)
+    data = _decode(page)
+    start = page.index('id="lcx-data" data-encoding="')
+    end = page.index("</script>", start)
+    text = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    (tmp_path / "index.html").write_text(page[:start] + 'id="lcx-data" data-encoding="json">' + text + page[end:],
+                                         encoding="utf-8")
+    browser.errors.clear()
+    browser.open((tmp_path / "index.html").as_uri())
+    assert browser.errors == []
+    rows = _rows(browser)
+    assert [r["cells"][4] for r in rows] == ["7 | 8", "7 | 9", "5 | 6"] * 2
+    assert [r["cells"][-1] for r in rows] == ["right", "partial", "miss"] * 2
+    assert [r["cells"][-2] for r in rows] == ["right (1.00)", "wrong (0.50)", "wrong (0.00)"] * 2
+    assert all("taken from vanilla's cell" in r["cells"][5] for r in rows[3:])
+    assert "(no output recorded)" in rows[2]["cells"][5]
+    assert browser.run("document.getElementById('ruler-note').textContent") == ""  # every expected value stored
