@@ -228,18 +228,19 @@ def test_every_committed_report_folder_has_its_current_page(folder):
         f"{page} is not the page of what the folder holds now: python -m lcx.report.page {folder.relative_to(ROOT)}")
 
 
-def test_lcx_report_page_flag_writes_only_the_page(tmp_path):
+def test_lcx_report_page_flag_writes_only_the_page(tmp_path, capsys):
+    """`lcx report --page --out DIR` (in process: the CLI's own entry point) writes DIR/index.html
+    and nothing else; a folder without a record is exit 2 with the reason."""
+    from lcx.cli import main
+
     for f in ("report.json.gz", "README.md"):
         shutil.copy(SMALL / f, tmp_path / f)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    r = subprocess.run(["lcx", "report", "--page", "--out", str(tmp_path)], capture_output=True, text=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert main(["report", "--page", "--out", str(tmp_path)]) == 0
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "index.html"} == before
-    assert (tmp_path / "index.html").stat().st_size > 1000 and "index.html" in r.stdout
-    r = subprocess.run(["lcx", "report", "--page", "--out", str(tmp_path / "none")], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "no report.json.gz" in r.stderr
+    assert (tmp_path / "index.html").stat().st_size > 1000 and "index.html" in capsys.readouterr().out
+    assert main(["report", "--page", "--out", str(tmp_path / "none")]) == 2
+    assert "no report.json.gz" in capsys.readouterr().err
 
 
 # Headless Chromium over the DevTools protocol
