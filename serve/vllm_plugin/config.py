@@ -46,6 +46,7 @@ its own layer type's basis.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -54,6 +55,7 @@ from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
 from lcx.methods import UNROTATED_METHODS, AttentionMethod
 from lcx.rope import PartialRopeSpec, RopeSpec
 
+_log = logging.getLogger(__name__)
 LCX_KEY = "lcx_methods"  # the HF-config attribute (set through hf_overrides) holding the methods
 METHOD_KEYS = ("rope", "attention", "layers")  # the MethodConfig keys vLLM takes (no lcx attention backends)
 
@@ -194,9 +196,32 @@ def is_hybrid(hf_config: Any) -> bool:
     return any(w is not None for w in model_shape(hf_config).windows)
 
 
+def with_config_attention(hf_config: Any, methods: Mapping[str, Any] | MethodConfig | None,
+                          checked: MethodConfig) -> MethodConfig:
+    """`checked` (= `check_vllm_methods(methods)`) with the attention method the model's own config
+    asks for when `methods` name none, as `lcx.load_model` applies it (`lcx.hf.config_attention`:
+    Qwen's `dual_chunk_attention_config` -> Dual Chunk Attention): a DCA model serves with DCA by
+    default, `attention=causal` (folded to no method by `check_vllm_methods`) turns it off."""
+    from lcx.hf.config_attention import config_attention
+
+    if checked.attention is not None or hf_config is None:
+        return checked
+    own = config_attention(hf_config)
+    if own is None or MethodConfig.from_dict(methods).attention is not None:  # none asked, or `causal` given
+        return checked
+    _log.info("the model's config asks for %s: the vLLM plugin runs it (as lcx.load_model does); "
+              "attention=causal turns it off", own.describe())
+    return MethodConfig(rope=checked.rope, attention=own, layers=checked.layers)
+
+
 def methods_from_hf_config(hf_config: Any) -> MethodConfig:
-    """The methods recorded in a (vLLM-loaded) HF config by `hf_overrides`, checked against it."""
-    methods = check_vllm_methods(getattr(hf_config, LCX_KEY, None) or {})
+    """The methods recorded in a (vLLM-loaded) HF config by `hf_overrides`, checked against it;
+    a config without them (the lcx class run without lcx's overrides) runs the attention method
+    its own config asks for (`with_config_attention`)."""
+    recorded = getattr(hf_config, LCX_KEY, None)
+    methods = check_vllm_methods(recorded or {})
+    if recorded is None:
+        methods = with_config_attention(hf_config, {}, methods)
     w = sliding_window(methods)
     got_w = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
@@ -248,6 +273,10 @@ def hf_overrides(hf_config: Any, methods: Mapping[str, Any] | MethodConfig | Non
     - `max_position_embeddings` raised to `max_model_len` when that is longer (vLLM derives its
       length limit from it and sizes the rotary cache with it);
     - `sliding_window` + `layer_types` for a sliding-window method.
+
+    A model whose config asks for an attention method (Qwen's `dual_chunk_attention_config`)
+    runs it when `methods` name no attention method (`with_config_attention`); the model class
+    then builds vLLM's family class without vLLM's own dual-chunk modules (`.model.LcxMethods`).
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
     lcx_archs = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
@@ -256,7 +285,7 @@ def hf_overrides(hf_config: Any, methods: Mapping[str, Any] | MethodConfig | Non
         why = f" ({mt}: {LEFT_OUT[mt]}, left out of lcx's families)" if mt in LEFT_OUT else ""
         why += "".join(f" ({a}: {VLLM_LEFT_OUT[a]})" for a in archs if a in VLLM_LEFT_OUT)
         raise ValueError(f"the vLLM plugin supports architectures {sorted(ARCHITECTURES)}; the model has {archs}{why}")
-    methods = check_vllm_methods(methods, hf_config)
+    methods = with_config_attention(hf_config, methods, check_vllm_methods(methods, hf_config))
     out: dict[str, Any] = {"architectures": lcx_archs[:1], LCX_KEY: methods.to_dict()}
     max_pos = getattr(hf_config, "max_position_embeddings", None)
     if max_model_len is not None and (max_pos is None or max_model_len > max_pos):
@@ -350,4 +379,4 @@ def layer_plans(hf_config: Any, methods: MethodConfig) -> list[LayerPlan]:
 __all__ = ["ARCHITECTURES", "FAMILIES", "LCX_KEY", "LayerPlan", "NATIVE_METHODS", "UNROTATED_METHODS", "VllmFamily", "VLLM_LEFT_OUT",
            "check_vllm_methods", "hf_overrides", "is_hybrid", "keys_rotated", "layer_plans", "methods_from_hf_config",
            "needs_unrotated", "own_rope_spec", "rope_spec", "runs_lcx_attention", "sliding_window",
-           "windows_by_config"]
+           "windows_by_config", "with_config_attention"]

@@ -31,6 +31,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
+from lcx.methods.dca import HF_CONFIG_KEY as DCA_CONFIG_KEY
 from lcx.rope import RopeSpec, compute_inv_freq, rope_cos_sin
 
 from .config import FAMILIES, LayerPlan, layer_plans, methods_from_hf_config
@@ -140,7 +141,14 @@ class LcxMethods:
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
         # Validate once, before any layer is built: a bad config fails with lcx's message.
-        methods = methods_from_hf_config(vllm_config.model_config.hf_config)
+        hf_config = vllm_config.model_config.hf_config
+        methods = methods_from_hf_config(hf_config)
+        # Qwen's `dual_chunk_attention_config` (read above: DCA is lcx's method here, in `methods`
+        # unless `attention=causal` turned it off) must not reach vLLM's own family class, which
+        # would build its dual-chunk rotary and pass the config to `Attention` (V0's DCA backend,
+        # gone from the V1 engine; on the CPU its rotary asks for an accelerator and fails).
+        if getattr(hf_config, DCA_CONFIG_KEY, None) is not None:
+            setattr(hf_config, DCA_CONFIG_KEY, None)
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.lcx_plans = install_methods(self, vllm_config, methods)
         self.lcx_methods = methods

@@ -111,6 +111,11 @@ CASES = _cases()
 # plugin computes right, alone and composed, is tests/serve/test_vllm.py's parity grid, in one
 # worker process); every config with LCX_VLLM_FULL_MATRIX=1
 VLLM_SERVED = ("rope+attention", "methods-json")
+# Dual Chunk Attention and STRING (issue #77: every entry point, `lcx serve` on both engines): the
+# CLI entry points in the slow tier as LM-Infinite's, and served by vLLM in its tier (DCA on the
+# unrotated layout, STRING on keys cached after RoPE)
+ISSUE_77 = ("attention-dca", "attention-string")
+VLLM_SERVED += ISSUE_77
 DEFAULT_APP = [c for c in CASES if not c.startswith("preset-") or c == f"preset-{REPRESENTATIVE_PRESET}"]
 ENTRY_POINTS = ("app", "serve", "serve-no-engine-process", "lm_eval", "eval-ppl", "report")
 
@@ -127,7 +132,7 @@ def _tier(case: str, entry: str) -> str | None:
     if entry != "serve-no-engine-process" and case == "rope+attention":
         # through `lcx serve` by default (in process: above); the other CLIs (a subprocess each, 10-30 s) slow
         return "default" if entry == "serve" else "slow"
-    if (entry == "serve" and case in SLOW_SERVED) or case in ("rope-yarn", "attention-lm_infinite"):
+    if (entry == "serve" and case in SLOW_SERVED) or case in ("rope-yarn", "attention-lm_infinite") + ISSUE_77:
         return "slow"
     return "slow" if os.environ.get("LCX_FULL_SERVE_MATRIX") == "1" else None
 

@@ -18,6 +18,13 @@ logprobs equal lcx's `Engine`'s within 1e-4 (float32) on prompts of 2-1000 token
 decode (paged cache, one query a step) gives the engine's tokens, and the method changes the
 longest prompt's logprobs against plain vLLM (so the check can fail). The layout each method
 takes is checked without vLLM (default tier).
+
+A model whose config.json carries Qwen's `dual_chunk_attention_config` (a random-weight Qwen2
+directory, no hub): vLLM 0.32's own Qwen2 class builds V0's dual-chunk rotary from it and fails
+on the CPU ("Cannot access accelerator device"); through the plugin it serves with DCA by
+default, as `lcx.load_model` loads it (`with_config_attention`; the key is kept from vLLM's
+class), with a RoPE spec and no attention method still DCA, and `attention=causal` plain causal
+attention: each equal to lcx's engine on the model as `lcx.load_model` loads it.
 """
 
 from __future__ import annotations
@@ -52,6 +59,50 @@ CASES = {
 }
 # the cache layout the plugin picks for each (True: keys cached after RoPE, re-rotated by the rule)
 ROTATED = {"dca_preset": False, "dca_w_ge_c": False, "string_preset": True, "string_overlap": False}
+
+
+# A Qwen2 directory whose config asks for DCA (chunk_size 40, local window 8: chunks of 32): what each methods
+# config serves in vLLM, and the lcx engine config it must equal (on the model as lcx loads it)
+QWEN_DCA = {"chunk_size": 40, "local_size": 8, "original_max_position_embeddings": 256}
+QWEN_CASES = {"qwen2_dca:as_loaded": {}, "qwen2_dca:causal": {"attention": {"type": "causal"}},
+              "qwen2_dca:yarn": {"rope": {"rope_type": "yarn", "factor": 2}}}
+
+
+def _qwen2_dca_dir(out: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from lcx.hf.models import tiny_model
+    from lcx.models import resolve_source
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tiny_model("qwen2", head_dim=HEAD_DIM, hidden_size=4 * HEAD_DIM, vocab_size=4096, bos_token_id=0,
+                           eos_token_id=1, pad_token_id=2, max_position_embeddings=L0)
+    model.config.dual_chunk_attention_config = dict(QWEN_DCA)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(resolve_source(MODEL)[1]).save_pretrained(out)
+    return out
+
+
+def test_config_dca_resolved_for_vllm(tmp_path):
+    """The overrides carry DCA from a model's `dual_chunk_attention_config` when no attention
+    method is given (with a RoPE spec too), nothing with `attention=causal`, and a method given."""
+    from transformers import AutoConfig
+
+    from lcx.serve.vllm_plugin import hf_overrides
+    from lcx.serve.vllm_plugin.config import methods_from_hf_config
+
+    config = AutoConfig.from_pretrained(_qwen2_dca_dir(tmp_path / "q"))
+    dca_dict = {"type": "dca", "chunk_size": 40, "local_size": 8}
+    assert hf_overrides(config, None)["lcx_methods"] == {"attention": dca_dict}
+    assert hf_overrides(config, {})["lcx_methods"] == {"attention": dca_dict}
+    assert hf_overrides(config, {"attention": {"type": "causal"}})["lcx_methods"] == {}
+    yarn = hf_overrides(config, {"rope": {"rope_type": "yarn", "factor": 2}})["lcx_methods"]
+    assert yarn["attention"] == dca_dict and yarn["rope"]["rope_type"] == "yarn"
+    sinks = {"type": "sinks", "n_sink": 2, "window": 8}
+    assert hf_overrides(config, {"attention": sinks})["lcx_methods"] == {"attention": sinks}
+    # the lcx class run without lcx's overrides (no lcx_methods in the config): the config's DCA
+    assert methods_from_hf_config(config).attention.to_dict() == dca_dict
 
 
 def test_presets_are_the_scale_this_module_claims():
@@ -106,10 +157,18 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(model_dir, prompts, tmp_path_factory, vllm_python) -> dict[str, dict]:
+def qwen_dir(tmp_path_factory) -> Path:
+    return _qwen2_dca_dir(tmp_path_factory.mktemp("qwen2-dca") / "model")
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(model_dir, qwen_dir, prompts, tmp_path_factory, vllm_python) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("vllm-dca-string")
+    qwen = qwen_dir
     cases = {"plain": {"model": str(model_dir), "methods": None},
-             **{n: {"model": str(model_dir), "methods": d} for n, d in CASES.items()}}
+             **{n: {"model": str(model_dir), "methods": d} for n, d in CASES.items()},
+             **{n: {"model": str(qwen), "methods": d} for n, d in QWEN_CASES.items()},
+             "qwen2_dca:plain_vllm": {"model": str(qwen), "methods": None}}
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     args = ["--cases", str(tmp / "cases.json"), "--prompts", str(tmp / "prompts.json"),
@@ -142,3 +201,40 @@ def test_vllm_equals_lcx_engine(name, model_dir, prompts, vllm_runs):
     assert [case["generated"][i] for i in GEN_PROMPTS] == [o.token_ids for o in outs], f"{name}: greedy"
     # the method changes the longest prompt's logprobs: the comparison above can fail
     assert _max_diff(case["logprobs"][-1:], plain["logprobs"][-1:]) > 1e-2
+
+
+def _engine_logprobs_and_greedy(engine, prompts):
+    from lcx.engine import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    lps = [[t.logprob for t in o.prompt_logprobs[1:]] for o in outs]
+    outs = engine.generate([prompts[i] for i in GEN_PROMPTS],
+                           SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True))
+    return lps, [o.token_ids for o in outs]
+
+
+@pytest.mark.vllm
+def test_dca_config_model_serves_with_dca(prompts, qwen_dir, vllm_runs):
+    """The Qwen2 directory with `dual_chunk_attention_config`: plain vLLM cannot load it on the
+    CPU; through the plugin each methods config equals lcx's engine on the model as
+    `lcx.load_model` loads it (DCA applied) with the same methods config, and DCA changes the
+    long prompts' logprobs against `attention=causal` (so the comparison can fail)."""
+    from lcx.engine import Engine, EngineConfig
+    from lcx.models import load_model
+
+    assert "Cannot access accelerator" in vllm_runs["qwen2_dca:plain_vllm"].get("error", ""), \
+        "plain vLLM now loads a dual_chunk_attention_config model: say so in docs/vllm.md"
+    for name, methods in QWEN_CASES.items():
+        case = vllm_runs[name]
+        assert "error" not in case, f"{name}: {case.get('error')}"
+        assert case["overrides"]["lcx_methods"].get("attention", {}).get("type") == \
+            (None if "causal" in name else "dca"), case["overrides"]
+        model, tok = load_model(str(qwen_dir))
+        engine = Engine(model, tok, EngineConfig(max_model_len=MAX_MODEL_LEN, max_batch=1, methods=methods))
+        lps, greedy = _engine_logprobs_and_greedy(engine, prompts)
+        diff = _max_diff(case["logprobs"], lps)
+        print(f"{name}: max |vLLM - Engine| prompt logprob {diff:.1e}")
+        assert diff < TOL, f"{name}: vLLM + plugin vs lcx's Engine ({diff:.2e})"
+        assert [case["generated"][i] for i in GEN_PROMPTS] == greedy, f"{name}: greedy"
+    as_loaded, causal = vllm_runs["qwen2_dca:as_loaded"], vllm_runs["qwen2_dca:causal"]
+    assert _max_diff(as_loaded["logprobs"][-2:], causal["logprobs"][-2:]) > 1e-2
