@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .rope import PartialRopeSpec, RopeSpec
-from .rope.spec import _IGNORED_HF_KEYS
+from .rope.spec import IGNORED_HF_KEYS
 
 NESTED_KEYS = ("rope", "attention", "backend", "decode_backend", "layers")
 # The attention backend inference front ends default to (lm-eval's `lcx` model, `lcx eval ppl`,
@@ -50,7 +50,8 @@ INFERENCE_BACKEND = "flash"
 FLAT_BACKEND_KEYS = {"attn_backend": "backend", "attn_decode_backend": "decode_backend", "attn_layers": "layers"}
 ROPE_KEYS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
 # what a flat HF-style rope dict may hold besides RopeSpec's keys (legacy `type`, model keys)
-_FLAT_ROPE_KEYS = ROPE_KEYS | {"type"} | _IGNORED_HF_KEYS
+FLAT_ROPE_KEYS = ROPE_KEYS | {"type"} | IGNORED_HF_KEYS
+_FLAT_ROPE_KEYS = FLAT_ROPE_KEYS  # (the name lcx.serve.vllm_plugin.config imports)
 
 
 def _attention_classes() -> dict[str, type]:
@@ -134,7 +135,7 @@ class MethodConfig:
         if not isinstance(d, Mapping):
             raise ValueError(f"a method config must be a mapping, got {type(d).__name__}")
         d = dict(d)
-        if d and not set(d) & set(NESTED_KEYS) and set(d) <= _FLAT_ROPE_KEYS:
+        if d and not set(d) & set(NESTED_KEYS) and set(d) <= FLAT_ROPE_KEYS:
             return cls(rope=d)  # a flat HF-style rope dict
         unknown = sorted(set(d) - set(NESTED_KEYS))
         if unknown:
@@ -242,25 +243,18 @@ class MethodConfig:
         return None if self.rope is None else self.rope.resolve(model_config)
 
     def context_len(self, model_config: Any) -> int | None:
-        """The context this config implies for a model: L x factor for a RoPE spec with a factor
-        (the spec resolved against the model: L is its original_max_position_embeddings, else
-        the model's max_position_embeddings); then, for an attention method that lengthens the
-        context it is given (Self-Extend: `AttentionMethod.context_len`), the length it reaches
-        from that one (or from the model's max_position_embeddings); None when nothing here
-        changes the model's length. The one place lcx computes it (the engine's default
-        `max_model_len`, `lcx serve` on either engine, the vLLM plugin's `max_model_len`)."""
-        context = None
-        if self.rope is not None:
-            spec = self.rope_spec(model_config)
-            if spec.factor is not None:
-                L = spec.original_max_position_embeddings or getattr(model_config, "max_position_embeddings", None)
-                context = int(L * spec.factor) if L else None
-        if self.attention is not None:
-            trained = context or getattr(model_config, "max_position_embeddings", None)
-            reach = self.attention.context_len(int(trained)) if trained else None
-            if reach is not None:
-                context = reach
-        return context
+        """The context this config extends a model to (`lengths(model_config).extended`): L x
+        factor for a RoPE spec with a factor, then as far as an attention method that lengthens
+        the context reaches (Self-Extend); None when nothing here changes the model's length."""
+        return self.lengths(model_config).extended
+
+    def lengths(self, model_config: Any) -> Any:
+        """The context lengths this config implies for the model of `model_config` (an HF config),
+        without a model: the same computation as `apply`'s record (`Applied.lengths`), for a
+        front end that has only the config (`lcx serve --engine vllm`, the vLLM plugin)."""
+        from .hf.applied import context_lengths
+
+        return context_lengths(self.attention, self.rope_spec(model_config), model_config)
 
     @property
     def kv_window(self) -> tuple[int, int] | None:
@@ -312,59 +306,29 @@ class MethodConfig:
         return ", ".join(p for p in parts if p) or "the model as loaded"
 
     # ------------------------------------------------------------------ applying
-    def apply(self, model: Any) -> "Applied":
-        """Patch `model` in place (RoPE, then attention); returns a handle whose `restore()`
-        (or leaving it as a context manager) puts back what the model ran before.
+    def apply(self, model: Any) -> Any:
+        """Patch `model` in place (RoPE, then attention) and return what was done: an `Applied`
+        record (the resolved RoPE spec, the context lengths, what each layer runs, its window and
+        RoPE basis, the backends) that front ends read instead of reading the model back. Its
+        `restore()` (or leaving it as a context manager) puts back what the model ran before.
 
         The RoPE spec is resolved here, once, against the model as loaded
-        (`lcx.hf.rope_patch.resolve_rope`: on Gemma 3 its global layers' RoPE)."""
+        (`lcx.hf.rope_patch.resolve_rope`: on Gemma 3 its global layers' RoPE; L from
+        `lcx.rope.spec.model_rope_parameters`, the one place a model's L is read)."""
+        from .hf.applied import applied_record, context_lengths
         from .hf.attention_patch import DEFAULT_BACKEND, current_patch, patch_attention
-        from .hf.rope_patch import current_spec, patch_rope, resolve_rope
+        from .hf.rope_patch import current_spec, loaded_config, patch_rope, resolve_rope
 
         spec = resolve_rope(model, self.rope) if self.rope is not None else None
-        handle = Applied(model, current_spec(model) if spec is not None else None, current_patch(model),
-                         spec is not None, self.attention is not None)
+        undo = (current_spec(model) if spec is not None else None, current_patch(model),
+                spec is not None, self.attention is not None)
+        lengths = context_lengths(self.attention, spec, loaded_config(model))  # (before patch_rope rewrites it)
         if spec is not None:
             patch_rope(model, spec)
         if self.attention is not None:
             patch_attention(model, self.attention, backend=self.backend or DEFAULT_BACKEND,
                             decode_backend=self.decode_backend, layers=self.layers or "global")
-        return handle
-
-
-class Applied:
-    """What `MethodConfig.apply` changed on a model, and how to undo it."""
-
-    def __init__(self, model: Any, prev_rope: Any, prev_attention: Any, rope: bool, attention: bool):
-        self.model, self._prev_rope, self._prev_attention = model, prev_rope, prev_attention
-        self._rope, self._attention, self._done = rope, attention, False
-
-    def restore(self) -> Any:
-        if self._done:
-            return self.model
-        from .hf.attention_patch import patch_attention, unpatch_attention
-        from .hf.rope_patch import patch_rope, unpatch_rope
-
-        if self._attention:
-            if self._prev_attention is None:
-                unpatch_attention(self.model)
-            else:
-                p = self._prev_attention
-                patch_attention(self.model, p.method, backend=p.backend, decode_backend=p.decode_backend,
-                                layers=p.layers)
-        if self._rope:
-            if self._prev_rope is None:
-                unpatch_rope(self.model)
-            else:
-                patch_rope(self.model, self._prev_rope)
-        self._done = True
-        return self.model
-
-    def __enter__(self) -> Any:
-        return self.model
-
-    def __exit__(self, *exc: Any) -> None:
-        self.restore()
+        return applied_record(self, model, spec, lengths, undo)
 
 
 # ---------------------------------------------------------------------- lcx.patch & co
@@ -386,7 +350,7 @@ def unpatch(model: Any) -> Any:
     return unpatch_rope(model)
 
 
-def patched(model: Any, cfg: "MethodConfig | Mapping[str, Any] | RopeSpec | None") -> "Applied":
+def patched(model: Any, cfg: "MethodConfig | Mapping[str, Any] | RopeSpec | None") -> Any:
     """Context manager: apply on entry (nothing for None), the previous state on exit."""
     return MethodConfig.from_dict(cfg).apply(model)
 
@@ -503,5 +467,15 @@ def method_config_from_args(args: argparse.Namespace) -> MethodConfig:
     return dataclasses.replace(cfg, **parts) if parts else cfg
 
 
-__all__ = ["Applied", "MethodConfig", "add_method_arguments", "attention_keys",
+def __getattr__(name: str) -> Any:
+    # `apply`'s record and its lengths live in the HF adapter (`lcx.hf.applied`), imported lazily:
+    # the flags and formats here need no torch
+    if name in ("Applied", "ContextLengths"):
+        from .hf import applied
+
+        return getattr(applied, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Applied", "ContextLengths", "MethodConfig", "add_method_arguments", "attention_keys",
            "method_config_from_args", "parse_flat", "patch", "patched", "unpatch"]

@@ -1,7 +1,9 @@
 """The server's `max_model_len` when `--max-model-len` is not given: what the method allows.
 
     vanilla (no method, or an unbounded one)   the model's context L0 (max_position_embeddings)
-    RoPE scaling with a factor s                L0 x s (`MethodConfig.context_len`)
+    RoPE scaling with a factor s                L x s, L the spec's (`MethodConfig.lengths`: the
+                                                lengths `MethodConfig.apply` records; Phi-3: L is
+                                                its original_max_position_embeddings)
     an attention method that lengthens the      what it reaches from the context above (Self-Extend:
     context (`AttentionMethod.context_len`)     G * (L - W + floor(W / G)); `MethodConfig.context_len`)
     an attention method whose queries see a     what memory allows: one prompt of that many tokens
@@ -68,12 +70,12 @@ def default_length(model_config: Any, methods: MethodConfig, *, dtype_bytes: int
     `bounded`: the memory rule decided (an attention method with a bounded cache). `memory`:
     bytes available (default: `available_memory(device)`, read only for a bounded method)."""
     cfg = model_config
-    L0 = int(cfg.max_position_embeddings)
-    context = methods.context_len(cfg)
-    if context is not None:
-        base, how = context, f"{methods.describe()} extends the model's context (max_position_embeddings {L0}) to {context}"
+    lengths = methods.lengths(cfg)  # the lengths `MethodConfig.apply`'s record carries (`lcx.hf.applied`)
+    L0, base = lengths.model, lengths.context
+    if lengths.extended is not None:
+        how = f"{methods.describe()} extends the model's context (max_position_embeddings {L0}) to {base}"
     else:
-        base, how = L0, f"the model's context (max_position_embeddings {L0})"
+        how = f"the model's context (max_position_embeddings {L0})"
     eff = effective_methods(cfg, methods)
     if eff.kv_window is None:
         return base, how + "; --max-model-len overrides it", False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def _hf_cache(keys: list[torch.Tensor], values: list[torch.Tensor]):
+def hf_cache(keys: list[torch.Tensor], values: list[torch.Tensor]):
     """An HF `DynamicCache` whose layers hold these tensors (no copy; HF's update concatenates)."""
     from transformers.cache_utils import DynamicCache
 

@@ -13,15 +13,18 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from .batch import _hf_cache
+from .batch import hf_cache
 from .detok import Detokenizer, find_stop, stable_end
 from .kv import CacheLayout, KVLayout, ModelKV
 from .prefix import PrefixCache, RowKV, reuse_refusal, stack_rows
 from ..hf.head import check_head, head_logits
+from ..hf.attention_patch import loaded_windows
 from ..hf.recorded import recorded_method
+from ..hf.rope_patch import static_rope_bases
 from ..method_config import INFERENCE_BACKEND, MethodConfig
-from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, _collect
-from .params import DEFAULT_PREFIX_CACHE_BYTES, ContextLengthError, EngineConfig, SamplingParams, _is_int
+from ..rope import ROPE_TYPES
+from .outputs import EngineStats, RequestOutput, StepEvent, TokenLogprob, collect_output
+from .params import DEFAULT_PREFIX_CACHE_BYTES, ContextLengthError, EngineConfig, SamplingParams, is_int
 from .sampling import greedy_and_logprobs, logprob_rows, sample
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: EngineConfig | None = None):
         from ..hf import check_model_type, decoder
-        from ..hf.rope_patch import current_spec
+        from ..hf.attention_patch import DEFAULT_BACKEND, current_patch
 
         config = config or EngineConfig()
         check_model_type(model, "lcx.engine")
@@ -94,53 +97,50 @@ class Engine:
         if methods.attention is None:
             # none asked for, and the model arrives patched (`lcx.load_model` applies what its
             # config asks for, e.g. DCA: `lcx.hf.config_attention`): the engine runs that method
-            from ..hf.attention_patch import DEFAULT_BACKEND, current_patch
-
             ran = current_patch(model)
             if ran is not None:  # (its backends kept unless the patch's default: then the fast one)
                 methods = dataclasses.replace(methods, attention=ran.method, layers=ran.layers,
                                               backend=None if ran.backend == DEFAULT_BACKEND else ran.backend,
                                               decode_backend=ran.decode_backend)
         methods = methods.with_default_backend(INFERENCE_BACKEND)
-        context = methods.context_len(model.config)  # before the patch changes the model's rope
-        methods.apply(model)
-        own = recorded_method(model) if methods.attention is None else None
-        recorded = own is not None
-        if recorded:
-            # none asked for: the model's own attention method, when its config records one (a
-            # model trained with it, e.g. SWAT), bounded like one asked for (not applied: the
-            # model already runs it, per row on `lcx_key_positions` like a patched model)
-            methods = dataclasses.replace(methods, attention=own.attention, backend=own.backend,
-                                          decode_backend=own.decode_backend)
-        elif methods.attention is None and _static_bases(model) is not None:
+        if methods.attention is None and recorded_method(model) is None and (
+                static_rope_bases(model) is not None if methods.rope is None
+                else not ROPE_TYPES[methods.rope.rope_type].length_dependent):
             # a hybrid local/global model as loaded (Gemma 3), exactly, on lcx's fastest exact
             # backend: the sliding layers their own window in O(T * w) instead of transformers'
             # masked O(T^2) pass, the global layers causal (`lcx.hf.attention_patch.as_loaded_method`;
             # only for a static RoPE basis: HF's length-dependent rope rotates each key once, at
             # the basis of the call that computed it, which an attention method does not)
-            from ..hf.attention_patch import as_loaded_method, patch_attention
+            from ..hf.attention_patch import as_loaded_method
 
             fast = as_loaded_method(model, INFERENCE_BACKEND)
             if fast is not None:
-                patch_attention(model, fast, backend=INFERENCE_BACKEND, layers="global")
                 methods = dataclasses.replace(methods, attention=fast, backend=INFERENCE_BACKEND, layers="global")
-        if methods.attention is not None and not recorded:
-            # the backend the patch runs (a soft-capping model's calls go to one that can cap them:
-            # `lcx.hf.attention_patch.patch_attention`), so the engine states what it runs
-            from ..hf.attention_patch import DEFAULT_BACKEND, current_patch
-
-            ran = current_patch(model)
-            if ran is not None and (ran.backend, ran.decode_backend) != (methods.backend or DEFAULT_BACKEND,
-                                                                         methods.decode_backend):
-                methods = dataclasses.replace(methods, backend=ran.backend, decode_backend=ran.decode_backend)
+        # what was applied, resolved once (`lcx.hf.applied.Applied`): the RoPE spec, the lengths,
+        # what each layer runs, its window and RoPE basis, the backends the patch runs
+        self.applied = applied = methods.apply(model)
+        recorded = applied.recorded is not None
+        if recorded:
+            # none asked for: the model's own attention method, when its config records one (a
+            # model trained with it, e.g. SWAT), bounded like one asked for (not applied: the
+            # model already runs it, per row on `lcx_key_positions` like a patched model)
+            own = applied.recorded
+            methods = dataclasses.replace(methods, attention=own.attention, backend=own.backend,
+                                          decode_backend=own.decode_backend)
+        elif methods.attention is not None and (applied.backend, applied.decode_backend) != (
+                methods.backend or DEFAULT_BACKEND, methods.decode_backend):
+            # the backends the patch runs where they are not those asked for (a soft-capping
+            # model's calls go to one that can cap them: `lcx.hf.attention_patch.patch_attention`),
+            # so the engine states what it runs
+            methods = dataclasses.replace(methods, backend=applied.backend, decode_backend=applied.decode_backend)
         # what the engine runs: the config applied, plus the attention method the model records
         self.methods: MethodConfig = methods
         self._recorded = recorded
         # what each layer runs (the method, a hybrid model's own windows), its cache layout, and
         # the union of the layers' windows (what a row's held KV keeps between prefill calls)
-        self._layer_methods = _layer_methods(model, methods, recorded)
-        self._rope_spec = current_spec(model)  # what methods.apply left (None: the model's own RoPE)
-        self.cache_layout: KVLayout = _kv_layout(model, methods, self._layer_methods, recorded)
+        self._layer_methods = list(applied.layer_methods)
+        self._rope_spec = applied.rope
+        self.cache_layout: KVLayout = _kv_layout(model, applied, methods.decode_backend)
         self._hook = self.cache_layout.rotated and methods.attention is None
         # a model as loaded with sliding-window layers that `as_loaded_method` leaves as loaded
         # (Mistral's one window; a hybrid such as Gemma 3 under a length-dependent RoPE): for every
@@ -156,7 +156,7 @@ class Engine:
             from ..hf.attention_patch import install_decode_hook
 
             install_decode_hook(model)  # decode steps (rotated layout) and `loaded_rows` calls
-        self.max_model_len = int(config.max_model_len or context or model.config.max_position_embeddings)
+        self.max_model_len = int(config.max_model_len or applied.context_len)
         # attention methods run per row on the row's own keys (`lcx_key_positions`), not on a mask
         self._row_attention = methods.attention is not None
         p = next(model.parameters())
@@ -174,11 +174,11 @@ class Engine:
         self._waiting: list[_Seq] = []
         self._prefilling: list[_Seq] = []  # admitted, prompt partly prefilled (chunked prefill)
         # prefix reuse and chunked prefill (`lcx.engine.prefix`): why not, or None
-        self.prefix_cache_refusal: str | None = reuse_refusal(methods, _static_bases(model) is not None)
-        self._window = _union_window([_kv_window(m) for m in self._layer_methods])
+        self.prefix_cache_refusal: str | None = reuse_refusal(methods, applied.bases is not None)
+        self._window = applied.kv_window
         # an unpatched model with its own sliding windows: a prefill continuing from held KV
         # gets masks built from positions per layer type (HF's mask slots by index)
-        self._own_windows = _loaded_windows(model) if methods.attention is None else None
+        self._own_windows = loaded_windows(model) if methods.attention is None else None
         self._chunkable = self.prefix_cache_refusal is None and not (
             methods.attention is not None and methods.attention.last_query_extra)
         self.prefix_cache: PrefixCache | None = None
@@ -205,10 +205,8 @@ class Engine:
         the nested form, the RoPE spec resolved against the model, and the per-row KV window
         (`[n_first, n_recent]` covering every layer's: on Gemma 3 the sliding layers' 512 too;
         None: some layer keeps every key)."""
-        from ..hf.rope_patch import current_spec
-
         d = self.methods.to_dict()
-        spec = current_spec(self.model)
+        spec = self.applied.rope
         if spec is not None:
             d["rope"] = spec.to_dict()
         window = self._window
@@ -246,7 +244,7 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt_ids if not _is_int(t) or not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_ids if not is_int(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -266,7 +264,7 @@ class Engine:
         `group`: requests that share it (the n samples of one API call) count as one client in
         the fair scheduler (module docstring); default: the request alone."""
         params = params or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids] if all(_is_int(t) for t in prompt_ids) else list(prompt_ids)
+        prompt_ids = [int(t) for t in prompt_ids] if all(is_int(t) for t in prompt_ids) else list(prompt_ids)
         self.validate(prompt_ids, params)
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -335,7 +333,7 @@ class Engine:
                     continue
                 acc[ev.request_id].append(ev)
                 if ev.finished:
-                    outs[ev.request_id] = _collect(ev.request_id, prompts[ids.index(ev.request_id)],
+                    outs[ev.request_id] = collect_output(ev.request_id, prompts[ids.index(ev.request_id)],
                                                    acc.pop(ev.request_id),
                                                    params[ids.index(ev.request_id)])
         return [outs[i] for i in ids]
@@ -638,7 +636,7 @@ class Engine:
         n_layers = len(self._decoder.layers)
         held_k, held_v, kpos = stack_rows([s.kv for s, _ in work], n_layers, None)
         kpos = kpos.to(self.device)
-        cache = DynamicCache() if held_k is None else _hf_cache(held_k, held_v)
+        cache = DynamicCache() if held_k is None else hf_cache(held_k, held_v)
         pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
         if self._loaded_rows is not None and (held_k is not None or self._whole_prompt_rows):
             # a model as loaded continuing from held keys (or a windowed one, any prefill): per row
@@ -724,7 +722,7 @@ class Engine:
             return self._lm_head(out.last_hidden_state[:, -1])  # [b, V]
         store = store.only  # the general path: one layout on every layer
         keys, values, kpos = store.gathered(p_q)  # [b, Hkv, T, D], [b, T]
-        cache = _hf_cache(keys, values)
+        cache = hf_cache(keys, values)
         kpos = torch.cat([kpos, p_q[:, None]], 1)  # [b, T+1]
         out = self._decoder(input_ids=ids, position_ids=p_q[:, None], past_key_values=cache, use_cache=True,
                             **self._mask_kwargs(kpos >= 0, kpos))
@@ -810,9 +808,7 @@ class Engine:
         """Per layer, (n_first, n_recent): the keys its query sees are among the first n_first and
         the last n_recent (its method's `cache_window`; a layer running its own sliding window w:
         (0, w)), or None: every key."""
-        if self.methods.attention is None:
-            return [None if w is None else (0, w) for w in _loaded_windows(self.model)]
-        return [m.cache_window for m in self._layer_methods]
+        return list(self.applied.layer_windows)
 
     @property
     def layer_kv_cache_bytes(self) -> list[int]:
@@ -887,18 +883,9 @@ class Engine:
         return self._event(s)
 
 
-def _layer_methods(model: nn.Module, methods: MethodConfig, recorded: bool) -> list[Any]:
-    """What each attention layer runs: the patched model's `layer_methods` (a hybrid model's
-    sliding layers: their own window), the recorded method on every layer, or None (unpatched)."""
-    from ..hf import decoder, layer_methods
-
-    if recorded:
-        return [methods.attention] * len(decoder(model).layers)
-    return layer_methods(model) if methods.attention is not None else [None] * len(decoder(model).layers)
-
-
-def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], recorded: bool) -> KVLayout:
-    """The engine's `KVLayout` for a model and the methods its layers run (`lcx.engine.kv`).
+def _kv_layout(model: nn.Module, applied: Any, decode_backend: str | None) -> KVLayout:
+    """The engine's `KVLayout` for a model and what `MethodConfig.apply` ran on it (`applied`,
+    `lcx.hf.applied.Applied`: each layer's method, window and RoPE basis; `lcx.engine.kv`).
 
     The fast path (keys rotated once, per group of layers running the same method on the same
     RoPE basis): unpatched models (every layer as loaded; layers with their own sliding window a
@@ -908,26 +895,26 @@ def _kv_layout(model: nn.Module, methods: MethodConfig, per_layer: list[Any], re
     once would keep an old basis, which an attention method's reference does not do), an explicit
     `decode_backend` asks for the method's own attention, or the method is one a model records
     (it runs its own attention forward)."""
-    from ..hf import decoder
-    from ..hf.attention_patch import current_patch
+    from ..hf.attention_patch import channel_order
     from ..hf.rope_patch import layer_rope_types
 
-    n = len(decoder(model).layers)
-    if methods.attention is None:
+    per_layer = applied.layer_methods
+    n = len(per_layer)
+    if all(m is None for m in per_layer):
         groups: dict[Any, list[int]] = {}
-        for i, w in enumerate(_loaded_windows(model)):
-            groups.setdefault(w, []).append(i)
+        for i, w in enumerate(applied.layer_windows):
+            groups.setdefault(None if w is None else w[1], []).append(i)
         return KVLayout(tuple((CacheLayout.unpatched() if w is None else CacheLayout.own_window(w), tuple(g))
                               for w, g in groups.items()))
-    bases = _static_bases(model)
-    if (recorded or methods.decode_backend is not None or bases is None
+    bases = applied.bases
+    if (applied.recorded is not None or decode_backend is not None or bases is None
             or any(m.decode_rule() is None for m in per_layer)):
         return KVLayout.single(CacheLayout.general(_union_window([m.cache_window for m in per_layer])), n)
     types_ = layer_rope_types(model)
     by_key: dict[Any, list[int]] = {}
     for i, m in enumerate(per_layer):
         by_key.setdefault((m, types_[i]), []).append(i)
-    order = getattr(current_patch(model), "order", None)  # the family's channel layout (lcx.hf.channel_order)
+    order = channel_order(model)  # the family's channel layout (lcx.hf.channel_order)
     return KVLayout(tuple((CacheLayout.for_method(m, basis=bases[g[0]], order=order), tuple(g))
                           for (m, _), g in by_key.items()))
 
@@ -940,7 +927,7 @@ def windowed_rows(model: nn.Module, backend: str = INFERENCE_BACKEND) -> tuple[i
     RoPE, which `as_loaded_method` leaves as loaded, or Mistral's one window."""
     from ..hf.attention_patch import current_patch
 
-    if current_patch(model) is not None or all(w is None for w in _loaded_windows(model)):
+    if current_patch(model) is not None or all(w is None for w in loaded_windows(model)):
         return None
     return _loaded_rows_windows(model, backend)
 
@@ -958,7 +945,7 @@ def windowed_rows_scope(model: nn.Module, input_ids: torch.Tensor,
 
 @contextlib.contextmanager
 def _whole_rows(model: nn.Module, input_ids: torch.Tensor, windows: tuple[int | None, ...], backend: str):
-    from ..hf.attention_patch import _remove_decode_hook, has_decode_hook, install_decode_hook, loaded_rows
+    from ..hf.attention_patch import remove_decode_hook, has_decode_hook, install_decode_hook, loaded_rows
 
     installed = not has_decode_hook(model)
     if installed:
@@ -969,11 +956,11 @@ def _whole_rows(model: nn.Module, input_ids: torch.Tensor, windows: tuple[int | 
             yield
     finally:
         if installed:
-            _remove_decode_hook(model)
+            remove_decode_hook(model)
 
 
 def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ...] | None:
-    """Per layer, the window an unpatched model runs as loaded (`_loaded_windows`), when
+    """Per layer, the window an unpatched model runs as loaded (`lcx.hf.attention_patch.loaded_windows`), when
     `lcx.hf.attention_patch.loaded_rows` can run its prefill calls on `backend` (the backend
     `supports()` them on the model's device, dtype and heads; soft-capped calls, Gemma 2's, on
     `blockwise` where `backend` cannot cap), else None."""
@@ -985,7 +972,7 @@ def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ..
 
     if backend not in BACKENDS:
         return None
-    windows = tuple(_loaded_windows(model))
+    windows = tuple(loaded_windows(model))
     call = model_call_info(model, n_queries=2, n_keys=4, q_offset=2)
     softcap = attention_softcap(model)
     for w in set(windows):
@@ -993,23 +980,6 @@ def _loaded_rows_windows(model: nn.Module, backend: str) -> tuple[int | None, ..
         if BACKENDS[backend_for(backend, spec)].supports(spec, call) is not None:
             return None
     return windows
-
-
-def _loaded_windows(model: nn.Module) -> list[int | None]:
-    """Per layer, the sliding window the model as loaded runs (keys: the query and the w - 1
-    before it, transformers' sliding masks), or None: a hybrid model's sliding layers
-    (`lcx.hf.own_windows`), or every layer of a model with one `sliding_window` for all."""
-    from ..hf import decoder, own_windows
-
-    own = own_windows(model)
-    if any(w is not None for w in own):
-        return own
-    cfg = model.config
-    w = getattr(cfg, "sliding_window", None)
-    types_ = getattr(cfg, "layer_types", None)
-    if not w or not getattr(cfg, "use_sliding_window", True) or (types_ and "sliding_attention" not in types_):
-        return [None] * len(decoder(model).layers)
-    return [int(w)] * len(decoder(model).layers)
 
 
 def _position_masks(model: nn.Module, windows: list[int | None], pos: torch.Tensor, n_new: int,
@@ -1051,33 +1021,6 @@ def _union_window(windows: list[tuple[int, int] | None]) -> tuple[int, int] | No
     return max(w[0] for w in windows), max(w[1] for w in windows)
 
 
-def _kv_window(method: Any) -> tuple[int, int] | None:
-    """The window a bounded cache of `method` keeps exactly (`MethodConfig.kv_window`), or None."""
-    if method is None:
-        return None
-    try:
-        method.check_bounded()
-    except ValueError:
-        return None
-    return method.cache_window
-
-
-def _static_bases(model: nn.Module) -> list[tuple[torch.Tensor, float]] | None:
-    """Each layer's RoPE basis (`lcx.hf.layer_rope_bases`) if none depends on the sequence
-    length, else None."""
-    from ..hf import decoder, layer_rope_bases
-    from ..hf.rope_patch import LcxRotaryEmbedding
-
-    rot = decoder(model).rotary_emb
-    if isinstance(rot, LcxRotaryEmbedding) and rot.spec.is_length_dependent:
-        return None
-    try:
-        return layer_rope_bases(model)
-    except ValueError:  # an unpatched length-dependent HF rope type
-        return None
-
-
-
 def _block_chains(prompts: list[Sequence[int]], bs: int) -> list[list[int]]:
     """Per prompt, a chained hash of each whole `bs`-token block below its last token (the blocks a
     prefix cache can hand on): equal k-th entries mean equal first k blocks. Computed once per
@@ -1103,3 +1046,6 @@ def _shared_blocks(a: list[int], b: list[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+_static_bases = static_rope_bases  # (the name benchmarks/prefill.py imports)

@@ -95,7 +95,7 @@ class EngineStats:
         return d
 
 
-def _collect(rid: str, prompt: Sequence[int], events: list[StepEvent], params: SamplingParams) -> RequestOutput:
+def collect_output(rid: str, prompt: Sequence[int], events: list[StepEvent], params: SamplingParams) -> RequestOutput:
     last = events[-1]
     token_ids = [t for ev in events for t in ev.token_ids]
     plp = next((ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None), None)

@@ -66,24 +66,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not _is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (a 64-bit signed integer), "
                              f"got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -94,7 +94,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
 
@@ -159,19 +159,19 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
-        if not _is_int(self.max_batch) or self.max_batch < 1:
+        if not is_int(self.max_batch) or self.max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
-        if self.prefix_cache_bytes is not None and (not _is_int(self.prefix_cache_bytes)
+        if self.prefix_cache_bytes is not None and (not is_int(self.prefix_cache_bytes)
                                                     or self.prefix_cache_bytes < 0):
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0 or None (auto), "
                              f"got {self.prefix_cache_bytes!r}")
-        if not _is_int(self.prefix_block_size) or self.prefix_block_size < 1:
+        if not is_int(self.prefix_block_size) or self.prefix_block_size < 1:
             raise ValueError(f"prefix_block_size must be a positive integer, got {self.prefix_block_size!r}")
-        if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None and (not is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise ValueError(f"max_num_batched_tokens must be a positive integer or None, "
                              f"got {self.max_num_batched_tokens!r}")
@@ -189,7 +189,7 @@ class EngineConfig:
                 "prefix_block_size": self.prefix_block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

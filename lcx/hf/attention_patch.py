@@ -128,7 +128,7 @@ from lcx.methods.registry import method_from_dict
 from lcx.methods.sliding_window import sliding_window
 
 from .bounded_cache import BoundedKVCache
-from .calls import _CALL, _Call, current_call
+from .calls import CURRENT_CALL, AttentionCall, current_call
 from .channel_order import ChannelOrder, detect
 from .models import (attention_layers, attention_softcap, check_model_type, decoder, layer_types, model_shape,
                      rope_layer_types)
@@ -180,7 +180,7 @@ class _ModuleState:
 
 def _rotation_hook(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        call = _CALL.get()
+        call = CURRENT_CALL.get()
         if call is None:
             return original(q, k, cos, sin, *args, **kwargs)
         call.cos_sin, call.rotation_seen = (cos, sin), True
@@ -266,11 +266,11 @@ def _hooked_forward(self: nn.Module, *args: Any, **kwargs: Any):
     if st.method is None and _lcx_input(kwargs, "lcx_decode") is None:
         return type(self).forward(self, *args, **kwargs)  # decode hook only: a stock call
     # (the layer's cache: `past_key_values`, GPT-NeoX's `layer_past`)
-    token = _CALL.set(_Call(self, st, kwargs.get("past_key_values", kwargs.get("layer_past"))))
+    token = CURRENT_CALL.set(AttentionCall(self, st, kwargs.get("past_key_values", kwargs.get("layer_past"))))
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
-        _CALL.reset(token)
+        CURRENT_CALL.reset(token)
 
 
 # ------------------------------------------------------------------------ hook 2: the attention
@@ -292,7 +292,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     `[B, Hkv, Tk, D]` (unrotated inside a patched call; cache included, new tokens last)
     -> (out `[B, Tq, H, D]`, None)."""
     softcap = softcap or None  # (families pass 0 / None for none)
-    call = _CALL.get()
+    call = CURRENT_CALL.get()
     st: _ModuleState | None = module.__dict__.get(_STATE)
     if call is None or call.module is not module:
         if st is not None and st.method is None:  # decode hook, not a decode call: the model's own
@@ -336,7 +336,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return _attend(module, st, call, q, k, v, kwargs, softcap), None
 
 
-def _attend(module: nn.Module, st: _ModuleState, call: _Call, q, k, v, kwargs: Mapping[str, Any],
+def _attend(module: nn.Module, st: _ModuleState, call: AttentionCall, q, k, v, kwargs: Mapping[str, Any],
             softcap: float | None = None) -> torch.Tensor:
     """The layer's method on q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]` (unrotated) -> `[B, Tq, H, D]`;
     `softcap`: the family's attention-logit soft-capping (Gemma 2), handed to the method."""
@@ -609,7 +609,8 @@ def install_decode_hook(model: nn.Module) -> None:
     model.config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-def _remove_decode_hook(model: nn.Module) -> None:
+def remove_decode_hook(model: nn.Module) -> None:
+    """Undo `install_decode_hook` (nothing on a model without the hook, or a patched one)."""
     inner = model.__dict__.get(_HOOK)
     if inner is None:
         return
@@ -647,6 +648,22 @@ def own_windows(model: nn.Module) -> list[int | None]:
     hybrid = "sliding_attention" in types_ and "full_attention" in types_
     w = getattr(model.config, "sliding_window", None)
     return [w if hybrid and types_[i] == "sliding_attention" else None for i in range(n)]
+
+
+def loaded_windows(model: nn.Module) -> list[int | None]:
+    """Per layer, the sliding window the model as loaded runs (keys: the query and the w - 1
+    before it, transformers' sliding masks), or None: a hybrid model's sliding layers
+    (`own_windows`), or every layer of a model with one `sliding_window` for all (Mistral)."""
+    own = own_windows(model)
+    if any(w is not None for w in own):
+        return own
+    cfg = model.config
+    w = getattr(cfg, "sliding_window", None)
+    types_ = getattr(cfg, "layer_types", None)
+    n = len(attention_layers(model))
+    if not w or not getattr(cfg, "use_sliding_window", True) or (types_ and "sliding_attention" not in types_):
+        return [None] * n
+    return [int(w)] * n
 
 
 def model_call_info(model: nn.Module, *, n_queries: int, n_keys: int, q_offset: int, rotary: bool = False):
@@ -728,7 +745,7 @@ def patch_attention(model: nn.Module, method: AttentionMethod | Mapping[str, Any
     if layers not in LAYERS:
         raise ValueError(f"layers={layers!r}; expected one of {LAYERS}")
     dec, attns = _decoder_and_layers(model)
-    _remove_decode_hook(model)
+    remove_decode_hook(model)
     register()
     prev: _Patch | None = getattr(model, _STATE, None)
     original = prev.original_attn_implementation if prev is not None else model.config._attn_implementation

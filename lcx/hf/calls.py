@@ -13,7 +13,7 @@ from torch import nn
 
 
 @dataclass
-class _Call:
+class AttentionCall:
     """One call of a hooked attention module."""
 
     module: nn.Module
@@ -23,12 +23,12 @@ class _Call:
     rotation_seen: bool = False
 
 
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("lcx_attention_call", default=None)
+CURRENT_CALL: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("lcx_attention_call", default=None)
 
 
-def current_call() -> _Call | None:
+def current_call() -> AttentionCall | None:
     """The hooked attention call running now (None outside one)."""
-    return _CALL.get()
+    return CURRENT_CALL.get()
 
 
-__all__ = ["current_call"]
+__all__ = ["CURRENT_CALL", "AttentionCall", "current_call"]

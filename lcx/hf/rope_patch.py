@@ -115,10 +115,18 @@ def resolve_rope(model: nn.Module, spec: PartialRopeSpec | RopeSpec | Mapping[st
     missing `rope_theta` / `original_max_position_embeddings` come from the model's original
     rope_parameters (also on a model patched already), on Gemma 3 from its global layers' entry."""
     check_model_type(model, "lcx.patch")
+    partial = spec if isinstance(spec, PartialRopeSpec) else PartialRopeSpec(spec)
+    return partial.resolve(loaded_config(model))
+
+
+def loaded_config(model: nn.Module) -> Any:
+    """`model.config` as loaded: its rope_parameters the original ones also on a model patched
+    already (`patch_rope` rewrites them), the global layers' entry on Gemma 3; every other key
+    the config's own. What a spec resolves against (`resolve_rope`) and what lengths are read from
+    (`lcx.MethodConfig.apply`)."""
     original = getattr(model, _ORIG_ATTR, None)
     base_config = original[1] if original is not None else model.config.rope_parameters
-    partial = spec if isinstance(spec, PartialRopeSpec) else PartialRopeSpec(spec)
-    return partial.resolve(_ConfigView(model.config, base_config, global_layer_type(model)))
+    return _ConfigView(model.config, base_config, global_layer_type(model))
 
 
 def patch_rope(model: nn.Module, spec: RopeSpec) -> nn.Module:
@@ -196,13 +204,9 @@ class _ConfigView:
     def __getattr__(self, name: str) -> Any:
         if name == "rope_parameters":
             rp = self._rp if self._rp is not None else getattr(self._config, name)
-            rp = dict(rp[self._layer_type] if self._layer_type is not None else rp)
-            # Phi-3 keeps its pretraining length outside rope_parameters (transformers reads it
-            # from there for the types that take one)
-            L = getattr(self._config, "original_max_position_embeddings", None)
-            if L is not None:
-                rp.setdefault("original_max_position_embeddings", L)
-            return rp
+            # (Phi-3's pretraining length, outside rope_parameters, is added where every
+            # resolution reads it: `lcx.rope.spec.model_rope_parameters`)
+            return dict(rp[self._layer_type] if self._layer_type is not None else rp)
         return getattr(self._config, name)
 
 
@@ -253,6 +257,18 @@ def layer_rope_types(model: nn.Module) -> list[str | None]:
     if rope_layer_types(model) is None:
         return [None] * n
     return list(model.config.layer_types[:n])
+
+
+def static_rope_bases(model: nn.Module) -> list[tuple[torch.Tensor, float]] | None:
+    """Each layer's RoPE basis (`layer_rope_bases`) if none depends on the sequence length, else
+    None (an lcx spec of a length-dependent type, or such an HF rope type as loaded)."""
+    rot = decoder(model).rotary_emb
+    if isinstance(rot, LcxRotaryEmbedding) and rot.spec.is_length_dependent:
+        return None
+    try:
+        return layer_rope_bases(model)
+    except ValueError:  # an unpatched length-dependent HF rope type
+        return None
 
 
 def layer_rope_bases(model: nn.Module, seq_len: int | None = None) -> list[tuple[torch.Tensor, float]]:

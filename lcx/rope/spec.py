@@ -22,7 +22,8 @@ from typing import Any, Iterator, Mapping
 from .types import ROPE_TYPES  # the registry is the only list of types
 
 # Keys accepted in a dict but carried by the model, not by the RoPE variant.
-_IGNORED_HF_KEYS = {"max_position_embeddings"}
+IGNORED_HF_KEYS = frozenset({"max_position_embeddings"})
+_IGNORED_HF_KEYS = IGNORED_HF_KEYS  # (the name earlier code imports)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class RopeSpec:
                 raise ValueError(f"both 'type'={d['type']!r} and 'rope_type'={d['rope_type']!r} given")
             d["rope_type"] = d.pop("type")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names - _IGNORED_HF_KEYS)
+        unknown = sorted(set(d) - names - IGNORED_HF_KEYS)
         if unknown:
             raise ValueError(f"unknown RoPE key(s) {unknown}; accepted: {sorted(names)}")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -240,7 +241,7 @@ class PartialRopeSpec(Mapping):
             if "rope_type" in d and d["rope_type"] != d["type"]:
                 raise ValueError(f"both 'type'={d['type']!r} and 'rope_type'={d['rope_type']!r} given")
             d["rope_type"] = d.pop("type")
-        d = {k: v for k, v in d.items() if v is not None and k not in _IGNORED_HF_KEYS}
+        d = {k: v for k, v in d.items() if v is not None and k not in IGNORED_HF_KEYS}
         unknown = sorted(set(d) - _FIELDS)
         if unknown:
             raise ValueError(f"unknown RoPE key(s) {unknown}; accepted: {sorted(_FIELDS)}")
@@ -331,10 +332,17 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RopeSpec)}
 def model_rope_parameters(config: Any) -> dict[str, Any]:
     """A model config's own RoPE parameters (`rope_parameters`, {} when it has none); for a config
     with RoPE per layer type (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`)
-    the global layers' entry, the one `lcx.patch` scales."""
+    the global layers' entry, the one `lcx.patch` scales. A pretraining length kept outside
+    rope_parameters (Phi-3: `config.original_max_position_embeddings`, which transformers reads
+    there for the types that take one) is added as `original_max_position_embeddings`: every
+    resolution of a spec against a model (`PartialRopeSpec.resolve`, `lcx.hf.resolve_rope`) takes
+    its L from here, so L is one number per model (Phi-3-128k: 4096, not max_position_embeddings)."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
     if isinstance(rope.get("full_attention"), Mapping):
         rope = dict(rope["full_attention"])
+    L = getattr(config, "original_max_position_embeddings", None)
+    if L is not None and rope.get("original_max_position_embeddings") is None:
+        rope["original_max_position_embeddings"] = L
     return rope
 
 

@@ -596,7 +596,7 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
                 scoped_logits = model(ids).logits.log_softmax(-1)
     finally:
         unpatch(model)  # attention and RoPE: the model as loaded for the other tests
-        ap._remove_decode_hook(model)
+        ap.remove_decode_hook(model)
     assert out.token_ids == want
     got_plp = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]], dtype=torch.float64)
     want_plp = want_logits[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
