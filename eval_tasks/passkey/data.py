@@ -36,6 +36,12 @@ FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
           "There and back again.")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
+# `passkey_primed` (metadata `primed: true`): RULER's kind of question and answer prefix (NIAH: "What
+# are all the special magic numbers for X mentioned in the provided text? The special magic number
+# for X mentioned in the provided text is"): the answer's type named, the text referred back to.
+# Everything else (task description, filler, needle, sizing, keys) is the published prompt's.
+QUESTION_PRIMED = ("What is the pass key number mentioned in the provided text? "
+                   "The pass key number mentioned in the provided text is")
 
 DEFAULT_LENGTHS = (256, 512, 1024)
 DEFAULT_DEPTHS = 11  # 0%, 10%, ..., 100%
@@ -49,8 +55,9 @@ def filler(n: int) -> str:
     return " ".join(FILLER[i % len(FILLER)] for i in range(n))
 
 
-def build_prompt(key: str, n_before: int, n_after: int) -> str:
-    return "\n".join([TASK_DESCRIPTION, filler(n_before), NEEDLE.format(key=key), filler(n_after), QUESTION])
+def build_prompt(key: str, n_before: int, n_after: int, *, primed: bool = False) -> str:
+    question = QUESTION_PRIMED if primed else QUESTION
+    return "\n".join([TASK_DESCRIPTION, filler(n_before), NEEDLE.format(key=key), filler(n_after), question])
 
 
 def depth_grid(meta: dict[str, Any]) -> list[float]:
@@ -70,14 +77,15 @@ def depth_grid(meta: dict[str, Any]) -> list[float]:
 class PromptSizer:
     """Finds the filler size of a length, caching the estimate between docs."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, *, primed: bool = False):
         self.tok = tokenizer
+        self.primed = primed
         self._guess: dict[int, int] = {}
 
     def tokens(self, key: str, depth: float, n: int) -> int:
         """Positions a length must hold: the prompt, a spare BOS slot and the answer budget."""
         b = round(depth * n)
-        return n_tokens(self.tok, build_prompt(key, b, n - b)) + SPARE_TOKENS + ANSWER_BUDGET
+        return n_tokens(self.tok, build_prompt(key, b, n - b, primed=self.primed)) + SPARE_TOKENS + ANSWER_BUDGET
 
     def fit(self, key: str, depth: float, length: int) -> int:
         """The largest filler size n whose prompt fits in `length` tokens."""
@@ -105,8 +113,9 @@ class PromptSizer:
         return n
 
 
-def make_docs(tokenizer: Any, lengths: list[int], depths: list[float], samples: int, seed: int) -> list[dict]:
-    sizer = PromptSizer(tokenizer)
+def make_docs(tokenizer: Any, lengths: list[int], depths: list[float], samples: int, seed: int,
+              primed: bool = False) -> list[dict]:
+    sizer = PromptSizer(tokenizer, primed=primed)
     docs = []
     for s in range(samples):
         for di in coverage_order(len(depths)):
@@ -116,7 +125,7 @@ def make_docs(tokenizer: Any, lengths: list[int], depths: list[float], samples: 
             for L in lengths:
                 n = sizer.fit(key, depth, L)
                 b = round(depth * n)
-                prompt = build_prompt(key, b, n - b)
+                prompt = build_prompt(key, b, n - b, primed=primed)
                 prompts.append(prompt)
                 counts.append(n_tokens(tokenizer, prompt))
                 fillers.append(n)
@@ -132,7 +141,15 @@ def docs_from_metadata(meta: dict[str, Any]) -> list[dict]:
         depth_grid(meta),
         get_int(meta, "samples_per_depth", DEFAULT_SAMPLES, minimum=1),
         get_int(meta, "seed", 0),
+        primed=_primed(meta),
     )
+
+
+def _primed(meta: dict[str, Any]) -> bool:
+    value = meta.get("primed", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"metadata 'primed' must be true or false, got {value!r}")
+    return value
 
 
 def dataset(**meta: Any):
