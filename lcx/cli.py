@@ -39,6 +39,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "OpenAI-compatible server (completions, chat, streaming, logprobs) over lcx's batching engine"),
     (("vllm-args",), "lcx.serve.vllm_plugin.args",
      "print vLLM arguments that run lcx methods (lm-eval --model vllm model_args JSON, vllm serve flags)"),
+    (("sweep",), "lcx.report.sweep",
+     "a report sweep as a TOML file (sweeps/): run it (resumable; --ray), its status (cells done, running where,"
+     " time left), render its report"),
     (("bench", "threads"), "benchmarks.threads",
      "which torch thread count is fastest here, idle and with one core busy -> results/threads_cpu.json"),
     (("bench", "prefill"), "benchmarks.prefill",

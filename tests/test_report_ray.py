@@ -246,6 +246,8 @@ def test_a_two_node_cluster_measures_a_serial_runs_cells(serial, cluster, tmp_pa
                      job_threads=1, jobs=None, log=lambda s: None)
     assert rec["cells_total"] == 15 and "cells_failed" not in rec
     assert _numbers(rec["results"]) == _numbers(serial["results"])
+    assert len(rec["ray_cells"]) == 15 and len({c["node"] for c in rec["ray_cells"].values()}) == 2  # both nodes
+    assert all(c["attempts"] == 1 and c["task_s"] >= c["overhead_s"] >= 0 for c in rec["ray_cells"].values())
     order = [(n, k, list(c)) for n, r in rec["results"].items() for k, c in r.items()]
     assert order == [(n, k, list(c)) for n, r in serial["results"].items() for k, c in r.items()]
     assert json.loads((tmp_path / "cells" / "run.json").read_text())["finished"] is True
@@ -321,6 +323,7 @@ def test_a_killed_worker_and_a_removed_node_lose_nothing(serial, tmp_path):
     assert _numbers(rec["results"]) == _numbers(serial["results"])
     resumed = [c.get("resumed_requests", 0) for r in rec["results"].values() for c in r["ruler"].values()]
     assert max(resumed) >= 1
+    assert max(c["attempts"] for c in rec["ray_cells"].values()) >= 2  # measured again after a loss
     assert json.loads((out / "cells" / "run.json").read_text())["finished"] is True
 
 

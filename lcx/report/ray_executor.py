@@ -214,7 +214,8 @@ def cell_task(call: dict[str, Any], answers: list[tuple[str, bytes]], threads: i
         differ = _diff(have, expect)
         if differ:
             raise ValueError(f"node {socket.gethostname()} would measure under another fingerprint than the driver's "
-                             f"({', '.join(differ[:8])}): install the same lcx, libraries and models on every node")
+                             f"({', '.join(differ[:8])}): the code changed since the run started, or this node "
+                             "has another lcx, library or model installed (every node needs the driver's)")
     scratch_dir = None
     db = None
     if call.get("journal") is not None:
@@ -272,6 +273,7 @@ class _Cell:
     node: str | None = None
     started: bool = False
     answers: int = 0
+    submitted: float = 0.0
     errors: list[str] = field(default_factory=list)
 
 
@@ -294,16 +296,23 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
                   prepare: Callable[[Any], dict[str, Any]], finish: Callable[[Any, dict[str, Any], float], None],
                   fail: Callable[[Any, str], None], exclusive: Callable[[Any], bool],
                   waits_for: Callable[[Any], Hashable | None], memory: Callable[[Any], int],
-                  expect: Callable[[Any], dict[str, Any] | None], status: Callable[[str], None] = lambda s: None,
-                  log: Callable[[str], None] = print, jobs: int | None = None, max_attempts: int = MAX_ATTEMPTS) -> None:
+                  expect: Callable[[Any], dict[str, Any] | None],
+                  status: Callable[[list[dict[str, Any]]], None] = lambda s: None,
+                  log: Callable[[str], None] = print, jobs: int | None = None, max_attempts: int = MAX_ATTEMPTS
+                  ) -> dict[Hashable, dict[str, Any]]:
     """Measure `items` (in order) as Ray tasks on the connected cluster (`ray`, the module).
     `prepare(item)` -> `measure_cell`'s arguments (called once per item, when it first starts;
     its `journal` is the driver's, see the module docstring); `finish(item, result, seconds)` and
     `fail(item, error)` record an item (here, one at a time); `exclusive(item)`: a timed cell, alone
     on its node; `waits_for(item)`: the key of an earlier item it must follow (a failed one counts
     as done), or None; `memory(item)`: its estimate in bytes; `expect(item)`: the fingerprint its
-    node must compute, or None; `status(text)`: what each node is doing, at every change;
-    `jobs`: at most this many cells in flight (default: as many as the cluster holds)."""
+    node must compute, or None; `status(cells)`: the cells in flight at every change, each
+    {"cell", "node" (Ray node id, None while queued), "answers" (in its journal), "attempt"}
+    (`describe` words it);
+    `jobs`: at most this many cells in flight (default: as many as the cluster holds).
+    -> per finished item: the node that measured it, its attempts, `task_s` (its last attempt's
+    submission to its result, seconds) and `overhead_s` (that less the measurement's own seconds:
+    what the task, its queue, its journal and its node's checks added)."""
     from ray.exceptions import RayTaskError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -315,6 +324,7 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
     running: dict[Hashable, _Cell] = {}
     calls: dict[Hashable, dict[str, Any]] = {}
     lost: dict[Hashable, _Cell] = {}  # cells whose worker or node was lost, to be submitted again
+    stats: dict[Hashable, dict[str, Any]] = {}
 
     def submit(cell: _Cell) -> None:
         journal = cell.call.get("journal")
@@ -334,12 +344,11 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
         cell.gen = task.options(**opts).remote(cell.call, answers, threads, expect(cell.item))
         cell.attempt += 1
-        cell.node, cell.started, cell.answers = None, False, len(answers)
+        cell.node, cell.started, cell.answers, cell.submitted = None, False, len(answers), time.perf_counter()
 
     def show() -> None:
-        status(" | ".join(f"{(c.node or '?')[:6]}: {'/'.join(map(str, c.item)) if isinstance(c.item, tuple) else c.item}"
-                          f"{f' ({c.answers} answers)' if c.answers else ''}{'' if c.started else ' (queued)'}"
-                          for c in running.values()))
+        status([{"cell": c.item, "node": c.node if c.started else None, "answers": c.answers, "attempt": c.attempt}
+                for c in running.values()])
 
     while todo or running:
         limit = max(1, cluster_capacity(_alive_nodes(ray), threads=threads, gpu=gpu))
@@ -402,8 +411,24 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
             elif msg[0] == "result":
                 del running[k]
                 done.add(k)
+                task_s = time.perf_counter() - cell.submitted
+                stats[k] = {"node": cell.node, "attempts": cell.attempt, "task_s": round(task_s, 3),
+                            "overhead_s": round(task_s - msg[2], 3)}
                 finish(cell.item, msg[1], msg[2])
             show()
+    return stats
+
+
+def describe(cells: Sequence[dict[str, Any]]) -> str:
+    """What each node is doing, for a progress bar: `node: cell (answers)`, `?` for a queued cell."""
+    parts = []
+    for c in cells:
+        item = c["cell"]
+        text = f"{(c['node'] or '?')[:6]}: {'/'.join(map(str, item)) if isinstance(item, tuple) else item}"
+        if c["answers"]:
+            text += f" ({c['answers']} answers)"
+        parts.append(text if c["node"] else text + " (queued)")
+    return " | ".join(parts)
 
 
 def wait_for_nodes(ray: Any, n: int, timeout_s: float = 60.0) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -127,6 +129,48 @@ def _vanilla_cell_first(runs: dict[str, PresetRun], cfg: ReportConfig, order: li
     return ref
 
 
+class _Live:
+    """`cells/running.json`: the cells in flight (where, answers in their journals, since when),
+    rewritten atomically when a cell starts or ends and at most once a second otherwise; deleted
+    when the run ends. A driver killed leaves it behind: `driver` (host, pid) and `updated` tell."""
+
+    def __init__(self, path: Path, run_id: str, *, enabled: bool):
+        self.path, self.run_id, self.enabled = path, run_id, enabled
+        self.cells: dict[str, dict[str, Any]] = {}
+        self.written = 0.0
+
+    def _write(self, force: bool) -> None:
+        if not self.enabled or (not force and time.monotonic() - self.written < 1.0):
+            return
+        from ..data.io import atomic_write_json
+
+        atomic_write_json(self.path, {"run_id": self.run_id, "driver": {"host": socket.gethostname(), "pid": os.getpid()},
+                                      "updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "cells": self.cells})
+        self.written = time.monotonic()
+
+    def start(self, cell: str, where: str, answers: int) -> None:
+        self.cells[cell] = {"where": where, "answers": answers,
+                            "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self._write(force=True)
+
+    def update(self, in_flight: dict[str, tuple[str, int]]) -> None:
+        """The executor's view: cell -> (where, answers)."""
+        changed = False
+        for cell, (where, answers) in in_flight.items():
+            entry = self.cells.setdefault(cell, {"since": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            changed |= entry.get("where") != where
+            entry.update(where=where, answers=answers)
+        self._write(force=changed)
+
+    def end(self, cell: str) -> None:
+        self.cells.pop(cell, None)
+        self._write(force=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.path.unlink(missing_ok=True)
+
+
 def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], dict[str, str], int, float]:
     """What a report of `cfg` runs: (cfg with its lengths resolved, name -> preset run, name ->
     why it is skipped, the model's context L0, the RoPE factor max(lengths) / L0)."""
@@ -150,6 +194,7 @@ def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], di
 def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
                keep_other_code: bool = False, progress: bool = True, jobs: int | None = 1, job_threads: int | None = None,
                ray: bool = False, ray_address: str | None = None, ray_cpus: int | None = None,
+               order: Callable[[tuple[str, str, int]], Any] | None = None,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
     module docstring), then write the report. `render=True` measures nothing: it writes the
@@ -159,7 +204,10 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     order; decode cells alone). `ray=True` measures each cell as a Ray task (`lcx.report.ray_executor`)
     on the cluster at `ray_address`, or on one started for the run with `ray_cpus` CPUs (None: every
     core): `job_threads` CPUs per cell, at most `jobs` cells at once (None: as many as the cluster
-    holds); a cell that fails is reported (`cells_failed`) and the others go on."""
+    holds); a cell that fails is reported (`cells_failed`) and the others go on. `order`: a sort key
+    over (name, kind, length) that measures some cells first (`lcx sweep`'s `first`; stable: the
+    length-major order among equals). While cells run, `cells/running.json` says which, where,
+    and how many answers each has (`lcx sweep status` reads it)."""
     from tqdm.auto import tqdm
 
     from ..data.io import atomic_write_json, environment, git_info
@@ -210,8 +258,13 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             manifest["kept_runs"].append(stored["run_id"])
             if not render:  # a resumed run keeps what this one kept
                 atomic_write_json(out / "cells" / "run.json", manifest)
+    if order is not None:
+        pending.sort(key=order)
     measured_s = 0.0
     journals: dict[tuple[str, str, int], Path | None] = {}
+    live = _Live(out / "cells" / "running.json", run_id, enabled=not render)
+    here = f"{socket.gethostname()} pid {os.getpid()}"
+    mode = "serial"  # (set below: "serial", "jobs" or "ray")
 
     def prepare(item: tuple[str, str, int]) -> dict[str, Any]:
         """`measure_cell`'s arguments for a cell about to start (its journal, vanilla's cell)."""
@@ -223,6 +276,8 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
             journal_db(journal).unlink(missing_ok=True)
         journals[item] = journal
         answered = journal_count(journal)
+        live.start(f"{name}/{kind}/{L}", "queued" if mode == "ray" else "a --jobs worker"
+                   if mode == "jobs" and kind != "decode" else here, answered)
         if answered:
             bar.write(f"  {name} @ {L}: resuming {kind} from its journal ({answered} answers)")
         return {"kind": kind, "model": cfg.model, "run": runs[name], "cfg": cfg, "length": L, "journal": journal,
@@ -239,6 +294,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                     "result": result})
         if (journal := journals.pop(item, None)) is not None:
             drop_journal(journal)
+        live.end(f"{name}/{kind}/{L}")
         cells[name][kind][str(L)] = result
         bar.update(1)
         if kind == "ruler":
@@ -251,29 +307,37 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                       f"({dt:.0f} s)")
 
     failed: dict[str, str] = {}  # cells that failed under --ray (the others went on)
+    ray_cells: dict[Any, dict[str, Any]] = {}  # per cell measured under --ray: node, attempts, task and overhead s
 
     def fail(item: tuple[str, str, int], error: str) -> None:
         name, kind, L = item
         failed[f"{name}/{kind}/{L}"] = error
+        live.end(f"{name}/{kind}/{L}")
         bar.update(1)
         bar.write(f"  {name} @ {L}: {kind} cell FAILED: {error}")
 
     in_workers = sum(1 for it in pending if it[1] != "decode")  # (decode cells run here, alone)
-    if ray and pending:
-        from .ray_executor import cell_memory, ray_session, run_cells_ray
+    mode = "ray" if ray and pending else "serial" if (jobs or 1) <= 1 or in_workers <= 1 else "jobs"
+    if mode == "ray":
+        from .ray_executor import cell_memory, describe, ray_session, run_cells_ray
+
+        def status(in_flight: list[dict[str, Any]]) -> None:
+            bar.set_postfix_str(describe(in_flight))
+            live.update({"/".join(map(str, c["cell"])): (f"ray node {c['node']}" if c["node"] else "queued",
+                                                         c["answers"]) for c in in_flight})
 
         first = {it: _vanilla_cell_first(runs, cfg, pending, it) for it in pending}
         hf_configs = {r.model: model_hf_config(r.model) for r in runs.values()}
         extra = {"decode": cfg.decode_tokens + 1}
         with ray_session(ray_address, num_cpus=ray_cpus) as ray_module:
-            run_cells_ray(pending, ray=ray_module, threads=job_threads or 1, gpu=cfg.device == "cuda", key=lambda it: it,
+            ray_cells = run_cells_ray(pending, ray=ray_module, threads=job_threads or 1, gpu=cfg.device == "cuda", key=lambda it: it,
                           prepare=prepare, finish=finish, fail=fail, exclusive=lambda it: it[1] == "decode",
                           waits_for=first.get, jobs=jobs,
                           memory=lambda it: cell_memory(hf_configs[runs[it[0]].model], cfg.dtype,
                                                         it[2] + extra.get(it[1], 0)),
                           expect=lambda it: cell_fingerprint(fingerprint, it[1]),
-                          status=bar.set_postfix_str, log=bar.write)
-    elif (jobs or 1) <= 1 or in_workers <= 1:
+                          status=status, log=bar.write)
+    elif mode == "serial":
         for item in pending:
             finish(item, *measure_cell(**prepare(item), log=bar.write))
     else:
@@ -283,6 +347,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         run_cells(pending, jobs=min(jobs or 1, in_workers), threads=job_threads or 1, key=lambda it: it, prepare=prepare,
                   finish=finish, exclusive=lambda it: it[1] == "decode", waits_for=first.get)
     bar.close()
+    live.close()
     # the serial order whatever order the cells finished in (and kept cells among measured ones)
     cells = {name: {k: dict(sorted(c.items(), key=lambda kv: int(kv[0]))) for k, c in by_kind.items()}
              for name, by_kind in cells.items()}
@@ -312,6 +377,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
         "cells_kept_with_other_code": other_code,
         **({"cells_failed": failed} if failed else {}),
+        **({"ray_cells": {"/".join(map(str, k)): v for k, v in ray_cells.items()}} if ray_cells else {}),
         "results": cells,
     }
     record["passkey_intervals"] = passkey_intervals(record)

@@ -1,0 +1,119 @@
+"""`lcx sweep` (`lcx.report.sweep`): sweep files (TOML, sweeps/) parsed and checked, the committed
+real-model reports reproducible from theirs (same settings), and a small sweep run, resumed,
+watched and rendered through the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lcx.report.sweep import Sweep, load_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEPS = sorted((ROOT / "sweeps").glob("*.toml"))
+# the committed real-model reports: each is written by one sweep file
+REAL_MODEL_REPORTS = ("smollm2-135m-n16", "smollm2-135m-ruler", "smollm2-135m-ruler4k", "gemma3-270m",
+                      "gemma3-270m-ruler", "gemma3-270m-ruler8k")
+
+TINY = """
+description = "a tiny sweep"
+out = "{out}"
+
+[report]
+model = "tiny-ret-5m"
+methods = ["vanilla", "lm_infinite", "yarn"]
+lengths = [383, 511]
+decode_lengths = []
+tasks = ["passkey", "ppl"]
+depths = [0.5]
+samples_per_depth = 1
+ppl_docs = 1
+
+[run]
+threads = 1
+first = [{{lengths = [511], methods = ["yarn"]}}, {{lengths = [511]}}]
+"""
+
+
+def test_every_committed_real_model_report_has_its_sweep_file():
+    outs = {load_sweep(f).out.as_posix(): f.name for f in SWEEPS}
+    assert {f"results/report/{r}" for r in REAL_MODEL_REPORTS} <= set(outs)
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=[f.stem for f in SWEEPS])
+def test_a_committed_report_has_its_sweep_files_settings(path):
+    """The settings of the committed report (report.json.gz's config) are the file's: every field of
+    the file's ReportConfig, and the task list the report records for them."""
+    from lcx.data.io import read_json
+
+    sweep = load_sweep(path)
+    record = read_json(ROOT / sweep.out / "report.json.gz")["config"]
+    want = sweep.config.to_dict()
+    tasks = want.pop("tasks", None)
+    assert {k: record.get(k) for k in want} == json.loads(json.dumps(want))
+    cfg = sweep.config
+    assert record["tasks"] == (["passkey", "lcx_ppl"] if cfg.lmeval_lengths else []) + (
+        list(cfg.ruler_tasks) if cfg.ruler_lengths else [])
+    assert tasks is None or set(tasks) == set(cfg.tasks)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('out = "x"\n[report]\nmodel = "tiny-ret-5m"\nlenghts = [512]\n', "unknown key.*report.lenghts"),
+    ('out = "x"\nreprot = 1\n[report]\n', "unknown key.*reprot"),
+    ('[report]\nmodel = "tiny-ret-5m"\n', "missing `out`"),
+    ('out = "x"\n[report]\nmethods = ["nope"]\n', r"\[report\]: unknown report method"),
+    ('out = "x"\n[report]\n[run]\nthreads = 0\n', "run.threads must be an integer >= 1"),
+    ('out = "x"\n[report]\n[run]\nkeep_other_code = "yes"\n', "keep_other_code must be true or false"),
+    ('out = "x"\n[report]\n[run]\nfirst = [{length = [512]}]\n', r"unknown key.*run.first\[0\].length"),
+    ('out = "x"\n[report\n', "not TOML"),
+])
+def test_a_bad_sweep_file_is_refused_naming_what_is_wrong(tmp_path, text, match):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_sweep(f)
+
+
+def test_first_puts_the_named_cells_first_in_the_files_order(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(TINY.format(out=tmp_path / "r"))
+    sweep = load_sweep(f)
+    cells = [(n, "lmeval", L) for L in (383, 511) for n in ("vanilla", "lm_infinite", "yarn")]
+    assert sorted(cells, key=sweep.order) == [("yarn", "lmeval", 511), ("vanilla", "lmeval", 511),
+                                              ("lm_infinite", "lmeval", 511), ("vanilla", "lmeval", 383),
+                                              ("lm_infinite", "lmeval", 383), ("yarn", "lmeval", 383)]
+    assert isinstance(sweep, Sweep) and sweep.config.depths == (0.5,) and sweep.threads == 1
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_resumes_reports_its_status_and_renders(tmp_path, capsys):
+    """`lcx sweep run` measures the 6 cells (the `first` ones first), `status` then counts 6 done
+    and no time left, a second `run` measures nothing, `render` writes the README; before the
+    run, `status` lists every cell to do."""
+    from lcx.cli import main
+    from lcx.report.cells import read_cell
+
+    f = tmp_path / "s.toml"
+    out = tmp_path / "r"
+    f.write_text(TINY.format(out=out))
+    assert main(["sweep", "status", str(f), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["counts"] == {"done": 0, "running": 0, "todo": 6} and st["cells_without_estimate"] == 6
+    capsys.readouterr()
+    assert main(["sweep", "run", str(f), "--no-progress"]) == 0
+    measured = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines() if " @ " in line]
+    assert measured == ["yarn @ 511", "vanilla @ 511", "lm_infinite @ 511", "vanilla @ 383", "lm_infinite @ 383",
+                        "yarn @ 383"]
+    assert all(read_cell(p)["result"]["passkey_docs"] == 1 for p in (out / "cells").glob("*.json.gz"))
+    assert not (out / "cells" / "running.json").exists()  # nothing in flight once it ended
+    capsys.readouterr()
+    assert main(["sweep", "status", str(f), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["counts"] == {"done": 6, "running": 0, "todo": 0} and st["estimated_left_s"] == 0
+    assert st["done_s"] > 0
+    assert main(["sweep", "run", str(f), "--no-progress"]) == 0
+    assert "kept 6 of 6 cells" in capsys.readouterr().out
+    (out / "README.md").unlink()
+    assert main(["sweep", "render", str(f)]) == 0 and (out / "README.md").exists()
