@@ -6,7 +6,9 @@ Ray (`--ray`) with 1 and 2 local workers; and what Ray adds per cell.
 
 The sweep: tiny-ret-5m, 4 methods x 2 lengths of passkey + perplexity cells (8 cells, one torch
 thread each; no decode cells: a timed cell runs alone, which would measure that barrier rather
-than the executor). Every mode measures the whole sweep in a fresh folder:
+than the executor). One cell is measured first, untimed, so that no mode pays this process's
+one-time costs (imports, the tokenizer, the corpus). Every mode measures the whole sweep in a
+fresh folder:
 
 - `serial`: one cell after another in this process (`lcx report`);
 - `jobs2`: `--jobs 2`, two spawned worker processes (`lcx.report.jobs`);
@@ -27,6 +29,7 @@ machine shared with other jobs the scaling is capped by what the neighbours leav
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -99,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, Any] = {}
     base: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="lcx-bench-sweep-") as tmp:
+        # untimed: one cell in this process first, so that the serial row does not pay the one-time
+        # costs (imports of lm-eval and transformers, the tokenizer, the corpus, a kernel build)
+        run_report(dataclasses.replace(cfg, methods=cfg.methods[:1], lengths=cfg.lengths[:1]), Path(tmp) / "warm-up",
+                   progress=False, log=lambda s: None)
         for mode in rec.progress(modes, unit="mode"):
             kw: dict[str, Any] = {"jobs": 1, "job_threads": 1}
             if mode == "jobs2":

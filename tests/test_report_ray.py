@@ -28,6 +28,7 @@ from lcx.report.ray_executor import (  # noqa: E402
     cluster_capacity,
     is_loopback,
     journal_rows,
+    unfit,
 )
 
 # The sweep of the cluster tests: 3 methods x 2 lengths; passkey + perplexity, 2 RULER tasks (every
@@ -92,6 +93,18 @@ def test_cell_resources_and_what_a_cluster_holds():
     assert cluster_capacity(nodes, threads=1, gpu=False) == 12
     assert cluster_capacity(nodes, threads=2, gpu=False) == 1 + 0 + 4
     assert cluster_capacity(nodes, threads=1, gpu=True) == 2  # a cell per GPU; CPU-only nodes hold none
+
+
+def test_a_cell_no_node_fits_is_named_not_queued_for_ever():
+    """`unfit`: None when some node has the CPUs, GPU and memory a cell asks for; else a reason
+    naming the request and every node (the driver fails such a cell instead of waiting on Ray)."""
+    nodes = [{"Resources": {"CPU": 2.0, "memory": 3 * 2**30}}, {"Resources": {"CPU": 8.0, "GPU": 1.0, "memory": 2**30}}]
+    assert unfit(nodes, cell_resources(threads=2, gpu=False, memory=2 * 2**30)) is None
+    assert unfit(nodes, cell_resources(threads=3, gpu=False, memory=2**30)) is None  # the second node
+    why = unfit(nodes, cell_resources(threads=3, gpu=False, memory=2 * 2**30))
+    assert why is not None and "3 CPU, 0 GPU and 2.0 GiB" in why and "8 CPU, 1 GPU, 1.0 GiB" in why
+    assert "1 GPU" in unfit(nodes[:1], cell_resources(threads=1, gpu=True, memory=1))
+    assert "no node alive" in unfit([], cell_resources(threads=1, gpu=False, memory=1))
 
 
 @pytest.mark.parametrize("address, loopback", [

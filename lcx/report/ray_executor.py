@@ -282,6 +282,20 @@ def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
                   key=lambda n: n["NodeID"])
 
 
+def unfit(nodes: Sequence[dict[str, Any]], resources: dict[str, Any]) -> str | None:
+    """None when one of `nodes` can run a task asking for `resources` (`cell_resources`), else
+    why not (Ray would queue such a task for ever)."""
+    for n in nodes:
+        r = n.get("Resources", {})
+        if (r.get("CPU", 0) >= resources["num_cpus"] and r.get("GPU", 0) >= resources["num_gpus"]
+                and r.get("memory", float("inf")) >= resources["memory"]):
+            return None
+    have = "; ".join(f"{n['Resources'].get('CPU', 0):g} CPU, {n['Resources'].get('GPU', 0):g} GPU, "
+                     f"{n['Resources'].get('memory', 0) / 2**30:.1f} GiB" for n in nodes) or "no node alive"
+    return (f"no node of the cluster fits a cell of {resources['num_cpus']} CPU, {resources['num_gpus']} GPU and "
+            f"{resources['memory'] / 2**30:.1f} GiB (nodes: {have})")
+
+
 def cluster_capacity(nodes: Sequence[dict[str, Any]], *, threads: int, gpu: bool) -> int:
     """How many cells of `threads` CPUs (and one GPU each with `gpu`) the nodes run at once."""
     total = 0
@@ -326,7 +340,11 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
     lost: dict[Hashable, _Cell] = {}  # cells whose worker or node was lost, to be submitted again
     stats: dict[Hashable, dict[str, Any]] = {}
 
-    def submit(cell: _Cell) -> None:
+    def submit(cell: _Cell) -> str | None:
+        """Submit `cell`'s next attempt; -> why it cannot run anywhere (not submitted), or None."""
+        why = unfit(_alive_nodes(ray), cell_resources(threads=threads, gpu=gpu, memory=memory(cell.item)))
+        if why is not None:
+            return why
         journal = cell.call.get("journal")
         answers = journal_rows(journal_db(journal))[0] if journal is not None else []
         opts: dict[str, Any] = {**cell_resources(threads=threads, gpu=gpu, memory=memory(cell.item)),
@@ -345,6 +363,7 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
         cell.gen = task.options(**opts).remote(cell.call, answers, threads, expect(cell.item))
         cell.attempt += 1
         cell.node, cell.started, cell.answers, cell.submitted = None, False, len(answers), time.perf_counter()
+        return None
 
     def show() -> None:
         status([{"cell": c.item, "node": c.node if c.started else None, "answers": c.answers, "attempt": c.attempt}
@@ -367,8 +386,13 @@ def run_cells_ray(items: Sequence[Any], *, ray: Any, threads: int, gpu: bool, ke
             k = key(item)
             if k not in calls:
                 calls[k] = prepare(item)
-            running[k] = cell = lost.pop(k, None) or _Cell(item, calls[k])
-            submit(cell)
+            cell = lost.pop(k, None) or _Cell(item, calls[k])
+            why = submit(cell)
+            if why is not None:  # (a task no node fits would wait for ever)
+                done.add(k)
+                fail(item, why)
+                continue
+            running[k] = cell
             show()
         if not running:
             continue
