@@ -15,7 +15,8 @@ fresh folder:
 - `ray1`, `ray2`: `--ray` on a cluster started for the run on 127.0.0.1 with 1 or 2 CPUs
   (`lcx.report.ray_executor`), its start-up included.
 
-Per mode: wall seconds, cells per hour, the speed-up over serial (ideal with 2 workers: 2x on two
+Per mode (`--repeats` rounds over the modes, alternated, so that a neighbour's load falls on all
+of them alike): the median wall seconds, cells per hour, the speed-up over serial (ideal with 2 workers: 2x on two
 idle cores), and whether every number equals the serial run's (a faster executor with other
 numbers is no win). Ray's start-up (a local cluster up and down, timed alone) and its overhead per
 cell, measured per cell by the driver (`report.json.gz`'s `ray_cells`): from the task's submission
@@ -32,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +57,7 @@ class Config:
     depths: tuple[float, ...]
     ppl_docs: int
     modes: tuple[str, ...]
+    repeats: int
     threads_per_cell: int = 1
 
 
@@ -64,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {', '.join(MODES)} (default: all; serial is always run first, "
                              "as the baseline)")
     parser.add_argument("--model", default="tiny-ret-5m", help="model preset or directory (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds over the modes, alternated; medians (default: %(default)s)")
 
 
 def _numbers(results: dict[str, Any]) -> Any:
@@ -94,44 +99,60 @@ def run(args: argparse.Namespace) -> int:
     if bad or not modes:
         raise ValueError(f"--modes: expected a subset of {list(MODES)}, got {args.modes!r}")
     modes = ("serial",) + tuple(m for m in modes if m != "serial")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     config = Config(model=args.model, methods=("vanilla", "yarn", "lm_infinite", "ntk"), lengths=(1024, 2048),
-                    depths=(0.2, 0.5, 0.8), ppl_docs=1, modes=modes)
+                    depths=(0.2, 0.5, 0.8), ppl_docs=1, modes=modes, repeats=args.repeats)
     cfg = ReportConfig(model=config.model, methods=config.methods, lengths=config.lengths, decode_lengths=(),
                        depths=config.depths, samples_per_depth=1, ppl_docs=config.ppl_docs, tasks=("passkey", "ppl"))
+    import torch
+
+    torch.set_num_threads(config.threads_per_cell)  # the serial mode's cells run here: as many threads as a worker's
     rec = BENCH.start(args, config, environment={"load_average_start": list(os.getloadavg())})
     rows: dict[str, Any] = {}
-    base: dict[str, Any] | None = None
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    over: dict[str, list[float]] = {m: [] for m in modes}
+    first: dict[str, list[float]] = {m: [] for m in modes}
+    base_numbers = None
     with tempfile.TemporaryDirectory(prefix="lcx-bench-sweep-") as tmp:
         # untimed: one cell in this process first, so that the serial row does not pay the one-time
         # costs (imports of lm-eval and transformers, the tokenizer, the corpus, a kernel build)
         run_report(dataclasses.replace(cfg, methods=cfg.methods[:1], lengths=cfg.lengths[:1]), Path(tmp) / "warm-up",
                    progress=False, log=lambda s: None)
-        for mode in rec.progress(modes, unit="mode"):
+        # rounds alternate the modes, so that a neighbour's load falls on all of them alike; medians
+        for r, mode in rec.progress([(r, m) for r in range(args.repeats) for m in modes], unit="sweep"):
             kw: dict[str, Any] = {"jobs": 1, "job_threads": 1}
             if mode == "jobs2":
                 kw = {"jobs": 2, "job_threads": 1}
             elif mode.startswith("ray"):
                 kw = {"ray": True, "ray_cpus": int(mode[3:]), "jobs": None, "job_threads": 1}
             t0 = time.perf_counter()
-            out = run_report(cfg, Path(tmp) / mode, progress=False, log=lambda s: None, **kw)
-            wall = time.perf_counter() - t0
-            cells = out["cells_total"] - out["cells_reused"]
-            row: dict[str, Any] = {"wall_s": round(wall, 2), "cells": cells,
-                                   "cells_per_hour": round(3600 * cells / wall, 1),
-                                   "failed": sorted(out.get("cells_failed", {}))}
+            out = run_report(cfg, Path(tmp) / f"{mode}-{r}", progress=False, log=lambda s: None, **kw)
+            walls[mode].append(time.perf_counter() - t0)
+            numbers = _numbers(out["results"])
+            base_numbers = numbers if base_numbers is None else base_numbers
             if out.get("ray_cells"):
-                over = sorted(c["overhead_s"] for c in out["ray_cells"].values())
-                row["overhead_per_cell_s"] = {"median": over[len(over) // 2], "max": over[-1],
-                                              "first": next(iter(out["ray_cells"].values()))["overhead_s"]}
-                row["nodes_used"] = len({c["node"] for c in out["ray_cells"].values()})
-            if base is None:
-                base = {"wall_s": wall, "numbers": _numbers(out["results"])}
-            else:
-                row["speedup_vs_serial"] = round(base["wall_s"] / wall, 3)
-                row["numbers_equal_serial"] = _numbers(out["results"]) == base["numbers"]
-            rows[mode] = row
-            rec.log(f"{mode:6s} {row}")
+                cell_over = [c["overhead_s"] for c in out["ray_cells"].values()]
+                over[mode] += cell_over
+                first[mode].append(cell_over[0])
+            cells = out["cells_total"] - out["cells_reused"]
+            wall = statistics.median(walls[mode])
+            row = rows.setdefault(mode, {"cells": cells, "failed": [], "numbers_equal_serial": True})
+            row.update(wall_s=round(wall, 2), walls_s=[round(w, 2) for w in walls[mode]],
+                       cells_per_hour=round(3600 * cells / wall, 1))
+            row["failed"] = sorted(set(row["failed"]) | set(out.get("cells_failed", {})))
+            row["numbers_equal_serial"] = row["numbers_equal_serial"] and numbers == base_numbers
+            if over[mode]:
+                row["overhead_per_cell_s"] = {"median": round(statistics.median(over[mode]), 3),
+                                              "max": round(max(over[mode]), 3),
+                                              "first_cell_median": round(statistics.median(first[mode]), 3)}
+            if "serial" in rows and mode != "serial":
+                row["speedup_vs_serial"] = round(rows["serial"]["wall_s"] / wall, 3)
+            rec.log(f"round {r + 1} {mode:6s} {time.perf_counter() - t0:.1f} s; median so far {row}")
             rec.save(rows)
+    for mode, row in rows.items():  # the serial median moved after the other modes' rows were written
+        if mode != "serial":
+            row["speedup_vs_serial"] = round(rows["serial"]["wall_s"] / row["wall_s"], 3)
     if "ray1" in rows:
         start = _ray_startup_s(1)
         rows["ray_overhead"] = {"startup_s": round(start, 2),
