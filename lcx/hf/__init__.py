@@ -10,7 +10,9 @@
   `LcxRotaryEmbedding`): the model's rotary module replaced by one built from an `lcx.rope` spec
   (on Gemma 3, the global layers' RoPE only); `rope_basis(model, n, layer_type=...)`,
   `layer_rope_types` / `layer_rope_bases`: the basis each layer rotates with.
-- `lcx.hf.attention_patch`: the attention patch (`patch_attention`, `unpatch_attention`,
+- `lcx.hf.attention_patch` (installing), `lcx.hf.attention_call` (what runs inside one hooked call)
+  and `lcx.hf.engine_hook` (the engine's declared interface: the decode hook, `lcx_decode` steps,
+  the held-keys view `lcx_key_positions`, `loaded_rows`): the attention patch (`patch_attention`, `unpatch_attention`,
   `attention_patched`, `current_patch`, `layer_methods`, `own_windows`): every `self_attn` runs an
   `lcx.methods` method. **The mechanism, for every family**: the family's own attention forward
   runs (its projections, q/k norms, biases, scaling); lcx takes over two calls in it, the

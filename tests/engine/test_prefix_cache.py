@@ -169,19 +169,20 @@ def test_model_as_loaded_continues_per_row_without_a_mask(monkeypatch):
     call: that path is taken, no mask is built; soft-capped calls (Gemma 2's) run on `blockwise`
     where the backend cannot cap (their exactness: the Gemma 2 rows of tests/hf/test_families.py,
     `test_engine_as_loaded_hybrid_fast_path` under dynamic NTK), and an unknown backend is refused."""
+    import lcx.hf.attention_call as ac  # the per-call part, where the hooked calls look these up
     import lcx.hf.attention_patch as ap
     from lcx.engine.core import _loaded_rows_windows
 
     calls, masks = [], []
-    real_attend, real_mask = ap._attend_loaded_rows, ap._no_mask
-    monkeypatch.setattr(ap, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
+    real_attend, real_mask = ac._attend_loaded_rows, ac._no_mask
+    monkeypatch.setattr(ac, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
 
     def spy_mask(**kwargs):
         out = real_mask(**kwargs)
-        masks.append((ap._LOADED_ROWS.get() is not None, out is None))
+        masks.append((ac.LOADED_ROWS.get() is not None, out is None))
         return out
 
-    monkeypatch.setattr(ap, "_no_mask", spy_mask)  # registered by the engine's install_decode_hook
+    monkeypatch.setattr(ac, "_no_mask", spy_mask)  # registered by the engine's install_decode_hook
     model, tok = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
     sp = SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=0)
     eng, _ = _run({}, _prompts(tok)[:2], sp, prefix_block_size=BLOCK, max_num_batched_tokens=BUDGET)

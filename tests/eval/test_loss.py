@@ -202,7 +202,7 @@ def test_lcx_model_scores_a_windowed_model_as_loaded_per_row(tiny_gemma3_dir, mo
     sliding layers need no [T, T] mask: the lcx model scores loglikelihoods inside the engine's
     `forward_scope` (per row on lcx's backend, `loaded_rows`), equal to HFLM's masked forward
     on requests longer than the sliding window (32)."""
-    import lcx.hf.attention_patch as ap
+    import lcx.hf.attention_call as ac  # the per-call part, where the hooked calls look these up
     from lm_eval.models.huggingface import HFLM
 
     from lcx.lmeval_model import LcxLM
@@ -211,8 +211,8 @@ def test_lcx_model_scores_a_windowed_model_as_loaded_per_row(tiny_gemma3_dir, mo
                rope_type="dynamic", factor=2.0)
     assert lm.lcx_engine._whole_prompt_rows and lm.lcx_engine.methods.attention is None
     calls = []
-    real = ap._attend_loaded_rows
-    monkeypatch.setattr(ap, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ac._attend_loaded_rows
+    monkeypatch.setattr(ac, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     reqs = _requests(lm.tokenizer)
     assert max(len(c) + len(x) for _, c, x in reqs) > 32
     got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)

@@ -565,6 +565,7 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
     from lcx import MethodConfig, unpatch
     from lcx.engine import Engine, EngineConfig, SamplingParams
     from lcx.hf import current_patch
+    import lcx.hf.attention_call as ac  # the per-call part, where the hooked calls look these up
     import lcx.hf.attention_patch as ap
     from lcx.hf import attention_softcap
     from lcx.hf.attention_patch import as_loaded_method
@@ -582,8 +583,8 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
         full = torch.tensor([prompt + want[:-1]])
         want_gen_lp = model(full).logits.log_softmax(-1)[0, len(prompt) - 1:]  # [gen, V]
     rows = []  # calls of the per-row path (`loaded_rows`), with whether a mask was built for them
-    real_attend = ap._attend_loaded_rows
-    monkeypatch.setattr(ap, "_attend_loaded_rows", lambda *a, **k: rows.append(1) or real_attend(*a, **k))
+    real_attend = ac._attend_loaded_rows
+    monkeypatch.setattr(ac, "_attend_loaded_rows", lambda *a, **k: rows.append(1) or real_attend(*a, **k))
     try:
         engine = Engine(model, byte_tokenizer(), EngineConfig(methods=cfg, max_model_len=64))
         out = engine.generate([prompt], SamplingParams(max_tokens=gen, ignore_eos=True, logprobs=0,
