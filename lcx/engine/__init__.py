@@ -107,8 +107,11 @@ row being prefilled, the prefix cache, when reuse is refused),
 `kv` (the running batch's KV cache and the decode step), `sampling` (penalties, greedy,
 temperature/min_p/top_k/top_p, logprobs), `detok` (token bytes/strings, stop strings, the text
 an unfinished request may hand out), `outputs` (TokenLogprob, StepEvent, RequestOutput,
-EngineStats), `batch` (a prefill's cache as an HF cache), `core` (the Engine: per-request state, prefill/decode, stop conditions,
-the scheduler loop), `reference` (`greedy_decode_ref`: the one-token-per-forward
+EngineStats), `batch` (a prefill's cache as an HF cache), split as vLLM's v1 engine: `scheduler` (the
+queues, admission, fairness, chunked prefill under the token budget, prefix-cache lookups; no
+tensors), `runner` (the model runner: the forwards with the method's hooks through
+`lcx.hf.engine_hook`, the bounded KV store `kv` and its decode step `decode_step`; no request
+history) and `core` (the Engine: wires the two, owns request state, samples, stop conditions), `reference` (`greedy_decode_ref`: the one-token-per-forward
 greedy loop over a caller's cache that the engine is checked against, and that decodes where the
 engine's cache cannot go: HF `Cache` objects, an edited `PositionedKVCache`). Import from `lcx.engine`.
 """

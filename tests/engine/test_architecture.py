@@ -26,7 +26,7 @@ from test_layers import ROOT, _modules  # noqa: E402  (the one enumeration of li
 MAX_LINES = 600
 MAX_PRIVATE_IMPORTS = 10
 # modules still over MAX_LINES: path -> the most lines each may have (lower it as they shrink)
-OVER_LIMIT: dict[str, int] = {"lcx/engine/core.py": 1105, "lcx/engine/kv.py": 717}
+OVER_LIMIT: dict[str, int] = {}
 PRIVATE_IMPORTS_NOW = 13  # the count today; lower it with every private import removed
 
 
