@@ -17,7 +17,7 @@ where the method allows it:
   method whose rows depend on the call's length (LM-Infinite with limit_distance > n_local). An
   unpatched model with its own sliding windows (Gemma 3's sliding layers, Mistral) is cut and
   reused like any other: a continuation's masks are built from the slots' positions per layer
-  type (`lcx.engine.core._position_masks`), since HF's, by slot index, would shift a window
+  type (`lcx.engine.runner.position_masks`), since HF's, by slot index, would shift a window
   across the padding between held and new slots. A method whose last query of a call sees more
   (`last_query_extra`, LM-Infinite's top-k) is never cut, but may reuse a prefix: the cache holds
   only rows that were not the last of their call (below).

@@ -111,7 +111,7 @@ def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], back
     whenever a prefill continues from cached keys (Tq != Tk) and runs it markedly slower than its
     causal kernel, while lcx's flash backend splits the call into an unmasked pass over the held
     keys and a causal one over the new tokens. What `lcx.engine` runs for a prefill continuing
-    from a prefix-cache hit or a previous chunk on a model as loaded (`Engine._prefill_forward`);
+    from a prefix-cache hit or a previous chunk on a model as loaded (`lcx.engine.runner.ModelRunner.prefill`);
     refuses dropout (the engine does not ask for it then)."""
     token = LOADED_ROWS.set(LoadedRows(key_positions, tuple(windows), backend))
     try:
