@@ -33,7 +33,8 @@ from .prefix import PrefixCache, reuse_refusal
 from .runner import (ModelRunner, loaded_rows_windows, position_masks, windowed_rows,
                      windowed_rows_scope)
 from .sampling import greedy_and_logprobs, logprob_rows, sample
-from .scheduler import Request, Scheduler
+from .request import Request
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

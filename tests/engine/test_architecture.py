@@ -97,3 +97,48 @@ def test_private_imports_within_limit():
     found = all_private_imports()
     n = sum(len(h) for h in found.values())
     assert n <= MAX_PRIVATE_IMPORTS, f"{n} private imports (at most {MAX_PRIVATE_IMPORTS}):\n  {_listing(found)}"
+
+
+# The engine's parts and what each may import (docs/contributing.md, "The engine, split as vLLM's
+# v1"): the scheduler knows nothing of tensors or the model, the runner nothing of requests, and
+# only the runner reaches the HF attention patch, through its declared interface.
+ENGINE_BOUNDARIES = {
+    "lcx.engine.scheduler": {"torch", "lcx.engine.runner", "lcx.engine.kv", "lcx.engine.decode_step", "lcx.hf"},
+    "lcx.engine.runner": {"lcx.engine.scheduler", "lcx.engine.request", "lcx.engine.core", "lcx.hf.attention_call"},
+    "lcx.engine.core": {"lcx.hf.attention_call", "lcx.hf.engine_hook", "lcx.engine.decode_step", "lcx.engine.batch"},
+}
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module `source` (the text of `module`) imports, at any depth, as dotted names."""
+    here = module if is_package else module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = here.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _forbidden(imported: set[str], banned: set[str]) -> list[str]:
+    return sorted(m for m in imported for b in banned if m == b or m.startswith(b + "."))
+
+
+def test_the_boundary_check_sees_an_import():
+    assert _forbidden(imported_modules("import torch.nn\nfrom ..hf.engine_hook import x\n", "lcx.engine.s"),
+                      {"torch", "lcx.hf"}) == ["lcx.hf.engine_hook", "lcx.hf.engine_hook.x", "torch.nn"]
+
+
+def test_engine_parts_keep_their_boundaries():
+    mods = _modules()
+    bad = {m: _forbidden(imported_modules(mods[m].read_text(), m), banned) for m, banned in ENGINE_BOUNDARIES.items()}
+    bad = {m: v for m, v in bad.items() if v}
+    assert not bad, f"engine parts importing across their boundary: {bad}"
