@@ -136,7 +136,8 @@ def lcx_lm(tiny_model_dir):
     pytest.importorskip("lm_eval")
     from lcx.lmeval_model import LcxLM
 
-    return LcxLM(pretrained=str(tiny_model_dir), dtype="float64", batch_size=3, max_length=48)
+    return LcxLM(pretrained=str(tiny_model_dir), dtype="float64", batch_size=3, max_length=48,
+                 allow_truncation=True)  # HFLM's left truncation, compared below (lcx.truncation)
 
 
 def _requests(tok):
@@ -188,7 +189,7 @@ def test_lcx_model_float32_loglikelihood_close_to_hflm(tiny_model_dir):
 
     from lcx.lmeval_model import LcxLM
 
-    lm = LcxLM(pretrained=str(tiny_model_dir), batch_size=2, max_length=48)
+    lm = LcxLM(pretrained=str(tiny_model_dir), batch_size=2, max_length=48, allow_truncation=True)
     reqs = _requests(lm.tokenizer)
     got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
     want = types.MethodType(HFLM._loglikelihood_tokens, lm)(reqs, disable_tqdm=True)
@@ -207,7 +208,7 @@ def test_lcx_model_scores_a_windowed_model_as_loaded_per_row(tiny_gemma3_dir, mo
 
     from lcx.lmeval_model import LcxLM
 
-    lm = LcxLM(pretrained=str(tiny_gemma3_dir), dtype="float64", batch_size=3, max_length=48,
+    lm = LcxLM(pretrained=str(tiny_gemma3_dir), dtype="float64", batch_size=3, max_length=48, allow_truncation=True,
                rope_type="dynamic", factor=2.0)
     assert lm.lcx_engine._whole_prompt_rows and lm.lcx_engine.methods.attention is None
     calls = []
