@@ -64,6 +64,8 @@ DEFAULT_MAX_LENGTH = 1 << 20
 
 
 DEFAULT_ATTN_BACKEND = INFERENCE_BACKEND
+# `generation_batch=N` decodes chunks of this many x N requests (what a killed run can lose)
+GENERATION_CHUNK = 4
 
 # HFLM arguments that still mean something with a preloaded model.
 HFLM_KEYS = frozenset({
@@ -268,37 +270,44 @@ class LcxLM(HFLM):
     def _generate_batched(self, requests: list[Any], disable_tqdm: bool) -> list[str]:
         """`generation_batch=N`: the requests' tokens decoded together, up to N rows a step, then
         each request through HFLM's own `generate_until` as at batch size 1, its tokens taken from
-        that run. Three passes: (1) plan: each request through HFLM with the engine call recorded
-        instead of run (its prompt ids and sampling parameters; lm-eval's cache hook off, so the
-        journal never sees a planning answer); (2) one `Engine.generate` over every recorded
-        prompt (the engine orders them for its prefix cache and batches their decode steps);
-        (3) replay: each request through HFLM again, its `_model_generate` answered from (2).
-        HFLM's encoding, truncation, stop handling and post-processing are untouched, so the
-        answers are batch size 1's wherever a batched decode step computes the same greedy tokens
-        as a single-row one (tests/eval_tasks/test_lmeval_reuse.py compares them)."""
+        that run. Per chunk of `GENERATION_CHUNK` x N requests, three passes: (1) plan: each
+        request through HFLM with the engine call recorded instead of run (its prompt ids and
+        sampling parameters; lm-eval's cache hook off, so the journal never sees a planning
+        answer); (2) one `Engine.generate` over the chunk's prompts (the engine orders them for its
+        prefix cache, which persists across chunks, and batches their decode steps); (3) replay:
+        each request through HFLM again, its `_model_generate` answered from (2), its answer
+        journaled. A run killed mid-cell loses at most the chunk in progress. HFLM's encoding,
+        truncation, stop handling and post-processing are untouched, so the answers are batch size
+        1's wherever a batched decode step computes the same greedy tokens as a single-row one
+        (tests/eval_tasks/test_lmeval_reuse.py compares them)."""
         from lm_eval.api.model import CacheHook
         from tqdm import tqdm
 
-        planned: list[tuple[list[int], SamplingParams]] = []
-        self._lcx_generation_mode = ("plan", planned)
-        hook, self.cache_hook = self.cache_hook, CacheHook(None)
-        try:
-            for r in requests:
-                super().generate_until([r], disable_tqdm=True)
-        finally:
-            self.cache_hook = hook
-            self._lcx_generation_mode = None
-        if self.lcx_fit_prefix_cache:  # prompts reuse each other's prefixes: hold the longest whole
-            self.lcx_engine.fit_prefix_cache(max(len(row) for row, _ in planned))
-        outs = self.lcx_engine.generate([row for row, _ in planned], [params for _, params in planned])
-        answers = {i: o for i, o in enumerate(outs)}
-        self._lcx_generation_mode = ("replay", answers)
-        try:
-            out = [super(LcxLM, self).generate_until([r], disable_tqdm=True)[0]
-                   for r in tqdm(requests, disable=(disable_tqdm or self.rank != 0),
-                                 desc="Running generate_until requests")]
-        finally:
-            self._lcx_generation_mode = None
+        size = GENERATION_CHUNK * self.lcx_generation_batch
+        out: list[str] = []
+        bar = tqdm(total=len(requests), disable=(disable_tqdm or self.rank != 0), desc="Running generate_until requests")
+        for start in range(0, len(requests), size):
+            chunk = requests[start:start + size]
+            planned: list[tuple[list[int], SamplingParams]] = []
+            self._lcx_generation_mode = ("plan", planned)
+            hook, self.cache_hook = self.cache_hook, CacheHook(None)
+            try:
+                for r in chunk:
+                    super().generate_until([r], disable_tqdm=True)
+            finally:
+                self.cache_hook = hook
+                self._lcx_generation_mode = None
+            if self.lcx_fit_prefix_cache:  # prompts reuse each other's prefixes: hold the longest whole
+                self.lcx_engine.fit_prefix_cache(max(len(row) for row, _ in planned))
+            outs = self.lcx_engine.generate([row for row, _ in planned], [params for _, params in planned])
+            self._lcx_generation_mode = ("replay", dict(enumerate(outs)))
+            try:
+                for r in chunk:
+                    out.append(super(LcxLM, self).generate_until([r], disable_tqdm=True)[0])
+                    bar.update(1)
+            finally:
+                self._lcx_generation_mode = None
+        bar.close()
         return out
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],

@@ -432,6 +432,11 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     from lcx.report.lm import journal_count, journal_db
     from lcx.report.run import cell_journal
 
+    import lcx.report.lm
+
+    # one prompt at a time, so the kill lands between answers (batched generation journals per
+    # chunk of requests: tests/eval_tasks/test_lmeval_reuse.py)
+    monkeypatch.setattr(lcx.report.lm, "generation_batch", lambda *a, **k: 1)
     cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla",), lengths=(320,), decode_lengths=(),
                        depths=(0.2, 0.5, 0.8), samples_per_depth=1, ppl_docs=1)
     want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]

@@ -156,3 +156,32 @@ def test_generation_batch_is_checked(bad):
 
     with pytest.raises(ValueError, match="generation_batch must be a positive integer"):
         LcxLM(pretrained="tiny-ret-5m", generation_batch=bad)
+
+
+def test_generation_batch_journals_chunk_by_chunk(monkeypatch):
+    """A run killed mid-cell loses at most the chunk in progress: the answers of finished chunks
+    reached the cache hook (the journal) before the next chunk is planned."""
+    import lcx.lmeval_model as m
+    from lcx.lmeval_model import LcxLM
+
+    monkeypatch.setattr(m, "GENERATION_CHUNK", 1)
+    seen = []
+
+    class Hook:
+        def add_partial(self, kind, key, value):
+            seen.append(value)
+
+    lm = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048, generation_batch=2)
+    lm.set_cache_hook(Hook())
+    real, calls = lm.lcx_engine.generate, []
+
+    def dies_at_the_third_chunk(prompts, params=None):
+        calls.append(len(prompts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(prompts, params)
+
+    lm.lcx_engine.generate = dies_at_the_third_chunk
+    with pytest.raises(KeyboardInterrupt):
+        lm.generate_until(_passkey_requests()[:6], disable_tqdm=True)
+    assert calls == [2, 2, 2] and len(seen) == 4  # two chunks answered and journaled
