@@ -292,7 +292,7 @@ def _fmt(x: float, spec: str) -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
-def _other_code_note(record: dict[str, Any]) -> str:
+def other_code_note(record: dict[str, Any]) -> str:
     oc = record.get("cells_kept_with_other_code") or {}
     if not oc:
         return ""
@@ -338,7 +338,11 @@ def markdown(record: dict[str, Any]) -> str:
                 f"(max length / L0). Produced by `lcx report` in {record['wall_s']:.0f} s wall "
                 f"({record.get('measured_s', record['wall_s']):.0f} s measuring; {record['cells_reused']} of "
                 f"{record.get('cells_total', '?')} cells kept from run {record.get('run_id', '?')}).") + status
-             + _other_code_note(record), ""]
+             + other_code_note(record), ""]
+    if record.get("sweep"):
+        lines += [f"Sweep file: [`{record['sweep']}`]({record['sweep_link']}) — `lcx sweep run {record['sweep']}` "
+                  f"measures what is missing (resumable; `--ray` on a cluster), `lcx sweep render {record['sweep']}` "
+                  "writes this report from the stored cells.", ""]
     if "passkey" in c.get("tasks", ["passkey"]):  # (a RULER-only report has no passkey/perplexity cells)
         lines += _passkey_ppl_sections(record, n_pk)
     if c.get("ruler_lengths"):

@@ -27,7 +27,7 @@ from .cells import (
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
 from .jobs import measure_cell, run_cells
 from .lm import journal_count, journal_db
-from .render import _other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
+from .render import other_code_note, markdown, passkey_intervals, passkey_paired, plot_report
 from .ruler import longest_sequence, ruler_cell_summary, ruler_intervals, ruler_paired
 
 # The run
@@ -194,7 +194,7 @@ def plan_runs(cfg: ReportConfig) -> tuple[ReportConfig, dict[str, PresetRun], di
 def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool = False, render: bool = False,
                keep_other_code: bool = False, progress: bool = True, jobs: int | None = 1, job_threads: int | None = None,
                ray: bool = False, ray_address: str | None = None, ray_cpus: int | None = None,
-               order: Callable[[tuple[str, str, int]], Any] | None = None,
+               order: Callable[[tuple[str, str, int]], Any] | None = None, sweep: str | None = None,
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
     module docstring), then write the report. `render=True` measures nothing: it writes the
@@ -358,7 +358,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         log(f"kept {len(reused)} of {len(todo)} cells from run {run_id} ({why.split(':')[0]}); measured "
             f"{len(todo) - len(reused)}")
     if other_code:
-        log("lcx report:" + _other_code_note({"cells_kept_with_other_code": other_code}))
+        log("lcx report:" + other_code_note({"cells_kept_with_other_code": other_code}))
     if failed:  # not finished: the same command resumes it, measuring the failed cells again
         atomic_write_json(out / "cells" / "run.json", {**manifest, "cells_failed": failed})
     elif not render:
@@ -373,6 +373,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                    **({"ruler_lengths": list(cfg.ruler_lengths)} if cfg.ruler_lengths else {})},
         "environment": environment(), "git": git_info(Path(__file__).resolve().parents[2]),
         "fingerprint": fingerprint, "run_id": run_id,
+        **({"sweep": sweep, "sweep_link": os.path.relpath(Path(sweep).resolve(), out.resolve())} if sweep else {}),
         "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
         "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
         "cells_kept_with_other_code": other_code,

@@ -63,6 +63,14 @@ class Sweep:
     keep_other_code: bool = False
     first: tuple[dict[str, tuple], ...] = field(default_factory=tuple)
 
+    @property
+    def name(self) -> str:
+        """The file as the report names it: relative to the working directory when inside it."""
+        try:
+            return str(self.path.resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return str(self.path)
+
     def order(self, item: tuple[str, str, int]) -> int:
         """`run_report`'s sort key: the index of the first `first` entry the cell matches (name,
         kind, length), len(first) for the rest."""
@@ -236,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=1) if args.json else format_status(st))
         return 0
     if args.action == "render":
-        run_report(sweep.config, sweep.out, render=True, keep_other_code=sweep.keep_other_code)
+        run_report(sweep.config, sweep.out, render=True, keep_other_code=sweep.keep_other_code, sweep=sweep.name)
         print(f"wrote {sweep.out / 'README.md'}")
         return 0
     if args.jobs is not None and args.jobs < 1:
@@ -253,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         kw.update(ray=True, ray_address=args.ray or os.environ.get("RAY_ADDRESS") or None, jobs=args.jobs,
                   ray_cpus=args.jobs * threads if args.jobs else None)
     record = run_report(sweep.config, sweep.out, reuse=True, keep_other_code=sweep.keep_other_code,
-                        order=sweep.order, progress=not args.no_progress, **kw)
+                        order=sweep.order, progress=not args.no_progress, sweep=sweep.name, **kw)
     if record.get("cells_failed"):
         print(f"lcx sweep: {len(record['cells_failed'])} cell(s) failed; `lcx sweep run` measures them again",
               file=sys.stderr)
