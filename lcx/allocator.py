@@ -16,8 +16,8 @@ environment, and glibc can do the same with two settings:
   block instead of going back to the system, unless 2 GiB at the heap's top are free at once.
 
 These are the settings glibc also reads at start-up from `MALLOC_MMAP_MAX_=0` and
-`MALLOC_TRIM_THRESHOLD_=...` (`ENV`, which `scripts/sweeps.sh` exports so that steps run at older
-commits get them too); `mallopt(3)` sets them in a running process for every later allocation.
+`MALLOC_TRIM_THRESHOLD_=...` (`ENV`: export them to give a process whose code does not call this,
+e.g. an older lcx, the same settings); `mallopt(3)` sets them in a running process for every later allocation.
 
 What it costs: the process keeps its high-water mark of memory until it exits (the heap is not
 given back), and a block of a new size may not fit the holes older ones left (measured above:

@@ -54,17 +54,6 @@ def test_bad_value_is_named():
     assert out.returncode != 0 and "LCX_MALLOC must be 'reuse' or 'system', got 'jemalloc'" in out.stderr
 
 
-def test_sweeps_export_the_same_settings():
-    """scripts/sweeps.sh sets lcx.allocator's settings through glibc's environment variables (for
-    steps at older commits, whose code does not call it): the same values."""
-    from pathlib import Path
-
-    from lcx.allocator import ENV
-
-    line = "export " + " ".join(f"{k}={v}" for k, v in ENV.items())
-    assert line in (Path(__file__).resolve().parents[1] / "scripts" / "sweeps.sh").read_text()
-
-
 def test_bench_allocator_runs_as_documented(tmp_path):
     """`lcx bench allocator` from the installed entry point, on the bundled model (one run each)."""
     out = tmp_path / "a.json"
