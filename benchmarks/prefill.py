@@ -215,7 +215,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from lcx import presets
     from lcx.engine import Engine, EngineConfig
     from lcx.models import load_model
-    from lcx.report import _prompt_ids
+    from lcx.report import prompt_ids
 
     threads = BENCH.resolve_threads(args)
     repeats = 3 if args.repeats is None else args.repeats
@@ -231,7 +231,7 @@ def run_engine(args: argparse.Namespace) -> int:
     L0 = int(base.config.max_position_embeddings)
     cfg = EngineBenchConfig(args.model, lengths, args.window, tuple(names), repeats, threads)
     rec = BENCH.start(args, cfg, out=ENGINE_OUT if Path(args.out) == Path(BENCH.out) else args.out)
-    prompt = _prompt_ids(tok, max(lengths))
+    prompt = prompt_ids(tok, max(lengths))
     engines: dict[str, Any] = {}
     rows: dict[str, Any] = {}
     for name in names:  # one engine per method, each on its own copy of the model
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lcx import presets
     from lcx.models import load_model
-    from lcx.report import _prompt_ids
+    from lcx.report import prompt_ids
 
     threads = BENCH.resolve_threads(args)
     if args.repeats < 1 or args.length < 16:
@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(1, int(model.config.vocab_size), (1, args.length), generator=g)
     else:
-        ids = torch.tensor([_prompt_ids(tok, args.length)])
+        ids = torch.tensor([prompt_ids(tok, args.length)])
     rows: dict[str, Any] = {}
     cfgs: dict[str, Any] = {}
     for name in names:

@@ -51,7 +51,6 @@ FLAT_BACKEND_KEYS = {"attn_backend": "backend", "attn_decode_backend": "decode_b
 ROPE_KEYS = frozenset(f.name for f in dataclasses.fields(RopeSpec))
 # what a flat HF-style rope dict may hold besides RopeSpec's keys (legacy `type`, model keys)
 FLAT_ROPE_KEYS = ROPE_KEYS | {"type"} | IGNORED_HF_KEYS
-_FLAT_ROPE_KEYS = FLAT_ROPE_KEYS  # (the name lcx.serve.vllm_plugin.config imports)
 
 
 def _attention_classes() -> dict[str, type]:

@@ -3,6 +3,8 @@ tiny model (through lm-eval and the engine for real) that is then resumed from i
 
 from __future__ import annotations
 
+from lcx.report.cells import journal_dir, running_path  # noqa: E402,F401 (#74: the cache, not the report folder)
+
 import json
 import random
 from pathlib import Path
@@ -358,7 +360,7 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla",), lengths=(320,), decode_lengths=(),
                        depths=(0.2, 0.5, 0.8), samples_per_depth=1, ppl_docs=1)
     want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]
-    assert "resumed_requests" not in want and not list((tmp_path / "whole" / "cells" / "journal").glob("*"))
+    assert "resumed_requests" not in want and not list(journal_dir(tmp_path / "whole").glob("*"))
 
     real = HFLM.generate_until
     calls = _kill_at_the_third_answer(monkeypatch)
@@ -366,14 +368,14 @@ def test_a_cell_killed_half_way_resumes_from_its_journal(tiny_model_dir, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         run_report(cfg, out, progress=False, log=lambda _: None)
     assert calls == [1, 1, 1]  # one prompt at a time, in reuse order
-    journals = list((out / "cells" / "journal").glob("*_rank0.db"))
+    journals = list(journal_dir(out).glob("*_rank0.db"))
     assert len(journals) == 1 and journal_count(str(journals[0]).removesuffix("_rank0.db")) == 2
     monkeypatch.setattr(HFLM, "generate_until", real)
     got = run_report(cfg, out, progress=False, log=lambda _: None)["results"]["vanilla"]["lmeval"]["320"]
     assert got.pop("resumed_requests") == 2
     for key in ("passkey", "passkey_samples", "ppl"):
         assert got[key] == want[key]
-    assert not list((out / "cells" / "journal").glob("*"))
+    assert not list(journal_dir(out).glob("*"))
     # --fresh recomputes every answer: a journal left by an interrupted run is discarded
     _kill_at_the_third_answer(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
@@ -432,3 +434,16 @@ def test_a_ruler_cell_resumes_from_its_journal(tmp_path, monkeypatch):
     monkeypatch.setattr(HFLM, "generate_until", real)
     got = run_report(cfg, tmp_path / "killed", progress=False, log=lambda _: None)["results"]["vanilla"]["ruler"]["1024"]
     assert got.pop("resumed_requests") == 2 and got["tasks"] == want["tasks"]
+
+
+def test_journals_and_running_state_live_in_the_cache_not_the_report(tmp_path, monkeypatch):
+    """#74: a report folder holds finished cells only; journals and `running.json` live in lcx's
+    cache, one state folder per report folder (by its absolute path)."""
+    from lcx.report.cells import state_dir
+
+    monkeypatch.setenv("LCX_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "results" / "report", tmp_path / "other" / "report"
+    assert journal_dir(a).is_relative_to(tmp_path / "cache") and not journal_dir(a).is_relative_to(a)
+    assert running_path(a).parent == journal_dir(a).parent == state_dir(a)
+    assert state_dir(a) != state_dir(b) and state_dir(a).name.startswith("report-")
+    assert state_dir(tmp_path / "results" / ".." / "results" / "report") == state_dir(a)

@@ -5,6 +5,8 @@ mid-cell and a node removed mid-sweep, with a failing cell reported while the ot
 
 from __future__ import annotations
 
+from lcx.report.cells import journal_dir, running_path  # noqa: E402,F401 (#74: the cache, not the report folder)
+
 import os
 
 # Before Ray is imported (it reads this once): a node given 127.0.0.1 stays there instead of taking
@@ -265,7 +267,7 @@ def test_a_two_node_cluster_measures_a_serial_runs_cells(serial, cluster, tmp_pa
     assert order == [(n, k, list(c)) for n, r in serial["results"].items() for k, c in r.items()]
     assert json.loads((tmp_path / "cells" / "run.json").read_text())["finished"] is True
     assert len(list((tmp_path / "cells").glob("*.json.gz"))) == 15
-    assert not list((tmp_path / "cells" / "journal").glob("*_rank0.db"))  # every journal dropped with its cell
+    assert not list(journal_dir(tmp_path).glob("*_rank0.db"))  # every journal dropped with its cell
     sockets = _listening(_descendants(os.getpid()))
     assert {name for _, name in sockets} >= {"gcs_server", "raylet"}
     assert [s for s in sockets if not _on_loopback(s[0])] == []
@@ -304,7 +306,7 @@ def test_a_killed_worker_and_a_removed_node_lose_nothing(serial, tmp_path):
     stop = threading.Event()
 
     def sabotage() -> None:
-        journal = out / "cells" / "journal"
+        journal = journal_dir(out)
         while not stop.is_set():
             if any(journal_rows(db)[0] for db in journal.glob("*.ruler.*_rank0.db")):
                 break
@@ -366,7 +368,7 @@ def test_a_driver_killed_mid_sweep_resumes_with_the_same_command(serial, cluster
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and driver.poll() is None:
             if (len(list((out / "cells").glob("*.json.gz"))) >= 2
-                    and any(journal_rows(db)[0] for db in (out / "cells" / "journal").glob("*.ruler.*_rank0.db"))):
+                    and any(journal_rows(db)[0] for db in journal_dir(out).glob("*.ruler.*_rank0.db"))):
                 break
             time.sleep(0.05)
         assert driver.poll() is None, "the driver finished before it could be killed"

@@ -4,6 +4,8 @@ watched and rendered through the command line."""
 
 from __future__ import annotations
 
+from lcx.report.cells import journal_dir, running_path  # noqa: E402,F401 (#74: the cache, not the report folder)
+
 import json
 from pathlib import Path
 
@@ -107,7 +109,7 @@ def test_a_sweep_runs_resumes_reports_its_status_and_renders(tmp_path, capsys):
     assert measured == ["yarn @ 511", "vanilla @ 511", "lm_infinite @ 511", "vanilla @ 383", "lm_infinite @ 383",
                         "yarn @ 383"]
     assert all(read_cell(p)["result"]["passkey_docs"] == 1 for p in (out / "cells").glob("*.json.gz"))
-    assert not (out / "cells" / "running.json").exists()  # nothing in flight once it ended
+    assert not running_path(out).exists()  # nothing in flight once it ended
     capsys.readouterr()
     assert main(["sweep", "status", str(f), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)

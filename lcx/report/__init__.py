@@ -49,7 +49,7 @@ and why is printed, and recorded in report.json.gz. `--reuse` also
 keeps cells of finished runs whose settings and fingerprint match (e.g. to redraw plots);
 `--fresh` recomputes everything. The cell order is length-major (every method at the shortest
 length first), so an interrupted sweep already has complete tables at the shorter lengths. Inside
-an lm-eval cell every answer is journaled as it is given (`cells/journal/`, keyed by the cell's
+an lm-eval cell every answer is journaled as it is given (in lcx's cache: `cells.journal_dir`, keyed by the cell's
 settings and fingerprint; `lcx.report.lm.evaluate`), so a cell killed half-way resumes from its
 last answer and records `resumed_requests`.
 """
@@ -84,7 +84,7 @@ from .config import (
 from .measure import (
     CELL_RUNNERS,
     DECODE_TIMING,
-    _prompt_ids,
+    prompt_ids,
     run_decode_cell,
     run_lmeval_cell,
 )
@@ -99,4 +99,4 @@ from .render import (
 )
 from .run import run_report
 
-__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "_prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "read_cell", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings", "write_cell"]
+__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "read_cell", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings", "write_cell"]

@@ -96,10 +96,10 @@ def cell_fingerprint(fingerprint: dict[str, Any], kind: str) -> dict[str, Any]:
     return {**fingerprint, "code": code.get(kind)}
 
 
-def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+def diff_values(a: Any, b: Any, prefix: str = "") -> list[str]:
     """Dotted keys where two nested dicts differ."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+        return [d for k in sorted(set(a) | set(b)) for d in diff_values(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [prefix.rstrip(".")]
 
 
@@ -117,7 +117,7 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
     return {**common, "decode_tokens": cfg.decode_tokens, "timing": DECODE_TIMING}
 
 
-def _cell_path(out: Path, name: str, kind: str, length: int) -> Path:
+def cell_path(out: Path, name: str, kind: str, length: int) -> Path:
     """Where a cell is written: gzipped JSON (cells hold every prompt's output; the repository must
     fit a GPU call's payload, docs/contributing.md). `read_cell` also reads the plain `.json` that
     earlier versions wrote."""
@@ -188,8 +188,8 @@ def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh
                                "again (--reuse keeps matching cells)")
     if prev.get("config") != cfg.to_dict():
         return new_id, set(), (f"the interrupted run {prev.get('run_id')} had other settings "
-                               f"({', '.join(_diff(prev.get('config'), cfg.to_dict()))}): every cell is measured")
-    changed = _diff(prev.get("fingerprint"), fingerprint)
+                               f"({', '.join(diff_values(prev.get('config'), cfg.to_dict()))}): every cell is measured")
+    changed = diff_values(prev.get("fingerprint"), fingerprint)
     shared = [c for c in changed if not c.startswith("code.")]
     if shared:
         return new_id, set(), (f"the interrupted run {prev.get('run_id')} ran other models/environment "
@@ -203,3 +203,25 @@ def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh
 
 
 # ============================================================================================
+
+
+def state_dir(out: str | Path) -> Path:
+    """Where a report folder's in-progress state lives (#74): its cells' request journals
+    (`journal/`) and what runs now (`running.json`), in lcx's cache (`$LCX_CACHE_DIR`, else
+    ~/.cache/lcx) under `report-state/<folder>-<hash of its absolute path>`, never in the tracked
+    tree: only finished cells are written into `out`/cells/. A sweep resumes on the machine (and
+    cache) that holds its journals; under `--ray` the driver's."""
+    from ..models.store import cache_root
+
+    out = Path(out).resolve()
+    return cache_root() / "report-state" / f"{out.name}-{hashlib.sha256(str(out).encode()).hexdigest()[:12]}"
+
+
+def journal_dir(out: str | Path) -> Path:
+    """The folder of a report's cell journals (`state_dir`)."""
+    return state_dir(out) / "journal"
+
+
+def running_path(out: str | Path) -> Path:
+    """`running.json` of a report: the cells in flight (`state_dir`)."""
+    return state_dir(out) / "running.json"

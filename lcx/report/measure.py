@@ -67,7 +67,7 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
     return out
 
 
-def _prompt_ids(tokenizer: Any, n: int) -> list[int]:
+def prompt_ids(tokenizer: Any, n: int) -> list[int]:
     """n tokens of held-out text (the lcx corpus validation split, documents concatenated)."""
     from ..data.corpus import load_corpus
 
@@ -90,7 +90,7 @@ def run_decode_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int) 
     m, tok = load_model(run.model, dtype=cfg.dtype, device=cfg.device)
     engine = Engine(m, tok, EngineConfig(methods=run.config.with_default_backend(cfg.attn_backend), max_batch=1,
                                          max_model_len=length + cfg.decode_tokens + 1))
-    prompt = _prompt_ids(tok, length)
+    prompt = prompt_ids(tok, length)
     # one CPU thread: tokens/s from this process's CPU time, which the other processes of a shared
     # machine do not inflate (wall time is recorded too); otherwise (threads, GPU) wall time
     cpu_timed = cfg.device == "cpu" and torch.get_num_threads() == 1

@@ -17,7 +17,7 @@ process) keeps what a serial run guarantees:
   pinned there, and nothing later in the order is submitted until it has started;
 - the cell store: the driver writes every cell (`finish`, atomically) and owns every journal.
 
-Where journals live: on the driver, in the report's `cells/journal/` exactly as in a serial run
+Where journals live: on the driver, in its lcx cache (`lcx.report.cells.journal_dir`) exactly as in a serial run
 (so a sweep may move between serial, `--jobs` and `--ray` runs). A task gets the cell's journal
 as data (its answered requests), seeds a scratch journal in its node's temporary directory with
 them, and streams every answer back as lm-eval's request cache commits it (a Ray streaming
@@ -202,7 +202,7 @@ def cell_task(call: dict[str, Any], answers: list[tuple[str, bytes]], threads: i
     import torch
 
     from ..allocator import reuse_freed_memory
-    from .cells import _diff, cell_fingerprint, run_fingerprint
+    from .cells import diff_values, cell_fingerprint, run_fingerprint
     from .jobs import measure_cell
     from .lm import journal_db
 
@@ -211,7 +211,7 @@ def cell_task(call: dict[str, Any], answers: list[tuple[str, bytes]], threads: i
     torch.set_num_threads(threads)
     if expect is not None:
         have = cell_fingerprint(run_fingerprint(sorted(expect["models"])), call["kind"])
-        differ = _diff(have, expect)
+        differ = diff_values(have, expect)
         if differ:
             raise ValueError(f"node {socket.gethostname()} would measure under another fingerprint than the driver's "
                              f"({', '.join(differ[:8])}): the code changed since the run started, or this node "

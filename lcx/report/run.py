@@ -15,13 +15,15 @@ from ..method_config import MethodConfig
 from ..presets import PresetRun
 from ..presets import resolve as resolve_preset
 from .cells import (
-    _cell_path,
-    _diff,
     cell_fingerprint,
+    cell_path,
     cell_settings,
+    diff_values,
+    journal_dir,
     load_cell,
     plan_run,
     run_fingerprint,
+    running_path,
     write_cell,
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
@@ -38,7 +40,7 @@ JOURNALED = ("lmeval", "ruler")  # cell kinds answered request by request throug
 
 def cell_journal(out: Path, name: str, kind: str, length: int, settings: dict[str, Any],
                  fingerprint: dict[str, Any], log: Callable[[str], None] | None = None) -> Path:
-    """The request journal of one cell (`lcx.report.lm.evaluate`): under `out`/cells/journal/,
+    """The request journal of one cell (`lcx.report.lm.evaluate`): in `journal_dir(out)` (lcx's cache),
     named by the cell and a hash of its settings and `cell_fingerprint`, so answers given under
     other settings, models, environment or numerics code are never read back (a cell resumes
     only what the same measurement answered). Beside it, `<journal>.key.json` holds what the hash
@@ -51,7 +53,7 @@ def cell_journal(out: Path, name: str, kind: str, length: int, settings: dict[st
     key_obj = {"settings": settings, "fingerprint": cell_fingerprint(fingerprint, kind)}
     key = json.dumps(key_obj, sort_keys=True, default=str)
     stem = f"{name}.{kind}.{length}"
-    journal = out / "cells" / "journal" / f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    journal = journal_dir(out) / f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     for old in sorted(journal.parent.glob(f"{stem}.*_rank0.db")):
         if not old.name.startswith(journal.name) and log is not None:
             note = stale_journal_note(Path(str(old).removesuffix("_rank0.db")), key_obj)
@@ -84,7 +86,7 @@ def stale_journal_note(journal: Path, key: dict[str, Any]) -> str | None:
     if old is None:
         why = "under other settings or code (its key was not recorded)"
     else:
-        differ = _diff({k: old.get(k) for k in key}, json.loads(json.dumps(key, default=str)))
+        differ = diff_values({k: old.get(k) for k in key}, json.loads(json.dumps(key, default=str)))
         sha = ((old.get("git") or {}).get("sha") or "?")[:12]
         why = f"under other {', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''} (started at git {sha})"
     return (f"a journal of {answered} answers made {why} is not resumed and is deleted: answers resume only "
@@ -130,7 +132,7 @@ def _vanilla_cell_first(runs: dict[str, PresetRun], cfg: ReportConfig, order: li
 
 
 class _Live:
-    """`cells/running.json`: the cells in flight (where, answers in their journals, since when),
+    """`running.json` (`running_path`, in lcx's cache): the cells in flight (where, answers in their journals, since when),
     rewritten atomically when a cell starts or ends and at most once a second otherwise; deleted
     when the run ends. A driver killed leaves it behind: `driver` (host, pid) and `updated` tell."""
 
@@ -206,7 +208,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     core): `job_threads` CPUs per cell, at most `jobs` cells at once (None: as many as the cluster
     holds); a cell that fails is reported (`cells_failed`) and the others go on. `order`: a sort key
     over (name, kind, length) that measures some cells first (`lcx sweep`'s `first`; stable: the
-    length-major order among equals). While cells run, `cells/running.json` says which, where,
+    length-major order among equals). While cells run, `running.json` (`running_path`) says which, where,
     and how many answers each has (`lcx sweep status` reads it)."""
     from tqdm.auto import tqdm
 
@@ -239,7 +241,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     pending: list[tuple[str, str, int]] = []  # the cells to measure, in order
     for name, kind, L in todo:
         settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
-        stored = (load_cell(_cell_path(out, name, kind, L), settings, fingerprint, keep, other_code=keep_other_code)
+        stored = (load_cell(cell_path(out, name, kind, L), settings, fingerprint, keep, other_code=keep_other_code)
                   if keep is None or keep else None)
         if stored is None:
             if render:
@@ -250,7 +252,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         bar.update(1)
         cells[name][kind][str(L)] = stored["result"]
         reused.append(f"{name}/{kind}/{L}")
-        code_diff = _diff(cell_fingerprint(stored["fingerprint"], kind)["code"],
+        code_diff = diff_values(cell_fingerprint(stored["fingerprint"], kind)["code"],
                           cell_fingerprint(fingerprint, kind)["code"])
         if code_diff:
             other_code[f"{name}/{kind}/{L}"] = {"run_id": stored.get("run_id"), "modules": code_diff}
@@ -262,7 +264,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         pending.sort(key=order)
     measured_s = 0.0
     journals: dict[tuple[str, str, int], Path | None] = {}
-    live = _Live(out / "cells" / "running.json", run_id, enabled=not render)
+    live = _Live(running_path(out), run_id, enabled=not render)
     here = f"{socket.gethostname()} pid {os.getpid()}"
     mode = "serial"  # (set below: "serial", "jobs" or "ray")
 
@@ -288,7 +290,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         nonlocal measured_s
         name, kind, L = item
         measured_s += dt
-        write_cell(_cell_path(out, name, kind, L),
+        write_cell(cell_path(out, name, kind, L),
                    {"settings": cell_settings(kind, cfg.model, name, runs[name], cfg, L), "fingerprint": fingerprint,
                     "run_id": run_id, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(dt, 2),
                     "result": result})

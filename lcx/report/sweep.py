@@ -135,18 +135,18 @@ def _known(path: Path, prefix: str, table: Any, keys: set[str]) -> None:
 
 def sweep_status(sweep: Sweep) -> dict[str, Any]:
     """Where a sweep stands, from its folder: every cell `done` (stored with matching settings and
-    fingerprint, as `run` would keep it), `running` (in `cells/running.json`: where, answers), or
+    fingerprint, as `run` would keep it), `running` (in `running.json`, `lcx.report.cells.running_path`: where, answers), or
     `todo` (with its journal's answers, if any); the seconds the done cells took; an estimate of
     the seconds left (each missing cell at the mean of the done cells of its kind and length, else
     of its kind scaled by length, else unknown)."""
-    from .cells import _cell_path, cell_settings, load_cell, run_fingerprint
+    from .cells import cell_path, cell_settings, journal_dir, load_cell, run_fingerprint, running_path
     from .lm import journal_count
     from .run import plan_runs
 
     cfg, runs, skipped, _, _ = plan_runs(sweep.config)
     fingerprint = run_fingerprint([cfg.model] + [r.model for r in runs.values() if r.model != cfg.model])
     try:
-        live = json.loads((sweep.out / "cells" / "running.json").read_text())
+        live = json.loads(running_path(sweep.out).read_text())
     except (OSError, ValueError):
         live = {"cells": {}}
     cells = []
@@ -156,7 +156,7 @@ def sweep_status(sweep: Sweep) -> dict[str, Any]:
                 if L not in cfg.cell_lengths(kind):
                     continue
                 key = f"{name}/{kind}/{L}"
-                stored = load_cell(_cell_path(sweep.out, name, kind, L), cell_settings(kind, cfg.model, name, run, cfg, L),
+                stored = load_cell(cell_path(sweep.out, name, kind, L), cell_settings(kind, cfg.model, name, run, cfg, L),
                                    fingerprint, None, other_code=sweep.keep_other_code)
                 entry: dict[str, Any] = {"cell": key, "kind": kind, "length": L}
                 if stored is not None:
@@ -165,7 +165,7 @@ def sweep_status(sweep: Sweep) -> dict[str, Any]:
                     entry.update(state="running", **live["cells"][key])
                 else:
                     # (named as lcx.report.run.cell_journal names them)
-                    journals = sorted((sweep.out / "cells" / "journal").glob(f"{name}.{kind}.{L}.*_rank0.db"))
+                    journals = sorted(journal_dir(sweep.out).glob(f"{name}.{kind}.{L}.*_rank0.db"))
                     answers = max((journal_count(str(j).removesuffix("_rank0.db")) for j in journals), default=0)
                     entry.update(state="todo", **({"answers": answers} if answers else {}))
                 cells.append(entry)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from lcx.hf.models import LEFT_OUT, model_shape, rope_layer_types
-from lcx.method_config import _FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
+from lcx.method_config import FLAT_ROPE_KEYS, NESTED_KEYS, MethodConfig
 from lcx.methods import UNROTATED_METHODS, AttentionMethod
 from lcx.rope import PartialRopeSpec, RopeSpec
 
@@ -151,7 +151,7 @@ def check_vllm_methods(methods: Mapping[str, Any] | MethodConfig | None, hf_conf
     RoPE types (vLLM keeps one cos/sin cache)."""
     if isinstance(methods, Mapping):
         unknown = sorted(set(methods) - set(NESTED_KEYS))
-        if unknown and not set(methods) <= _FLAT_ROPE_KEYS:
+        if unknown and not set(methods) <= FLAT_ROPE_KEYS:
             raise ValueError(f"unknown vLLM method key(s) {unknown}; accepted: {list(METHOD_KEYS)}")
     cfg = MethodConfig.from_dict(methods)
     if cfg.backend is not None or cfg.decode_backend is not None:

@@ -27,7 +27,7 @@ MAX_LINES = 600
 MAX_PRIVATE_IMPORTS = 10
 # modules still over MAX_LINES: path -> the most lines each may have (lower it as they shrink)
 OVER_LIMIT: dict[str, int] = {}
-PRIVATE_IMPORTS_NOW = 13  # the count today; lower it with every private import removed
+PRIVATE_IMPORTS_NOW = 6  # the count today (2026-12-07; #75 asks <= 10); lower it with every private import removed
 
 
 def module_lines() -> dict[str, int]:
