@@ -88,7 +88,8 @@ behind its query (`causal_up_to` = S). Unbounded (every key stays visible): no b
 Keys: the side branch moves only the query, so keys could be cached rotated at their true
 positions (the engine's decode rule does exactly that); `needs_unrotated_keys` is True in the
 registry's sense, "some query sees a key at other than its true distance", so a cache that
-hands keys to `attend` (the HF path, the vLLM plugin's method attention) keeps them unrotated.
+hands keys to `attend` (the HF path) keeps them unrotated; the vLLM plugin, like the engine,
+decodes through the rule on keys rotated once (`overlap=True`, which has no rule: unrotated).
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def test_chunkllama_defaults():
     """replace_with_chunkllama(pretraining_length=L0): chunk 3 L0 // 4, local window L0 // 16
     (its first release; its current code L0 // 8, passed explicitly)."""
     assert chunkllama_dca(4096) == dca(3072, 256)
-    assert chunkllama_dca(2048) == dca(1536, 128)  # SmolLM2-135M's L0
+    assert chunkllama_dca(2048) == dca(1536, 128)  # a 2k-context model (SmolLM2-135M's L0 is 8192: 6144, 512)
     assert chunkllama_dca(4096, local_size=4096 // 8) == dca(3072, 512)
     with pytest.raises(ValueError, match="pretraining_length"):
         chunkllama_dca(2)
