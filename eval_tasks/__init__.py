@@ -2,8 +2,9 @@
 
 One folder per task (YAML + small Python module + README):
 
-- `passkey`, `passkey_ll` — Landmark-Attention passkey retrieval at RULER-style context lengths
-  (`--metadata '{"max_seq_lengths": [...]}'`), generation and log-likelihood variants.
+- `passkey`, `passkey_ll`, `passkey_primed` — Landmark-Attention passkey retrieval at RULER-style
+  context lengths (`--metadata '{"max_seq_lengths": [...]}'`), generation and log-likelihood
+  variants, and generation with RULER's kind of answer prefix.
 - `modadd_shift` (group) — `(a + b) mod 97` on held-out pairs: in distribution, moved to other
   character offsets, and in natural-language templates never used in training.
 - `lcx_ppl`, `lcx_ppl_tail` — perplexity / bits per byte of held-out works of the lcx corpus, by
@@ -30,6 +31,7 @@ TASKS_DIR: Path = Path(__file__).resolve().parent
 TASK_NAMES: tuple[str, ...] = (
     "passkey",
     "passkey_ll",
+    "passkey_primed",
     "modadd_shift",
     "modadd_shift_id",
     "modadd_shift_pos",
