@@ -134,20 +134,25 @@ def test_generation_batch_answers_as_batch_size_one_and_decodes_together():
     assert many.lcx_engine.stats.max_batch_size == 8
 
 
+class _Journal:
+    """lm-eval's cache hook as the report's journal sees it: every answer handed to it, in order."""
+
+    def __init__(self):
+        self.answers = []
+
+    def add_partial(self, kind, key, value):
+        self.answers.append(value)
+
+
 def test_generation_batch_never_journals_a_planning_answer():
     """The plan pass runs HFLM with lm-eval's cache hook off: the journal holds the real answers only."""
     from lcx.lmeval_model import LcxLM
 
-    seen = []
-
-    class Hook:
-        def add_partial(self, kind, key, value):
-            seen.append(value)
-
     lm = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048, generation_batch=4)
-    lm.set_cache_hook(Hook())
+    journal = _Journal()
+    lm.set_cache_hook(journal)
     out = lm.generate_until(_passkey_requests()[:5], disable_tqdm=True)
-    assert seen == out
+    assert journal.answers == out
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "x", 1.5])
@@ -165,14 +170,9 @@ def test_generation_batch_journals_chunk_by_chunk(monkeypatch):
     from lcx.lmeval_model import LcxLM
 
     monkeypatch.setattr(m, "GENERATION_CHUNK", 1)
-    seen = []
-
-    class Hook:
-        def add_partial(self, kind, key, value):
-            seen.append(value)
-
     lm = LcxLM(pretrained="tiny-ret-5m", batch_size=1, max_length=2048, generation_batch=2)
-    lm.set_cache_hook(Hook())
+    journal = _Journal()
+    lm.set_cache_hook(journal)
     real, calls = lm.lcx_engine.generate, []
 
     def dies_at_the_third_chunk(prompts, params=None):
@@ -184,4 +184,4 @@ def test_generation_batch_journals_chunk_by_chunk(monkeypatch):
     lm.lcx_engine.generate = dies_at_the_third_chunk
     with pytest.raises(KeyboardInterrupt):
         lm.generate_until(_passkey_requests()[:6], disable_tqdm=True)
-    assert calls == [2, 2, 2] and len(seen) == 4  # two chunks answered and journaled
+    assert calls == [2, 2, 2] and len(journal.answers) == 4  # two chunks answered and journaled
