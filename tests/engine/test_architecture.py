@@ -35,6 +35,15 @@ def module_lines() -> dict[str, int]:
     return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _modules().values()}
 
 
+def _import_base(node: ast.ImportFrom, here: str) -> str:
+    """The absolute module a `from ... import` reads from (`here`: the importing package)."""
+    if not node.level:
+        return node.module or ""
+    parts = here.split(".")
+    base = ".".join(parts[: len(parts) - (node.level - 1)])
+    return f"{base}.{node.module}" if node.module else base
+
+
 def private_imports(source: str, module: str, is_package: bool) -> list[str]:
     """The imports of lcx modules' private names in `source` (the text of `module`):
     `"<target module>.<name>"` for each imported name with one leading underscore."""
@@ -43,12 +52,7 @@ def private_imports(source: str, module: str, is_package: bool) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level:
-            parts = here.split(".")
-            base = ".".join(parts[: len(parts) - (node.level - 1)])
-            base = f"{base}.{node.module}" if node.module else base
-        else:
-            base = node.module or ""
+        base = _import_base(node, here)
         if base != "lcx" and not base.startswith("lcx."):
             continue  # a third-party private name is that package's business
         out += [f"{base}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
@@ -117,12 +121,7 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = here.split(".")
-                base = ".".join(parts[: len(parts) - (node.level - 1)])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
+            base = _import_base(node, here)
             out.add(base)
             out.update(f"{base}.{a.name}" for a in node.names)
     return out
