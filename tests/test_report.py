@@ -423,6 +423,9 @@ def test_a_ruler_cell_resumes_from_its_journal(tmp_path, monkeypatch):
     run, whatever drew from Python's global generator before (`seed_as_lm_eval`)."""
     from lm_eval.models.huggingface import HFLM
 
+    import lcx.report.lm
+
+    monkeypatch.setattr(lcx.report.lm, "generation_batch", lambda *a, **k: 1)  # (as above: one prompt at a time)
     cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla",), lengths=(1024,), tasks=("ruler",),
                        ruler_tasks=("niah_single_1",), ruler_samples=3)
     want = run_report(cfg, tmp_path / "whole", progress=False, log=lambda _: None)["results"]["vanilla"]["ruler"]["1024"]
