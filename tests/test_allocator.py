@@ -54,6 +54,7 @@ def test_bad_value_is_named():
     assert out.returncode != 0 and "LCX_MALLOC must be 'reuse' or 'system', got 'jemalloc'" in out.stderr
 
 
+@pytest.mark.slow  # a benchmark run on the bundled model: ~13 s (#76 item 7)
 def test_bench_allocator_runs_as_documented(tmp_path):
     """`lcx bench allocator` from the installed entry point, on the bundled model (one run each)."""
     out = tmp_path / "a.json"

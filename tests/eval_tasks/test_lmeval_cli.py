@@ -211,6 +211,7 @@ def test_cli_hf_model(tiny_model_dir, tmp_path):
     assert res["n-samples"]["passkey"]["effective"] == 2
 
 
+@pytest.mark.slow  # lm_eval's CLI end to end: ~16 s (#76 item 7)
 def test_cli_lcx_model_with_yarn(tiny_model_dir, tmp_path):
     res = _cli("lcx", f"pretrained={tiny_model_dir},rope_type=yarn,factor=4", "modadd_shift,passkey,lcx_ppl",
                tmp_path)

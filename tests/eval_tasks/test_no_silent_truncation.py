@@ -39,9 +39,9 @@ def _evaluate(model_dir, tasks, lengths, **model_args):
                            metadata={"max_seq_lengths": lengths}, log_samples=False)
 
 
-@pytest.mark.parametrize("task, kind", [  # ~15 s each (lm-eval's task index): one in the default tier
-    ("passkey", "generation"), pytest.param("passkey_ll", "log-likelihood", marks=pytest.mark.slow),
-    pytest.param("lcx_ppl", "rolling", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~8-15 s each (lm-eval's task index); the default tier checks local-completions below
+@pytest.mark.parametrize("task, kind", [("passkey", "generation"), ("passkey_ll", "log-likelihood"),
+                                        ("lcx_ppl", "rolling")])
 def test_lcx_model_refuses_a_task_past_max_length(tiny_model_dir, task, kind):
     with pytest.raises(PromptTooLongError) as e:
         _evaluate(tiny_model_dir, [task], [512], max_length=LIMIT)

@@ -1,6 +1,7 @@
 """`passkey_primed` (issue #76, item 4): the published passkey prompt with RULER's kind of question
 and answer prefix instead of the bare "The pass key is": the same keys, depths, filler and needle,
-so the two tasks pair prompt by prompt; each prompt with its answer budget still fits its length."""
+so the two tasks pair prompt by prompt; each prompt with its answer budget still fits its length.
+(`passkey_primed` is in `lcx.eval_tasks.TASK_NAMES`: tests/eval_tasks/test_eval_tasks.py checks every YAML.)"""
 
 from __future__ import annotations
 
@@ -45,11 +46,3 @@ def test_primed_prompts_fit_their_lengths(both, tiny_model_dir):
 def test_primed_must_be_a_bool(tiny_model_dir):
     with pytest.raises(ValueError, match="'primed' must be true or false"):
         docs_from_metadata({"tokenizer": str(tiny_model_dir), "max_seq_lengths": [384], "primed": "yes"})
-
-
-def test_task_is_registered():
-    import lcx._lmeval_hook as hook
-    from lm_eval.tasks import TaskManager
-
-    hook.apply()
-    assert "passkey_primed" in TaskManager().all_tasks

@@ -230,6 +230,7 @@ def _sse(r) -> list[dict]:
     return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
+@pytest.mark.slow  # a real server whose engine process is killed: ~10 s (#76 item 7)
 def test_lcx_serve_engine_process_streams_and_survives_a_dead_engine(tiny_model_dir, ref, tmp_path):
     """`lcx serve` (engine process by default): a stream equals the reference; after the engine
     process is killed, the request in flight ends with a 503 error event, /health answers 503,

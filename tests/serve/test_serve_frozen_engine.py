@@ -119,6 +119,7 @@ def ref(tiny_model_dir):
     return Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_model_len=MAX_MODEL_LEN), dtype="float64")
 
 
+@pytest.mark.slow  # a real server frozen past its deadline and restarted: ~25 s (#76 item 7)
 def test_frozen_engine_fast_503_then_deadline_and_restart(tiny_model_dir, ref, tmp_path):
     log = tmp_path / "server.log"
     with lcx_serve(tiny_model_dir, log, "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float64", "--threads",
