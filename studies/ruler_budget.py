@@ -32,14 +32,13 @@ from typing import Any
 
 
 def _cells(report: Path) -> list[tuple[Path, dict[str, Any]]]:
-    from lcx.report.cells import read_cell
+    from lcx.report.cells import read_cells
     from lcx.report.config import RULER_PROMPTS
 
     out = []
-    for path in sorted((report / "cells").glob("*.ruler.*.json*")):
-        cell = read_cell(path)
-        if cell.get("settings", {}).get("prompts") == RULER_PROMPTS:
-            out.append((path, cell))
+    for stem, cell in read_cells(report).items():  # the cell store (and any per-cell files of earlier versions)
+        if ".ruler." in stem and cell.get("settings", {}).get("prompts") == RULER_PROMPTS:
+            out.append((report / "cells" / stem, cell))
     return out
 
 

@@ -3,7 +3,7 @@ tiny model (through lm-eval and the engine for real) that is then resumed from i
 
 from __future__ import annotations
 
-from lcx.report.cells import journal_dir, running_path  # noqa: E402,F401 (#74: the cache, not the report folder)
+from lcx.report.cells import cell_path, journal_dir, read_cells, read_run, remove_cell, running_path, write_run  # noqa: E402,F401 (#74: the cache, not the report folder)
 
 import json
 import random
@@ -179,11 +179,12 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     assert list(rec["results"]) == ["vanilla", "lm_infinite", "lmi_cap"]
     assert rec["config"]["methods_resolved"]["lmi_cap"] == {"rope": None, "attention": cap["attention"], "model": None}
     assert rec["results"]["lmi_cap"]["lmeval"]["384"]["ppl"] != rec["results"]["lm_infinite"]["lmeval"]["384"]["ppl"]
-    assert (tmp_path / "cells" / "lmi_cap.lmeval.384.json.gz").exists()
+    assert "lmi_cap.lmeval.384" in read_cells(tmp_path)  # (the folder's cell store)
     cfg = ReportConfig(model=str(tiny_model_dir), methods=("vanilla", "lm_infinite", "swat"), lengths=(320, 384),
                        depths=(0.25, 0.75), samples_per_depth=1, ppl_docs=1, decode_tokens=3)
-    for f in (tmp_path / "cells").glob("lmi_cap.*"):
-        f.unlink()
+    for stem in read_cells(tmp_path):
+        if stem.startswith("lmi_cap."):
+            assert remove_cell(tmp_path / "cells" / stem)
     rec = run_report(cfg, tmp_path, progress=False, log=lines.append)
     assert rec["cells_total"] == 8
     for name in ("vanilla", "lm_infinite"):
@@ -210,25 +211,24 @@ def test_report_end_to_end_and_resume(tiny_model_dir, tmp_path):
     # ... unless --reuse; numbers then identical
     kept = run_report(cfg, tmp_path, reuse=True, progress=False, log=lines.append)
     assert kept["cells_reused"] == 8 and kept["results"] == json.loads(json.dumps(again["results"]))
-    # an interrupted run (run.json unfinished) resumes with its own cells and those it kept
-    run_json = tmp_path / "cells" / "run.json"
-    state = json.loads(run_json.read_text())
-    run_json.write_text(json.dumps({**state, "finished": False}))
-    (tmp_path / "cells" / "lm_infinite.decode.384.json.gz").unlink()
+    # an interrupted run (its manifest unfinished) resumes with its own cells and those it kept
+    state = read_run(tmp_path)
+    write_run(tmp_path, {**state, "finished": False})
+    assert remove_cell(cell_path(tmp_path, "lm_infinite", "decode", 384))
     resumed = run_report(cfg, tmp_path, progress=False, log=lines.append)
     assert resumed["cells_reused"] == 7 and resumed["run_id"] == state["run_id"]
     # --render measures nothing; a missing cell shows as a gap, the report says it is partial
-    (tmp_path / "cells" / "vanilla.lmeval.384.json.gz").unlink()
+    assert remove_cell(cell_path(tmp_path, "vanilla", "lmeval", 384))
     rendered = run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)
     assert rendered["cells_reused"] == 7 and "384" not in rendered["results"]["vanilla"]["lmeval"]
     assert "Partial: 7 of 8 cells" in markdown(rendered)
     # a cell measured by other code: not kept by default; kept and listed with --keep-other-code
-    p = tmp_path / "cells" / "vanilla.decode.384.json.gz"
+    p = cell_path(tmp_path, "vanilla", "decode", 384)
     d = read_cell(p)
     d["fingerprint"]["code"]["decode"]["lcx.engine"] = "0" * 12
-    # written as an earlier version wrote cells (plain JSON): still read
-    p.unlink()
-    p.with_name(p.name.removesuffix(".gz")).write_text(json.dumps(d))
+    # written as an earlier version wrote cells (a plain JSON file of its own): still read
+    assert remove_cell(p)
+    (tmp_path / "cells" / "vanilla.decode.384.json").write_text(json.dumps(d))
     assert run_report(cfg, tmp_path, render=True, progress=False, log=lines.append)["cells_reused"] == 6
     other = run_report(cfg, tmp_path, render=True, keep_other_code=True, progress=False, log=lines.append)
     assert other["cells_reused"] == 7 and list(other["cells_kept_with_other_code"]) == ["vanilla/decode/384"]

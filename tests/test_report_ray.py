@@ -5,7 +5,7 @@ mid-cell and a node removed mid-sweep, with a failing cell reported while the ot
 
 from __future__ import annotations
 
-from lcx.report.cells import journal_dir, running_path  # noqa: E402,F401 (#74: the cache, not the report folder)
+from lcx.report.cells import journal_dir, read_cells, read_run, running_path  # noqa: E402,F401 (#74: the cache, not the report folder)
 
 import os
 
@@ -265,8 +265,8 @@ def test_a_two_node_cluster_measures_a_serial_runs_cells(serial, cluster, tmp_pa
     assert all(c["attempts"] == 1 and c["task_s"] >= c["overhead_s"] >= 0 for c in rec["ray_cells"].values())
     order = [(n, k, list(c)) for n, r in rec["results"].items() for k, c in r.items()]
     assert order == [(n, k, list(c)) for n, r in serial["results"].items() for k, c in r.items()]
-    assert json.loads((tmp_path / "cells" / "run.json").read_text())["finished"] is True
-    assert len(list((tmp_path / "cells").glob("*.json.gz"))) == 15
+    assert read_run(tmp_path)["finished"] is True
+    assert len(read_cells(tmp_path)) == 15
     assert not list(journal_dir(tmp_path).glob("*_rank0.db"))  # every journal dropped with its cell
     sockets = _listening(_descendants(os.getpid()))
     assert {name for _, name in sockets} >= {"gcs_server", "raylet"}
@@ -288,7 +288,7 @@ def test_a_failing_cell_is_reported_and_the_others_are_measured(cluster, tmp_pat
     assert "NotImplementedError" in rec["cells_failed"]["lm_infinite/lmeval/383"]
     assert rec["results"]["vanilla"]["lmeval"]["383"]["passkey_docs"] == 1
     assert rec["results"]["lm_infinite"]["lmeval"] == {}
-    manifest = json.loads((tmp_path / "cells" / "run.json").read_text())
+    manifest = read_run(tmp_path)
     assert manifest["finished"] is False and list(manifest["cells_failed"]) == ["lm_infinite/lmeval/383"]
 
 
@@ -317,8 +317,8 @@ def test_a_killed_worker_and_a_removed_node_lose_nothing(serial, tmp_path):
         for pid in cells:
             os.kill(pid, signal.SIGKILL)
         events.append(f"killed {len(cells)}")
-        n = len(list((out / "cells").glob("*.json.gz")))
-        while not stop.is_set() and len(list((out / "cells").glob("*.json.gz"))) < n + 2:
+        n = len(read_cells(out))
+        while not stop.is_set() and len(read_cells(out)) < n + 2:
             time.sleep(0.1)
         if not stop.is_set():
             cluster.remove_node(node, allow_graceful=False)
@@ -339,7 +339,7 @@ def test_a_killed_worker_and_a_removed_node_lose_nothing(serial, tmp_path):
     resumed = [c.get("resumed_requests", 0) for r in rec["results"].values() for c in r["ruler"].values()]
     assert max(resumed) >= 1
     assert max(c["attempts"] for c in rec["ray_cells"].values()) >= 2  # measured again after a loss
-    assert json.loads((out / "cells" / "run.json").read_text())["finished"] is True
+    assert read_run(out)["finished"] is True
 
 
 def _comm(pid: int) -> str:
@@ -367,7 +367,7 @@ def test_a_driver_killed_mid_sweep_resumes_with_the_same_command(serial, cluster
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and driver.poll() is None:
-            if (len(list((out / "cells").glob("*.json.gz"))) >= 2
+            if (len(read_cells(out)) >= 2
                     and any(journal_rows(db)[0] for db in journal_dir(out).glob("*.ruler.*_rank0.db"))):
                 break
             time.sleep(0.05)
@@ -377,7 +377,7 @@ def test_a_driver_killed_mid_sweep_resumes_with_the_same_command(serial, cluster
     finally:
         if driver.poll() is None:
             driver.kill()
-    written = len(list((out / "cells").glob("*.json.gz")))
+    written = len(read_cells(out))
     rec = run_report(ReportConfig(**SWEEP), out, progress=False, ray=True, ray_address=cluster.address,
                      job_threads=1, jobs=None, log=lambda s: None)
     assert rec["cells_reused"] == written >= 2 and "cells_failed" not in rec

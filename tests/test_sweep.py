@@ -95,7 +95,7 @@ def test_a_sweep_runs_resumes_reports_its_status_and_renders(tmp_path, capsys):
     and no time left, a second `run` measures nothing, `render` writes the README; before the
     run, `status` lists every cell to do."""
     from lcx.cli import main
-    from lcx.report.cells import read_cell
+    from lcx.report.cells import read_cells
 
     f = tmp_path / "s.toml"
     out = tmp_path / "r"
@@ -108,7 +108,8 @@ def test_a_sweep_runs_resumes_reports_its_status_and_renders(tmp_path, capsys):
     measured = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines() if " @ " in line]
     assert measured == ["yarn @ 511", "vanilla @ 511", "lm_infinite @ 511", "vanilla @ 383", "lm_infinite @ 383",
                         "yarn @ 383"]
-    assert all(read_cell(p)["result"]["passkey_docs"] == 1 for p in (out / "cells").glob("*.json.gz"))
+    stored = read_cells(out)
+    assert len(stored) == 6 and all(c["result"]["passkey_docs"] == 1 for c in stored.values())
     assert not running_path(out).exists()  # nothing in flight once it ended
     capsys.readouterr()
     assert main(["sweep", "status", str(f), "--json"]) == 0

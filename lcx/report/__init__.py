@@ -35,8 +35,10 @@ pair of methods compared prompt by prompt at each length, the paired difference 
 and the exact McNemar p), `passkey_heatmap.png`
 (k/n per depth cell), `passkey_by_length.png` (accuracy with Wilson 95% error bars), `headline.png`
 (the README's first picture: passkey and, with RULER cells, RULER's headline by length),
-`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), `index.html` (the report as one self-contained page: the tables, pictures and every prompt's answer, filterable; `lcx.report.page`, `lcx report --page` writes it alone), and `cells/` — one gzipped JSON per (method, measurement, length)
-(`X.json.gz`; plain `X.json` cells of earlier versions are still read), written atomically as it finishes, plus `cells/run.json`, the run they belong to.
+`ppl_by_length.png`, `decode_by_length.png`, `README.md` (the summary tables + images), `index.html` (the report as one self-contained page: the tables, pictures and every prompt's answer, filterable; `lcx.report.page`, `lcx report --page` writes it alone), and `cells/cells.jsonl.xz` — the cell store: one xz-compressed JSON Lines file holding the run they belong to and
+one line per (method, measurement, length) cell, rewritten atomically (under a lock) as each cell finishes
+(`lcx.report.cells`, "The cell store"; the per-cell `cells/X.json.gz`/`X.json` and `cells/run.json` of earlier
+versions are still read, and moved into the store by the next write or `lcx report --compact-cells FOLDER`).
 
 Measure, not replay. A cell records its settings and a fingerprint of what produced its numbers:
 the source of the modules that compute them (`NUMERICS_MODULES`, per measurement), the model's
@@ -65,9 +67,12 @@ from .cells import (
     code_fingerprint,
     env_fingerprint,
     load_cell,
+    migrate_cells,
     model_fingerprint,
     plan_run,
     read_cell,
+    read_cells,
+    read_run,
     run_fingerprint,
     write_cell,
 )
@@ -99,4 +104,4 @@ from .render import (
 )
 from .run import run_report
 
-__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "read_cell", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings", "write_cell"]
+__all__ = ["CELL_KINDS", "CELL_RUNNERS", "CELL_VERSION", "DECODE_TIMING", "DEFAULT_METHODS", "NUMERICS_MODULES", "PPL_METRIC", "QUICK", "ReportConfig", "prompt_ids", "add_arguments", "cell_fingerprint", "cell_settings", "code_fingerprint", "env_fingerprint", "format_interval", "load_cell", "markdown", "migrate_cells", "model_context", "model_fingerprint", "model_hf_config", "passkey_counts", "passkey_interval", "passkey_intervals", "passkey_paired", "plan_run", "plot_report", "read_cell", "read_cells", "read_run", "run", "run_decode_cell", "run_fingerprint", "run_lmeval_cell", "run_report", "run_settings", "write_cell"]

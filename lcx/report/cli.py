@@ -164,10 +164,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write only --out's index.html (the report as a page: tables, pictures, every answer "
                         "browsable) from the report.json.gz, README.md and PNGs it holds; measures and renders "
                         "nothing else (`lcx report` and --render write the page too)")
+    p.add_argument("--compact-cells", nargs="+", type=Path, default=None, metavar="FOLDER",
+                   help="measure nothing: move the per-cell files an earlier version wrote (cells/*.json.gz, "
+                        "cells/*.json, cells/run.json) of every report folder under each FOLDER into that folder's "
+                        "cell store, cells/cells.jsonl.xz (one file per report; the cells read back equal), and "
+                        "delete them")
     p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens, 2 RULER prompts")
     p.add_argument("--verbose", action="store_true",
                    help="also print what lm-eval and transformers say on every cell (the warnings lcx's own use "
                         "triggers, per-task progress bars); by default only the report's bar and its cell lines")
+
+
+def _compact_cells(folders: list[Path]) -> int:
+    """`--compact-cells`: every report folder (one holding cells/) at or under each of `folders`."""
+    from .cells import migrate_cells, store_path
+
+    reports = sorted({c.parent for f in folders for c in ([f / "cells"] + sorted(f.rglob("cells")))
+                      if c.is_dir()})
+    if not reports:
+        print(f"lcx report --compact-cells: no report folder (with cells/) under {', '.join(map(str, folders))}",
+              file=sys.stderr)
+        return 2
+    for out in reports:
+        before = sum(f.stat().st_size for f in (out / "cells").iterdir() if f.is_file())
+        info = migrate_cells(out)
+        after = store_path(out).stat().st_size if store_path(out).exists() else 0
+        left = f"; left {len(info['unreadable'])} unreadable file(s): {', '.join(info['unreadable'])}" \
+            if info["unreadable"] else ""
+        print(f"{out}: {info['cells']} cells in {store_path(out).name}, {info['moved']} file(s) moved in "
+              f"({before:,} -> {after:,} bytes){left}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {path}")
         return 0
+    if args.compact_cells:
+        return _compact_cells(args.compact_cells)
     if args.verbose:  # read by every cell, in worker processes too (lcx.report.quiet)
         from .quiet import VERBOSE_ENV
 

@@ -25,6 +25,7 @@ from .cells import (
     run_fingerprint,
     running_path,
     write_cell,
+    write_run,
 )
 from .config import CELL_KINDS, PPL_METRIC, ReportConfig, model_hf_config, run_settings
 from .jobs import measure_cell, run_cells
@@ -230,7 +231,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                 "config": cfg.to_dict(), "fingerprint": fingerprint,
                 "kept_runs": sorted(keep - {run_id}) if keep else []}
     if not render:
-        atomic_write_json(out / "cells" / "run.json", manifest)
+        write_run(out, manifest)
     kinds = [k for k in CELL_KINDS if k != "ruler" or cfg.ruler_lengths]  # (no "ruler" key: as before RULER)
     cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in kinds} for name in runs}
     todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
@@ -259,7 +260,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         if stored.get("run_id") != run_id and stored.get("run_id") not in manifest["kept_runs"]:
             manifest["kept_runs"].append(stored["run_id"])
             if not render:  # a resumed run keeps what this one kept
-                atomic_write_json(out / "cells" / "run.json", manifest)
+                write_run(out, manifest)
     if order is not None:
         pending.sort(key=order)
     measured_s = 0.0
@@ -362,10 +363,9 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     if other_code:
         log("lcx report:" + other_code_note({"cells_kept_with_other_code": other_code}))
     if failed:  # not finished: the same command resumes it, measuring the failed cells again
-        atomic_write_json(out / "cells" / "run.json", {**manifest, "cells_failed": failed})
+        write_run(out, {**manifest, "cells_failed": failed})
     elif not render:
-        atomic_write_json(out / "cells" / "run.json", {**manifest, "finished": True,
-                                                       "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        write_run(out, {**manifest, "finished": True, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     record = {
         "description": "lcx report: context-extension methods beyond the training context",
         "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
