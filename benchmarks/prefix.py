@@ -124,7 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples-per-depth", type=int, default=2,
                         help="--cell: passkey prompts per depth (default: %(default)s; the n16 sweep's 16 prompts)")
     parser.add_argument("--compare", type=Path, default=None,
-                        help="--cell: a committed report cell (.json.gz) whose passkey answers must be reproduced")
+                        help="--cell: a committed report cell, FOLDER/cells/<preset>.lmeval.<length> (from FOLDER's "
+                             "cell store, cells/cells.jsonl.xz; a .json.gz suffix is ignored), whose passkey answers "
+                             "must be reproduced")
     parser.add_argument("--baseline-at", metavar="REV", default=None,
                         help="--cell: run the no-cache setting on the code of this git commit (a `git archive` "
                              "of it, glibc's allocator defaults where it predates lcx.allocator) and the cache "
@@ -462,17 +464,15 @@ def _answers(cell: dict[str, Any]) -> list[tuple[float, str, float, Any]]:
 
 def run_cell(args: argparse.Namespace, threads: int) -> int:
     """`--cell PRESET`: a report passkey cell with and without the prefix cache (module doc)."""
-    import gzip
-
     for name in ("passkey_length", "depths", "samples_per_depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _cell_run(args.model, args.cell, args.passkey_length, args.depths, args.samples_per_depth)  # validate
     committed = None
     if args.compare is not None:
-        opener = gzip.open if args.compare.suffix == ".gz" else open
-        with opener(args.compare, "rt") as f:
-            committed = json.load(f)
+        from lcx.report.cells import read_cell  # (the report folder's cell store; read_cell takes the file name too)
+
+        committed = read_cell(args.compare)
     cfg = {"model": args.model, "preset": args.cell, "length": args.passkey_length, "depths": args.depths,
            "samples_per_depth": args.samples_per_depth, "threads": threads,
            "compare": str(args.compare) if args.compare else None}
