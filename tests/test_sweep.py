@@ -18,6 +18,9 @@ SWEEPS = sorted((ROOT / "sweeps").glob("*.toml"))
 # the committed real-model reports: each is written by one sweep file
 REAL_MODEL_REPORTS = ("smollm2-135m-n16", "smollm2-135m-ruler", "smollm2-135m-ruler4k", "gemma3-270m",
                       "gemma3-270m-ruler", "gemma3-270m-ruler8k")
+# sweeps whose report is still being measured (hours of CPU): their settings are checked once the report
+# is committed; until then the check skips them, and only them
+IN_PROGRESS = ("smollm2-135m-primed",)  # #76 item 4: ~6 CPU hours
 
 TINY = """
 description = "a tiny sweep"
@@ -51,13 +54,15 @@ def test_a_committed_report_has_its_sweep_files_settings(path):
     from lcx.data.io import read_json
 
     sweep = load_sweep(path)
+    if path.stem in IN_PROGRESS and not (ROOT / sweep.out / "report.json.gz").exists():
+        pytest.skip(f"{sweep.out}: no report yet (`lcx sweep run {path.relative_to(ROOT)}`)")
     record = read_json(ROOT / sweep.out / "report.json.gz")["config"]
     want = sweep.config.to_dict()
     tasks = want.pop("tasks", None)
     assert {k: record.get(k) for k in want} == json.loads(json.dumps(want))
     cfg = sweep.config
     assert record["tasks"] == (["passkey", "lcx_ppl"] if cfg.lmeval_lengths else []) + (
-        list(cfg.ruler_tasks) if cfg.ruler_lengths else [])
+        list(cfg.ruler_tasks) if cfg.ruler_lengths else []) + (["passkey_primed"] if cfg.primed_lengths else [])
     assert tasks is None or set(tasks) == set(cfg.tasks)
 
 

@@ -31,6 +31,7 @@ NUMERICS_MODULES: dict[str, tuple[str, ...]] = {
     "decode": _COMMON_MODULES + ("lcx.engine",),
     "ruler": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.engine", "lcx._lmeval_hook", "lcx.eval_tasks.ruler_pd"),
 }
+NUMERICS_MODULES["passkey_primed"] = NUMERICS_MODULES["lmeval"]  # the same task code, another question (#76)
 
 
 def _module_files(name: str) -> list[Path]:
@@ -113,6 +114,8 @@ def cell_settings(kind: str, model: str, name: str, run: PresetRun, cfg: ReportC
               "attn_backend": cfg.attn_backend if run.config.attention else None}
     if kind == "ruler":
         return {**common, "tasks": list(cfg.ruler_tasks), "samples": cfg.ruler_samples, "prompts": RULER_PROMPTS}
+    if kind == "passkey_primed":
+        return {**common, "depths": cfg.to_dict()["depths"], "samples_per_depth": cfg.samples_per_depth}
     if kind == "lmeval":
         ppl = length in cfg.ppl_lengths
         return {**common, "window_tokens": cfg.ppl_window if ppl else None, "depths": cfg.to_dict()["depths"],

@@ -128,8 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "triton on a GPU, blockwise, sdpa)")
     p.add_argument("--tasks", default=",".join(ReportConfig.tasks),
                    help="what to measure, comma-separated: passkey and ppl (one lm-eval cell, always together) "
-                        "and ruler (lcx's ruler_offline tasks, at the lengths >= 1024; docs/report.md) "
-                        "(default: %(default)s)")
+                        "and ruler (lcx's ruler_offline tasks, at the lengths >= 1024; docs/report.md); also "
+                        "passkey_primed (the passkey prompts with a primed answer, paired with passkey's prompt by "
+                        "prompt: lcx.report.primed) (default: %(default)s)")
     p.add_argument("--ruler-samples", type=int, default=ReportConfig.ruler_samples,
                    help="prompts per RULER task and length (default: %(default)s)")
     p.add_argument("--ruler-tasks", default=",".join(ReportConfig.ruler_tasks), metavar="TASKS",

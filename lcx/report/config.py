@@ -15,9 +15,12 @@ from ..presets import PRESETS, PresetRun
 
 DEFAULT_METHODS = tuple(name for name, p in PRESETS.items() if p.in_report)  # a new preset runs by default
 PPL_METRIC = "word_perplexity"
-CELL_KINDS = ("lmeval", "decode", "ruler")
-# `--tasks`: passkey and ppl are one lm-eval cell ("lmeval"); ruler is the RULER cell.
+CELL_KINDS = ("lmeval", "decode", "ruler", "passkey_primed")
+# `--tasks`: passkey and ppl are one lm-eval cell ("lmeval"); ruler is the RULER cell. TASKS is the
+# default; KNOWN_TASKS adds what a report measures only when asked: passkey_primed, the passkey prompts
+# with a primed answer (a cell of its own, `lcx.report.primed`), paired with passkey prompt by prompt.
 TASKS = ("passkey", "ppl", "ruler")
+KNOWN_TASKS = TASKS + ("passkey_primed",)
 LMEVAL_TASKS = ("passkey", "ppl")
 # The RULER tasks a report runs: lcx's `ruler_offline` group (lm-eval's six generated tasks and the
 # five essay tasks over lcx's public-domain haystack; docs/lm-eval.md, "RULER").
@@ -62,7 +65,8 @@ class ReportConfig:
     # name -> an `lcx.MethodConfig` dict: methods of the user's own (`--method NAME=CONFIG`), run
     # after the presets on the report's model, with the same prompts, cells and tables
     custom_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    tasks: tuple[str, ...] = TASKS  # what to measure (TASKS); ruler only at lengths >= RULER_MIN_LENGTH
+    # what to measure (KNOWN_TASKS; default TASKS); ruler only at lengths >= RULER_MIN_LENGTH
+    tasks: tuple[str, ...] = TASKS
     ruler_samples: int = 30  # prompts per (RULER task, length): the first n of each task's 500
     # which of RULER_TASKS to run (e.g. the tasks a model does above floor inside its context)
     ruler_tasks: tuple[str, ...] = RULER_TASKS
@@ -78,11 +82,11 @@ class ReportConfig:
 
     def __post_init__(self) -> None:
         tasks = tuple(self.tasks)
-        if not tasks or any(t not in TASKS for t in tasks):
-            raise ValueError(f"tasks must be a non-empty subset of {list(TASKS)}, got {list(tasks)}")
+        if not tasks or any(t not in KNOWN_TASKS for t in tasks):
+            raise ValueError(f"tasks must be a non-empty subset of {list(KNOWN_TASKS)}, got {list(tasks)}")
         if ("passkey" in tasks) != ("ppl" in tasks):
             raise ValueError("tasks: passkey and ppl are measured together (one lm-eval cell); name both or neither")
-        object.__setattr__(self, "tasks", tuple(t for t in TASKS if t in tasks))
+        object.__setattr__(self, "tasks", tuple(t for t in KNOWN_TASKS if t in tasks))
         rt = tuple(self.ruler_tasks)
         if not rt or any(t not in RULER_TASKS for t in rt):
             raise ValueError(f"ruler_tasks must be a non-empty subset of {list(RULER_TASKS)}, got {list(rt)}")
@@ -161,9 +165,14 @@ class ReportConfig:
         """Lengths of the RULER cells: the report's lengths that fit RULER's scaffold."""
         return tuple(L for L in self.lengths or () if L >= RULER_MIN_LENGTH) if "ruler" in self.tasks else ()
 
+    @property
+    def primed_lengths(self) -> tuple[int, ...]:
+        """Lengths of the passkey_primed cells (none unless the tasks name it)."""
+        return tuple(self.lengths or ()) if "passkey_primed" in self.tasks else ()
+
     def cell_lengths(self, kind: str) -> tuple[int, ...]:
         return {"lmeval": self.lmeval_lengths, "decode": tuple(self.decode_lengths or ()),
-                "ruler": self.ruler_lengths}[kind]
+                "ruler": self.ruler_lengths, "passkey_primed": self.primed_lengths}[kind]
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

@@ -43,20 +43,7 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
                              metadata=meta, log_samples=True, verbosity="WARNING")
     wall = time.perf_counter() - t0
     L = str(length)
-    by_depth: dict[str, list[float]] = {}
-    samples = []
-    for smp in res["samples"]["passkey"]:
-        d = f"{smp['doc']['depth']:.3f}"
-        by_depth.setdefault(d, []).append(float(smp[L]))
-        resps = smp.get("filtered_resps") or [None]  # one generation per request (one length)
-        samples.append({"depth": smp["doc"]["depth"], "key": smp["doc"]["key"], "correct": float(smp[L]),
-                        "output": resps[0]})
-    out = {
-        "passkey": res["results"]["passkey"][f"{L},none"],
-        "passkey_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items(), key=lambda kv: float(kv[0]))},
-        "passkey_docs": len(samples),
-        "passkey_samples": samples,
-    }
+    out = passkey_result(res, "passkey", length)
     if ppl:
         scores = res["results"]["lcx_ppl"]
         out["ppl"] = {m: scores[f"{m}_{L},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
@@ -65,6 +52,30 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
     if resumed:
         out["resumed_requests"] = resumed  # wall_s is this process's part only
     return out
+
+
+def passkey_result(res: dict[str, Any], task: str, length: int, *, doc_fields: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A passkey-kind task's part of a cell from `simple_evaluate`'s result (`log_samples=True`):
+    accuracy, accuracy by depth ("%.3f" keys), the prompt count and every prompt's depth, key,
+    verdict and output; `doc_fields`: more of each doc's fields per prompt, the value at this
+    length for a per-length list (e.g. "prompt_tokens")."""
+    L = str(length)
+    by_depth: dict[str, list[float]] = {}
+    samples = []
+    for smp in res["samples"][task]:
+        doc = smp["doc"]
+        d = f"{doc['depth']:.3f}"
+        by_depth.setdefault(d, []).append(float(smp[L]))
+        resps = smp.get("filtered_resps") or [None]  # one generation per request (one length)
+        extra = {f: doc[f][doc["lengths"].index(length)] if isinstance(doc[f], list) else doc[f] for f in doc_fields}
+        samples.append({"depth": doc["depth"], "key": doc["key"], "correct": float(smp[L]), "output": resps[0],
+                        **extra})
+    return {
+        "passkey": res["results"][task][f"{L},none"],
+        "passkey_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items(), key=lambda kv: float(kv[0]))},
+        "passkey_docs": len(samples),
+        "passkey_samples": samples,
+    }
 
 
 def prompt_ids(tokenizer: Any, n: int) -> list[int]:
@@ -119,7 +130,15 @@ def run_ruler_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *
     return run_cell(model, run, cfg, length, journal=journal)
 
 
-CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell, "ruler": run_ruler_cell}
+def run_primed_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
+                    journal: Path | None = None) -> dict[str, Any]:
+    from .primed import run_primed_cell as run_cell
+
+    return run_cell(model, run, cfg, length, journal=journal)
+
+
+CELL_RUNNERS = {"lmeval": run_lmeval_cell, "decode": run_decode_cell, "ruler": run_ruler_cell,
+                "passkey_primed": run_primed_cell}
 # How a decode cell times (its settings carry it: cells timed otherwise are measured again).
 DECODE_TIMING = "cpu time with one CPU thread, else wall"
 

@@ -134,17 +134,19 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
                                        KINDS.index(kind))):
             cols[c].append(v)
 
-    for m in methods:
-        for L, cell in sorted(record["results"][m].get("lmeval", {}).items(), key=lambda kv: int(kv[0])):
-            for i, smp in enumerate(cell.get("passkey_samples") or []):
-                key, out = str(smp["key"]), smp.get("output")
-                # an output not recorded (cells of early versions): the stored verdict alone
-                kind = ("right" if smp["correct"] else "no_output") if out is None else passkey_outcome(out, key)
-                if (kind == "right") != bool(smp["correct"]):
-                    raise ValueError(f"passkey answer {i} of {m} at {L}: stored correct={smp['correct']} but the "
-                                     f"first number of {out!r} {'is' if kind == 'right' else 'is not'} the key {key}")
-                add(m, int(L), "passkey", round(float(smp["depth"]), 4), i, out, key, bool(smp["correct"]),
-                    float(smp["correct"]), kind)
+    # passkey's cells, then passkey_primed's (the published prompts with a primed answer, `lcx.report.primed`)
+    for cell_kind, task in (("lmeval", "passkey"), ("passkey_primed", "passkey_primed")):
+        for m in methods:
+            for L, cell in sorted(record["results"][m].get(cell_kind, {}).items(), key=lambda kv: int(kv[0])):
+                for i, smp in enumerate(cell.get("passkey_samples") or []):
+                    key, out = str(smp["key"]), smp.get("output")
+                    # an output not recorded (cells of early versions): the stored verdict alone
+                    kind = ("right" if smp["correct"] else "no_output") if out is None else passkey_outcome(out, key)
+                    if (kind == "right") != bool(smp["correct"]):
+                        raise ValueError(f"{task} answer {i} of {m} at {L}: stored correct={smp['correct']} but the "
+                                         f"first number of {out!r} {'is' if kind == 'right' else 'is not'} the key {key}")
+                    add(m, int(L), task, round(float(smp["depth"]), 4), i, out, key, bool(smp["correct"]),
+                        float(smp["correct"]), kind)
     equivalent = []
     for m in methods:
         for L, cell in sorted(record["results"][m].get("ruler", {}).items(), key=lambda kv: int(kv[0])):
@@ -163,18 +165,20 @@ def answers(record: dict[str, Any]) -> dict[str, Any]:
                 notes[f"{methods.index(m)}|{tasks.index(t)}|{L}"] = (
                     f"answers taken from {eq['method']}'s cell: this method computes what {eq['method']} "
                     f"computes on every prompt of it ({eq['checked_prompts']} prompts checked)")
-    cols["g"] = [0 if tasks[t] == "passkey" else 1 for t in cols["t"]]
-    return {"methods": methods, "tasks": tasks, "suites": list(SUITES), "kinds": list(KINDS), "kind_help": KIND_HELP,
+    # (a third suite only where a report has primed cells: the pages of earlier reports stay as they were)
+    suites = list(SUITES) + (["passkey_primed"] if "passkey_primed" in tasks else [])
+    cols["g"] = [suites.index(tasks[t] if tasks[t] in suites else "RULER") for t in cols["t"]]
+    return {"methods": methods, "tasks": tasks, "suites": suites, "kinds": list(KINDS), "kind_help": KIND_HELP,
             "lengths": sorted(set(cols["L"])), "outputs": outputs, "cols": cols, "notes": notes,
             "ruler_expected": RULER_EXPECTED_NOTE}
 
 
 def kind_counts(data: dict[str, Any]) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
-    """suite ("passkey" / "RULER") -> method -> length -> kind -> answers, from `answers`."""
+    """suite ("passkey" / "RULER" / "passkey_primed") -> method -> length -> kind -> answers, from `answers`."""
     c = data["cols"]
     out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
-    for m, L, t, k in zip(c["m"], c["L"], c["t"], c["k"]):
-        group = "passkey" if data["tasks"][t] == "passkey" else "RULER"
+    for m, L, g, k in zip(c["m"], c["L"], c["g"], c["k"]):
+        group = data["suites"][g]
         cell = out.setdefault(group, {}).setdefault(data["methods"][m], {}).setdefault(str(L), {})
         kind = data["kinds"][k]
         cell[kind] = cell.get(kind, 0) + 1
@@ -303,7 +307,7 @@ def summary_html(data: dict[str, Any]) -> str:
 
     counts = kind_counts(data)
     parts = []
-    for group, kinds in (("passkey", PASSKEY_KINDS), ("RULER", RULER_KINDS)):
+    for group, kinds in (("passkey", PASSKEY_KINDS), ("passkey_primed", PASSKEY_KINDS), ("RULER", RULER_KINDS)):
         by_method = counts.get(group)
         if not by_method:
             continue
@@ -320,8 +324,9 @@ def summary_html(data: dict[str, Any]) -> str:
                                    f"{c[k]} {k.replace('_', ' ')}</a>" for k in shown if c.get(k))
                 tds.append(f"<td>{links or '—'}</td>")
             rows.append(f"<tr><th>{html.escape(m)}</th>{''.join(tds)}</tr>")
-        what = ("passkey answers: right, and misses by kind" if group == "passkey" else
-                "RULER answers (all tasks): right, partial, miss")
+        what = {"passkey": "passkey answers: right, and misses by kind",
+                "passkey_primed": "passkey_primed answers (the same prompts, a primed answer): right, and misses by kind",
+                "RULER": "RULER answers (all tasks): right, partial, miss"}[group]
         parts.append(f"<h3>{what}</h3><div class=\"scroll\"><table><thead><tr><th>method</th>{head}</tr></thead>"
                      f"<tbody>{''.join(rows)}</tbody></table></div>")
     legend = "; ".join(f"<b>{k.replace('_', ' ')}</b>: {html.escape(v)}" for k, v in KIND_HELP.items())

@@ -343,8 +343,18 @@ def markdown(record: dict[str, Any]) -> str:
         lines += [f"Sweep file: [`{record['sweep']}`]({record['sweep_link']}) — `lcx sweep run {record['sweep']}` "
                   f"measures what is missing (resumable; `--ray` on a cluster), `lcx sweep render {record['sweep']}` "
                   "writes this report from the stored cells.", ""]
+    if record.get("cells_read_from"):
+        srcs = sorted(set(record["cells_read_from"].values()))
+        lines += [f"{len(record['cells_read_from'])} cells are read from "
+                  + ", ".join(f"`{s}`" for s in srcs)
+                  + " (measured there with these settings, not measured again here): "
+                  + ", ".join(f"`{k}`" for k in record["cells_read_from"]) + ".", ""]
     if "passkey" in c.get("tasks", ["passkey"]):  # (a RULER-only report has no passkey/perplexity cells)
         lines += _passkey_ppl_sections(record, n_pk)
+    if "passkey_primed" in c.get("tasks", []):
+        from .primed import markdown_section as primed_section
+
+        lines += primed_section(record)
     if c.get("ruler_lengths"):
         from .ruler import markdown_section
 

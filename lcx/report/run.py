@@ -36,7 +36,7 @@ from .ruler import longest_sequence, ruler_cell_summary, ruler_intervals, ruler_
 # The run
 # ============================================================================================
 
-JOURNALED = ("lmeval", "ruler")  # cell kinds answered request by request through lm-eval
+JOURNALED = ("lmeval", "ruler", "passkey_primed")  # cell kinds answered request by request through lm-eval
 
 
 def cell_journal(out: Path, name: str, kind: str, length: int, settings: dict[str, Any],
@@ -198,7 +198,7 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                keep_other_code: bool = False, progress: bool = True, jobs: int | None = 1, job_threads: int | None = None,
                ray: bool = False, ray_address: str | None = None, ray_cpus: int | None = None,
                order: Callable[[tuple[str, str, int]], Any] | None = None, sweep: str | None = None,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               cells_from: tuple[Path, ...] = (), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure every (method, measurement, length) cell not kept from an interrupted run (see the
     module docstring), then write the report. `render=True` measures nothing: it writes the
     report from the stored cells whose settings and fingerprint match (missing ones show as —),
@@ -210,7 +210,10 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     holds); a cell that fails is reported (`cells_failed`) and the others go on. `order`: a sort key
     over (name, kind, length) that measures some cells first (`lcx sweep`'s `first`; stable: the
     length-major order among equals). While cells run, `running.json` (`running_path`) says which, where,
-    and how many answers each has (`lcx sweep status` reads it)."""
+    and how many answers each has (`lcx sweep status` reads it). `cells_from`: other report folders
+    whose stored cells are kept when this folder has none with the same settings and fingerprint
+    (any run of theirs; not with `fresh`): read there, not copied nor measured again, and named in
+    the record (`cells_read_from`) and the README (`lcx sweep`'s `run.cells_from`)."""
     from tqdm.auto import tqdm
 
     from ..data.io import atomic_write_json, environment, git_info
@@ -232,18 +235,25 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
                 "kept_runs": sorted(keep - {run_id}) if keep else []}
     if not render:
         write_run(out, manifest)
-    kinds = [k for k in CELL_KINDS if k != "ruler" or cfg.ruler_lengths]  # (no "ruler" key: as before RULER)
+    # (no "ruler" or "passkey_primed" key where a report has none: as before those kinds)
+    kinds = [k for k in CELL_KINDS if (k != "ruler" or cfg.ruler_lengths) and (k != "passkey_primed" or cfg.primed_lengths)]
     cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in kinds} for name in runs}
     todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
             for kind in CELL_KINDS if L in cfg.cell_lengths(kind)]
     bar = tqdm(total=len(todo), desc="report cells", unit="cell", disable=not progress)
     reused: list[str] = []
+    read_from: dict[str, str] = {}  # cells kept from a `cells_from` folder -> that folder
     other_code: dict[str, dict[str, Any]] = {}  # kept cells measured by other code (--keep-other-code)
     pending: list[tuple[str, str, int]] = []  # the cells to measure, in order
     for name, kind, L in todo:
         settings = cell_settings(kind, cfg.model, name, runs[name], cfg, L)
         stored = (load_cell(cell_path(out, name, kind, L), settings, fingerprint, keep, other_code=keep_other_code)
                   if keep is None or keep else None)
+        for src in cells_from if stored is None and not fresh else ():
+            stored = load_cell(cell_path(Path(src), name, kind, L), settings, fingerprint, None, other_code=keep_other_code)
+            if stored is not None:
+                read_from[f"{name}/{kind}/{L}"] = str(src)
+                break
         if stored is None:
             if render:
                 bar.update(1)
@@ -305,6 +315,8 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         elif kind == "lmeval":
             ppl = f", {PPL_METRIC} {result['ppl'][PPL_METRIC]:.1f}" if "ppl" in result else ""  # --ppl-max-length
             bar.write(f"  {name} @ {L}: passkey {result['passkey']:.2f}{ppl} ({dt:.0f} s)")
+        elif kind == "passkey_primed":
+            bar.write(f"  {name} @ {L}: passkey_primed {result['passkey']:.2f} ({dt:.0f} s)")
         else:
             bar.write(f"  {name} @ {L}: decode {result['tokens_per_s']:.1f} tok/s, KV {result['kv_cache_mb']:.1f} MB "
                       f"({dt:.0f} s)")
@@ -371,7 +383,8 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "config": {**cfg.to_dict(), "context": context, "rope_factor": factor,
                    "methods_resolved": {n: run_settings(r, cfg.model) for n, r in runs.items()}, "methods_skipped": skipped,
                    "tasks": (["passkey", "lcx_ppl"] if cfg.lmeval_lengths else []) + list(
-                       cfg.ruler_tasks if cfg.ruler_lengths else ()), "ppl_metric": PPL_METRIC,
+                       cfg.ruler_tasks if cfg.ruler_lengths else ()) + (["passkey_primed"] if cfg.primed_lengths else []),
+                   "ppl_metric": PPL_METRIC,
                    **({"ruler_lengths": list(cfg.ruler_lengths)} if cfg.ruler_lengths else {})},
         "environment": environment(), "git": git_info(Path(__file__).resolve().parents[2]),
         "fingerprint": fingerprint, "run_id": run_id,
@@ -379,12 +392,17 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
         "wall_s": round(time.perf_counter() - t_start, 1), "measured_s": round(measured_s, 1),
         "cells_total": len(todo), "cells_reused": len(reused), "reuse_reason": why if reused else None,
         "cells_kept_with_other_code": other_code,
+        **({"cells_read_from": read_from} if read_from else {}),
         **({"cells_failed": failed} if failed else {}),
         **({"ray_cells": {"/".join(map(str, k)): v for k, v in ray_cells.items()}} if ray_cells else {}),
         "results": cells,
     }
     record["passkey_intervals"] = passkey_intervals(record)
     record["passkey_paired"] = passkey_paired(record)
+    if cfg.primed_lengths:
+        from .primed import primed_paired
+
+        record["passkey_primed_paired"] = primed_paired(record)
     if cfg.ruler_lengths:
         record["ruler_intervals"] = ruler_intervals(record)
         record["ruler_paired"] = ruler_paired(record)

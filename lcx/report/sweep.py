@@ -26,10 +26,14 @@ A sweep file names what `lcx report` measures and where it writes, nothing else:
     threads = 1                                   # torch threads per cell
     keep_other_code = true                        # keep cells of other lcx code (lcx report --keep-other-code)
     first = [{lengths = [16384]}, {lengths = [12288]}]   # these cells first, in this order
+    cells_from = ["results/report/smollm2-135m-n16"]     # keep matching cells stored there (not copied)
 
 `run` measures every cell not stored yet with these settings (`lcx report --reuse`: a stored
 cell whose settings and fingerprint match is kept, and a cell's journal resumes it), so the same
-command continues an interrupted sweep and a finished one measures nothing. Unknown keys, at any
+command continues an interrupted sweep and a finished one measures nothing. `cells_from` names
+other report folders whose stored cells with the same settings and fingerprint are kept rather
+than measured (read there; the report lists them), e.g. the published-prompt passkey cells that
+a sweep of `passkey_primed` pairs with. Unknown keys, at any
 level, raise ValueError naming them.
 """
 
@@ -46,7 +50,7 @@ from typing import Any
 from .config import ReportConfig
 
 _TOP = {"description", "out", "report", "run"}
-_RUN = {"threads", "keep_other_code", "first"}
+_RUN = {"threads", "keep_other_code", "first", "cells_from"}
 _FIRST = {"lengths", "methods", "kinds"}
 _TUPLES = {"methods", "lengths", "decode_lengths", "tasks", "ruler_tasks"}
 
@@ -62,6 +66,7 @@ class Sweep:
     threads: int = 1
     keep_other_code: bool = False
     first: tuple[dict[str, tuple], ...] = field(default_factory=tuple)
+    cells_from: tuple[Path, ...] = ()
 
     @property
     def name(self) -> str:
@@ -119,8 +124,14 @@ def load_sweep(path: str | Path) -> Sweep:
             raise ValueError(f"{path}: run.first[{i}] must be a table of lengths/methods/kinds")
         _known(path, f"run.first[{i}].", sel, _FIRST)
         first.append({k: tuple(v) for k, v in sel.items()})
+    cells_from = run.get("cells_from", [])
+    if not isinstance(cells_from, list) or not all(isinstance(x, str) and x for x in cells_from):
+        raise ValueError(f"{path}: run.cells_from must be a list of report folders, got {cells_from!r}")
+    if Path(data["out"]) in {Path(x) for x in cells_from}:
+        raise ValueError(f"{path}: run.cells_from names the sweep's own folder {data['out']!r}")
     return Sweep(path=path, description=str(data.get("description", "")), out=Path(data["out"]), config=config,
-                 threads=threads, keep_other_code=keep, first=tuple(first))
+                 threads=threads, keep_other_code=keep, first=tuple(first),
+                 cells_from=tuple(Path(x) for x in cells_from))
 
 
 def _known(path: Path, prefix: str, table: Any, keys: set[str]) -> None:
@@ -140,6 +151,7 @@ def sweep_status(sweep: Sweep) -> dict[str, Any]:
     the seconds left (each missing cell at the mean of the done cells of its kind and length, else
     of its kind scaled by length, else unknown)."""
     from .cells import cell_path, cell_settings, journal_dir, load_cell, run_fingerprint, running_path
+    from .config import CELL_KINDS
     from .lm import journal_count
     from .run import plan_runs
 
@@ -152,15 +164,20 @@ def sweep_status(sweep: Sweep) -> dict[str, Any]:
     cells = []
     for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)):
         for name, run in runs.items():
-            for kind in ("lmeval", "decode", "ruler"):
+            for kind in CELL_KINDS:
                 if L not in cfg.cell_lengths(kind):
                     continue
                 key = f"{name}/{kind}/{L}"
-                stored = load_cell(cell_path(sweep.out, name, kind, L), cell_settings(kind, cfg.model, name, run, cfg, L),
-                                   fingerprint, None, other_code=sweep.keep_other_code)
+                settings = cell_settings(kind, cfg.model, name, run, cfg, L)
+                for folder in (sweep.out, *sweep.cells_from):  # (as run_report keeps them)
+                    stored = load_cell(cell_path(folder, name, kind, L), settings, fingerprint, None,
+                                       other_code=sweep.keep_other_code)
+                    if stored is not None:
+                        break
                 entry: dict[str, Any] = {"cell": key, "kind": kind, "length": L}
                 if stored is not None:
-                    entry.update(state="done", wall_s=stored.get("wall_s"))
+                    entry.update(state="done", wall_s=stored.get("wall_s"),
+                                 **({"read_from": str(folder)} if folder != sweep.out else {}))
                 elif key in live["cells"]:
                     entry.update(state="running", **live["cells"][key])
                 else:
@@ -244,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=1) if args.json else format_status(st))
         return 0
     if args.action == "render":
-        run_report(sweep.config, sweep.out, render=True, keep_other_code=sweep.keep_other_code, sweep=sweep.name)
+        run_report(sweep.config, sweep.out, render=True, keep_other_code=sweep.keep_other_code, sweep=sweep.name,
+                   cells_from=sweep.cells_from)
         print(f"wrote {sweep.out / 'README.md'}")
         return 0
     if args.jobs is not None and args.jobs < 1:
@@ -261,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
         kw.update(ray=True, ray_address=args.ray or os.environ.get("RAY_ADDRESS") or None, jobs=args.jobs,
                   ray_cpus=args.jobs * threads if args.jobs else None)
     record = run_report(sweep.config, sweep.out, reuse=True, keep_other_code=sweep.keep_other_code,
-                        order=sweep.order, progress=not args.no_progress, sweep=sweep.name, **kw)
+                        order=sweep.order, progress=not args.no_progress, sweep=sweep.name, cells_from=sweep.cells_from,
+                        **kw)
     if record.get("cells_failed"):
         print(f"lcx sweep: {len(record['cells_failed'])} cell(s) failed; `lcx sweep run` measures them again",
               file=sys.stderr)
