@@ -290,18 +290,21 @@ def _read_store(cells: Path, *, fresh: bool = False) -> dict[str, Any]:
     writer, under the lock). Missing: empty."""
     path = cells / STORE_NAME
     try:
-        st = path.stat()
+        f = path.open("rb")
     except FileNotFoundError:
         return {"run": None, "cells": {}}
-    sig = (st.st_ino, st.st_mtime_ns, st.st_size)
-    key = str(path.resolve())
-    hit = _STORE_CACHE.get(key)
-    if hit is not None and hit[0] == sig and not fresh:
-        return hit[1]
+    with f:  # (the stat and the bytes of one file, whatever replaces it meanwhile)
+        st = os.fstat(f.fileno())
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        key = str(path.resolve())
+        hit = _STORE_CACHE.get(key)
+        if hit is not None and hit[0] == sig and not fresh:
+            return hit[1]
+        data = f.read()
     import lzma
 
     try:
-        text = lzma.decompress(path.read_bytes()).decode("utf-8")
+        text = lzma.decompress(data).decode("utf-8")
         lines = text.split("\n")
         if lines and lines[-1] == "":
             lines.pop()
