@@ -37,7 +37,7 @@ def test_passkey_primed_is_asked_for_and_never_a_default():
         ReportConfig(tasks=("passkey_primd",))
 
 
-def test_a_primed_cell_has_the_passkey_prompt_settings_and_the_lmeval_code():
+def test_a_primed_cell_has_the_passkey_prompt_settings_and_the_lmeval_and_engine_code():
     from lcx.presets import resolve
     from lcx.report.cells import NUMERICS_MODULES, cell_settings
 
@@ -46,7 +46,7 @@ def test_a_primed_cell_has_the_passkey_prompt_settings_and_the_lmeval_code():
     s = cell_settings("passkey_primed", "tiny-ret-5m", "vanilla", run, cfg, 611)
     assert s["kind"] == "passkey_primed" and s["depths"] == 3 and s["samples_per_depth"] == cfg.samples_per_depth
     assert "window_tokens" not in s and "ppl_docs" not in s
-    assert NUMERICS_MODULES["passkey_primed"] == NUMERICS_MODULES["lmeval"]
+    assert NUMERICS_MODULES["passkey_primed"] == NUMERICS_MODULES["lmeval"] + ("lcx.engine",)
 
 
 # The paired table from hand-made cells

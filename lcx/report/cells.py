@@ -31,7 +31,9 @@ NUMERICS_MODULES: dict[str, tuple[str, ...]] = {
     "decode": _COMMON_MODULES + ("lcx.engine",),
     "ruler": _COMMON_MODULES + ("lcx.lmeval_model", "lcx.engine", "lcx._lmeval_hook", "lcx.eval_tasks.ruler_pd"),
 }
-NUMERICS_MODULES["passkey_primed"] = NUMERICS_MODULES["lmeval"]  # the same task code, another question (#76)
+# the same task code, another question (#76); and lcx.engine, which decodes the answers (the lcx
+# lm-eval model's generate_until) though "lmeval" does not list it (its cells keep their fingerprint)
+NUMERICS_MODULES["passkey_primed"] = NUMERICS_MODULES["lmeval"] + ("lcx.engine",)
 
 
 def _module_files(name: str) -> list[Path]:
