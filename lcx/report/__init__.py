@@ -20,6 +20,10 @@ model's training context L0:
   intervals, the headline mean over tasks, paired tests (`lcx.report.ruler`); a cell whose
   method computes what vanilla computes on each of its prompts takes vanilla's answers after
   its first prompts per task answer the same (`--equivalent-check`, docs/report.md);
+- passkey with a primed answer (`--tasks ...,passkey_primed`, asked for, never a default): the
+  passkey prompts with RULER's kind of question and answer prefix, a cell of its own, paired prompt
+  by prompt with the published prompt (McNemar; the share of misses that were prose:
+  `lcx.report.primed`);
 - decoding speed (tokens/s after a prompt of L tokens) and KV-cache memory by context length,
   through `lcx.engine.Engine` with the method as an engine method (`rope` / `attention`), i.e.
   the engine `lcx serve` runs (LM-Infinite / windows keep bounded caches there).
