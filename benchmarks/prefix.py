@@ -14,6 +14,10 @@ Loads (token ids drawn from a fixed generator, so every run sends the same promp
   haystack with a needle at depth d (uniform grid), so two prompts share the instruction and the
   haystack up to the shallower needle, run one at a time deepest needle first (what a sweep
   ordered for reuse sends), `--max-tokens` tokens each.
+- `concurrent`: a plain serving load with nothing shared: `--concurrent-requests` prompts of
+  `--concurrent-prompt-tokens` own tokens, `--concurrent-in-flight` in flight (32), each generating
+  `--concurrent-max-tokens` tokens, so decode steps of a large batch carry most of its time (the
+  cache has nothing to reuse here; both settings are measured as on the other loads).
 
 For each load and each setting (`cache`: `EngineConfig.prefix_caching`; `no_cache`) it reports
 throughput (generated tokens / s, prompt tokens / s), median and p90 time to first token, the
@@ -80,6 +84,8 @@ BENCH = Benchmark("prefix", DESCRIPTION, __doc__, out="results/prefix_cpu.json",
                                      "time to first token with and without the cache on a shared-system-prompt "
                                      "and a passkey-sweep load")
 SETTINGS = ("no_cache", "cache")
+VLLM_CPU_MAX_NUM_SEQS = 128  # vLLM 0.32's CPU defaults (its engine reports them; used without vLLM)
+VLLM_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 ROOT = Path(__file__).resolve().parents[1]  # the repository this module runs from
 
 
@@ -95,6 +101,10 @@ class Config:
     max_tokens: int
     repeats: int
     threads: int
+    concurrent_requests: int = 64
+    concurrent_in_flight: int = 32
+    concurrent_prompt_tokens: int = 128
+    concurrent_max_tokens: int = 32
     vllm: bool = True  # run the vLLM section (False: --no-vllm)
     vllm_block_size: int | None = None  # vLLM's KV block size (None: vLLM's default)
 
@@ -110,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passkey-length", type=int, default=2048, help="passkey_sweep prompt length (default: %(default)s)")
     parser.add_argument("--depths", type=int, default=8, help="passkey_sweep needle depths (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default: %(default)s)")
+    parser.add_argument("--concurrent-requests", type=int, default=64,
+                        help="concurrent load: requests, each with its own prompt (default: %(default)s)")
+    parser.add_argument("--concurrent-in-flight", type=int, default=32,
+                        help="concurrent load: requests in flight (default: %(default)s)")
+    parser.add_argument("--concurrent-prompt-tokens", type=int, default=128,
+                        help="concurrent load: prompt tokens per request (default: %(default)s)")
+    parser.add_argument("--concurrent-max-tokens", type=int, default=32,
+                        help="concurrent load: tokens generated per request (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per setting and engine "
                         "(default: %(default)s)")
     parser.add_argument("--no-vllm", action="store_true",
@@ -159,6 +177,11 @@ def passkey_load(cfg: Config, vocab: int) -> list[list[int]]:
         at = int(round(d * room))
         out.append(instruction + hay[:at] + needle + hay[at:room])
     return out
+
+
+def concurrent_load(cfg: Config, vocab: int) -> list[list[int]]:
+    """Prompts that share nothing (each drawn from its own seed)."""
+    return [_ids(cfg.concurrent_prompt_tokens, 1000 + i, vocab) for i in range(cfg.concurrent_requests)]
 
 
 def _drive(add: Any, step: Any, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
@@ -629,39 +652,53 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--baseline-at goes with --cell (it sets where the cell's no-cache setting runs)")
 
     for name in ("requests", "concurrency", "system_tokens", "question_tokens", "passkey_length", "depths",
-                 "max_tokens", "repeats"):
+                 "max_tokens", "repeats", "concurrent_requests", "concurrent_in_flight", "concurrent_prompt_tokens",
+                 "concurrent_max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.vllm_block_size is not None and args.vllm_block_size < 1:
         raise ValueError(f"--vllm-block-size must be >= 1, got {args.vllm_block_size}")
     threads = BENCH.resolve_threads(args)
     cfg = Config(args.model, args.requests, args.concurrency, args.system_tokens, args.question_tokens,
-                 args.passkey_length, args.depths, args.max_tokens, args.repeats, threads, not args.no_vllm,
-                 args.vllm_block_size)
+                 args.passkey_length, args.depths, args.max_tokens, args.repeats, threads,
+                 args.concurrent_requests, args.concurrent_in_flight, args.concurrent_prompt_tokens,
+                 args.concurrent_max_tokens, not args.no_vllm, args.vllm_block_size)
     loadavg: list[float] = []
     rec = BENCH.start(args, cfg, environment={"loadavg_before": os.getloadavg()[0], "loadavg_after_each_load": loadavg})
     model, tok = load_model(args.model)
-    need = max(cfg.system_tokens + cfg.question_tokens, cfg.passkey_length) + cfg.max_tokens
+    need = max(max(cfg.system_tokens + cfg.question_tokens, cfg.passkey_length) + cfg.max_tokens,
+               cfg.concurrent_prompt_tokens + cfg.concurrent_max_tokens)
     mpe = int(model.config.max_position_embeddings)
     max_model_len = max(need, mpe)
-    engines = {s: Engine(model, tok, EngineConfig(max_model_len=max_model_len, prefix_caching=(s == "cache")))
-               for s in SETTINGS}
     vocab = int(model.config.vocab_size)
-    loads = {"system_prompt": (system_prompt_load(cfg, vocab), cfg.concurrency),
-             "passkey_sweep": (passkey_load(cfg, vocab), 1)}
+    loads = {"system_prompt": (system_prompt_load(cfg, vocab), cfg.concurrency, cfg.max_tokens),
+             "passkey_sweep": (passkey_load(cfg, vocab), 1, cfg.max_tokens),
+             "concurrent": (concurrent_load(cfg, vocab), cfg.concurrent_in_flight, cfg.concurrent_max_tokens)}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lcx-prefix-") as logs:
         vllm_engines, vsec = _start_vllm(args, max_model_len, mpe, threads, Path(logs))
+        # lcx's engine schedules under vLLM's limits where vLLM runs (its batch limit, max_num_seqs,
+        # and its token budget per step, max_num_batched_tokens: chunked prefill), else under
+        # the same values as vLLM's CPU defaults, so neither engine waits on a smaller batch
+        sched = vsec.get("engine", {})
+        max_batch, budget = int(sched.get("max_num_seqs", VLLM_CPU_MAX_NUM_SEQS)), int(
+            sched.get("max_num_batched_tokens", VLLM_CPU_MAX_NUM_BATCHED_TOKENS))
+        engines = {s: Engine(model, tok, EngineConfig(max_model_len=max_model_len, prefix_caching=(s == "cache"),
+                                                      max_batch=max_batch, max_num_batched_tokens=budget))
+                   for s in SETTINGS}
+        rec.environment["lcx_engine"] = {
+            "max_batch": max_batch, "max_num_batched_tokens": budget,
+            "packed_linear": engines["cache"].runner.packed}
         try:
             for load in rec.progress(list(loads), unit="load"):
-                prompts, conc = loads[load]
+                prompts, conc, max_tokens = loads[load]
                 runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SETTINGS}
                 vruns: dict[str, list[dict[str, Any]]] = {s: [] for s in SETTINGS}
                 for _ in range(cfg.repeats):
                     for s in SETTINGS:  # interleaved
-                        runs[s].append(_run_load(engines[s], prompts, conc, cfg.max_tokens))
+                        runs[s].append(_run_load(engines[s], prompts, conc, max_tokens))
                     for s in SETTINGS if vllm_engines else ():
-                        vruns[s].append(vllm_engines[s].run(prompts, conc, cfg.max_tokens))
+                        vruns[s].append(vllm_engines[s].run(prompts, conc, max_tokens))
                 row = _row(prompts, conc, runs)
                 if not row["same_tokens"]:
                     raise RuntimeError(f"{load}: tokens with and without the prefix cache differ")

@@ -148,6 +148,10 @@ class EngineConfig:
         a prompt longer than what is left is prefilled in chunks over several steps (chunked
         prefill, `lcx.engine.prefix`), so running requests keep decoding beside a long prompt.
         None: no budget (every admitted prompt is prefilled whole in the step that admits it).
+    packed_linear: run the engine's own forwards on oneDNN-packed copies of the model's CPU
+        float32 linear weights (`lcx.engine.packed`: what vLLM's CPU backend does; faster prefill
+        and batched decode, one more copy of those weights). None (auto): when they total at most
+        `lcx.engine.packed.AUTO_MAX_BYTES`; False: never.
     """
 
     max_model_len: int | None = None
@@ -157,6 +161,7 @@ class EngineConfig:
     prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES
     prefix_block_size: int = 16
     max_num_batched_tokens: int | None = None
+    packed_linear: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
@@ -175,6 +180,8 @@ class EngineConfig:
                                                         or self.max_num_batched_tokens < 1):
             raise ValueError(f"max_num_batched_tokens must be a positive integer or None, "
                              f"got {self.max_num_batched_tokens!r}")
+        if self.packed_linear is not None and not isinstance(self.packed_linear, bool):
+            raise ValueError(f"packed_linear must be true, false or None (auto), got {self.packed_linear!r}")
         object.__setattr__(self, "methods", MethodConfig.from_dict(self.methods))
 
     @classmethod
@@ -186,7 +193,8 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"max_model_len": self.max_model_len, "max_batch": self.max_batch, "methods": self.methods.to_dict(),
                 "prefix_caching": self.prefix_caching, "prefix_cache_bytes": self.prefix_cache_bytes,
-                "prefix_block_size": self.prefix_block_size, "max_num_batched_tokens": self.max_num_batched_tokens}
+                "prefix_block_size": self.prefix_block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "packed_linear": self.packed_linear}
 
 
 def is_int(x: Any) -> bool:

@@ -24,6 +24,7 @@ from ..hf.engine_hook import DECODE_INPUT, KEY_POSITIONS_INPUT, has_decode_hook,
 from ..hf.head import head_logits
 from ..hf.rope_patch import current_spec
 from ..method_config import INFERENCE_BACKEND, MethodConfig
+from . import packed
 from .batch import hf_cache
 from .kv import CacheLayout, KVLayout, ModelKV
 from .prefix import RowKV, stack_rows
@@ -67,7 +68,8 @@ class ModelRunner:
     `MethodConfig.apply` did to it; `methods`: what the engine runs (the config applied, or the
     method the model's config records)."""
 
-    def __init__(self, model: nn.Module, applied: Any, methods: MethodConfig, *, pad_id: int):
+    def __init__(self, model: nn.Module, applied: Any, methods: MethodConfig, *, pad_id: int,
+                 packed_linear: bool | None = None):
         from ..hf import decoder
 
         self.model, self.applied, self.methods, self.pad_id = model, applied, methods, pad_id
@@ -96,6 +98,9 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.store: ModelKV | None = None  # the running batch's KV (None when idle)
+        # the engine's forwards on oneDNN-packed linear weights (`lcx.engine.packed`; CPU float32)
+        self.packed = packed.install(model, packed_linear)
+        self._packed_scope = packed.scope if self.packed else contextlib.nullcontext
 
     # ------------------------------------------------------------------ the model's state
     def check_hook(self) -> None:
@@ -122,7 +127,8 @@ class ModelRunner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states `h` `[..., d]` (the model's lm_head and its soft-cap /
         scaling, as its forward), in at least float32 (bf16/fp16 logits are too coarse)."""
-        logits = head_logits(self.model, h)
+        with self._packed_scope():
+            logits = head_logits(self.model, h)
         return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
     # ------------------------------------------------------------------ prefill
@@ -147,12 +153,13 @@ class ModelRunner:
         if self.loaded_rows is not None and (held_k is not None or self.whole_prompt_rows):
             # a model as loaded continuing from held keys (or a windowed one, any prefill): per row
             # on lcx's backend, no mask (`loaded_rows`; the model's own call would be a masked pass)
-            with loaded_rows(pos, self.loaded_rows, INFERENCE_BACKEND):
+            with loaded_rows(pos, self.loaded_rows, INFERENCE_BACKEND), self._packed_scope():
                 out = self.decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
                                    use_cache=True)
         else:
-            out = self.decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache, use_cache=True,
-                               **self.mask_kwargs(pos >= 0, pos, n_new=C if held_k is not None else 0))
+            with self._packed_scope():
+                out = self.decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
+                                   use_cache=True, **self.mask_kwargs(pos >= 0, pos, n_new=C if held_k is not None else 0))
         return PrefillOutput([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
                              pos, out.last_hidden_state)
 
@@ -181,14 +188,16 @@ class ModelRunner:
         p_q = torch.tensor(list(positions), device=self.device)  # [b]
         if store.layout.rotated:  # (the engine's step checked the hook: check_hook)
             step = store.decode_step(p_q, self.dtype)
-            out = self.decoder(input_ids=ids, position_ids=p_q[:, None], use_cache=False, **{DECODE_INPUT: step})
+            with self._packed_scope():
+                out = self.decoder(input_ids=ids, position_ids=p_q[:, None], use_cache=False, **{DECODE_INPUT: step})
             return self.logits(out.last_hidden_state[:, -1])  # [b, V]
         store = store.only  # the general path: one layout on every layer
         keys, values, kpos = store.gathered(p_q)  # [b, Hkv, T, D], [b, T]
         cache = hf_cache(keys, values)
         kpos = torch.cat([kpos, p_q[:, None]], 1)  # [b, T+1]
-        out = self.decoder(input_ids=ids, position_ids=p_q[:, None], past_key_values=cache, use_cache=True,
-                           **self.mask_kwargs(kpos >= 0, kpos))
+        with self._packed_scope():
+            out = self.decoder(input_ids=ids, position_ids=p_q[:, None], past_key_values=cache, use_cache=True,
+                               **self.mask_kwargs(kpos >= 0, kpos))
         logits = self.logits(out.last_hidden_state[:, -1])
         store.write_unrotated(store.step(p_q), [layer.keys[:, :, -1] for layer in cache.layers],
                               [layer.values[:, :, -1] for layer in cache.layers])
