@@ -80,6 +80,9 @@ def test_cells_and_the_run_round_trip_in_one_file_with_the_same_bytes_for_the_sa
     assert load_cell(cell_path(tmp_path, "yarn", "lmeval", 63), _cell(63)["settings"], FP) is None
     assert load_cell(cell_path(tmp_path, "yarn", "lmeval", 217), _cell(217)["settings"], FP) == _cell(217)
     assert set(read_cells(tmp_path)) == {"yarn.lmeval.1", "yarn.lmeval.217", "yarn.lmeval.4097"}
+    # the run manifest in the store is what plan_run resumes from
+    write_run(tmp_path, {"run_id": "r1", "finished": False, "config": _Cfg().to_dict(), "fingerprint": FP})
+    assert plan_run(tmp_path, _Cfg(), FP, fresh=False, reuse=False)[:2] == ("r1", {"r1"})
 
 
 def test_an_old_layout_folder_loads_and_its_first_write_moves_it_into_the_store(tmp_path):
