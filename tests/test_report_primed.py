@@ -224,3 +224,25 @@ def test_a_sweep_file_names_the_folders_it_reads(tmp_path):
     f.write_text(body.format(out="r", src='["r"]'))
     with pytest.raises(ValueError, match="names the sweep's own folder"):
         load_sweep(f)
+
+
+def test_a_sweep_with_cells_from_counts_and_renders_the_cells_it_reads(measured, tmp_path, capsys):
+    """`lcx sweep status` counts the cells a sweep reads from `cells_from` as done (and says where
+    from); `lcx sweep render` writes the report from them, the paired table included."""
+    from lcx.cli import main
+
+    cfg, first, _, _ = measured
+    f = tmp_path / "s.toml"
+    out = tmp_path / "r"
+    f.write_text(f'out = "{out}"\n[report]\nmodel = "tiny-ret-5m"\nmethods = ["vanilla", "yarn"]\n'
+                 f"lengths = {list(MEASURED)}\ndecode_lengths = []\n"
+                 'tasks = ["passkey", "ppl", "passkey_primed"]\ndepths = 3\nsamples_per_depth = 1\nppl_docs = 1\n'
+                 f'[run]\ncells_from = ["{first}"]\n')
+    assert main(["sweep", "status", str(f), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["counts"] == {"done": 4, "running": 0, "todo": 0}
+    assert {c["cell"]: c.get("read_from") for c in st["cells"]} == {
+        f"{m}/{k}/{L}": str(first) for m in ("vanilla", "yarn") for k in ("lmeval", "passkey_primed") for L in MEASURED}
+    assert main(["sweep", "render", str(f)]) == 0
+    readme = (out / "README.md").read_text()
+    assert "## Passkey with a primed answer" in readme and f"4 cells are read from `{first}`" in readme
