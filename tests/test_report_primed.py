@@ -246,3 +246,22 @@ def test_a_sweep_with_cells_from_counts_and_renders_the_cells_it_reads(measured,
     assert main(["sweep", "render", str(f)]) == 0
     readme = (out / "README.md").read_text()
     assert "## Passkey with a primed answer" in readme and f"4 cells are read from `{first}`" in readme
+
+
+def test_a_run_interrupted_before_the_primed_kind_existed_resumes_as_it_did(tmp_path):
+    """The run fingerprint gained the passkey_primed cells' code; an interrupted run recorded without
+    it still resumes under its own id (no cell of that kind can be in it)."""
+    from lcx.report.cells import plan_run, run_fingerprint, write_run
+
+    cfg = ReportConfig(model="tiny-ret-5m", methods=("vanilla",), lengths=MEASURED, tasks=LMEVAL_TASKS)
+    fp = run_fingerprint(["tiny-ret-5m"])
+    old = {**fp, "code": {k: v for k, v in fp["code"].items() if k != "passkey_primed"}}
+    write_run(tmp_path, {"run_id": "r0", "finished": False, "config": cfg.to_dict(), "fingerprint": old,
+                         "kept_runs": []})
+    run_id, keep, why = plan_run(tmp_path, cfg, fp, fresh=False, reuse=False)
+    assert (run_id, keep) == ("r0", {"r0"}) and "same settings and fingerprint" in why
+    changed = {**old, "code": {**old["code"], "lmeval": {**old["code"]["lmeval"], "lcx.rope": "x"}}}
+    write_run(tmp_path, {"run_id": "r0", "finished": False, "config": cfg.to_dict(), "fingerprint": changed,
+                         "kept_runs": []})
+    run_id, keep, why = plan_run(tmp_path, cfg, fp, fresh=False, reuse=False)
+    assert run_id != "r0" and keep == {"r0"} and "lmeval cells ran other code" in why

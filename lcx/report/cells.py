@@ -210,7 +210,10 @@ def plan_run(out: Path, cfg: ReportConfig, fingerprint: dict[str, Any], *, fresh
     if prev.get("config") != cfg.to_dict():
         return new_id, set(), (f"the interrupted run {prev.get('run_id')} had other settings "
                                f"({', '.join(diff_values(prev.get('config'), cfg.to_dict()))}): every cell is measured")
-    changed = diff_values(prev.get("fingerprint"), fingerprint)
+    before = (prev.get("fingerprint") or {}).get("code") or {}
+    # (a cell kind newer than the interrupted run, e.g. passkey_primed, has no cells in it: no change)
+    changed = [c for c in diff_values(prev.get("fingerprint"), fingerprint)
+               if not (c.startswith("code.") and c.split(".")[1] not in before)]
     shared = [c for c in changed if not c.startswith("code.")]
     if shared:
         return new_id, set(), (f"the interrupted run {prev.get('run_id')} ran other models/environment "
