@@ -84,7 +84,11 @@ def _record(tasks=("passkey", "lcx_ppl", "passkey_primed")) -> dict:
 
 def test_the_paired_rows_count_discordant_prompts_and_prose_misses():
     rows = primed_paired(_record())["611"]
-    assert [r["method"] for r in rows] == ["vanilla"]  # yarn has no primed cell
+    assert [r["method"] for r in rows] == ["vanilla", "yarn"]
+    # yarn has no primed cell (yet): its published side alone, nothing paired
+    y = rows[1]
+    assert y["primed"] is None and y["published"]["k"] == 2 and y["n"] == 0 and y["diff"] is None
+    assert y["published_misses"] == {"prose": 4, "wrong_number": 1} and "primed_misses" not in y
     r = rows[0]
     assert (r["primed"]["k"], r["published"]["k"], r["n"]) == (5, 2, 7)
     assert (r["x_only"], r["y_only"], r["both"], r["neither"]) == (4, 1, 1, 1)
@@ -111,6 +115,9 @@ def test_the_section_is_a_table_per_length_and_says_how_much_was_format():
     assert "the published prompt missed 5, 4/5 (80%) of them in prose" in text
     assert "4 prompts were retrieved that the published prompt missed (3 of them prose misses there)" in text
     assert "1 published prose misses became a wrong number" in text
+    assert "Over the 1 (method, length) pair measured both ways" in text  # (yarn's row is not paired)
+    yarn = next(x for x in text.splitlines() if x.startswith("| yarn |"))
+    assert [c.strip() for c in yarn.strip("|").split("|")][2:] == ["—", "—", "—", "—", "4/5 (80%)", "—"]
     assert markdown_section(_record(tasks=("passkey", "lcx_ppl"))) == []  # no primed task: no section
 
 

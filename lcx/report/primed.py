@@ -95,13 +95,15 @@ def primed_lengths(record: dict[str, Any]) -> list[int]:
 
 
 def primed_paired(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """length -> a row per method with a passkey_primed cell at that length: `primed` and
-    `published` (the passkey cell's) accuracy with Wilson 95% intervals (`lcx.report.render.passkey_interval`;
+    """length -> a row per method with a passkey_primed or a passkey cell at that length (a report
+    rendered mid-sweep shows the published side before the primed one): `primed` and `published`
+    (the passkey cell's) accuracy with Wilson 95% intervals (`lcx.report.render.passkey_interval`;
     None where that cell is missing), and over the prompts both cells ran (matched by depth and key)
     `lcx.stats.paired_difference(primed, published)`: `diff` primed - published, `ci95`,
     `x_only` / `y_only` the prompts only the primed / only the published prompt retrieved,
     `mcnemar_p` (exact, two-sided); `published_misses` / `primed_misses`: kind -> count of each
-    cell's misses (`lcx.report.page.passkey_outcome`: prose, wrong_number, key_late, no_output),
+    cell's misses (`lcx.report.page.passkey_outcome`: prose, wrong_number, key_late, no_output;
+    absent without that cell),
     `prose_fixed`: published prose misses that the primed prompt got right, `prose_to_number`: those
     it answered with a number that is not the key (first); `unpaired`: prompts
     in only one of the two cells (0 when they ran the same prompts)."""
@@ -112,20 +114,21 @@ def primed_paired(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     for L in primed_lengths(record):
         rows = []
         for name in record["results"]:
-            primed = _cell(record, name, KIND, L)
-            if primed is None:
+            primed, published = _cell(record, name, KIND, L), _cell(record, name, "lmeval", L)
+            if primed is None and published is None:
                 continue
-            published = _cell(record, name, "lmeval", L)
             a, b = _by_prompt(primed), _by_prompt(published)
             keys = sorted(set(a) & set(b))
             row: dict[str, Any] = {"method": name, "primed": passkey_interval(primed),
                                    "published": passkey_interval(published),
                                    **paired_difference([bool(a[k]["correct"]) for k in keys],
                                                        [bool(b[k]["correct"]) for k in keys]),
-                                   "unpaired": len(set(a) ^ set(b)) if b else None,
-                                   "primed_misses": _misses([x for x in a.values() if not x["correct"]])}
+                                   "unpaired": len(set(a) ^ set(b)) if a and b else None}
+            if a:
+                row["primed_misses"] = _misses([x for x in a.values() if not x["correct"]])
             if b:
                 row["published_misses"] = _misses([x for x in b.values() if not x["correct"]])
+            if a and b:
                 row["prose_fixed"] = sum(1 for k in keys if _kind(b[k]) == "prose" and a[k]["correct"])
                 row["prose_to_number"] = sum(1 for k in keys if _kind(b[k]) == "prose"
                                              and _kind(a[k]) in ("wrong_number", "key_late"))
@@ -167,14 +170,14 @@ def markdown_section(record: dict[str, Any]) -> list[str]:
             lines += ["| (not measured yet) | — | — | — | — | — | — | — |", ""]
             continue
         for r in rows:
-            pm, qm = r.get("published_misses"), r["primed_misses"]
-            paired_ok = r["published"] is not None and r["diff"] is not None
+            pm, qm = r.get("published_misses"), r.get("primed_misses")
+            paired_ok = r["published"] is not None and r["primed"] is not None and r["diff"] is not None
             lines.append(
                 f"| {r['method']} | {format_interval(r['published'])} | {format_interval(r['primed'])} | "
                 + (f"{signed(r['diff'])} [{signed(r['ci95'][0])}, {signed(r['ci95'][1])}] | {r['x_only']} : {r['y_only']} | "
                    f"{p_text(r['mcnemar_p'])} ({r['n']}) | " if paired_ok else "— | — | — | ")
                 + (_share(pm.get("prose", 0), sum(pm.values())) if pm is not None else "—") + " | "
-                + _share(qm.get("prose", 0), sum(qm.values())) + " |")
+                + (_share(qm.get("prose", 0), sum(qm.values())) if qm is not None else "—") + " |")
             if paired_ok:
                 tot["cells"] += 1
                 tot["n"] += r["n"]
@@ -190,8 +193,9 @@ def markdown_section(record: dict[str, Any]) -> list[str]:
         lines += [""] + ([f"({unpaired} prompts ran in only one of a method's two cells and are left out of the "
                           "paired test.)", ""] if unpaired else [])
     if tot["cells"]:
-        lines += [f"**How much of the verdict was format.** Over these {tot['cells']} (method, length) pairs "
-                  f"({tot['n']} prompts, each asked both ways), the published prompt missed {tot['pub_miss']}, "
+        lines += [f"**How much of the verdict was format.** Over the {tot['cells']} (method, length) "
+                  f"pair{'s' if tot['cells'] != 1 else ''} measured both ways "
+                  f"({tot['n']} prompts), the published prompt missed {tot['pub_miss']}, "
                   f"{_share(tot['pub_prose'], tot['pub_miss'])} of them in prose. Primed, {tot['fixed']} prompts "
                   f"were retrieved that the published prompt missed ({tot['prose_fixed']} of them prose misses "
                   f"there) and {tot['broke']} were missed that it retrieved; {tot['prose_to_number']} published "
