@@ -163,8 +163,31 @@ def test_jobs_flag_is_checked_and_sets_each_jobs_threads(monkeypatch, tmp_path, 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     assert cli.run(p.parse_args(["--jobs", "0", "--out", str(tmp_path)])) == 2
-    assert "--jobs must be >= 1" in capsys.readouterr().err
+    assert "--jobs must be an integer >= 1 or 'auto'" in capsys.readouterr().err
+    assert cli.run(p.parse_args(["--jobs", "many", "--out", str(tmp_path)])) == 2
+    assert "got 'many'" in capsys.readouterr().err
     assert cli.run(p.parse_args(["--jobs", "3", "--threads", "1", "--out", str(tmp_path)])) == 0
     assert (seen["jobs"], seen["job_threads"]) == (3, 1)
     assert cli.run(p.parse_args(["--jobs", "3", "--out", str(tmp_path)])) == 0
     assert (seen["jobs"], seen["job_threads"]) == (3, 2)
+    # the default, auto: a job per core as far as memory holds the cells (lcx.report.jobs.auto_jobs)
+    monkeypatch.setattr("lcx.report.jobs.auto_jobs", lambda cfg: 4)
+    assert cli.run(p.parse_args(["--out", str(tmp_path)])) == 0
+    assert (seen["jobs"], seen["job_threads"]) == (4, 2)
+
+
+def test_auto_jobs_by_cores_and_memory(monkeypatch):
+    from lcx.report import jobs
+    from lcx.report.config import ReportConfig
+
+    monkeypatch.setattr("lcx.threads.available_cores", lambda: 8)
+    monkeypatch.setattr("lcx.engine.memory.available_memory", lambda device: 64 << 30)
+    assert jobs.auto_jobs(ReportConfig()) == 8  # tiny-ret-5m: a cell needs ~2 GiB
+    monkeypatch.setattr("lcx.engine.memory.available_memory", lambda device: 5 << 30)
+    assert 1 <= jobs.auto_jobs(ReportConfig()) < 8  # the memory bounds it
+    monkeypatch.setattr("lcx.engine.memory.available_memory", lambda device: 1 << 20)
+    assert jobs.auto_jobs(ReportConfig()) == 1
+    assert jobs.auto_jobs(ReportConfig(device="cuda")) == 1  # the cells share the GPU
+    monkeypatch.setattr("lcx.threads.available_cores", lambda: 1)
+    monkeypatch.setattr("lcx.engine.memory.available_memory", lambda device: 64 << 30)
+    assert jobs.auto_jobs(ReportConfig()) == 1

@@ -36,7 +36,7 @@ def test_a_report_without_ruler_records_the_config_as_before():
     """Committed reports (passkey + ppl) resume and render as they did: no new config keys."""
     old = ReportConfig(tasks=LMEVAL_TASKS).to_dict()
     assert "tasks" not in old and "ruler_samples" not in old
-    assert ReportConfig().to_dict()["tasks"] == list(TASKS) and ReportConfig().to_dict()["ruler_samples"] == 30
+    assert ReportConfig().to_dict()["tasks"] == list(TASKS) and ReportConfig().to_dict()["ruler_samples"] == 10
 
 
 def _cell(correct_by_task: dict[str, list[bool]], skipped: dict[str, str] | None = None) -> dict:

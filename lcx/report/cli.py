@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from ..presets import PRESETS, add_presets_argument
-from .config import DEFAULT_METHODS, ReportConfig
+from .config import DEFAULT_METHODS, FULL_RULER_SAMPLES, ReportConfig
 from .render import markdown
 from .run import run_report
 
 # CLI
 # ============================================================================================
 
-QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8, ruler_samples=2)
+# `--quick`, a plumbing check of every method in about two minutes: 2 depths x 1 key, 1 perplexity window,
+# 8 decode tokens, 1 prompt per RULER task, and (unless --lengths is given) the lengths L0 and 4 L0 only
+# (every kind of cell, RULER's at 4 L0 = 1024 on the bundled model)
+QUICK = dict(depths=2, samples_per_depth=1, ppl_docs=1, decode_tokens=8, ruler_samples=1)
+QUICK_LENGTHS = (1, 4)  # x L0
 
 
 def _custom_method(s: str) -> tuple[str, dict[str, Any]]:
@@ -32,6 +36,13 @@ def _custom_method(s: str) -> tuple[str, dict[str, Any]]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{name}: {e}") from None
     return name, cfg.to_dict()
+
+
+def _quick_lengths(model: str) -> tuple[int, ...]:
+    """`--quick`'s lengths: QUICK_LENGTHS x the model's context."""
+    from .config import model_context
+
+    return tuple(model_context(model) * m for m in QUICK_LENGTHS)
 
 
 def _count(flag: str, text: str) -> int:
@@ -106,11 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..threads import add_threads_argument
 
     add_threads_argument(p)
-    p.add_argument("--jobs", type=int, default=None, metavar="N",
+    p.add_argument("--jobs", default=None, metavar="N|auto",
                    help="measure up to N cells at once, each in a worker process of its own that loads its own model "
                         "(N x the memory of one cell): same numbers and order as one at a time; decode cells (timed) "
-                        "run alone. Each job gets --threads threads, or cores // N with `auto` (default: 1; with --ray: "
-                        "as many as the cluster holds)")
+                        "run alone. Each job gets --threads threads, or cores // N with `auto` (default: auto, on a CPU "
+                        "one job per core as far as memory holds the cells (lcx.report.jobs.auto_jobs), one on a GPU; "
+                        "with --ray: as many as the cluster holds)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="measure each cell as a Ray task (pip install 'lcx[ray]'; docs/report.md, \"Ray\"): on the "
                         "cluster at ADDRESS (host:port, or `auto`; default: $RAY_ADDRESS), else on one started for the "
@@ -131,8 +143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and ruler (lcx's ruler_offline tasks, at the lengths >= 1024; docs/report.md); also "
                         "passkey_primed (the passkey prompts with a primed answer, paired with passkey's prompt by "
                         "prompt: lcx.report.primed) (default: %(default)s)")
-    p.add_argument("--ruler-samples", type=int, default=ReportConfig.ruler_samples,
-                   help="prompts per RULER task and length (default: %(default)s)")
+    p.add_argument("--ruler-samples", type=int, default=None,
+                   help=f"prompts per RULER task and length (default: {ReportConfig.ruler_samples}, so that the "
+                        f"main job takes minutes; {FULL_RULER_SAMPLES} with --full)")
+    p.add_argument("--full", action="store_true",
+                   help=f"the full run: {FULL_RULER_SAMPLES} prompts per RULER task and length instead of "
+                        f"{ReportConfig.ruler_samples} (the committed bundled report's setting; about 3x the "
+                        "default's time, RULER's prefills being most of it)")
     p.add_argument("--ruler-tasks", default=",".join(ReportConfig.ruler_tasks), metavar="TASKS",
                    help="comma-separated subset of lcx's ruler_offline tasks to run (default: all 11), e.g. the "
                         "tasks a model does above floor inside its context")
@@ -170,7 +187,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cells/*.json, cells/run.json) of every report folder under each FOLDER into that folder's "
                         "cell store, cells/cells.jsonl.xz (one file per report; the cells read back equal), and "
                         "delete them")
-    p.add_argument("--quick", action="store_true", help="plumbing check: 2 depths, 1 ppl doc, 8 decode tokens, 2 RULER prompts")
+    p.add_argument("--quick", action="store_true",
+                   help="plumbing check of every method in about two minutes: lengths L0 and 4 x L0 (unless --lengths), "
+                        "2 depths x 1 key, 1 ppl doc, 8 decode tokens, 1 prompt per RULER task")
     p.add_argument("--verbose", action="store_true",
                    help="also print what lm-eval and transformers say on every cell (the warnings lcx's own use "
                         "triggers, per-task progress bars); by default only the report's bar and its cell lines")
@@ -215,13 +234,20 @@ def run(args: argparse.Namespace) -> int:
         from .quiet import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"
+    if args.quick and args.full:
+        print("lcx report: --quick and --full ask for opposite runs; give one", file=sys.stderr)
+        return 2
     extra = dict(QUICK) if args.quick else {}
+    if args.ruler_samples is None:
+        args.ruler_samples = FULL_RULER_SAMPLES if args.full else ReportConfig.ruler_samples
     try:
         cfg = ReportConfig(
             model=args.model, methods=() if args.presets == "none" else tuple(m for m in args.presets.split(",") if m),
-            custom_methods=_custom_methods(args.method), lengths=args.lengths,
+            custom_methods=_custom_methods(args.method),
+            lengths=args.lengths if args.lengths is not None or not args.quick else _quick_lengths(args.model),
             decode_lengths=args.decode_lengths,
-            depths=extra.get("depths", args.depths), samples_per_depth=args.samples_per_depth,
+            depths=extra.get("depths", args.depths), samples_per_depth=extra.get("samples_per_depth",
+                                                                                args.samples_per_depth),
             ppl_docs=extra.get("ppl_docs", args.ppl_docs), decode_tokens=extra.get("decode_tokens", args.decode_tokens),
             seed=args.seed, device=args.device, dtype=args.dtype, attn_backend=args.attn_backend,
             tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
@@ -235,9 +261,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from ..allocator import reuse_freed_memory
     from ..threads import AUTO, available_cores, resolve_threads
+    from .jobs import auto_jobs
 
-    if args.jobs is not None and args.jobs < 1:
-        print(f"lcx report: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+    try:
+        args.jobs = None if args.jobs in (None, AUTO) else int(args.jobs)
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError
+    except ValueError:
+        print(f"lcx report: --jobs must be an integer >= 1 or 'auto', got {args.jobs!r}", file=sys.stderr)
         return 2
     if args.ray is not None and args.device not in ("cpu", "cuda"):
         print(f"lcx report: --ray gives each cell its own GPU: --device must be cpu or cuda, got {args.device!r}",
@@ -252,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         ray_kw = {"ray": True, "ray_address": args.ray or os.environ.get("RAY_ADDRESS") or None,
                   "ray_cpus": jobs * job_threads if jobs else None}
     else:
-        jobs = args.jobs or 1
+        jobs = args.jobs or auto_jobs(cfg)
         job_threads = max(1, available_cores() // jobs) if args.threads in (None, AUTO) else int(args.threads)
     if args.render and (args.fresh or args.reuse):
         print("lcx report: --render measures nothing; it cannot be combined with --fresh/--reuse", file=sys.stderr)

@@ -32,6 +32,7 @@ RULER_PROMPTS = "global RNGs seeded as lm-eval's simple_evaluate seeds them, jus
 # Below this many tokens RULER's scaffold plus its 128-token answer budget leaves no room for a
 # haystack (lm-eval refuses to build NIAH samples at 256 and 512): shorter report lengths get no RULER cell.
 RULER_MIN_LENGTH = 1024
+FULL_RULER_SAMPLES = 30  # `lcx report --full`: RULER prompts per task and length of the full run
 METHOD_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a custom method's name is also part of its cell files' names
 
 
@@ -67,7 +68,11 @@ class ReportConfig:
     custom_methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # what to measure (KNOWN_TASKS; default TASKS); ruler only at lengths >= RULER_MIN_LENGTH
     tasks: tuple[str, ...] = TASKS
-    ruler_samples: int = 30  # prompts per (RULER task, length): the first n of each task's 500
+    # prompts per (RULER task, length): the first n of each task's 500. 10 by default, so that the
+    # main job on the bundled model finishes in minutes (a RULER cell's prefill is most of its cost:
+    # 11 tasks x n prompts of the cell's length); FULL_RULER_SAMPLES (`lcx report --full`) is the
+    # committed bundled report's setting
+    ruler_samples: int = 10
     # which of RULER_TASKS to run (e.g. the tasks a model does above floor inside its context)
     ruler_tasks: tuple[str, ...] = RULER_TASKS
     # a RULER cell whose method computes exactly what vanilla computes on each of its prompts

@@ -31,6 +31,25 @@ from ..presets import PresetRun
 from .config import ReportConfig
 
 
+def auto_jobs(cfg: ReportConfig) -> int:
+    """`--jobs auto`: on a CPU, one job per core this process may use, as many as the memory
+    available now holds cells of the report's longest length (`lcx.report.ray_executor.cell_memory`,
+    the estimate Ray schedules by); on a GPU, one (the cells share the device)."""
+    from ..engine.memory import available_memory
+    from ..threads import available_cores
+    from .config import model_context, model_hf_config
+    from .ray_executor import cell_memory
+
+    if cfg.device != "cpu":
+        return 1
+    cores = available_cores()
+    if cores < 2:
+        return 1
+    longest = max(cfg.resolved(model_context(cfg.model)).lengths)
+    need = cell_memory(model_hf_config(cfg.model), cfg.dtype, longest)
+    return max(1, min(cores, available_memory("cpu") // max(1, need)))
+
+
 def measure_cell(kind: str, model: str, run: PresetRun, cfg: ReportConfig, length: int, *,
                  journal: Path | None = None, reference: tuple[str, dict[str, Any]] | None = None,
                  log: Callable[[str], None] = print) -> tuple[dict[str, Any], float]:
