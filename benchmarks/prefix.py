@@ -592,7 +592,14 @@ def _start_vllm(args: argparse.Namespace, max_model_len: int, mpe: int, threads:
         print(f"skipping vLLM: {e}", file=sys.stderr)
         return None, {"skipped": str(e)}
     kind, model_dir = resolve_source(args.model)
-    if kind != "hf":
+    if kind == "gguf":  # the weights lcx runs: its dequantized copy, a Hugging Face directory
+        from lcx.models import gguf_cache_dir, is_gguf_cached, load_model
+
+        if not is_gguf_cached(model_dir):
+            load_model(str(model_dir))
+        model_dir = gguf_cache_dir(model_dir)
+    elif kind != "hf":
+        print(f"skipping vLLM: --model {args.model} is a {kind} file", file=sys.stderr)
         return None, {"skipped": f"--model {args.model} is a {kind} file; the vLLM section runs Hugging Face "
                                  "model directories"}
     overrides = {"max_position_embeddings": max_model_len} if max_model_len > mpe else {}

@@ -15,6 +15,11 @@ CFG = Config("tiny-5m", requests=6, concurrency=2, system_tokens=48, question_to
              depths=4, max_tokens=2, repeats=1, threads=1)
 
 
+# the concurrent load, small: 5 prompts of 9 tokens, 3 in flight, 2 tokens each
+CONCURRENT = ["--concurrent-requests", "5", "--concurrent-in-flight", "3", "--concurrent-prompt-tokens", "9",
+              "--concurrent-max-tokens", "2"]
+
+
 def test_loads_share_what_they_should():
     sp = system_prompt_load(CFG, 259)
     assert len(sp) == CFG.requests and all(p[:CFG.system_tokens] == sp[0][:CFG.system_tokens] for p in sp)
@@ -33,7 +38,7 @@ def test_bench_prefix_end_to_end(tmp_path):
     out = tmp_path / "prefix.json"
     assert main(["bench", "prefix", "--requests", "6", "--concurrency", "2", "--system-tokens", "48",
                  "--question-tokens", "5", "--passkey-length", "120", "--depths", "4", "--max-tokens", "2",
-                 "--repeats", "1", "--no-vllm", "--out", str(out)]) == 0
+                 "--repeats", "1", "--no-vllm", *CONCURRENT, "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["config"]["requests"] == 6 and rec["environment"]["git"]["sha"]
     assert rec["config"]["vllm"] is False and rec["vllm"] == {"skipped": "--no-vllm"}
@@ -43,9 +48,14 @@ def test_bench_prefix_end_to_end(tmp_path):
         assert row["no_cache"]["hit_rate"] == 0 and row["cache"]["hit_rate"] > 0
         assert row["cache"]["prompt_tokens_computed"] < row["no_cache"]["prompt_tokens_computed"]
         assert set(row["ratio_cache_vs_no_cache"]) == {"gen_tok_s", "ttft_p50", "prompt_tokens_computed"}
+    row = rec["results"]["concurrent"]  # nothing shared: nothing reused, all prompts in flight at once
+    assert row["same_tokens"] is True and row["cache"]["hit_rate"] == 0 and row["concurrency"] == 3
+    assert row["prompts"] == 5 and row["prompt_tokens"] == 5 * 9
+    assert rec["environment"]["lcx_engine"]["max_batch"] >= 3
 
 
-@pytest.mark.parametrize("flag", ["--requests", "--concurrency", "--passkey-length", "--repeats", "--vllm-block-size"])
+@pytest.mark.parametrize("flag", ["--requests", "--concurrency", "--passkey-length", "--repeats", "--vllm-block-size",
+                                  "--concurrent-requests", "--concurrent-in-flight", "--concurrent-max-tokens"])
 def test_bench_prefix_refuses_bad_sizes(flag, tmp_path, capsys):
     """A size below 1 is a clear error naming the flag, before any model or vLLM starts."""
     assert main(["bench", "prefix", flag, "0", "--out", str(tmp_path / "x.json")]) == 2
@@ -105,7 +115,9 @@ def test_bench_prefix_cell_baseline_at_a_commit(tmp_path):
 # The vLLM test's load: a system prompt longer than vLLM's CPU block (128 tokens, the unit its
 # prefix cache reuses) and passkey prompts whose shared prefixes span a block, so both loads can hit.
 VLLM_LOAD = ["--requests", "4", "--concurrency", "2", "--system-tokens", "160", "--question-tokens", "8",
-             "--passkey-length", "400", "--depths", "3", "--max-tokens", "3", "--repeats", "1"]
+             "--passkey-length", "400", "--depths", "3", "--max-tokens", "3", "--repeats", "1",
+             "--concurrent-requests", "5", "--concurrent-in-flight", "3", "--concurrent-prompt-tokens", "9",
+             "--concurrent-max-tokens", "3"]
 
 
 @pytest.mark.vllm
@@ -118,8 +130,11 @@ def test_bench_prefix_vllm_section(tmp_path, vllm_python):
     sec = rec["vllm"]
     assert "skipped" not in sec, sec
     assert sec["engine"]["vllm"] and sec["engine"]["block_size"] <= 128 and sec["engine"]["multiprocessing"] is False
-    assert sec["notes"] and set(sec["loads"]) == set(rec["results"]) == {"system_prompt", "passkey_sweep"}
-    for load, row in sec["loads"].items():
+    assert sec["notes"] and set(sec["loads"]) == set(rec["results"]) == {"system_prompt", "passkey_sweep", "concurrent"}
+    assert rec["environment"]["lcx_engine"]["max_batch"] == sec["engine"]["max_num_seqs"]
+    assert rec["environment"]["lcx_engine"]["max_num_batched_tokens"] == sec["engine"]["max_num_batched_tokens"]
+    assert sec["loads"]["concurrent"]["cache"]["hit_rate"] == 0
+    for load, row in ((k, v) for k, v in sec["loads"].items() if k != "concurrent"):
         lcx_row = rec["results"][load]
         assert row["prompts"] == lcx_row["prompts"] and row["prompt_tokens"] == lcx_row["prompt_tokens"]
         assert row["same_tokens"] is True, load  # vLLM with and without its cache
