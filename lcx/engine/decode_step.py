@@ -184,10 +184,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     `softcap`: every scaled logit soft-capped (`lcx.attention.soft_cap`; `extra`'s already are).
 
     GQA without copies: the H // Hkv query heads of a kv head are one [g, D] block against its
-    keys. Without a side branch, extra keys or soft-capping (vanilla, sliding window) in float32,
-    float16 or bfloat16: torch's fused SDPA (accumulating in float32; on CPU its flash kernel, 1.2-3.5x
-    the matmuls below on one decode row or a batch of them). Otherwise, float32/float64: scores and
-    softmax in that dtype (matmuls over the cache as it is). float16/bfloat16 with a side branch: the cache is upcast per call
+    keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
+    float16/bfloat16 without a side branch (vanilla, sliding window): torch's fused SDPA, which
+    accumulates in float32. float16/bfloat16 with a side branch: the cache is upcast per call
     (exact, but a copy of the window's keys and values; a fused two-branch kernel would avoid it
     — not yet measured on a GPU).
     """
@@ -196,7 +195,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
     wide = torch.promote_types(q.dtype, torch.float32)
-    if side is None and extra is None and softcap is None and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    if side is None and extra is None and softcap is None and q.dtype in (torch.float16, torch.bfloat16):
         mask = visible[:, None, None, :] if hidden is None else ~hidden
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, g, D), k, v, attn_mask=mask, scale=scale)
         return out.reshape(B, 1, H, v.shape[-1])
