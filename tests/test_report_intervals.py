@@ -135,3 +135,15 @@ def test_a_render_before_any_lm_eval_cell_draws_its_plots(tmp_path):
     plot_report(rec, tmp_path)
     assert (tmp_path / "ppl_by_length.png").stat().st_size > 0
     assert "| vanilla | — | — |" in markdown(rec)
+
+
+def test_renders_outside_a_git_checkout():
+    """A report measured where `git` found no checkout (sha None) still renders; the README says '?'."""
+    from pathlib import Path
+
+    from lcx.data.io import read_json
+    from lcx.report.render import markdown
+
+    rec = read_json(Path(__file__).resolve().parents[1] / "results/report/report.json.gz")
+    rec["git"] = {"sha": None, "dirty": None}
+    assert "git ?. lm-eval seconds" in markdown(rec)

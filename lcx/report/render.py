@@ -405,7 +405,7 @@ def _tail(record: dict[str, Any], lines: list[str]) -> str:
               json.dumps({k: v for k, v in c.items() if k not in ("methods_resolved", "methods_skipped")}, indent=1),
               "```", "",
               f"torch {env.get('torch')}, transformers {env.get('transformers')}, python {env.get('python')}, "
-              f"{env.get('cpu_count', '?')} CPUs; git {record['git'].get('sha', '?')[:12]}"
+              f"{env.get('cpu_count', '?')} CPUs; git {(record['git'].get('sha') or '?')[:12]}"
               f"{' (dirty)' if record['git'].get('dirty') else ''}. lm-eval seconds per method (all lengths): "
               + ", ".join(f"{n} {w:.0f}" for n, w in wall.items()) + ".",
               "Timings come from whatever machine ran the report; compare methods within one report.", ""]
