@@ -9,7 +9,9 @@ stays as in a sequential run:
   depend on what else runs (every number is a function of the cell's settings; only wall times
   grow under the shared load, and `wall_s` says what it was);
 - the timed cells: a decode cell (tokens/s, timed in this process as in a sequential run) starts
-  only when no other cell is running, and no cell starts while it runs (a barrier in the order);
+  only when no other cell is running, and no cell starts while it runs (a barrier in the order;
+  the order puts a length's decode cells together after its other cells, so a report waits at one
+  barrier per length, not one per method);
 - the vanilla-equivalent RULER cells: a cell that may take vanilla's answers
   (`lcx.report.ruler.vanilla_equivalent`: its method's `identity_up_to` covers every prompt)
   waits for vanilla's cell at its length when that comes earlier in the order, exactly the cell

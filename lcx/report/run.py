@@ -238,8 +238,11 @@ def run_report(cfg: ReportConfig, out: Path, *, fresh: bool = False, reuse: bool
     # (no "ruler" or "passkey_primed" key where a report has none: as before those kinds)
     kinds = [k for k in CELL_KINDS if (k != "ruler" or cfg.ruler_lengths) and (k != "passkey_primed" or cfg.primed_lengths)]
     cells: dict[str, dict[str, dict[str, Any]]] = {name: {k: {} for k in kinds} for name in runs}
-    todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths)) for name in runs
-            for kind in CELL_KINDS if L in cfg.cell_lengths(kind)]
+    # length-major; at each length every method's untimed cells, then the timed decode cells together
+    # (each runs alone: with --jobs / --ray one barrier per length instead of one per method)
+    todo = [(name, kind, L) for L in sorted(set(cfg.lengths) | set(cfg.decode_lengths))
+            for timed in (False, True) for name in runs
+            for kind in CELL_KINDS if (kind == "decode") == timed and L in cfg.cell_lengths(kind)]
     bar = tqdm(total=len(todo), desc="report cells", unit="cell", disable=not progress)
     reused: list[str] = []
     read_from: dict[str, str] = {}  # cells kept from a `cells_from` folder -> that folder
