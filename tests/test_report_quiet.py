@@ -60,7 +60,7 @@ def test_quiet_hides_lm_eval_bars_and_restores_them(monkeypatch):
 @pytest.mark.parametrize("verbose", [False, True])
 def test_quick_report_prints_no_lm_eval_lines(tmp_path, verbose):
     cmd = [sys.executable, "-m", "lcx.cli", "report", "--quick", "--presets", "vanilla", "--lengths", "256,1024",
-           "--decode-lengths", "256", "--ruler-tasks", "niah_single_1", "--out", str(tmp_path / "r"),
+           "--decode-lengths", "256", "--ruler-tasks", "niah_single_1,ruler_vt", "--out", str(tmp_path / "r"),
            *(["--verbose"] if verbose else [])]
     env = {k: v for k, v in os.environ.items() if k != VERBOSE_ENV} | {"HF_HUB_OFFLINE": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -70,5 +70,7 @@ def test_quick_report_prints_no_lm_eval_lines(tmp_path, verbose):
     found = [x for x in LM_EVAL_LINES if x in out]
     if verbose:
         assert "Passed an already-initialized model" in found and "Running generate_until requests" in found
+        assert "| Noises:" in out  # RULER's variable-tracking generator searching its haystack size
     else:
         assert found == [], found
+        assert "| Noises:" not in out and "Num noises" not in out

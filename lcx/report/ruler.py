@@ -71,7 +71,14 @@ def load_ruler_tasks(model: str, length: int, tasks: Sequence[str]) -> tuple[Any
     tm = TaskManager(metadata=meta, include_path=str(Path(lm_eval.tasks.__file__).parent / "ruler"),
                      include_defaults=False)
     seed_as_lm_eval()  # the tasks draw their needles when built, here
-    with built_once():
+    import contextlib
+    import io
+
+    from .quiet import verbose
+
+    # lm-eval's variable-tracking generator prints its search for the haystack size ("Max length ... |
+    # Noises: ..."): kept off the console unless --verbose
+    with built_once(), contextlib.redirect_stdout(io.StringIO()) if not verbose() else contextlib.nullcontext():
         return tm, meta, tm.load(list(tasks))["tasks"]
 
 
