@@ -59,6 +59,7 @@ class Config:
     modes: tuple[str, ...]
     repeats: int
     threads_per_cell: int = 1
+    samples_per_depth: int = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-ret-5m", help="model preset or directory (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds over the modes, alternated; medians (default: %(default)s)")
+    parser.add_argument("--samples-per-depth", type=int, default=1,
+                        help="passkey keys per depth in every cell (3 depths): longer cells, so that start-up "
+                             "costs weigh less against the cells (default: %(default)s)")
+    parser.add_argument("--ppl-docs", type=int, default=1,
+                        help="perplexity windows per cell (default: %(default)s)")
 
 
 def _numbers(results: dict[str, Any]) -> Any:
@@ -101,10 +107,15 @@ def run(args: argparse.Namespace) -> int:
     modes = ("serial",) + tuple(m for m in modes if m != "serial")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    for flag in ("samples_per_depth", "ppl_docs"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     config = Config(model=args.model, methods=("vanilla", "yarn", "lm_infinite", "ntk"), lengths=(1024, 2048),
-                    depths=(0.2, 0.5, 0.8), ppl_docs=1, modes=modes, repeats=args.repeats)
+                    depths=(0.2, 0.5, 0.8), ppl_docs=args.ppl_docs, modes=modes, repeats=args.repeats,
+                    samples_per_depth=args.samples_per_depth)
     cfg = ReportConfig(model=config.model, methods=config.methods, lengths=config.lengths, decode_lengths=(),
-                       depths=config.depths, samples_per_depth=1, ppl_docs=config.ppl_docs, tasks=("passkey", "ppl"))
+                       depths=config.depths, samples_per_depth=config.samples_per_depth, ppl_docs=config.ppl_docs,
+                       tasks=("passkey", "ppl"))
     import torch
 
     torch.set_num_threads(config.threads_per_cell)  # the serial mode's cells run here: as many threads as a worker's
