@@ -293,7 +293,9 @@ def _engine_profiles(engines: dict[str, Any], ids: list[int], threads: int) -> d
             self_s[e.key] = self_s.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
         row = op_shares(prof)
         weights = sum(m.weight.numel() for m in eng._decoder.modules() if isinstance(m, nn.Linear))
-        mm_s = self_s.get("aten::mm", 0.0) + self_s.get("aten::addmm", 0.0)
+        # the linear layers' GEMMs: MKL's (aten::mm / addmm) or, where the engine packs its weights
+        # (lcx.engine.packed), oneDNN's packed kernel
+        mm_s = sum(self_s.get(k, 0.0) for k in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"))
         row["self_cpu_s_total"] = round(sum(self_s.values()), 3)
         row["gemm_gflops"] = round(2 * weights * T / mm_s / 1e9, 1) if mm_s else None
         attn_s = sum(v for k, v in self_s.items() if "scaled_dot_product" in k)

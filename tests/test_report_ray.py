@@ -142,6 +142,7 @@ def test_ray_flag_picks_the_cluster_threads_and_cpus(monkeypatch, tmp_path, caps
     seen.clear()
     assert cli.run(p.parse_args(["--ray", "--device", "cuda:1", *out])) == 2 and not seen
     assert "--device must be cpu or cuda" in capsys.readouterr().err
+    monkeypatch.setattr("lcx.report.jobs.auto_jobs", lambda cfg: 1)  # (without --ray: --jobs auto's count)
     assert cli.run(p.parse_args(out)) == 0 and "ray" not in seen and seen["jobs"] == 1
     record["cells_failed"] = {"lm_infinite/lmeval/383": "NotImplementedError: ..."}
     assert cli.run(p.parse_args(["--ray", *out])) == 1

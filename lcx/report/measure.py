@@ -11,6 +11,7 @@ from typing import Any
 from ..presets import PresetRun
 from .config import ReportConfig
 from .lm import evaluate, lmeval_model
+from .passkey import passkey_result  # noqa: F401  (its home until #76's primed cells shared it)
 
 # Cells
 # ============================================================================================
@@ -52,30 +53,6 @@ def run_lmeval_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
     if resumed:
         out["resumed_requests"] = resumed  # wall_s is this process's part only
     return out
-
-
-def passkey_result(res: dict[str, Any], task: str, length: int, *, doc_fields: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A passkey-kind task's part of a cell from `simple_evaluate`'s result (`log_samples=True`):
-    accuracy, accuracy by depth ("%.3f" keys), the prompt count and every prompt's depth, key,
-    verdict and output; `doc_fields`: more of each doc's fields per prompt, the value at this
-    length for a per-length list (e.g. "prompt_tokens")."""
-    L = str(length)
-    by_depth: dict[str, list[float]] = {}
-    samples = []
-    for smp in res["samples"][task]:
-        doc = smp["doc"]
-        d = f"{doc['depth']:.3f}"
-        by_depth.setdefault(d, []).append(float(smp[L]))
-        resps = smp.get("filtered_resps") or [None]  # one generation per request (one length)
-        extra = {f: doc[f][doc["lengths"].index(length)] if isinstance(doc[f], list) else doc[f] for f in doc_fields}
-        samples.append({"depth": doc["depth"], "key": doc["key"], "correct": float(smp[L]), "output": resps[0],
-                        **extra})
-    return {
-        "passkey": res["results"][task][f"{L},none"],
-        "passkey_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items(), key=lambda kv: float(kv[0]))},
-        "passkey_docs": len(samples),
-        "passkey_samples": samples,
-    }
 
 
 def prompt_ids(tokenizer: Any, n: int) -> list[int]:

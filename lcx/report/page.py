@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RULER_TASKS
+from .passkey import passkey_outcome  # noqa: F401  (re-exported)
 
 PASSKEY_KINDS = ("right", "prose", "key_late", "wrong_number", "no_output")
 RULER_KINDS = ("right", "partial", "miss")
@@ -68,30 +69,10 @@ RULER_EXPECTED_NOTE = ("RULER cells measured before 2026-12-07 keep each prompt'
                        "its expected answers (lm-eval draws them when it builds the task): \"not stored\" there "
                        "rather than rebuilt or guessed")
 PAGE = "index.html"
-_DIGITS = re.compile(r"\d+")  # eval_tasks.common.first_int's pattern
 
 
 # Classifiers
 # ============================================================================================
-
-def passkey_outcome(output: str | None, key: str) -> str:
-    """The kind of a passkey answer (module docstring): "right" when the first run of decimal
-    digits in `output` is `key` (the `passkey` task's scoring), else "prose" (no digit),
-    "key_late" (the key is a later run of digits), "wrong_number" (runs of digits, none the key)
-    or "no_output" (None)."""
-    if not isinstance(key, str) or not key.isdigit():
-        raise ValueError(f"passkey_outcome: key must be a string of digits, got {key!r}")
-    if output is None:
-        return "no_output"
-    if not isinstance(output, str):
-        raise ValueError(f"passkey_outcome: output must be a string or None, got {type(output).__name__}")
-    runs = _DIGITS.findall(output)
-    if not runs:
-        return "prose"
-    if runs[0] == key:
-        return "right"
-    return "key_late" if key in runs else "wrong_number"
-
 
 def ruler_outcome(score: float) -> str:
     """The kind of a RULER answer from its stored score in [0, 1]: "right" (1), "partial", "miss" (0)."""

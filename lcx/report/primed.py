@@ -46,7 +46,7 @@ def run_primed_cell(model: str, run: PresetRun, cfg: ReportConfig, length: int, 
     from lcx.eval_tasks import TASKS_DIR
 
     from .lm import evaluate, lmeval_model
-    from .measure import passkey_result
+    from .passkey import passkey_result
 
     lm = lmeval_model(run, cfg, length=length) if lm is None else lm
     # (the task's YAML sets primed: true; lm-eval lays this metadata over the YAML's)
@@ -77,7 +77,7 @@ def _by_prompt(cell: dict[str, Any] | None) -> dict[tuple[str, str], dict[str, A
 
 
 def _kind(smp: dict[str, Any]) -> str:
-    from .page import passkey_outcome
+    from .passkey import passkey_outcome
 
     out = smp.get("output")
     return ("right" if smp["correct"] else "no_output") if out is None else passkey_outcome(out, str(smp["key"]))
@@ -108,7 +108,7 @@ def primed_paired(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     it answered with a number that is not the key (first); `unpaired`: prompts
     in only one of the two cells (0 when they ran the same prompts)."""
     from ..stats import paired_difference
-    from .render import passkey_interval
+    from .passkey import passkey_interval
 
     out: dict[str, list[dict[str, Any]]] = {}
     for L in primed_lengths(record):

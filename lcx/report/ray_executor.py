@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
+from .jobs import cell_memory  # noqa: F401  (the estimate Ray schedules by; `--jobs auto` uses it too)
+
 LOOPBACK = "127.0.0.1"
 RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 POLL_S = 0.2  # how often a task sends the answers its scratch journal committed
@@ -113,33 +115,6 @@ def ray_session(address: str | None, *, num_cpus: int | None = None, num_gpus: i
 
 # What a cell asks for
 # ============================================================================================
-
-_GIB = 2**30
-_PROCESS_BASE = 1.5 * _GIB  # python + torch + transformers + lm-eval imported, before a model
-
-
-def cell_memory(hf_config: dict[str, Any], dtype: str, length: int) -> int:
-    """Bytes a cell's process needs, roughly (Ray's `memory` resource: a node runs only the cells
-    whose estimates fit; not a limit): the process's imports, the weights in `dtype`, one
-    sequence's KV cache, its activations and float32 logits (perplexity scores every position),
-    with a quarter added."""
-    h = int(hf_config.get("hidden_size", 0))
-    n = int(hf_config.get("num_hidden_layers", 0))
-    inter = int(hf_config.get("intermediate_size", 4 * h))
-    vocab = int(hf_config.get("vocab_size", 0))
-    heads = int(hf_config.get("num_attention_heads", 1)) or 1
-    kv_heads = int(hf_config.get("num_key_value_heads", heads))
-    head_dim = int(hf_config.get("head_dim") or h // heads)
-    if min(h, n, vocab) <= 0 or length <= 0:
-        raise ValueError(f"cell_memory: a config with hidden_size, num_hidden_layers and vocab_size and a length "
-                         f">= 1 is needed, got h={h}, layers={n}, vocab={vocab}, length={length}")
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    params = vocab * h * (1 if hf_config.get("tie_word_embeddings", True) else 2) + n * (
-        2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter)
-    kv = 2 * n * kv_heads * head_dim * length * width
-    activations = 4 * length * max(h, inter) * 4 + 2 * length * vocab * 4
-    return int(1.25 * (_PROCESS_BASE + params * width + kv + activations))
-
 
 def cell_resources(*, threads: int, gpu: bool, memory: int) -> dict[str, Any]:
     """A cell task's `ray.remote` options: `threads` CPUs, one GPU when the cells run on CUDA,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import CELL_KINDS, PPL_METRIC
+from .passkey import passkey_counts, passkey_interval  # noqa: F401  (re-exported: lcx.report's names)
 from .text import format_interval, oriented, p_is, p_text, signed
 
 # Plots and Markdown
@@ -26,34 +27,6 @@ def _get(record: dict[str, Any], name: str, kind: str, L: Any, *keys: str) -> fl
             break
         v = v.get(k)
     return float("nan") if v is None else float(v)
-
-
-def passkey_counts(cell: dict[str, Any] | None, depth: str | None = None) -> tuple[int, int] | None:
-    """(correct, prompts) of a passkey cell (of its prompts at `depth`, a "%.3f" key of
-    passkey_by_depth, if given), from its per-prompt results; a cell stored without them falls
-    back to accuracy x prompts. None: not measured."""
-    if not cell:
-        return None
-    smp = cell.get("passkey_samples")
-    if smp:
-        if depth is not None:
-            smp = [x for x in smp if f"{x['depth']:.3f}" == depth]
-        return (round(sum(float(x["correct"]) for x in smp)), len(smp)) if smp else None
-    if depth is not None:
-        return None
-    n, acc = cell.get("passkey_docs"), cell.get("passkey")
-    return (round(acc * n), n) if n and acc is not None else None
-
-
-def passkey_interval(cell: dict[str, Any] | None) -> dict[str, Any] | None:
-    """{"k", "n", "acc", "lo", "hi"}: a passkey cell's accuracy k/n with its Wilson 95% interval."""
-    from ..stats import wilson_interval
-
-    c = passkey_counts(cell)
-    if c is None or c[1] == 0:
-        return None
-    (k, n), (lo, hi) = c, wilson_interval(*c)
-    return {"k": k, "n": n, "acc": k / n, "lo": lo, "hi": hi}
 
 
 def passkey_intervals(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
