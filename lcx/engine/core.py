@@ -74,7 +74,8 @@ class Engine:
         self.pad_id = int(next(iter(sorted(eos_ids)), 0) if tokenizer.pad_token_id is None
                           else tokenizer.pad_token_id)
         # the model runner: the forwards with the method's hooks, the bounded KV store
-        self.runner = ModelRunner(model, applied, methods, pad_id=self.pad_id, packed_linear=config.packed_linear)
+        self.runner = ModelRunner(model, applied, methods, pad_id=self.pad_id, packed_linear=config.packed_linear,
+                                  lean_decode=config.lean_decode)
         self.cache_layout: KVLayout = self.runner.cache_layout
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.stats = EngineStats()

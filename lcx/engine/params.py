@@ -152,6 +152,9 @@ class EngineConfig:
         float32 linear weights (`lcx.engine.packed`: what vLLM's CPU backend does; faster prefill
         and batched decode, one more copy of those weights). None (auto): when they total at most
         `lcx.engine.packed.AUTO_MAX_BYTES`; False: never.
+    lean_decode: run decode steps through the same modules without transformers' per-call
+        machinery where the family allows (`lcx.hf.lean_decode`: Llama, Mistral, Qwen2, Qwen3
+        decoders; identical logits); False: always through the model's own forward.
     """
 
     max_model_len: int | None = None
@@ -162,6 +165,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     max_num_batched_tokens: int | None = None
     packed_linear: bool | None = None
+    lean_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
@@ -182,6 +186,8 @@ class EngineConfig:
                              f"got {self.max_num_batched_tokens!r}")
         if self.packed_linear is not None and not isinstance(self.packed_linear, bool):
             raise ValueError(f"packed_linear must be true, false or None (auto), got {self.packed_linear!r}")
+        if not isinstance(self.lean_decode, bool):
+            raise ValueError(f"lean_decode must be true or false, got {self.lean_decode!r}")
         object.__setattr__(self, "methods", MethodConfig.from_dict(self.methods))
 
     @classmethod
@@ -194,7 +200,7 @@ class EngineConfig:
         return {"max_model_len": self.max_model_len, "max_batch": self.max_batch, "methods": self.methods.to_dict(),
                 "prefix_caching": self.prefix_caching, "prefix_cache_bytes": self.prefix_cache_bytes,
                 "prefix_block_size": self.prefix_block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "packed_linear": self.packed_linear}
+                "packed_linear": self.packed_linear, "lean_decode": self.lean_decode}
 
 
 def is_int(x: Any) -> bool:

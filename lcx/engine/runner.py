@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..hf.attention_patch import current_patch, layer_methods, loaded_windows
-from ..hf.engine_hook import DECODE_INPUT, KEY_POSITIONS_INPUT, has_decode_hook, install_decode_hook, loaded_rows
+from ..hf.engine_hook import (DECODE_INPUT, KEY_POSITIONS_INPUT, has_decode_hook, install_decode_hook, lean_decoder,
+                              loaded_rows)
 from ..hf.head import head_logits
 from ..hf.rope_patch import current_spec
 from ..method_config import INFERENCE_BACKEND, MethodConfig
@@ -69,7 +70,7 @@ class ModelRunner:
     method the model's config records)."""
 
     def __init__(self, model: nn.Module, applied: Any, methods: MethodConfig, *, pad_id: int,
-                 packed_linear: bool | None = None):
+                 packed_linear: bool | None = None, lean_decode: bool = True):
         from ..hf import decoder
 
         self.model, self.applied, self.methods, self.pad_id = model, applied, methods, pad_id
@@ -101,6 +102,8 @@ class ModelRunner:
         # the engine's forwards on oneDNN-packed linear weights (`lcx.engine.packed`; CPU float32)
         self.packed = packed.install(model, packed_linear)
         self._packed_scope = packed.scope if self.packed else contextlib.nullcontext
+        # the fast path's decode forward without transformers' per-call machinery (`lean_decoder`)
+        self.lean = lean_decoder(model) if lean_decode else None
 
     # ------------------------------------------------------------------ the model's state
     def check_hook(self) -> None:
@@ -189,6 +192,8 @@ class ModelRunner:
         if store.layout.rotated:  # (the engine's step checked the hook: check_hook)
             step = store.decode_step(p_q, self.dtype)
             with self._packed_scope():
+                if self.lean is not None:
+                    return self.logits(self.lean(ids, p_q, step)[:, -1])  # [b, V]
                 out = self.decoder(input_ids=ids, position_ids=p_q[:, None], use_cache=False, **{DECODE_INPUT: step})
             return self.logits(out.last_hidden_state[:, -1])  # [b, V]
         store = store.only  # the general path: one layout on every layer

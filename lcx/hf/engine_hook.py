@@ -22,6 +22,9 @@ and three functions:
   hook only runs each prefill call's attention per row on an lcx backend from `key_positions`
   (the held-keys view again), causal or each layer's own window, with no mask built: how the
   engine continues a prefill from held keys on a model as loaded.
+- `lean_decoder(model)`: for a Llama-like decoder, the decode step's forward through the same
+  modules without transformers' per-call machinery (`lcx.hf.lean_decode`; identical logits), or
+  None where the engine runs the model's own forward.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .attention_call import (ATTN_IMPLEMENTATION, DECODE_INPUT, DEFAULT_BACKEND,
                              KEY_POSITIONS_INPUT, LOADED_ROWS, LoadedRows, ModuleState, STATE, channel_order,
                              current_patch, decoder_and_layers, hook_decoder, hooked_forward, install_rotation_hook,
                              register)
+from .lean_decode import lean_decoder
 from .models import attention_layers, decoder
 
 
@@ -121,4 +125,4 @@ def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], back
 
 
 __all__ = ["DECODE_INPUT", "DecodeStep", "KEY_POSITIONS_INPUT", "has_decode_hook", "install_decode_hook",
-           "loaded_rows", "remove_decode_hook"]
+           "lean_decoder", "loaded_rows", "remove_decode_hook"]

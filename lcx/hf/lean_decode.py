@@ -1,0 +1,133 @@
+"""The engine's decode step through a Llama-like decoder without transformers' per-call
+machinery: the same modules, the same operations in the same order, so the same bits.
+
+A decode step of `lcx.engine` feeds one token per row and hands every attention layer its
+`DecodeStep` (`lcx.hf.engine_hook`). Through the model's own forward, each step also builds a
+causal mask nobody reads, computes the rotary tables again, and runs every layer through
+keyword-argument plumbing, output capturing and the attention-function registry: on a small model
+that is a large share of a step at batch 1 (docs/benchmarks.md, "Where the time goes"). vLLM runs
+its own model code for the same reason.
+
+`lean_decoder(model)` returns a callable `(input_ids [B, 1], positions [B], step) -> last hidden
+state [B, 1, d]` for the decoders whose every layer is one of `LEAN_LAYERS` as transformers
+defines it (Llama, Mistral, Qwen2, Qwen3: pre-norm, q/k/v projections, an optional per-head q/k
+RMSNorm, o_proj, a gated MLP), with no sliding window of their own and no lcx method that needs
+more than the decode step (a patched layer's method is the step's; a model as loaded gets the
+family's own rotation, as its forward applies it). Anything else returns None and the engine runs
+the model's forward, as before. tests/engine/test_lean_decode.py checks that both give identical
+logits (`torch.equal`) on every listed family, patched and as loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .attention_call import STATE, current_patch, hooked_forward
+from .models import decoder
+
+# decoder layer class -> whether its attention normalises q and k per head (Qwen3)
+LEAN_LAYERS = {"LlamaDecoderLayer": False, "MistralDecoderLayer": False, "Qwen2DecoderLayer": False,
+               "Qwen3DecoderLayer": True}
+LEAN_DECODERS = {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}
+
+
+def _stock(module: nn.Module, cls_prefix: str) -> bool:
+    """A module of transformers' own class whose forward nothing replaced on the instance."""
+    t = type(module)
+    return t.__module__.startswith("transformers.models.") and t.__name__.startswith(cls_prefix) and (
+        "forward" not in module.__dict__)
+
+
+def why_not_lean(model: nn.Module) -> str | None:
+    """Why the lean decode does not apply to `model` (None: it does)."""
+    dec = decoder(model)
+    if type(dec).__name__ not in LEAN_DECODERS or not type(dec).__module__.startswith("transformers.models."):
+        return f"decoder {type(dec).__name__} is not one of {sorted(LEAN_DECODERS)}"
+    fwd = dec.__dict__.get("forward")  # (lcx's own hook keeps the call's inputs: `hook_decoder`)
+    if fwd is not None and getattr(getattr(fwd, "__func__", None), "__name__", None) != "_hooked_decoder_forward":
+        return "a decoder forward other than lcx's hook is installed"
+    cfg = dec.config
+    if getattr(cfg, "sliding_window", None) is not None and (
+            getattr(cfg, "use_sliding_window", True) or type(dec).__name__ == "MistralModel"):
+        return "the model runs a sliding window of its own"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "not every layer is a full-attention layer"
+    patch = current_patch(model)
+    for layer in dec.layers[: cfg.num_hidden_layers]:
+        name = type(layer).__name__
+        if name not in LEAN_LAYERS or not _stock(layer, name):
+            return f"layer {type(layer).__name__} is not one of {sorted(LEAN_LAYERS)} as transformers defines it"
+        prefix = name[: -len("DecoderLayer")]
+        attn = layer.self_attn
+        if not (type(attn).__name__ == f"{prefix}Attention" and type(attn).__module__ == type(layer).__module__):
+            return f"attention {type(attn).__name__} is not {prefix}Attention"
+        fwd = attn.__dict__.get("forward")
+        if fwd is not None and getattr(fwd, "__func__", None) is not hooked_forward:
+            return "an attention forward other than lcx's hook is installed"
+        st = attn.__dict__.get(STATE)
+        if st is None:
+            return "the attention layers do not take lcx's decode step"
+        if patch is not None and (st.method is None or st.own_window or getattr(st, "order", None) is not None
+                                  and not st.order.identity):
+            return "a patched layer runs the family's own window or another channel order"
+        if getattr(attn, "sliding_window", None) is not None:
+            return "a layer runs a sliding window of its own"
+        if not (_stock(layer.mlp, f"{prefix}MLP") and _stock(layer.input_layernorm, f"{prefix}RMSNorm")
+                and _stock(layer.post_attention_layernorm, f"{prefix}RMSNorm")):
+            return "a layer's MLP or norm is not the family's own"
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                    layer.mlp.down_proj):
+            if type(lin) is not nn.Linear:
+                return f"a projection is a {type(lin).__name__}, not nn.Linear"
+    if not _stock(dec.norm, f"{type(dec).__name__[:-len('Model')]}RMSNorm"):
+        return "the final norm is not the family's own"
+    if type(dec.embed_tokens) is not nn.Embedding:
+        return "the embedding is not nn.Embedding"
+    return None
+
+
+def lean_decoder(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor] | None:
+    """The lean decode forward of `model` (module docstring), or None where it does not apply.
+    Call it while the model's state is the one checked here (the engine checks every step that
+    its patch is unchanged: `lcx.engine.runner.ModelRunner.check_hook`)."""
+    if why_not_lean(model) is not None:
+        return None
+    dec = decoder(model)
+    layers = list(dec.layers[: dec.config.num_hidden_layers])
+    qk_norm = LEAN_LAYERS[type(layers[0]).__name__]
+    rotate = None
+    if current_patch(model) is None:  # a model as loaded: the family's own rotation, as its forward
+        fn = type(layers[0].self_attn).forward.__globals__["apply_rotary_pos_emb"]
+        rotate = getattr(fn, "_lcx_original", fn)
+    embed, rotary, norm = dec.embed_tokens, dec.rotary_emb, dec.norm
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: Any) -> torch.Tensor:
+        h = embed(input_ids)
+        B = h.shape[0]
+        if rotate is not None:
+            cos, sin = rotary(h, position_ids=positions[:, None])
+        for layer in layers:
+            attn = layer.self_attn
+            res = h
+            x = layer.input_layernorm(h)
+            shape = (B, 1, -1, attn.head_dim)
+            q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+            if qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            v = attn.v_proj(x).view(shape)
+            if rotate is not None:  # (the family rotates [B, H, 1, D], as its attention forward)
+                q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+            o = step.attend(attn, q, k, v)
+            h = res + attn.o_proj(o.reshape(B, 1, -1).contiguous())
+            res = h
+            h = res + layer.mlp(layer.post_attention_layernorm(h))
+        return norm(h)
+
+    return forward
+
+
+__all__ = ["LEAN_DECODERS", "LEAN_LAYERS", "lean_decoder", "why_not_lean"]
