@@ -426,8 +426,32 @@ def _attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: flo
             kr, vr = k, v
         else:
             kr, vr = k[bs[:, None], idx], v[bs[:, None], idx]
-        out[bs, Tq - nq:] = attention(q[bs, Tq - nq:], kr, vr, spec, backend=backend).to(out.dtype)
+        if nq <= MASKED_SDPA_MAX_QUERIES and softcap is None:
+            out[bs, Tq - nq:] = _masked_sdpa(q[bs, Tq - nq:], kr, vr, w, scale).to(out.dtype)
+        else:
+            out[bs, Tq - nq:] = attention(q[bs, Tq - nq:], kr, vr, spec, backend=backend).to(out.dtype)
     return out
+
+
+# A continuation of at most this many new tokens per row runs torch's SDPA with its [Tq, Tk]
+# mask: for few queries over many held keys one masked call beats lcx's flash backend (an
+# unmasked pass over the held keys, a causal one over the new tokens, merged by their LSE) by
+# 1.2-6x on one CPU thread; from about 256-512 queries on the split is faster (measured
+# 2026-12-07, head_dim 64, 4/2 and 9/3 heads, 128-2048 held keys; docs/benchmarks.md).
+MASKED_SDPA_MAX_QUERIES = 256
+
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                 scale: float | None) -> torch.Tensor:
+    """q `[b, nq, H, D]` the newest nq of a row's n keys k/v `[b, n, Hkv, D]` (contiguous
+    positions): causal, or each query and the `window` - 1 keys before it -> `[b, nq, H, D]`."""
+    nq, n = q.shape[1], k.shape[1]
+    mask = torch.ones(nq, n, dtype=torch.bool, device=q.device).tril(n - nq)
+    if window is not None:
+        mask = mask.triu(n - nq - int(window) + 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------ transformers registration
