@@ -439,9 +439,8 @@ class Engine:
         return torch.cat([x if x is not None else torch.zeros_like(ok[0]) for x in logits]), failed
 
     def _drop_rows(self, rows: list[int]) -> None:
-        drop = set(rows)
-        self.runner.keep_rows([i for i in range(len(self.scheduler.running)) if i not in drop])
-        self.scheduler.drop_running(rows)
+        order = self.runner.drop_rows(rows)  # (the store's rows move: the running list follows)
+        self.scheduler.reorder_running(order)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -55,6 +55,7 @@ import torch
 
 from ..rope import apply_rotary_ref, rope_cos_sin
 from .decode_step import DecodeStep, ModelStep, decode_attention  # (the step: lcx.engine.decode_step)
+from .slots import SlotStore, drop_order
 
 
 # ============================================================================================
@@ -164,64 +165,6 @@ class KVLayout:
 # The store
 # ============================================================================================
 
-def _grow(x: torch.Tensor, C: int, fill: float | int = 0) -> torch.Tensor:
-    """x `[B, ..., C0]`-shaped along dim 2 (k/v) or 1 (pos) padded to C slots at the end."""
-    dim = 2 if x.dim() == 4 else 1
-    pad = C - x.shape[dim]
-    if pad <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = pad
-    return torch.cat([x, x.new_full(shape, fill)], dim)
-
-
-@dataclass
-class _Store:
-    """One store: per-layer keys/values `[B, Hkv, C, D]` and slot positions `[B, C]` (-1: empty)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    pos: torch.Tensor
-    ring: int | None  # ring size (bounded main store), else None: slot = position
-    limit: int | None  # keep only positions < limit (bounded side store), else None
-
-    @property
-    def capacity(self) -> int:
-        return int(self.pos.shape[1])
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.k, *self.v))
-
-    def slot(self, p: torch.Tensor) -> torch.Tensor:
-        return p % self.ring if self.ring is not None else p
-
-    def grow(self, C: int) -> None:
-        if C > self.capacity:
-            self.k = [_grow(t, C) for t in self.k]
-            self.v = [_grow(t, C) for t in self.v]
-            self.pos = _grow(self.pos, C, -1)
-
-    def rows(self, sel: torch.Tensor) -> "_Store":
-        """The rows `sel` (copies). An unbounded store keeps only the slots up to its rows'
-        newest key, so memory held for a long request that left is freed."""
-        pos = self.pos[sel]
-        C = self.capacity
-        if self.ring is None and self.limit is None:
-            C = max(1, int(pos.max()) + 1)
-        return _Store([t[sel, :, :C] for t in self.k], [t[sel, :, :C] for t in self.v], pos[:, :C],
-                      self.ring, self.limit)
-
-    @staticmethod
-    def cat(parts: list["_Store"]) -> "_Store":
-        C = max(p.capacity for p in parts)
-        for p in parts:
-            p.grow(C)
-        n_layers = len(parts[0].k)
-        return _Store([torch.cat([p.k[i] for p in parts]) for i in range(n_layers)],
-                      [torch.cat([p.v[i] for p in parts]) for i in range(n_layers)],
-                      torch.cat([p.pos for p in parts]), parts[0].ring, parts[0].limit)
-
-
 class KVStore:
     """The running batch's cache in a `CacheLayout` (module docstring).
 
@@ -231,7 +174,7 @@ class KVStore:
     which caps how far an unbounded store grows.
     """
 
-    def __init__(self, layout: CacheLayout, main: _Store, side: _Store | None, budget: torch.Tensor,
+    def __init__(self, layout: CacheLayout, main: SlotStore, side: SlotStore | None, budget: torch.Tensor,
                  layers: tuple[int, ...] | None = None):
         self.layout, self.main, self.side, self.budget = layout, main, side, budget
         # the model layers this store holds, in the order of its per-layer lists (None: every
@@ -270,10 +213,26 @@ class KVStore:
             side = _scatter(keys, values, pos, keep_side, Cs, None, layout.side, _rotation(layout, side_key))
         return cls(layout, main, side, budget.to(pos.device), layers)
 
+    def append(self, other: "KVStore") -> None:
+        """Add `other`'s rows after this store's, in place (`SlotStore.append`)."""
+        self.main.append(other.main)
+        if self.side is not None:
+            self.side.append(other.side)
+        self.budget = torch.cat([self.budget, other.budget])
+
+    def move(self, dst: list[int], src: list[int], n: int) -> None:
+        """Rows `src` into rows `dst`, then the first n kept, in place (`SlotStore.move`)."""
+        self.main.move(dst, src, n)
+        if self.side is not None:
+            self.side.move(dst, src, n)
+        if dst:
+            self.budget[torch.tensor(dst)] = self.budget[torch.tensor(src)]
+        self.budget = self.budget[:n]
+
     @staticmethod
     def cat(parts: list["KVStore"]) -> "KVStore":
-        side = _Store.cat([p.side for p in parts]) if parts[0].side is not None else None
-        return KVStore(parts[0].layout, _Store.cat([p.main for p in parts]), side,
+        side = SlotStore.cat([p.side for p in parts]) if parts[0].side is not None else None
+        return KVStore(parts[0].layout, SlotStore.cat([p.main for p in parts]), side,
                        torch.cat([p.budget for p in parts]), parts[0].layers)
 
     def rows(self, rows: list[int]) -> "KVStore":
@@ -390,7 +349,7 @@ def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Ten
 
 
 def _scatter(keys, values, pos, keep, C: int, ring: int | None, limit: int | None,
-             rotation: Callable | None) -> _Store:
+             rotation: Callable | None) -> SlotStore:
     """The kept slots (`keep [b, T]`) of a left-padded prefill cache, moved into a store of C
     slots (slot p % ring, or p), keys rotated by `rotation` on the way."""
     b_idx, t_idx = keep.nonzero(as_tuple=True)
@@ -408,7 +367,7 @@ def _scatter(keys, values, pos, keep, C: int, ring: int | None, limit: int | Non
         vv[b_idx, :, s_idx] = v[b_idx, :, t_idx]
         ks.append(kk)
         vs.append(vv)
-    return _Store(ks, vs, out_pos, ring, limit)
+    return SlotStore(ks, vs, out_pos, ring, limit)
 
 
 # ============================================================================================
@@ -468,6 +427,20 @@ class ModelKV:
     def rows(self, rows: list[int]) -> "ModelKV":
         return ModelKV(self.layout, [p.rows(rows) for p in self.parts])
 
+    def append(self, other: "ModelKV") -> None:
+        """`other`'s rows join after these, in place: only they are copied (`SlotStore.append`)."""
+        for p, q in zip(self.parts, other.parts):
+            p.append(q)
+
+    def drop(self, rows: list[int]) -> list[int]:
+        """Drop these rows in place, each hole filled by a live row from the end of the batch (so
+        at most as many rows move as are dropped, whatever their place); returns the rows' new
+        order as old indices (`drop_order`), which the scheduler's running list follows."""
+        n, dst, src, order = drop_order(self.batch, rows)
+        for p in self.parts:
+            p.move(dst, src, n)
+        return order
+
     @property
     def only(self) -> KVStore:
         """The one store of a single-group layout (the general path)."""
@@ -514,4 +487,4 @@ class ModelKV:
 
 
 __all__ = ["CacheLayout", "DecodeStep", "KVLayout", "KVStore", "ModelKV", "ModelStep", "StepSlots", "decode_attention",
-           "rotate_rows"]
+           "drop_order", "rotate_rows"]

@@ -214,11 +214,19 @@ class ModelRunner:
         most `budgets[j]` positions (prompt + max_tokens)."""
         new = ModelKV.from_prefill(self.cache_layout, [k[rows] for k in out.keys], [v[rows] for v in out.values],
                                    out.pos[rows], torch.tensor(list(budgets)))
-        self.store = new if self.store is None else ModelKV.cat([self.store, new])
+        if self.store is None:
+            self.store = new
+        else:
+            self.store.append(new)  # (in place: only the new rows are copied)
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Keep only these rows of the store (in this order); none: idle."""
-        self.store = self.store.rows(keep) if keep else None
+    def drop_rows(self, rows: list[int]) -> list[int]:
+        """Drop these rows of the store in place; returns the remaining rows' new order as old
+        indices (`lcx.engine.kv.ModelKV.drop`: holes filled from the end, so a step that finishes
+        a few requests moves at most as many rows, never the whole batch's cache)."""
+        if len(set(rows)) == self.store.batch:
+            self.store = None
+            return []
+        return self.store.drop(rows)
 
 
 def kv_layout(model: nn.Module, applied: Any, decode_backend: str | None) -> KVLayout:

@@ -55,9 +55,10 @@ class Scheduler:
         self.waiting, self.prefilling, self.running = [], [], []
         return out
 
-    def drop_running(self, rows: list[int]) -> None:
-        drop = set(rows)
-        self.running = [r for i, r in enumerate(self.running) if i not in drop]
+    def reorder_running(self, order: list[int]) -> None:
+        """The running requests after the runner dropped rows: `order[i]` is the old index of
+        the request now in row i (`lcx.engine.runner.ModelRunner.drop_rows`)."""
+        self.running = [self.running[i] for i in order]
 
     @property
     def num_waiting(self) -> int:

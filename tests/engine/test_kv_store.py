@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lcx.attention import Rotary
-from lcx.engine.kv import CacheLayout, DecodeStep, KVStore
+from lcx.engine.kv import CacheLayout, DecodeStep, KVStore, drop_order
 from lcx.methods import examples, lm_infinite, method_id
 
 B_LENS = (1, 6, 13)  # prompt lengths of the rows (odd; the first no longer than any window)
@@ -149,3 +149,53 @@ def test_top_k_ties_go_to_the_earlier_key():
                          torch.cat([vv[:, :1], vv[:, 1:10].flip(1), vv[:, 10:]], 1),
                          rotary=Rotary(inv_freq, torch.arange(n + 1), 1.0), scale=attn.scaling, layer_idx=0)
     assert (late - want).abs().max() > 1e-3
+
+
+def test_drop_order_fills_holes_from_the_end():
+    assert drop_order(5, [0]) == (4, [0], [4], [4, 1, 2, 3])
+    assert drop_order(5, [4]) == (4, [], [], [0, 1, 2, 3])  # the last row: nothing moves
+    assert drop_order(7, [1, 5, 2]) == (4, [1, 2], [4, 6], [0, 4, 6, 3])  # 5 dropped: 6 fills a hole
+    assert drop_order(3, [0, 1, 2]) == (0, [], [], [])
+
+
+def _pair(layout, seed: int, lens: tuple[int, ...], budget: int) -> KVStore:
+    g = torch.Generator().manual_seed(seed)
+    T = max(lens)
+    k, v = (torch.randn(len(lens), HKV, T, D, generator=g) for _ in range(2))
+    pos = torch.tensor([[-1] * (T - n) + list(range(n)) for n in lens])
+    return KVStore.from_prefill(layout, [k, k * 2], [v, v * 2], pos, torch.tensor([budget] * len(lens)))
+
+
+def _same(a: KVStore, b: KVStore) -> None:
+    """Equal held keys: positions, and keys/values in every slot that holds one (`b` may have more slots)."""
+    for x, y in ((a.main, b.main), (a.side, b.side)) if a.side is not None else ((a.main, b.main),):
+        C = x.capacity
+        assert torch.equal(x.pos, y.pos[:, :C]) and bool((y.pos[:, C:] == -1).all())
+        for s, t in zip((*x.k, *x.v), (*y.k, *y.v)):
+            assert torch.equal(s, t[:, :, :C]) and bool((t[:, :, C:] == 0).all())
+    assert torch.equal(a.budget, b.budget)
+
+
+@pytest.mark.parametrize("layout", [CacheLayout.for_method(lm_infinite(2, 4), basis=(torch.ones(D // 2, dtype=torch.float64), 1.0)),
+                                    CacheLayout.unpatched()], ids=["ring+side", "unbounded"])
+def test_rows_join_and_leave_in_place_as_the_copies_do(layout):
+    """`append` and `move` (what the engine runs) hold what `cat` and `rows` (copies) hold, row
+    for row, through joins, leaves and a reused row; spare rows are kept, then given back."""
+    first, later = _pair(layout, 0, (3, 7, 5), 20), _pair(layout, 1, (11, 2), 30)  # later: more slots
+    store = first.rows([0, 1, 2])
+    store.append(later)
+    want = KVStore.cat([first, later])
+    _same(want, store)
+    n, dst, src, order = drop_order(store.batch, [0, 2])
+    store.move(dst, src, n)
+    want = want.rows(order)  # (copies keep only the slots up to the newest key: compare on theirs)
+    _same(want, store)
+    assert store.main.spare_rows >= 2  # the dropped rows' buffers stay for the next to join
+    third = _pair(layout, 2, (1,), 9)
+    store.append(third)  # into a row that held another request: its old keys must not show
+    want = KVStore.cat([want, third])
+    _same(want, store)
+    n, dst, src, order = drop_order(store.batch, [0, 1, 3])
+    store.move(dst, src, n)  # 1 of 7 buffer rows left: the buffers shrink to it
+    assert store.batch == 1 and store.main.spare_rows == 0 and order == [2]
+    _same(want.rows(order), store)
