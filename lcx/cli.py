@@ -77,6 +77,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "serving"), "benchmarks.serving",
      "throughput and latency of lcx serve (batched vs one at a time) and vLLM if installed"
      " -> results/serving_cpu.json"),
+    (("bench", "step"), "benchmarks.step",
+     "where a step of lcx's engine spends its CPU time (prefill, decode at 1 and 32 rows): linear layers,"
+     " attention kernels, everything else -> results/engine_step_profile_cpu.json"),
     (("bench", "sweep"), "benchmarks.sweep",
      "cells per hour of a report sweep serial, --jobs 2 and on Ray with 1 and 2 local workers; Ray's overhead"
      " per cell -> results/sweep_cpu.json"),
