@@ -25,7 +25,10 @@ over slots where each key carries its position in its rotation (LM-Infinite's to
 breaks score ties by position; an unbounded store's slot is the position). So rows of different lengths
 share the tensors without padding at the front (their unused slots are empty), a decode step
 writes each row's new key into its own slot (`index_put`, no copy of the cache), and a bounded
-method's cache never grows past window + side slots per row.
+method's cache never grows past window + side slots per row. Rows are the first B rows of buffers
+with spare rows (`lcx.engine.slots.SlotStore`): a request joining the batch is copied into a spare
+row, a finished one's row is refilled from the end of the batch (`ModelKV.drop`, whose new row
+order the scheduler's running list follows), so neither copies the other rows' keys.
 
 Two ways to decode (`CacheLayout`):
 
