@@ -215,6 +215,7 @@ def test_a_writer_killed_mid_write_leaves_a_whole_store_with_every_cell_it_wrote
     assert set(done) | {"yarn.lmeval.99999"} <= set(read_cells(out))
 
 
+@pytest.mark.slow  # two real writer processes (~3 s): the slow tier
 def test_two_writer_processes_at_once_lose_no_cell(tmp_path):
     """Read-modify-replace by two processes on one folder: the lock keeps both's cells."""
     n = 15

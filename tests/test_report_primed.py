@@ -135,6 +135,7 @@ def measured(tmp_path_factory):
     return cfg, out, rec, lines
 
 
+@pytest.mark.slow  # a real 2-length report run (~20 s in all): the slow tier
 def test_a_report_measures_primed_cells_with_every_prompts_answer(measured):
     from lcx.eval_tasks.common import first_int
     from lcx.eval_tasks.passkey.data import ANSWER_BUDGET, SPARE_TOKENS
@@ -156,6 +157,7 @@ def test_a_report_measures_primed_cells_with_every_prompts_answer(measured):
     assert all(r["n"] == 3 and r["unpaired"] == 0 and r["mcnemar_p"] is not None for rows in paired.values() for r in rows)
 
 
+@pytest.mark.slow  # a real 2-length report run (~20 s in all): the slow tier
 def test_the_readme_and_the_page_show_the_primed_answers(measured):
     from lcx.data.io import read_json
     from lcx.report.page import answers, kind_counts
@@ -172,6 +174,7 @@ def test_the_readme_and_the_page_show_the_primed_answers(measured):
     assert sum(v for c in kind_counts(data)["passkey_primed"]["yarn"].values() for v in c.values()) == 3
 
 
+@pytest.mark.slow  # a real 2-length report run (~20 s in all): the slow tier
 def test_a_report_with_primed_cells_resumes_them(measured):
     """As `lcx sweep run` resumes (`reuse=True`): every stored cell is kept and only a method added
     since is measured, its primed cells too; --render measures nothing and writes the same table."""
@@ -190,6 +193,7 @@ def test_a_report_with_primed_cells_resumes_them(measured):
     assert shown["passkey_primed_paired"] == json.loads(json.dumps(again["passkey_primed_paired"]))
 
 
+@pytest.mark.slow  # a real 2-length report run (~20 s in all): the slow tier
 def test_cells_from_reads_the_published_prompt_cells_of_another_folder(measured, tmp_path):
     """A second folder reads the cells it shares with the first (`cells_from`: same settings and
     fingerprint) instead of measuring them, says so in its README, and measures the rest."""
@@ -233,6 +237,7 @@ def test_a_sweep_file_names_the_folders_it_reads(tmp_path):
         load_sweep(f)
 
 
+@pytest.mark.slow  # a real 2-length report run (~20 s in all): the slow tier
 def test_a_sweep_with_cells_from_counts_and_renders_the_cells_it_reads(measured, tmp_path, capsys):
     """`lcx sweep status` counts the cells a sweep reads from `cells_from` as done (and says where
     from); `lcx sweep render` writes the report from them, the paired table included."""

@@ -24,6 +24,7 @@ def smoke_record(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the CPU smoke run (~12 s): the slow tier
 def test_cpu_run_measures_every_case_or_says_why(smoke_record):
     cells = smoke_record["results"]
     assert smoke_record["complete"] is True
@@ -42,6 +43,7 @@ def test_cpu_run_measures_every_case_or_says_why(smoke_record):
     assert measured["vanilla"]["vs_vanilla"]["prefill_speedup"] == 1.0
 
 
+@pytest.mark.slow  # the CPU smoke run (~12 s): the slow tier
 def test_cpu_run_bounded_methods_keep_their_window(smoke_record):
     """KV bytes: vanilla keeps all 512 + 3 positions, the windowed methods their window (128 keys
     plus LM-Infinite's 10 global ones), and the ideal ratios follow from those counts."""
