@@ -634,10 +634,12 @@ def _vllm_notes(engine: dict[str, Any]) -> list[str]:
         "repeat runs lcx no_cache, lcx cache, vLLM no_cache, vLLM cache in turn.",
         "The same prompts (token ids, TokensPrompt), greedy, max_tokens, ignore_eos, sent through the same "
         "loop (benchmarks.prefix._drive): `concurrency` requests in flight, a new one added when one "
-        "finishes, TTFT from a request's submission to the step that returned its first token. vLLM's "
-        "scheduler is its own: chunked prefill with a token budget per step "
-        f"(max_num_batched_tokens {engine['max_num_batched_tokens']}), where lcx's engine prefills each "
-        "admitted prompt whole; in both, prompts admitted together reuse each other's shared blocks.",
+        "finishes, TTFT from a request's submission to the step that returned its first token. Both "
+        "engines run chunked prefill under the same token budget per step "
+        f"(max_num_batched_tokens {engine['max_num_batched_tokens']}) and batch limit (max_num_seqs "
+        f"{engine['max_num_seqs']}; lcx's engine reads both from vLLM's), each with its own scheduler: vLLM "
+        "runs a step's decode rows and prefill chunks in one forward, lcx's engine in two; in both, "
+        "prompts admitted together reuse each other's shared blocks.",
         f"vLLM's prefix cache works in blocks of {engine['block_size']} tokens (--vllm-block-size; vLLM's CPU "
         f"default is 128), lcx's in blocks of {EngineConfig().prefix_block_size} (EngineConfig.prefix_block_size): "
         "a prompt reuses whole blocks only, so the larger block leaves up to a block more of a shared prefix "
