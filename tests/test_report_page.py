@@ -86,7 +86,7 @@ def test_every_committed_answer_is_in_the_data_with_the_verdict_the_tables_count
     for m, L, t, k, x, o in zip(c["m"], c["L"], c["t"], c["k"], c["x"], c["o"]):
         key = (data["methods"][m], str(L), data["tasks"][t])
         right[key] = right.get(key, 0) + (data["kinds"][k] == "right")
-        if data["tasks"][t] == "passkey":  # the key is stored, and the kind follows from it and the output
+        if data["tasks"][t] in ("passkey", "passkey_primed"):  # the key is stored; the kind follows from it and the output
             assert x is not None and (o is None or passkey_outcome(data["outputs"][o], x) == data["kinds"][k])
         elif x is not None:  # RULER cells since 2026-12-07: a right answer holds one of the expected (all, for NIAH)
             assert isinstance(x, list) and all(isinstance(v, str) for v in x)
@@ -99,8 +99,11 @@ def test_every_committed_answer_is_in_the_data_with_the_verdict_the_tables_count
         for L, entry in by_len.items():
             for t, iv in entry["tasks"].items():
                 assert right[(m, L, t)] == iv["k"]
+    for name, r in record["results"].items():  # primed passkey cells (#76): the page counts what the cell holds
+        for L, cell in r.get("passkey_primed", {}).items():
+            assert right[(name, str(L), "passkey_primed")] == sum(bool(x["correct"]) for x in cell["passkey_samples"])
     expected = sum(len(cell.get("passkey_samples") or []) for r in record["results"].values()
-                   for cell in r.get("lmeval", {}).values())
+                   for kind in ("lmeval", "passkey_primed") for cell in r.get(kind, {}).values())
     expected += sum(len(tc.get("samples", [])) for r in record["results"].values()
                     for cell in r.get("ruler", {}).values() for tc in cell["tasks"].values())
     assert n == expected
