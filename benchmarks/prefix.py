@@ -112,6 +112,11 @@ class Config:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     BENCH.add_arguments(parser)
     parser.add_argument("--model", default="tiny-5m", help="model preset or directory (default: %(default)s)")
+    parser.add_argument("--allocator", choices=("reuse", "system"), default="reuse",
+                        help="glibc's allocator settings in both engines' processes: reuse (freed memory kept for "
+                             "reuse, lcx.allocator: as lcx serve's engine process and lcx report run; vLLM's "
+                             "process gets the same settings through MALLOC_* variables) or system (glibc's "
+                             "defaults, as records before 2026-12-07 ran) (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=16, help="system_prompt load: requests (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, default=4, help="system_prompt load: requests in flight "
                         "(default: %(default)s)")
@@ -321,8 +326,8 @@ class VllmEngine:
     load and returns `_vllm_run_load`'s numbers."""
 
     def __init__(self, python: Path, model_dir: str, max_model_len: int, overrides: dict[str, Any], cache: bool,
-                 threads: int, log: Path, block_size: int | None = None):
-        self.python, self.log = python, log
+                 threads: int, log: Path, block_size: int | None = None, env: dict[str, str] | None = None):
+        self.python, self.log, self.extra_env = python, log, dict(env or {})
         self.spec = {"model": model_dir, "max_model_len": max_model_len, "overrides": overrides, "cache": cache,
                      "block_size": block_size}
         self.threads = threads
@@ -332,7 +337,8 @@ class VllmEngine:
         from lcx.serve.vllm_plugin.launch import vllm_env
 
         self.private = tempfile.mkdtemp(prefix="lcx-vllm-")
-        env = {**vllm_env(self.private, threads=self.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {**vllm_env(self.private, threads=self.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               **self.extra_env}
         root = str(ROOT)
         # the repository goes last on sys.path: vLLM finds the installed lcx's metadata first, and the
         # cwd is the private directory (lcx.serve.vllm_plugin.launch says why)
@@ -603,8 +609,11 @@ def _start_vllm(args: argparse.Namespace, max_model_len: int, mpe: int, threads:
         return None, {"skipped": f"--model {args.model} is a {kind} file; the vLLM section runs Hugging Face "
                                  "model directories"}
     overrides = {"max_position_embeddings": max_model_len} if max_model_len > mpe else {}
+    from lcx.allocator import ENV as MALLOC_ENV
+
+    env = MALLOC_ENV if getattr(args, "allocator", "system") == "reuse" else {}
     engines = {s: VllmEngine(python, str(model_dir), max_model_len, overrides, s == "cache", threads,
-                             log_dir / f"vllm-{s}.log", args.vllm_block_size) for s in SETTINGS}
+                             log_dir / f"vllm-{s}.log", args.vllm_block_size, env) for s in SETTINGS}
     try:
         for e in engines.values():  # both start at once, then both are waited for
             e.start()
@@ -674,6 +683,14 @@ def run(args: argparse.Namespace) -> int:
                  args.concurrent_max_tokens, not args.no_vllm, args.vllm_block_size)
     loadavg: list[float] = []
     rec = BENCH.start(args, cfg, environment={"loadavg_before": os.getloadavg()[0], "loadavg_after_each_load": loadavg})
+    if args.allocator == "reuse":  # lcx's engine as `lcx serve` runs it; vLLM's process the same (_start_vllm)
+        from lcx.allocator import allocator_state, reuse_freed_memory
+
+        reuse_freed_memory()
+        rec.environment["allocator"] = {"setting": "reuse", "lcx": allocator_state(), "vllm_env": "MALLOC_MMAP_MAX_=0, "
+                                        "MALLOC_TRIM_THRESHOLD_=2147483647"}
+    else:
+        rec.environment["allocator"] = {"setting": "system"}
     model, tok = load_model(args.model)
     need = max(max(cfg.system_tokens + cfg.question_tokens, cfg.passkey_length) + cfg.max_tokens,
                cfg.concurrent_prompt_tokens + cfg.concurrent_max_tokens)

@@ -27,7 +27,8 @@ faults it saves). lcx applies it in the processes that run models for a whole co
 report` and its workers, `lcx eval ppl`, `lcx demo`, `lcx train`, the `lcx` lm-eval model and the engine
 process of `lcx serve`. Not in the server's own process (a storm of 30 MB bodies there would leave
 its memory at the storm's peak; `--no-engine-process` keeps glibc's defaults), not in `lcx bench`
-(the committed records were measured without it; `lcx bench allocator` measures both), not on
+(the committed records were measured without it; `lcx bench allocator` measures both; `lcx bench
+prefix --allocator reuse`, its default since 2026-12-07, sets it in both engines' processes), not on
 import (a library does not change its host's allocator).
 
 `LCX_MALLOC=system` leaves glibc's defaults. On a C library other than glibc it does nothing.
