@@ -311,7 +311,17 @@ def vllm_worker(spec_json: str) -> None:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
-        proto.write(json.dumps(_vllm_run_load(engine, cmd["prompts"], cmd["concurrency"], cmd["max_tokens"])) + "\n")
+        if cmd.get("profile"):  # (`lcx bench step --vs-vllm`: torch.profiler's self time per op)
+            from benchmarks.step import profiled
+
+            import functools
+
+            res, ops = profiled(functools.partial(_vllm_run_load, engine, cmd["prompts"], cmd["concurrency"],
+                                                  cmd["max_tokens"]))
+            res["ops_self_s"] = ops
+        else:
+            res = _vllm_run_load(engine, cmd["prompts"], cmd["concurrency"], cmd["max_tokens"])
+        proto.write(json.dumps(res) + "\n")
     # shut the engine down while the interpreter is whole (lcx.serve.vllm_plugin.score does the same)
     del engine
     gc.collect()
@@ -360,9 +370,10 @@ class VllmEngine:
         self.info = self._reply()
         return self.info
 
-    def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    def run(self, prompts: list[list[int]], concurrency: int, max_tokens: int, *, profile: bool = False) -> dict[str, Any]:
+        """One load; `profile`: under torch.profiler, its self time per op added (`ops_self_s`)."""
         self.proc.stdin.write(json.dumps({"prompts": prompts, "concurrency": concurrency,
-                                          "max_tokens": max_tokens}) + "\n")
+                                          "max_tokens": max_tokens, "profile": profile}) + "\n")
         self.proc.stdin.flush()
         return self._reply()
 
@@ -647,7 +658,9 @@ def _vllm_notes(engine: dict[str, Any]) -> list[str]:
         "engines run chunked prefill under the same token budget per step "
         f"(max_num_batched_tokens {engine['max_num_batched_tokens']}) and batch limit (max_num_seqs "
         f"{engine['max_num_seqs']}; lcx's engine reads both from vLLM's), each with its own scheduler: vLLM "
-        "runs a step's decode rows and prefill chunks in one forward, lcx's engine in two; in both, "
+        "runs a step's decode rows and prefill chunks in one forward, and so does lcx's engine where its lean "
+        "forward runs the model (environment.lcx_engine.mixed_step: EngineConfig.mixed_step; Llama, Mistral, "
+        "Qwen2, Qwen3 decoders, tiny-5m and SmolLM2 among them; before 2026-12-07 it ran two); in both, "
         "prompts admitted together reuse each other's shared blocks.",
         f"vLLM's prefix cache works in blocks of {engine['block_size']} tokens (--vllm-block-size; vLLM's CPU "
         f"default is 128), lcx's in blocks of {EngineConfig().prefix_block_size} (EngineConfig.prefix_block_size): "
@@ -714,7 +727,8 @@ def run(args: argparse.Namespace) -> int:
                    for s in SETTINGS}
         rec.environment["lcx_engine"] = {
             "max_batch": max_batch, "max_num_batched_tokens": budget,
-            "packed_linear": engines["cache"].runner.packed}
+            "packed_linear": engines["cache"].runner.packed, "lean_decode": engines["cache"].runner.lean is not None,
+            "mixed_step": engines["cache"].config.mixed_step and engines["cache"].runner.lean is not None}
         try:
             for load in rec.progress(list(loads), unit="load"):
                 prompts, conc, max_tokens = loads[load]

@@ -333,8 +333,8 @@ def _summary(name: str, max_batch: int, vllm_methods, runs: list[dict], s0: dict
         # share of the wall time the engine worker spent in prefill/decode steps (the rest: HTTP,
         # JSON, waiting for requests); low values mean the server, not the model, is the bottleneck
         **({} if stats is None or s0 is None else {
-            "engine_busy_fraction": (stats["engine"]["prefill_s"] + stats["engine"]["decode_s"]
-                                     - s0["engine"]["prefill_s"] - s0["engine"]["decode_s"])
+            "engine_busy_fraction": sum(stats["engine"].get(k, 0.0) - s0["engine"].get(k, 0.0)
+                                        for k in ("prefill_s", "decode_s", "mixed_s"))
                                     / sum(r["wall_s"] for r in runs),
             "engine_max_batch_size": stats["engine"]["max_batch_size"],
             "engine_batch_size_hist": stats["engine"]["batch_size_hist"],

@@ -2,6 +2,7 @@
 
     lcx bench step                                   # tiny-5m and SmolLM2-135M -> results/engine_step_profile_cpu.json
     lcx bench step --models tiny-5m --prefill-tokens 256 --out /tmp/step.json
+    lcx bench step --vs-vllm --models smollm2-135m --out results/engine_vs_vllm_profile_cpu.json
 
 Per model: a prefill of `--prefill-tokens` tokens (one request, one generated token) and decode
 steps of the engine with 1 and 32 rows running (128-token prompts, `--steps` steps each, after 4
@@ -13,6 +14,15 @@ is grouped as
 - attention: the attention kernels (SDPA, the decode step's matmuls and softmax);
 - other: everything else (Python, transformers' module code, RoPE, norms, activations, the KV
   store, small tensor ops).
+
+`--vs-vllm`: instead, lcx's engine and plain vLLM's (`lcx bench prefix`'s, in the python that has
+vLLM) each run `lcx bench prefix`'s system-prompt load (16 requests of 512 shared + 32 own tokens,
+4 in flight, 8 tokens each) once without and once with their prefix cache, under the same limits
+(vLLM's batch limit and token budget), after an untimed run; both profiled by torch.profiler, whose
+self CPU time per operator is grouped the same way for both engines (linear: oneDNN's GEMMs,
+`_linear_pointwise` / vLLM's `onednn_mm`, `addmm`, `mm`; attention: SDPA, vLLM's
+`cpu_attention_with_kv_cache`, `bmm`, softmax; other: the rest), with each engine's top operators.
+The same work in both: the same prompts, greedy, the same tokens computed.
 
 The engine runs as `lcx serve` runs it (its defaults: packed linears, the lean decode forward
 where the family has one), one torch thread (`--threads`). The step times are wall times: on a
@@ -35,6 +45,9 @@ from benchmarks.harness import Benchmark
 DESCRIPTION = "where a step of lcx's engine spends its CPU time: prefill and decode at 1 and 32 rows, by cProfile"
 BENCH = Benchmark("step", DESCRIPTION, __doc__, out="results/engine_step_profile_cpu.json", threads=1)
 LINEAR = ("_linear_pointwise", "_nn.linear")
+# torch.profiler operator names, both engines (`--vs-vllm`)
+OP_LINEAR = ("_linear_pointwise", "onednn_mm", "aten::addmm", "aten::mm")
+OP_ATTENTION = ("scaled_dot_product", "cpu_attention", "aten::bmm", "softmax")
 ATTENTION = ("scaled_dot_product", "torch.matmul", "softmax", "_scaled_dot_product_flash")
 DECODE_ROWS = (1, 32)
 
@@ -55,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048,
                         help="tokens of the profiled prefill (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed, then profiled (default: %(default)s)")
+    parser.add_argument("--vs-vllm", action="store_true",
+                        help="profile lcx's engine and plain vLLM's on `lcx bench prefix`'s system-prompt load instead, "
+                             "without and with the prefix cache (needs vLLM: `lcx bench prefix` says where it looks)")
 
 
 def shares(pr: cProfile.Profile) -> dict[str, float]:
@@ -108,6 +124,77 @@ def profile_model(name: str, cfg: Config) -> dict[str, Any]:
     return res
 
 
+def profiled(fn: Any) -> tuple[Any, dict[str, float]]:
+    """`fn()` under torch.profiler (CPU): (its result, self CPU seconds per operator, largest first;
+    operators under 1 ms left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    ops = sorted(((e.key, e.self_cpu_time_total / 1e6) for e in prof.key_averages()), key=lambda x: -x[1])
+    return out, {k: round(v, 4) for k, v in ops if v >= 1e-3}
+
+
+def op_groups(ops: dict[str, float]) -> dict[str, float]:
+    """Self CPU seconds per operator (`profiled`) grouped into linear / attention / other."""
+    out = {"linear": 0.0, "attention": 0.0, "other": 0.0}
+    for name, sec in ops.items():
+        key = ("linear" if any(x in name for x in OP_LINEAR) else
+               "attention" if any(x in name for x in OP_ATTENTION) else "other")
+        out[key] += sec
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def vs_vllm(name: str, threads: int, log_dir: str) -> dict[str, Any]:
+    """lcx's engine and vLLM's on the system-prompt load, profiled (module docstring, `--vs-vllm`)."""
+    from pathlib import Path
+
+    from benchmarks import prefix
+    from lcx.allocator import reuse_freed_memory
+    from lcx.engine import Engine, EngineConfig
+    from lcx.models import load_model
+
+    reuse_freed_memory()  # (as lcx serve's engine process; vLLM's gets the same MALLOC_* settings)
+    model, tok = load_model(name)
+    cfg = prefix.Config(name, 16, 4, 512, 32, 2048, 8, 8, 1, threads)
+    prompts = prefix.system_prompt_load(cfg, int(model.config.vocab_size))
+    mpe = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    max_model_len = max(mpe, 4096)
+    args = argparse.Namespace(no_vllm=False, model=name, allocator="reuse", vllm_block_size=None)
+    engines, vsec = prefix._start_vllm(args, max_model_len, mpe, threads, Path(log_dir))
+    if engines is None:
+        return {"model": name, "skipped": vsec["skipped"]}
+    sched = vsec["engine"]
+    out: dict[str, Any] = {"model": name, "load": "system_prompt", "vllm": sched, "settings": {}}
+    try:
+        for setting in prefix.SETTINGS:
+            lcx = Engine(model, tok, EngineConfig(max_model_len=max_model_len, prefix_caching=(setting == "cache"),
+                                                  max_batch=int(sched["max_num_seqs"]),
+                                                  max_num_batched_tokens=int(sched["max_num_batched_tokens"])))
+            row: dict[str, Any] = {}
+            for eng, go in (("lcx", lambda p=False: prefix._run_load(lcx, prompts, cfg.concurrency, cfg.max_tokens)),
+                            ("vllm", lambda p=False: engines[setting].run(prompts, cfg.concurrency, cfg.max_tokens,
+                                                                          profile=p))):
+                go()  # untimed: first-call costs
+                if eng == "lcx":
+                    res, ops = profiled(go)
+                else:
+                    res = go(True)
+                    ops = res.pop("ops_self_s")
+                row[eng] = {"wall_s": round(res["wall_s"], 3), "gen_tok_s": round(res["gen_tok_s"], 3),
+                            "ttft_p50_s": round(res["ttft_p50_s"], 4), "tokens": res["tokens"],
+                            "prompt_tokens_computed": res["prompt_tokens_computed"],
+                            "self_s": op_groups(ops), "top_ops_self_s": dict(list(ops.items())[:15])}
+            row["same_tokens"] = row["lcx"].pop("tokens") == row["vllm"].pop("tokens")
+            row["vllm_vs_lcx_self_s"] = {k: round(row["vllm"]["self_s"][k] / row["lcx"]["self_s"][k], 3)
+                                         for k in row["lcx"]["self_s"] if row["lcx"]["self_s"][k]}
+            out["settings"][setting] = row
+    finally:
+        for e in engines.values():
+            e.close()
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     if not models:
@@ -120,7 +207,13 @@ def run(args: argparse.Namespace) -> int:
     rec = BENCH.start(args, cfg, environment={"loadavg_before": os.getloadavg()[0]})
     results = []
     for name in rec.progress(list(models), unit="model"):
-        results.append(profile_model(name, cfg))
+        if args.vs_vllm:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="lcx-step-") as logs:
+                results.append(vs_vllm(name, threads, logs))
+        else:
+            results.append(profile_model(name, cfg))
         rec.log(f"{name}: {results[-1]}")
         rec.save(results)
     rec.environment["loadavg_after"] = os.getloadavg()[0]

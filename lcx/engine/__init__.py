@@ -10,7 +10,11 @@ methods: LM-Infinite, sliding window, StreamingLLM sinks, Self-Extend, SWAT) cho
 `generate` runs a list of requests to completion in one batch. The server (`lcx.serve`) drives
 the same engine one `step()` at a time (continuous batching): `add_request` queues a request,
 every `step` admits waiting requests (one batched prefill), runs one decode step for the requests
-already running, and returns what each request produced (`StepEvent`s).
+already running, and returns what each request produced (`StepEvent`s). Where the lean forward
+runs the model (Llama, Mistral, Qwen2, Qwen3 decoders on the fast path) a step that has both runs
+them as one forward, one token matrix through the weights as vLLM's step
+(`EngineConfig.mixed_step`, `lcx.hf.lean_decode.MixedPrefill`); its prefill work is then
+scheduled before the decode, so a slot freed in the step is taken in the next.
 
 Batch layout. New requests are prefilled together, left-padded among themselves to one
 HF `DynamicCache` (`mask [b, T]` marks real tokens, HF's 2D attention mask; attention methods

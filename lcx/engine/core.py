@@ -12,7 +12,6 @@ The batch layout, sampling order and limits are stated once in `lcx.engine`'s do
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from typing import Any, Iterable, Sequence
@@ -21,11 +20,10 @@ import torch
 from torch import nn
 
 from ..hf.head import check_head
-from ..hf.recorded import recorded_method
 from ..hf.rope_patch import static_rope_bases
-from ..method_config import INFERENCE_BACKEND, MethodConfig
-from ..rope import ROPE_TYPES
+from ..method_config import MethodConfig
 from .detok import Detokenizer, find_stop, stable_end
+from .applying import running_methods, to_apply
 from .kv import KVLayout, ModelKV
 from .outputs import EngineStats, RequestOutput, StepEvent, collect_output
 from .params import DEFAULT_PREFIX_CACHE_BYTES, ContextLengthError, EngineConfig, SamplingParams, is_int
@@ -57,12 +55,12 @@ class Engine:
         check_model_type(model, "lcx.engine")
         check_head(model)  # its logits are what the engine forms from hidden states (head_logits)
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
-        # what the engine applies (`_to_apply`: the config, or the method the model arrives patched
+        # what the engine applies (`lcx.engine.applying.to_apply`: the config, or the method the model arrives patched
         # with, on the fastest exact backend), what `apply` did (`lcx.hf.applied.Applied`: the RoPE
         # spec resolved once, the lengths, each layer's method, window and RoPE basis, the backends
-        # the patch runs) and what the engine runs (`_running`: with the method the model records)
-        self.applied = applied = _to_apply(model, config.methods).apply(model)
-        self.methods: MethodConfig = (methods := _running(applied))
+        # the patch runs) and what the engine runs (`running_methods`: with the method the model records)
+        self.applied = applied = to_apply(model, config.methods).apply(model)
+        self.methods: MethodConfig = (methods := running_methods(applied))
         self.max_model_len = int(config.max_model_len or applied.context_len)
         self.vocab_size = int(model.config.vocab_size)
         eos = getattr(model.config, "eos_token_id", None)
@@ -288,27 +286,53 @@ class Engine:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> list[StepEvent]:
-        """Decode one token for the running requests, then run this step's prefill work (the
-        scheduler's: admitted requests, chunks of partly prefilled prompts) in one batched call.
+        """Decode one token for the running requests and run this step's prefill work (the
+        scheduler's: admitted requests, chunks of partly prefilled prompts) in one batched call:
+        both in one forward where the model allows (`EngineConfig.mixed_step`), else the decode
+        forward first, then the prefill's.
 
         Returns one event per request that produced something or finished. A failure confined
         to one request (its prefill, sampling or detokenisation) fails that request only.
         """
-        events: list[StepEvent] = []
         self.runner.check_hook()
-        if self.scheduler.running:
-            t0 = time.perf_counter()
-            events += self._decode_step()
-            self.stats.decode_s += time.perf_counter() - t0
-        work = self.scheduler.schedule_prefill()
-        if work:
-            t0 = time.perf_counter()
-            events += self._prefill(work)
-            self.stats.prefill_s += time.perf_counter() - t0
+        work = mixed = None
+        if self.scheduler.running and self.config.mixed_step and self.runner.can_mix(self.runner.store):
+            work = self.scheduler.schedule_prefill()  # (before the decode: vLLM's order)
+            if work:
+                t0 = time.perf_counter()
+                mixed = events = self._mixed_step(work)
+                if mixed is not None:
+                    self.stats.mixed_s += time.perf_counter() - t0
+        if mixed is None:
+            events = []
+            if self.scheduler.running:
+                t0 = time.perf_counter()
+                events += self._decode_step()
+                self.stats.decode_s += time.perf_counter() - t0
+            if not work:  # (none found before the decode: the slots it freed may take some now)
+                work = self.scheduler.schedule_prefill()
+            if work:
+                t0 = time.perf_counter()
+                events += self._prefill(work)
+                self.stats.prefill_s += time.perf_counter() - t0
         for ev in events:
             if ev.finished:
                 self._ids.discard(ev.request_id)
         return events
+
+    def _mixed_step(self, work: list[tuple[Request, int]]) -> list[StepEvent] | None:
+        """The running rows' decode and `work`'s prefill in one forward (`ModelRunner.mixed`);
+        None if that forward failed (the step then runs them apart, which isolates the culprit)."""
+        running = self.scheduler.running
+        try:
+            logits, out = self.runner.mixed(self.runner.store, [s.out_ids[-1] for s in running],
+                                            [s.next_position for s in running],
+                                            [(s.prompt_ids[s.done:s.done + c], s.done, s.kv) for s, c in work])
+        except Exception as e:  # noqa: BLE001
+            log.warning("a step's decode and prefill in one forward failed (%s); running them apart", e)
+            return None
+        self.stats.mixed_steps += 1
+        return self._decode_events(logits, {}) + self._prefill_events(work, out)
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, work: list[tuple[Request, int]]) -> list[StepEvent]:
@@ -323,6 +347,12 @@ class Engine:
                 return [self._event(seqs[0])]
             log.warning("batched prefill of %d requests failed (%s); retrying one by one", len(seqs), e)
             return [ev for w in work for ev in self._prefill([w])]
+        return self._prefill_events(work, out)
+
+    def _prefill_events(self, work: list[tuple[Request, int]], out: Any) -> list[StepEvent]:
+        """After a prefill call (`PrefillOutput`): prefix-cache inserts, prompt logprobs, each
+        finished prompt's first token; finished prompts join the running batch."""
+        seqs = [s for s, _ in work]
         self.stats.prefill_batches += 1
         self.stats.prefill_chunks += sum(1 for s, _ in work if s.done > s.cached)
         self.stats.prompt_tokens_computed += sum(c for _, c in work)
@@ -374,9 +404,6 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def _decode_step(self) -> list[StepEvent]:
         B = len(self.scheduler.running)
-        self.stats.decode_steps += 1
-        self.stats.batch_size_hist[B] = self.stats.batch_size_hist.get(B, 0) + 1
-        self.stats.max_batch_size = max(self.stats.max_batch_size, B)
         try:
             logits = self._decode_forward(self.runner.store, self.scheduler.running)
             failed: dict[int, BaseException] = {}
@@ -386,6 +413,15 @@ class Engine:
             else:
                 log.warning("batched decode of %d rows failed (%s); retrying row by row", B, e)
                 logits, failed = self._decode_rows_separately()
+        return self._decode_events(logits, failed)
+
+    def _decode_events(self, logits: torch.Tensor | None, failed: dict[int, BaseException]) -> list[StepEvent]:
+        """After a decode forward (`logits` `[B, V]` of the running rows; `failed`: rows whose
+        forward failed): sample, check stops; finished rows leave the batch."""
+        B = len(self.scheduler.running)
+        self.stats.decode_steps += 1
+        self.stats.batch_size_hist[B] = self.stats.batch_size_hist.get(B, 0) + 1
+        self.stats.max_batch_size = max(self.stats.max_batch_size, B)
         events: list[StepEvent] = []
         done: list[int] = []
         greedy, lps = greedy_and_logprobs(logits, self.scheduler.running) if logits is not None else (None, None)
@@ -537,60 +573,6 @@ class Engine:
         self._ids.discard(s.rid)
         return self._event(s)
 
-
-
-def _to_apply(model: nn.Module, methods: MethodConfig) -> MethodConfig:
-    """The config the engine applies to `model` for `methods` (`EngineConfig.methods`): fast by
-    default, an attention method without a backend named runs on the fastest exact one that
-    supports its calls (`INFERENCE_BACKEND`, flash, else lcx.methods' blockwise)."""
-    from ..hf.attention_patch import DEFAULT_BACKEND, current_patch
-
-    if methods.attention is None:
-        # none asked for, and the model arrives patched (`lcx.load_model` applies what its
-        # config asks for, e.g. DCA: `lcx.hf.config_attention`): the engine runs that method
-        ran = current_patch(model)
-        if ran is not None:  # (its backends kept unless the patch's default: then the fast one)
-            methods = dataclasses.replace(methods, attention=ran.method, layers=ran.layers,
-                                          backend=None if ran.backend == DEFAULT_BACKEND else ran.backend,
-                                          decode_backend=ran.decode_backend)
-    methods = methods.with_default_backend(INFERENCE_BACKEND)
-    if methods.attention is None and recorded_method(model) is None and (
-            static_rope_bases(model) is not None if methods.rope is None
-            else not ROPE_TYPES[methods.rope.rope_type].length_dependent):
-        # a hybrid local/global model as loaded (Gemma 3), exactly, on lcx's fastest exact
-        # backend: the sliding layers their own window in O(T * w) instead of transformers'
-        # masked O(T^2) pass, the global layers causal (`lcx.hf.attention_patch.as_loaded_method`;
-        # only for a static RoPE basis: HF's length-dependent rope rotates each key once, at
-        # the basis of the call that computed it, which an attention method does not)
-        from ..hf.attention_patch import as_loaded_method
-
-        fast = as_loaded_method(model, INFERENCE_BACKEND)
-        if fast is not None:
-            methods = dataclasses.replace(methods, attention=fast, backend=INFERENCE_BACKEND, layers="global")
-    return methods
-
-
-def _running(applied: Any) -> MethodConfig:
-    """What the engine runs after `applied` (`MethodConfig.apply`'s record): the config applied,
-    with the backends the patch runs, or the attention method the model's config records."""
-    from ..hf.attention_patch import DEFAULT_BACKEND
-
-    methods = applied.methods
-    if applied.recorded is not None:
-        # none asked for: the model's own attention method, when its config records one (a
-        # model trained with it, e.g. SWAT), bounded like one asked for (not applied: the
-        # model already runs it, per row on `lcx_key_positions` like a patched model)
-        own = applied.recorded
-        methods = dataclasses.replace(methods, attention=own.attention, backend=own.backend,
-                                      decode_backend=own.decode_backend)
-    elif methods.attention is not None and (applied.backend, applied.decode_backend) != (
-            methods.backend or DEFAULT_BACKEND, methods.decode_backend):
-        # the backends the patch runs where they are not those asked for (a soft-capping
-        # model's calls go to one that can cap them: `lcx.hf.attention_patch.patch_attention`),
-        # so the engine states what it runs
-        methods = dataclasses.replace(methods, backend=applied.backend, decode_backend=applied.decode_backend)
-    # what the engine runs: the config applied, plus the attention method the model records
-    return methods
 
 
 __all__ = ["Engine", "windowed_rows", "windowed_rows_scope"]

@@ -73,6 +73,8 @@ class EngineStats:
     max_batch_size: int = 0
     prefill_s: float = 0.0  # wall time in prefill / decode steps (forward + sampling + text)
     decode_s: float = 0.0
+    mixed_steps: int = 0  # steps whose decode rows and prefill chunks ran as one forward (EngineConfig.mixed_step)
+    mixed_s: float = 0.0  # wall time in those steps (counted in neither prefill_s nor decode_s)
     batch_size_hist: dict[int, int] = field(default_factory=dict)  # decode-step batch size -> steps
     finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
     prefill_chunks: int = 0  # prefill calls that continued a prompt from held KV (chunked prefill)

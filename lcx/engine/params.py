@@ -155,6 +155,11 @@ class EngineConfig:
     lean_decode: run decode steps through the same modules without transformers' per-call
         machinery where the family allows (`lcx.hf.lean_decode`: Llama, Mistral, Qwen2, Qwen3
         decoders; identical logits); False: always through the model's own forward.
+    mixed_step: where the lean forward runs (and the fast path's cache), a step that has both
+        decode rows and prefill chunks runs them as one forward, one token matrix through the
+        weights (`lcx.hf.lean_decode.MixedPrefill`; as vLLM's step); the step's prefill work is
+        then scheduled before its decode, so a slot a request frees in this step is taken in the
+        next. False: two forwards, decode first (the slot freed is taken in the same step).
     """
 
     max_model_len: int | None = None
@@ -166,6 +171,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     packed_linear: bool | None = None
     lean_decode: bool = True
+    mixed_step: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 1):
@@ -188,6 +194,8 @@ class EngineConfig:
             raise ValueError(f"packed_linear must be true, false or None (auto), got {self.packed_linear!r}")
         if not isinstance(self.lean_decode, bool):
             raise ValueError(f"lean_decode must be true or false, got {self.lean_decode!r}")
+        if not isinstance(self.mixed_step, bool):
+            raise ValueError(f"mixed_step must be true or false, got {self.mixed_step!r}")
         object.__setattr__(self, "methods", MethodConfig.from_dict(self.methods))
 
     @classmethod
@@ -200,7 +208,8 @@ class EngineConfig:
         return {"max_model_len": self.max_model_len, "max_batch": self.max_batch, "methods": self.methods.to_dict(),
                 "prefix_caching": self.prefix_caching, "prefix_cache_bytes": self.prefix_cache_bytes,
                 "prefix_block_size": self.prefix_block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "packed_linear": self.packed_linear, "lean_decode": self.lean_decode}
+                "packed_linear": self.packed_linear, "lean_decode": self.lean_decode,
+                "mixed_step": self.mixed_step}
 
 
 def is_int(x: Any) -> bool:

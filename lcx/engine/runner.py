@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..hf.attention_patch import current_patch, layer_methods, loaded_windows
-from ..hf.engine_hook import (DECODE_INPUT, KEY_POSITIONS_INPUT, has_decode_hook, install_decode_hook, lean_decoder,
-                              loaded_rows)
+from ..hf.engine_hook import (DECODE_INPUT, KEY_POSITIONS_INPUT, LoadedRows, MixedPrefill, has_decode_hook,
+                              install_decode_hook, lean_decoder, loaded_rows)
 from ..hf.head import head_logits
 from ..hf.rope_patch import current_spec
 from ..method_config import INFERENCE_BACKEND, MethodConfig
@@ -141,18 +141,9 @@ class ModelRunner:
         (left-padded before them, `lcx.engine.prefix`)."""
         from transformers.cache_utils import DynamicCache
 
-        b, C = len(rows), max(len(t) for t, _, _ in rows)
-        ids = torch.full((b, C), self.pad_id, dtype=torch.long)
-        qpos = torch.full((b, C), -1, dtype=torch.long)
-        for i, (toks, start, _) in enumerate(rows):
-            c = len(toks)
-            ids[i, C - c:] = torch.tensor(list(toks))
-            qpos[i, C - c:] = torch.arange(start, start + c)
-        ids, qpos = ids.to(self.device), qpos.to(self.device)
-        held_k, held_v, kpos = stack_rows([kv for _, _, kv in rows], len(self.decoder.layers), None)
-        kpos = kpos.to(self.device)
+        ids, qpos, held_k, held_v, pos = self._prefill_inputs(rows)
+        C = ids.shape[1]
         cache = DynamicCache() if held_k is None else hf_cache(held_k, held_v)
-        pos = torch.cat([kpos, qpos], 1)  # [b, N + C]
         if self.loaded_rows is not None and (held_k is not None or self.whole_prompt_rows):
             # a model as loaded continuing from held keys (or a windowed one, any prefill): per row
             # on lcx's backend, no mask (`loaded_rows`; the model's own call would be a masked pass)
@@ -165,6 +156,48 @@ class ModelRunner:
                                    use_cache=True, **self.mask_kwargs(pos >= 0, pos, n_new=C if held_k is not None else 0))
         return PrefillOutput([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
                              pos, out.last_hidden_state)
+
+    def _prefill_inputs(self, rows: Sequence[tuple[Sequence[int], int, RowKV | None]]):
+        """A prefill call's inputs: token ids and their positions `[b, C]` (left-padded: pad id,
+        position -1), the held keys / values per layer `[b, Hkv, N, D]` (None: none held) and
+        every slot's position `[b, N + C]`."""
+        b, C = len(rows), max(len(t) for t, _, _ in rows)
+        ids = torch.full((b, C), self.pad_id, dtype=torch.long)
+        qpos = torch.full((b, C), -1, dtype=torch.long)
+        for i, (toks, start, _) in enumerate(rows):
+            c = len(toks)
+            ids[i, C - c:] = torch.tensor(list(toks))
+            qpos[i, C - c:] = torch.arange(start, start + c)
+        ids, qpos = ids.to(self.device), qpos.to(self.device)
+        held_k, held_v, kpos = stack_rows([kv for _, _, kv in rows], len(self.decoder.layers), None)
+        return ids, qpos, held_k, held_v, torch.cat([kpos.to(self.device), qpos], 1)
+
+    # ------------------------------------------------------------------ decode and prefill in one forward
+    def can_mix(self, store: ModelKV | None) -> bool:
+        """Whether a step's decode rows and prefill chunks can run as one forward (`mixed`): the
+        lean forward (`lcx.hf.lean_decode`), the fast path's rotated cache, and a prefill the lean
+        forward attends as the model's own call does (a patched layer per row on the held-keys
+        view; a model as loaded per row on lcx's backend, causal)."""
+        return (self.lean is not None and store is not None and store.layout.rotated
+                and (self.row_attention or (self.loaded_rows is not None and not self.whole_prompt_rows
+                                            and all(w is None for w in self.loaded_rows))))
+
+    def mixed(self, store: ModelKV, tokens: Sequence[int], positions: Sequence[int],
+              rows: Sequence[tuple[Sequence[int], int, RowKV | None]]) -> tuple[torch.Tensor, PrefillOutput]:
+        """`decode` of the rows of `store` and `prefill` of `rows` in one forward (`can_mix`; the
+        weights read once for both, as vLLM's step): (the decode rows' logits `[b, V]`, the
+        prefill's `PrefillOutput`)."""
+        ids, qpos, held_k, held_v, pos = self._prefill_inputs(rows)
+        real = (qpos >= 0).flatten()
+        slots = real.nonzero().squeeze(1)
+        pre = MixedPrefill(ids.flatten()[slots], qpos.flatten()[slots], slots, tuple(ids.shape), pos, held_k, held_v,
+                           None if self.row_attention else LoadedRows(pos, self.loaded_rows, INFERENCE_BACKEND))
+        d_ids = torch.tensor([[t] for t in tokens], device=self.device)  # [b, 1]
+        p_q = torch.tensor(list(positions), device=self.device)  # [b]
+        step = store.decode_step(p_q, self.dtype)
+        with self._packed_scope():
+            h = self.lean(d_ids, p_q, step, pre)
+        return self.logits(h[:, -1]), PrefillOutput(pre.keys, pre.values, pos, pre.hidden)
 
     def mask_kwargs(self, mask: torch.Tensor, pos: torch.Tensor | None, *, n_new: int = 0) -> dict[str, Any]:
         """Visibility of the cached + new slots for the model's forward: a 2D attention mask, or

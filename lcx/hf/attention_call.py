@@ -203,7 +203,7 @@ def lcx_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
             if rows is not None:  # lcx.engine's prefill continuing from held keys (`loaded_rows`)
                 if dropout:
                     raise NotImplementedError("loaded_rows: attention dropout is not supported")
-                return _attend_loaded_rows(module, query.transpose(1, 2), key.transpose(1, 2),
+                return attend_loaded_rows(module, query.transpose(1, 2), key.transpose(1, 2),
                                            value.transpose(1, 2), rows, scaling, softcap), None
             return _inner_function(module, st.inner)(module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, sliding_window=sliding_window,
@@ -250,7 +250,7 @@ def _attend(module: nn.Module, st: ModuleState, call: AttentionCall, q, k, v, kw
     layer_idx = module.layer_idx
     row_pos = _lcx_input(kwargs, "lcx_key_positions")
     if row_pos is not None:
-        return _attend_rows(st, q, k, v, row_pos.to(q.device), decoder, module.scaling, layer_idx, softcap)
+        return attend_rows(st, q, k, v, row_pos.to(q.device), decoder, module.scaling, layer_idx, softcap)
     cache = call.cache
     position_ids = kwargs.get("position_ids")
     if isinstance(cache, BoundedKVCache):
@@ -344,7 +344,7 @@ def row_groups(row_pos: torch.Tensor, n_queries: int) -> Iterator[tuple[int, tor
         yield nq, torch.tensor([b for b, _ in rows], device=row_pos.device), torch.stack([i for _, i in rows])
 
 
-def _attend_rows(st: ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
+def attend_rows(st: ModuleState, q, k, v, row_pos: torch.Tensor, decoder: nn.Module, scale: float,
                  layer_idx: int | None = None, softcap: float | None = None):
     """Attention of a padded batch (see "Padded / ragged batches" in the module doc): rows with
     the same number of real queries and of keys are one batched call (per-row rotary positions),
@@ -399,10 +399,10 @@ class LoadedRows:
 LOADED_ROWS: contextvars.ContextVar[LoadedRows | None] = contextvars.ContextVar("lcx_loaded_rows", default=None)
 
 
-def _attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: float | None,
+def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: float | None,
                         softcap: float | None = None) -> torch.Tensor:
     """q `[B, Tq, H, D]`, k/v `[B, Tk, Hkv, D]`, rotated by the model -> out `[B, Tq, H, D]`
-    (rows grouped by their numbers of queries and keys, as `_attend_rows`; `softcap`: the
+    (rows grouped by their numbers of queries and keys, as `attend_rows`; `softcap`: the
     family's attention-logit soft-capping, on `blockwise` where the rows' backend has none)."""
     from lcx.attention import AttentionSpec, attention, backend_for
     from lcx.masks import causal_mask
@@ -502,5 +502,5 @@ def decoder_and_layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
 
 __all__ = ["ATTN_IMPLEMENTATION", "DECODE_INPUT", "DEFAULT_BACKEND", "HOOK", "HOOKED_CONFIGS", "KEY_POSITIONS_INPUT",
            "LAYERS", "LCX_INPUTS", "LOADED_ROWS", "LoadedRows", "ModuleState", "PatchState", "STATE",
-           "channel_order", "current_patch", "decoder_and_layers", "hook_decoder", "hooked_forward",
-           "install_rotation_hook", "iter_rows", "lcx_attention", "register", "row_groups"]
+           "attend_loaded_rows", "attend_rows", "channel_order", "current_patch", "decoder_and_layers", "hook_decoder",
+           "hooked_forward", "install_rotation_hook", "iter_rows", "lcx_attention", "register", "row_groups"]

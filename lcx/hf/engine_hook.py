@@ -24,7 +24,8 @@ and three functions:
   engine continues a prefill from held keys on a model as loaded.
 - `lean_decoder(model)`: for a Llama-like decoder, the decode step's forward through the same
   modules without transformers' per-call machinery (`lcx.hf.lean_decode`; identical logits), or
-  None where the engine runs the model's own forward.
+  None where the engine runs the model's own forward. It also runs a step's prefill chunks in
+  the same forward as its decode rows (`MixedPrefill`: one token matrix through the weights).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .attention_call import (ATTN_IMPLEMENTATION, DECODE_INPUT, DEFAULT_BACKEND,
                              KEY_POSITIONS_INPUT, LOADED_ROWS, LoadedRows, ModuleState, STATE, channel_order,
                              current_patch, decoder_and_layers, hook_decoder, hooked_forward, install_rotation_hook,
                              register)
-from .lean_decode import lean_decoder
+from .lean_decode import MixedPrefill, lean_decoder
 from .models import attention_layers, decoder
 
 
@@ -124,5 +125,5 @@ def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], back
         LOADED_ROWS.reset(token)
 
 
-__all__ = ["DECODE_INPUT", "DecodeStep", "KEY_POSITIONS_INPUT", "has_decode_hook", "install_decode_hook",
-           "lean_decoder", "loaded_rows", "remove_decode_hook"]
+__all__ = ["DECODE_INPUT", "DecodeStep", "KEY_POSITIONS_INPUT", "LoadedRows", "MixedPrefill", "has_decode_hook",
+           "install_decode_hook", "lean_decoder", "loaded_rows", "remove_decode_hook"]

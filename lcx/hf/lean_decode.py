@@ -16,16 +16,29 @@ more than the decode step (a patched layer's method is the step's; a model as lo
 family's own rotation, as its forward applies it). Anything else returns None and the engine runs
 the model's forward, as before. tests/engine/test_lean_decode.py checks that both give identical
 logits (`torch.equal`) on every listed family, patched and as loaded.
+
+**One forward per step.** The same callable takes, beside the decode rows, a step's prefill
+chunks (`MixedPrefill`): the rows' tokens run as one token matrix `[B + R, d]` (B decode rows, R
+real prefill tokens, no padding) through every linear, norm and MLP, so a step that has both reads
+the weights once, as vLLM's (its scheduler hands the model runner one flattened batch of decode
+and prefill tokens). Only attention is per part: the decode rows through the step, the prefill
+chunks, scattered into their left-padded `[P, C]` layout, over their held keys plus the new ones
+as the model's own prefill call attends them in the engine: a patched layer with its method per
+row on the held-keys view (`attend_rows`), a model as loaded per row on lcx's backend
+(`attend_loaded_rows`, causal). The decode rows' logits equal a decode-only step's to float
+rounding (the GEMMs see more rows), and the prefill part the engine's two-forward prefill's
+(tests/engine/test_mixed_step.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .attention_call import STATE, current_patch, hooked_forward
+from .attention_call import STATE, LoadedRows, attend_loaded_rows, attend_rows, current_patch, hooked_forward
 from .models import decoder
 
 # decoder layer class -> whether its attention normalises q and k per head (Qwen3)
@@ -89,10 +102,49 @@ def why_not_lean(model: nn.Module) -> str | None:
     return None
 
 
-def lean_decoder(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor] | None:
-    """The lean decode forward of `model` (module docstring), or None where it does not apply.
-    Call it while the model's state is the one checked here (the engine checks every step that
-    its patch is unchanged: `lcx.engine.runner.ModelRunner.check_hook`)."""
+@dataclass
+class MixedPrefill:
+    """The prefill part of a step run in one forward with its decode rows (module docstring): P
+    rows of C slots, left-padded, continuing from held keys.
+
+    ids / positions `[R]`: the real tokens (row by row) and their positions; slots `[R]`: each
+    one's index into the flattened `[P * C]` layout; key_positions `[P, N + C]`: each row's held
+    slots then its new ones (-1: not a key of the row); held_keys / held_values: per layer
+    `[P, Hkv, N, D]` (None: nothing held); loaded: a model as loaded attends per row on lcx's
+    backend (`LoadedRows`), None on a patched model (its method per row). The forward fills keys
+    / values (per layer `[P, Hkv, N + C, D]`, zeros on padding) and hidden `[P, C, d]`."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    shape: tuple[int, int]
+    key_positions: torch.Tensor
+    held_keys: list[torch.Tensor] | None
+    held_values: list[torch.Tensor] | None
+    loaded: LoadedRows | None
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Real tokens' rows `[R, ...]` -> the padded layout `[P, C, ...]` (zeros on padding)."""
+        P, C = self.shape
+        out = x.new_zeros((P * C,) + tuple(x.shape[1:]))
+        out[self.slots] = x
+        return out.view((P, C) + tuple(x.shape[1:]))
+
+    def real(self, x: torch.Tensor) -> torch.Tensor:
+        """`[P, C, ...]` -> the real tokens' rows `[R, ...]`."""
+        return x.reshape((-1,) + tuple(x.shape[2:]))[self.slots]
+
+
+def lean_decoder(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The lean decode forward of `model` (module docstring), or None where it does not apply:
+    `(input_ids [B, 1], positions [B], step, prefill: MixedPrefill | None = None) -> the decode
+    rows' last hidden state [B, 1, d]`; with `prefill`, its chunks run in the same forward and
+    their keys, values and hidden states are filled in. Call it while the model's state is the one
+    checked here (the engine checks every step that its patch is unchanged:
+    `lcx.engine.runner.ModelRunner.check_hook`)."""
     if why_not_lean(model) is not None:
         return None
     dec = decoder(model)
@@ -104,16 +156,36 @@ def lean_decoder(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, Any]
         rotate = getattr(fn, "_lcx_original", fn)
     embed, rotary, norm = dec.embed_tokens, dec.rotary_emb, dec.norm
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: Any) -> torch.Tensor:
+    def attend_prefill(attn: nn.Module, pre: MixedPrefill, q, k, v) -> torch.Tensor:
+        """The prefill chunks' attention: q/k/v `[R, 1, H(kv), D]` -> `[R, H, D]`."""
+        i = attn.layer_idx
+        k, v = pre.padded(k[:, 0]).transpose(1, 2), pre.padded(v[:, 0]).transpose(1, 2)  # [P, Hkv, C, D]
+        if pre.held_keys is not None:
+            k, v = torch.cat([pre.held_keys[i], k], 2), torch.cat([pre.held_values[i], v], 2)
+        pre.keys.append(k)
+        pre.values.append(v)
+        q, k, v = pre.padded(q[:, 0]), k.transpose(1, 2), v.transpose(1, 2)  # [P, C, H, D], [P, N + C, Hkv, D]
+        if pre.loaded is not None:
+            o = attend_loaded_rows(attn, q, k, v, pre.loaded, attn.scaling)
+        else:
+            o = attend_rows(attn.__dict__[STATE], q, k, v, pre.key_positions, dec, attn.scaling, i)
+        return pre.real(o)
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, step: Any,
+                prefill: MixedPrefill | None = None) -> torch.Tensor:
+        B = input_ids.shape[0]
+        if prefill is not None:  # one token matrix: the decode rows, then the chunks' real tokens
+            input_ids = torch.cat([input_ids, prefill.ids[:, None]])
+            positions = torch.cat([positions, prefill.positions])
         h = embed(input_ids)
-        B = h.shape[0]
+        N = h.shape[0]
         if rotate is not None:
             cos, sin = rotary(h, position_ids=positions[:, None])
         for layer in layers:
             attn = layer.self_attn
             res = h
             x = layer.input_layernorm(h)
-            shape = (B, 1, -1, attn.head_dim)
+            shape = (N, 1, -1, attn.head_dim)
             q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
             if qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
@@ -121,13 +193,21 @@ def lean_decoder(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, Any]
             if rotate is not None:  # (the family rotates [B, H, 1, D], as its attention forward)
                 q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
-            o = step.attend(attn, q, k, v)
-            h = res + attn.o_proj(o.reshape(B, 1, -1).contiguous())
+            if prefill is None:
+                o = step.attend(attn, q, k, v).reshape(B, 1, -1)
+            else:
+                o = torch.cat([step.attend(attn, q[:B], k[:B], v[:B]).reshape(B, -1),
+                               attend_prefill(attn, prefill, q[B:], k[B:], v[B:]).reshape(N - B, -1)])[:, None]
+            h = res + attn.o_proj(o.contiguous())
             res = h
             h = res + layer.mlp(layer.post_attention_layernorm(h))
-        return norm(h)
+        h = norm(h)
+        if prefill is None:
+            return h
+        prefill.hidden = prefill.padded(h[B:, 0])
+        return h[:B]
 
     return forward
 
 
-__all__ = ["LEAN_DECODERS", "LEAN_LAYERS", "lean_decoder", "why_not_lean"]
+__all__ = ["LEAN_DECODERS", "LEAN_LAYERS", "MixedPrefill", "lean_decoder", "why_not_lean"]

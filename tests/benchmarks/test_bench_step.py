@@ -26,3 +26,24 @@ def test_bench_step_small_run(tmp_path):
     for key in ("prefill_64_share", "decode_b1_share", "decode_b32_share"):
         assert set(row[key]) == {"linear", "attention", "other"}
         assert sum(row[key].values()) == pytest.approx(1.0, abs=0.01) and row[key]["linear"] > 0
+
+
+@pytest.mark.vllm
+def test_bench_step_vs_vllm(tmp_path, vllm_python):
+    """`--vs-vllm`: both engines profiled on the system-prompt load, without and with their prefix
+    cache: the same tokens, the same prompt tokens computed without the cache, self time grouped
+    the same way for both (linear and attention present in each)."""
+    out = tmp_path / "s.json"
+    assert main(["bench", "step", "--vs-vllm", "--models", "tiny-5m", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["model"] == "tiny-5m" and row["load"] == "system_prompt" and row["vllm"]["vllm"]
+    assert set(row["settings"]) == {"no_cache", "cache"}
+    for setting, r in row["settings"].items():
+        assert r["same_tokens"] is True, setting
+        for eng in ("lcx", "vllm"):
+            assert set(r[eng]["self_s"]) == {"linear", "attention", "other"}
+            assert r[eng]["self_s"]["linear"] > 0 and r[eng]["self_s"]["attention"] > 0, (setting, eng, r[eng])
+            assert r[eng]["gen_tok_s"] > 0 and r[eng]["top_ops_self_s"]
+        assert set(r["vllm_vs_lcx_self_s"]) == {"linear", "attention", "other"}
+    none = row["settings"]["no_cache"]
+    assert none["lcx"]["prompt_tokens_computed"] == none["vllm"]["prompt_tokens_computed"] == 16 * 544

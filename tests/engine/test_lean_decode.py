@@ -35,7 +35,7 @@ def test_lean_decode_gives_the_models_own_logits(family, method):
     for lean in (False, True):
         model = _model(family)
         cfg = EngineConfig(methods=METHODS[method], max_model_len=64, max_batch=3, prefix_caching=False,
-                           lean_decode=lean)
+                           lean_decode=lean, mixed_step=False)
         engine = Engine(model, byte_tokenizer(), cfg)
         assert (engine.runner.lean is not None) is lean, why_not_lean(model)
         assert engine.runner.store is None and engine.runner.cache_layout.rotated  # the fast path decodes

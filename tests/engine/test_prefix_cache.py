@@ -174,8 +174,8 @@ def test_model_as_loaded_continues_per_row_without_a_mask(monkeypatch):
     from lcx.engine.core import _loaded_rows_windows
 
     calls, masks = [], []
-    real_attend, real_mask = ac._attend_loaded_rows, ac._no_mask
-    monkeypatch.setattr(ac, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
+    real_attend, real_mask = ac.attend_loaded_rows, ac._no_mask
+    monkeypatch.setattr(ac, "attend_loaded_rows", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
 
     def spy_mask(**kwargs):
         out = real_mask(**kwargs)

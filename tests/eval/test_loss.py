@@ -212,8 +212,8 @@ def test_lcx_model_scores_a_windowed_model_as_loaded_per_row(tiny_gemma3_dir, mo
                rope_type="dynamic", factor=2.0)
     assert lm.lcx_engine._whole_prompt_rows and lm.lcx_engine.methods.attention is None
     calls = []
-    real = ac._attend_loaded_rows
-    monkeypatch.setattr(ac, "_attend_loaded_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ac.attend_loaded_rows
+    monkeypatch.setattr(ac, "attend_loaded_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     reqs = _requests(lm.tokenizer)
     assert max(len(c) + len(x) for _, c, x in reqs) > 32
     got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)

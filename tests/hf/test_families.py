@@ -583,8 +583,8 @@ def test_engine_as_loaded_hybrid_fast_path(case, monkeypatch):
         full = torch.tensor([prompt + want[:-1]])
         want_gen_lp = model(full).logits.log_softmax(-1)[0, len(prompt) - 1:]  # [gen, V]
     rows = []  # calls of the per-row path (`loaded_rows`), with whether a mask was built for them
-    real_attend = ac._attend_loaded_rows
-    monkeypatch.setattr(ac, "_attend_loaded_rows", lambda *a, **k: rows.append(1) or real_attend(*a, **k))
+    real_attend = ac.attend_loaded_rows
+    monkeypatch.setattr(ac, "attend_loaded_rows", lambda *a, **k: rows.append(1) or real_attend(*a, **k))
     try:
         engine = Engine(model, byte_tokenizer(), EngineConfig(methods=cfg, max_model_len=64))
         out = engine.generate([prompt], SamplingParams(max_tokens=gen, ignore_eos=True, logprobs=0,
