@@ -129,13 +129,16 @@ class MixedPrefill:
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """Real tokens' rows `[R, ...]` -> the padded layout `[P, C, ...]` (zeros on padding)."""
         P, C = self.shape
+        if self.slots.numel() == P * C:  # no padding (rows of one length): no copy
+            return x.reshape((P, C) + tuple(x.shape[1:]))
         out = x.new_zeros((P * C,) + tuple(x.shape[1:]))
         out[self.slots] = x
         return out.view((P, C) + tuple(x.shape[1:]))
 
     def real(self, x: torch.Tensor) -> torch.Tensor:
         """`[P, C, ...]` -> the real tokens' rows `[R, ...]`."""
-        return x.reshape((-1,) + tuple(x.shape[2:]))[self.slots]
+        flat = x.reshape((-1,) + tuple(x.shape[2:]))
+        return flat if self.slots.numel() == flat.shape[0] else flat[self.slots]
 
 
 def lean_decoder(model: nn.Module) -> Callable[..., torch.Tensor] | None:

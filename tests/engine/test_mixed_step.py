@@ -34,9 +34,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("rows", ["ragged", "even"])
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_mixed_forward_is_a_decode_plus_a_prefill(family, method):
+def test_the_mixed_forward_is_a_decode_plus_a_prefill(family, method, rows):
     engine = Engine(_model(family), byte_tokenizer(),
                     EngineConfig(methods=METHODS[method], max_model_len=128, max_batch=8, prefix_caching=False))
     runner = engine.runner
@@ -51,7 +52,8 @@ def test_the_mixed_forward_is_a_decode_plus_a_prefill(family, method):
     long = PROMPTS[5]
     head = runner.prefill([(long[:16], 0, None)])
     held = head.held(0, 16, engine._window)
-    rows = [(long[16:], 16, held), (PROMPTS[3][:13], 0, None), (PROMPTS[4][:1], 0, None)]
+    rows = ([(long[16:], 16, held), (PROMPTS[3][:13], 0, None), (PROMPTS[4][:1], 0, None)] if rows == "ragged"
+            else [(PROMPTS[3][:13], 0, None), (PROMPTS[4][:13], 0, None)])  # (no padding: the chunks' views)
 
     store_a, store_b = runner.store.rows(list(range(3))), runner.store.rows(list(range(3)))
     logits_a, out_a = runner.decode(store_a, toks, pos), runner.prefill(rows)
