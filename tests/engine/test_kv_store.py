@@ -199,3 +199,46 @@ def test_rows_join_and_leave_in_place_as_the_copies_do(layout):
     store.move(dst, src, n)  # 1 of 7 buffer rows left: the buffers shrink to it
     assert store.batch == 1 and store.main.spare_rows == 0 and order == [2]
     _same(want.rows(order), store)
+
+
+def _pos(rows: list[list[int]], T: int) -> torch.Tensor:
+    """Left-padded slot positions `[b, T]` (-1: padding) of rows given as position lists."""
+    out = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, T - len(r):] = torch.tensor(r)
+    return out
+
+
+SCATTER_CASES = {  # (rows' kept positions, ring, C)
+    "uniform": ([list(range(11))] * 3, None, 16),
+    "left-padded": ([list(range(11)), list(range(4)), list(range(7))], None, 16),
+    "continued": ([list(range(5, 16)), list(range(9)), []], None, 20),
+    "a gap": ([list(range(3)) + list(range(9, 15)), list(range(9))], None, 16),  # a bounded row's kept keys
+    "ring, no wrap": ([list(range(1, 8))] * 2, 8, 8),
+    "ring, wrapping": ([list(range(5, 12)), list(range(4))], 8, 8),
+}
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("case", list(SCATTER_CASES))
+def test_prefill_rows_move_as_slices_or_gathered_alike(case, rotate, monkeypatch):
+    """`_scatter` moves rows whose kept slots are one run as slices (`_runs`) and any other by
+    gathering: the same store either way, bit for bit."""
+    import lcx.engine.kv as kv
+
+    rows, ring, C = SCATTER_CASES[case]
+    T = max(len(r) for r in rows) + 2  # (every row left-padded by at least 2)
+    pos = _pos(rows, T)
+    g = torch.Generator().manual_seed(3)
+    keys = [torch.randn(len(rows), 2, T, 4, generator=g) for _ in range(2)]
+    values = [torch.randn(len(rows), 2, T, 4, generator=g) for _ in range(2)]
+    rotation = (lambda x, p: x * (1.0 + p.to(x.dtype))[:, None, None]) if rotate else None
+    expect_runs = case not in ("a gap", "ring, wrapping")
+    assert (kv._runs(pos, pos >= 0, ring, C) is not None) == expect_runs
+    fast = kv._scatter(keys, values, pos, pos >= 0, C, ring, None, rotation)
+    monkeypatch.setattr(kv, "_runs", lambda *a: None)
+    slow = kv._scatter(keys, values, pos, pos >= 0, C, ring, None, rotation)
+    assert torch.equal(fast.pos, slow.pos)
+    for a, b in zip(fast.k + fast.v, slow.k + slow.v):
+        assert torch.equal(a, b)
