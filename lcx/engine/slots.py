@@ -10,20 +10,16 @@ import torch
 
 def rebuffer(x: torch.Tensor, R: int, C: int, n: int, fill: float | int = 0) -> torch.Tensor:
     """A buffer of R rows and C slots holding x's first n rows (x `[>= n, ..., C0]`, C0 <= C;
-    their other slots `fill`: zeros for keys and values, so an empty slot is never NaN, -1 for
-    positions). The spare rows n.. are left unwritten: nothing reads them before `append` writes
-    every slot of a row it fills (the store's views cover the first n rows only)."""
+    the rest `fill`: zeros for keys and values, so an empty slot is never NaN, -1 for positions)."""
     dim = 2 if x.dim() == 4 else 1
     shape = list(x.shape)
     shape[0], shape[dim] = R, C
-    out = x.new_empty(shape)
+    out = x.new_full(shape, fill)
     c0 = x.shape[dim]
     if dim == 2:
         out[:n, :, :c0] = x[:n]
-        out[:n, :, c0:] = fill
     else:
         out[:n, :c0] = x[:n]
-        out[:n, c0:] = fill
     return out
 
 
