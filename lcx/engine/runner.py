@@ -245,8 +245,11 @@ class ModelRunner:
     def add_rows(self, out: PrefillOutput, rows: list[int], budgets: Sequence[int]) -> None:
         """Append rows `rows` of a prefill call to the running batch's store, each allocated for at
         most `budgets[j]` positions (prompt + max_tokens)."""
-        new = ModelKV.from_prefill(self.cache_layout, [k[rows] for k in out.keys], [v[rows] for v in out.values],
-                                   out.pos[rows], torch.tensor(list(budgets)))
+        if list(rows) == list(range(out.pos.shape[0])):  # every row (the common case): no gathered copy
+            keys, values, pos = out.keys, out.values, out.pos
+        else:
+            keys, values, pos = [k[rows] for k in out.keys], [v[rows] for v in out.values], out.pos[rows]
+        new = ModelKV.from_prefill(self.cache_layout, keys, values, pos, torch.tensor(list(budgets)))
         if self.store is None:
             self.store = new
         else:
