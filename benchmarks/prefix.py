@@ -242,8 +242,11 @@ def _run_load(engine: Any, prompts: list[list[int]], concurrency: int, max_token
     stats1 = engine.stats.to_dict()
     looked = stats1["prefix_cache_query_tokens"] - stats0["prefix_cache_query_tokens"]
     hit = stats1["prefix_cache_hit_tokens"] - stats0["prefix_cache_hit_tokens"]
+    steps = {k: stats1[k] - stats0[k] for k in ("decode_steps", "prefill_batches", "mixed_steps")}
     return {**res, "prompt_tokens_computed": stats1["prompt_tokens_computed"] - stats0["prompt_tokens_computed"],
-            "hit_rate": hit / looked if looked else 0.0}
+            "hit_rate": hit / looked if looked else 0.0,
+            # steps with decode rows, prefill calls, and the steps that ran both in one forward
+            "steps": steps}
 
 
 # --- vLLM: its offline engine (`LLMEngine`, in the python that has vLLM) on the same loads ---------
@@ -570,6 +573,8 @@ def _row(prompts: list[list[int]], conc: int, runs: dict[str, list[dict[str, Any
                            "concurrency": conc, "same_tokens": same}
     for s in SETTINGS:
         row[s] = {k: round(statistics.median(r[k] for r in runs[s]), 5) for k in METRICS}
+        if "steps" in runs[s][0]:  # (lcx's engine: its step counts, the same in every repeat)
+            row[s]["steps"] = runs[s][0]["steps"]
     c, n = row["cache"], row["no_cache"]
     row["ratio_cache_vs_no_cache"] = {"gen_tok_s": round(c["gen_tok_s"] / n["gen_tok_s"], 3),
                                       "ttft_p50": round(c["ttft_p50_s"] / n["ttft_p50_s"], 3),

@@ -52,6 +52,12 @@ def test_bench_prefix_end_to_end(tmp_path):
     assert row["same_tokens"] is True and row["cache"]["hit_rate"] == 0 and row["concurrency"] == 3
     assert row["prompts"] == 5 and row["prompt_tokens"] == 5 * 9
     assert rec["environment"]["lcx_engine"]["max_batch"] >= 3
+    assert rec["environment"]["lcx_engine"]["mixed_step"] is True  # (tiny-5m: a Llama decoder, the lean forward)
+    for load, row in rec["results"].items():  # lcx's step counts: decode steps, prefill calls, mixed steps
+        for s in ("no_cache", "cache"):
+            st = row[s]["steps"]
+            assert st["decode_steps"] > 0 and st["prefill_batches"] > 0, (load, s, st)
+            assert 0 <= st["mixed_steps"] <= min(st["decode_steps"], st["prefill_batches"])
 
 
 @pytest.mark.parametrize("flag", ["--requests", "--concurrency", "--passkey-length", "--repeats", "--vllm-block-size",
