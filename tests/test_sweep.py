@@ -20,8 +20,8 @@ REAL_MODEL_REPORTS = ("smollm2-135m-n16", "smollm2-135m-ruler", "smollm2-135m-ru
                       "gemma3-270m-ruler", "gemma3-270m-ruler8k")
 # sweeps whose report is still being measured (hours of CPU): their settings are checked once the report
 # is committed; until then the check skips them, and only them
-# sweeps whose report is not committed yet: #77 item 4 (16k: ~10 CPU hours; 32k and Gemma 48k: costs
-# measured first, results/dca_string_cost_32k_48k.json)
+# sweeps whose report is not committed yet: #77 item 4 (16k: ~10 CPU hours; 32k ~17.5 and Gemma 48k ~5.8
+# core-hours of prefill, from one prompt each measured first: results/dca_string_cost_32k_48k.json)
 IN_PROGRESS = ("smollm2-135m-dca-string", "smollm2-135m-dca-string-32k", "gemma3-270m-dca-string")
 
 TINY = """
