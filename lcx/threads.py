@@ -34,6 +34,8 @@ ENV_VAR = "LCX_THREADS"
 MARGIN = 0.10
 
 _decision: dict[str, Any] | None = None  # the auto decision of this process (measured once)
+_resolved = False  # whether `resolve_threads` set this process's threads (then `contention` stays quiet)
+_warned = False
 
 
 def available_cores() -> int:
@@ -141,6 +143,7 @@ def auto_threads(refresh: bool = False) -> dict[str, Any]:
 def resolve_threads(threads: int | str | None = AUTO, *, apply: bool = True) -> int:
     """The thread count to use: an explicit integer as given; `auto`/None -> `LCX_THREADS` if set,
     else `auto_threads()`. Applied to torch (`torch.set_num_threads`) unless `apply=False`."""
+    global _resolved
     threads = parse_threads(threads)
     source = "--threads"
     if threads is None or threads == AUTO:
@@ -158,9 +161,43 @@ def resolve_threads(threads: int | str | None = AUTO, *, apply: bool = True) -> 
         import torch
 
         torch.set_num_threads(int(threads))
+        _resolved = True
     log.info("torch threads: %d (%s)", threads, source)
     return int(threads)
 
 
-__all__ = ["AUTO", "ENV_VAR", "add_threads_argument", "auto_threads", "available_cores", "choose", "measure",
-           "parse_threads", "resolve_threads"]
+def contention(threads: int, cores: int | None = None, load: float | None = None) -> str | None:
+    """Why `threads` torch threads may run this process several times slower, or None: more than
+    one thread, and fewer cores free than threads (`cores` available, less the 1-minute load
+    average `load` of the machine, rounded), so the threads wait on each other at every op (the
+    module docstring). Arguments default to this process's and machine's."""
+    cores = available_cores() if cores is None else cores
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return None
+    if threads <= 1 or threads <= cores - round(load):
+        return None
+    return (f"torch runs {threads} threads on {cores} cores while the load average is {load:.1f}: threads that "
+            "wait on each other can make lcx's engine several times slower (docs/serving.md, --threads); call "
+            "lcx.threads.resolve_threads('auto') or torch.set_num_threads(1) first")
+
+
+def warn_contention() -> None:
+    """Log `contention`'s warning once per process, unless lcx chose the threads (`resolve_threads`,
+    as every lcx command does) or `LCX_THREADS` is set: for a library user who builds an engine
+    with torch's default, one thread per core (`lcx.engine.Engine` calls it on the CPU)."""
+    global _warned
+    if _warned or _resolved or os.environ.get(ENV_VAR):
+        return
+    import torch
+
+    why = contention(torch.get_num_threads())
+    if why is not None:
+        _warned = True
+        log.warning(why)
+
+
+__all__ = ["AUTO", "ENV_VAR", "add_threads_argument", "auto_threads", "available_cores", "choose", "contention",
+           "measure", "parse_threads", "resolve_threads", "warn_contention"]

@@ -70,3 +70,36 @@ def test_measure_times_each_count_and_restores_torch():
     t = th.measure((1, th.available_cores()), rounds=1, reps=1)
     assert set(t) == {1, th.available_cores()} and all(v > 0 for v in t.values())
     assert torch.get_num_threads() == before
+
+
+def test_contention_names_threads_that_outnumber_the_free_cores():
+    from lcx.threads import contention
+
+    assert contention(1, 2, 3.0) is None  # one thread never waits on another
+    assert contention(2, 2, 0.1) is None  # an idle 2-core machine
+    assert contention(4, 16, 3.0) is None  # cores to spare
+    why = contention(2, 2, 1.2)  # one core busy elsewhere
+    assert why is not None and "2 threads on 2 cores" in why and "resolve_threads('auto')" in why
+
+
+def test_the_engine_warns_once_about_torch_default_threads_on_a_busy_machine(monkeypatch, caplog):
+    import logging
+
+    import lcx.threads as th
+    from lcx.engine import Engine, EngineConfig
+    from lcx.hf.models import tiny_model
+    from lcx.models.tiny import byte_tokenizer
+
+    monkeypatch.setattr(th, "_resolved", False)
+    monkeypatch.setattr(th, "_warned", False)
+    monkeypatch.delenv(th.ENV_VAR, raising=False)
+    monkeypatch.setattr(th, "contention", lambda threads: "torch runs 2 threads on 2 cores ...")
+    with caplog.at_level(logging.WARNING, logger="lcx.threads"):
+        for _ in range(2):
+            Engine(tiny_model("llama", seed=1), byte_tokenizer(), EngineConfig(max_model_len=32))
+    assert [r.message for r in caplog.records if r.name == "lcx.threads"] == ["torch runs 2 threads on 2 cores ..."]
+    caplog.clear()
+    monkeypatch.setattr(th, "_warned", False)
+    monkeypatch.setattr(th, "_resolved", True)  # lcx chose the threads (every lcx command does): quiet
+    Engine(tiny_model("llama", seed=1), byte_tokenizer(), EngineConfig(max_model_len=32))
+    assert not [r for r in caplog.records if r.name == "lcx.threads"]

@@ -76,6 +76,10 @@ class Engine:
                                   lean_decode=config.lean_decode)
         self.cache_layout: KVLayout = self.runner.cache_layout
         self.device, self.dtype = self.runner.device, self.runner.dtype
+        if self.device.type == "cpu":  # (torch's default threads on a busy machine: say so, once)
+            from ..threads import warn_contention
+
+            warn_contention()
         self.stats = EngineStats()
         # prefix reuse and chunked prefill (`lcx.engine.prefix`): why not, or None
         self.prefix_cache_refusal: str | None = reuse_refusal(methods, applied.bases is not None)
