@@ -171,15 +171,15 @@ def vs_vllm(name: str, threads: int, log_dir: str) -> dict[str, Any]:
             lcx = Engine(model, tok, EngineConfig(max_model_len=max_model_len, prefix_caching=(setting == "cache"),
                                                   max_batch=int(sched["max_num_seqs"]),
                                                   max_num_batched_tokens=int(sched["max_num_batched_tokens"])))
+            run = (prompts, cfg.concurrency, cfg.max_tokens)
             row: dict[str, Any] = {}
-            for eng, go in (("lcx", lambda p=False: prefix._run_load(lcx, prompts, cfg.concurrency, cfg.max_tokens)),
-                            ("vllm", lambda p=False: engines[setting].run(prompts, cfg.concurrency, cfg.max_tokens,
-                                                                          profile=p))):
-                go()  # untimed: first-call costs
+            for eng in ("lcx", "vllm"):
                 if eng == "lcx":
-                    res, ops = profiled(go)
-                else:
-                    res = go(True)
+                    prefix._run_load(lcx, *run)  # untimed: first-call costs
+                    res, ops = profiled(lambda: prefix._run_load(lcx, *run))
+                else:  # (profiled in vLLM's own process)
+                    engines[setting].run(*run)
+                    res = engines[setting].run(*run, profile=True)
                     ops = res.pop("ops_self_s")
                 row[eng] = {"wall_s": round(res["wall_s"], 3), "gen_tok_s": round(res["gen_tok_s"], 3),
                             "ttft_p50_s": round(res["ttft_p50_s"], 4), "tokens": res["tokens"],

@@ -354,64 +354,53 @@ def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Ten
 def _scatter(keys, values, pos, keep, C: int, ring: int | None, limit: int | None,
              rotation: Callable | None) -> SlotStore:
     """The kept slots (`keep [b, T]`) of a left-padded prefill cache, moved into a store of C
-    slots (slot p % ring, or p), keys rotated by `rotation` on the way. Where every row's kept
-    slots are one run of consecutive positions landing on consecutive slots (`_runs`: no padding
-    inside, no wrap of a ring), they move as slices, one per row (one per layer when the rows
-    agree), not by gathering each slot: the same values, 3x faster on 4 rows of 544 slots."""
+    slots (slot p % ring, or p), keys rotated by `rotation` on the way. Where every row keeps the
+    same run of consecutive positions landing on consecutive slots (`_one_run`: rows of one
+    length, no wrap of a ring), they move as one slice per layer, not by gathering each slot: the
+    same values, 3x faster on 4 rows of 544 slots."""
     b_idx, t_idx = keep.nonzero(as_tuple=True)
     p = pos[b_idx, t_idx]
     s_idx = p % ring if ring is not None else p
     B = pos.shape[0]
     out_pos = torch.full((B, C), -1, dtype=torch.long, device=pos.device)
     out_pos[b_idx, s_idx] = p
-    runs = _runs(pos, keep, ring, C)
+    run = _one_run(pos, keep, ring, C)
     ks, vs = [], []
-    uniform = runs is not None and len(set(runs)) == 1
     for k, v in zip(keys, values):
-        if uniform:  # (only the slots outside the run zeroed)
-            t0, s0, n = runs[0]
+        if run is None:
+            kk = k.new_zeros(B, k.shape[1], C, k.shape[3])
+            vv = v.new_zeros(B, v.shape[1], C, v.shape[3])
+            src = k[b_idx, :, t_idx]  # [N, Hkv, D]
+            kk[b_idx, :, s_idx] = src if rotation is None else rotation(src, p)
+            vv[b_idx, :, s_idx] = v[b_idx, :, t_idx]
+        else:  # one slice; only the slots outside it zeroed
+            t0, s0, n = run
             kk, vv = k.new_empty(B, k.shape[1], C, k.shape[3]), v.new_empty(B, v.shape[1], C, v.shape[3])
             for x in (kk, vv):
                 x[:, :, :s0].zero_()
                 x[:, :, s0 + n:].zero_()
-        else:
-            kk = k.new_zeros(B, k.shape[1], C, k.shape[3])
-            vv = v.new_zeros(B, v.shape[1], C, v.shape[3])
-        if runs is None:
-            src = k[b_idx, :, t_idx]  # [N, Hkv, D]
-            kk[b_idx, :, s_idx] = src if rotation is None else rotation(src, p)
-            vv[b_idx, :, s_idx] = v[b_idx, :, t_idx]
-        elif uniform:  # every row the same run: one slice
-            if n:
-                kk[:, :, s0:s0 + n] = k[:, :, t0:t0 + n] if rotation is None else _rotated(
-                    k[:, :, t0:t0 + n], pos[:, t0:t0 + n], rotation)
-                vv[:, :, s0:s0 + n] = v[:, :, t0:t0 + n]
-        else:
-            for b, (t0, s0, n) in enumerate(runs):
-                if n:
-                    kk[b:b + 1, :, s0:s0 + n] = k[b:b + 1, :, t0:t0 + n] if rotation is None else _rotated(
-                        k[b:b + 1, :, t0:t0 + n], pos[b:b + 1, t0:t0 + n], rotation)
-                    vv[b:b + 1, :, s0:s0 + n] = v[b:b + 1, :, t0:t0 + n]
+            kk[:, :, s0:s0 + n] = k[:, :, t0:t0 + n] if rotation is None else _rotated(
+                k[:, :, t0:t0 + n], pos[:, t0:t0 + n], rotation)
+            vv[:, :, s0:s0 + n] = v[:, :, t0:t0 + n]
         ks.append(kk)
         vs.append(vv)
     return SlotStore(ks, vs, out_pos, ring, limit)
 
 
-def _runs(pos: torch.Tensor, keep: torch.Tensor, ring: int | None, C: int) -> list[tuple[int, int, int]] | None:
-    """Per row (t0, s0, n): its n kept slots are t0 .. t0 + n - 1, at consecutive positions that
-    land on slots s0 .. s0 + n - 1 (slot p % ring, or p; within C); None if a row is not such a run."""
-    n = keep.sum(1)  # [B]
-    T = keep.shape[1]
-    t0 = keep.int().argmax(1)
-    t1 = T - 1 - keep.flip(1).int().argmax(1)
-    d = pos[:, 1:] - pos[:, :-1]
-    if bool(((t1 - t0 + 1 != n) & (n > 0)).any()) or bool((keep[:, 1:] & keep[:, :-1] & (d != 1)).any()):
+def _one_run(pos: torch.Tensor, keep: torch.Tensor, ring: int | None, C: int) -> tuple[int, int, int] | None:
+    """(t0, s0, n) where every row keeps exactly slots t0 .. t0 + n - 1 (n > 0), at the same
+    consecutive positions, landing on slots s0 .. s0 + n - 1 (slot p % ring, or p) without wrapping
+    or passing C; else None."""
+    n = int(keep[0].sum())
+    if n == 0 or not bool((keep.sum(1) == n).all()):
         return None
-    p0 = pos.gather(1, t0[:, None]).squeeze(1)
+    t0 = int(keep[0].int().argmax())
+    p0 = int(pos[0, t0])
+    if not bool(keep[:, t0:t0 + n].all()) or not torch.equal(
+            pos[:, t0:t0 + n], (p0 + torch.arange(n, device=pos.device)).expand(pos.shape[0], n)):
+        return None
     s0 = p0 % ring if ring is not None else p0
-    if bool(((s0 + n > (ring if ring is not None else C)) & (n > 0)).any()) or bool((s0 + n > C).any()):
-        return None
-    return [(a, b, c) if c else (0, 0, 0) for a, b, c in zip(t0.tolist(), s0.tolist(), n.tolist())]
+    return (t0, s0, n) if s0 + n <= min(C, ring if ring is not None else C) else None
 
 
 def _rotated(k: torch.Tensor, p: torch.Tensor, rotation: Callable) -> torch.Tensor:

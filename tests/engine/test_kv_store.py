@@ -212,6 +212,7 @@ def _pos(rows: list[list[int]], T: int) -> torch.Tensor:
 
 SCATTER_CASES = {  # (rows' kept positions, ring, C)
     "uniform": ([list(range(11))] * 3, None, 16),
+    "uniform, continued": ([list(range(5, 16))] * 2, None, 20),
     "left-padded": ([list(range(11)), list(range(4)), list(range(7))], None, 16),
     "continued": ([list(range(5, 16)), list(range(9)), []], None, 20),
     "a gap": ([list(range(3)) + list(range(9, 15)), list(range(9))], None, 16),  # a bounded row's kept keys
@@ -223,8 +224,8 @@ SCATTER_CASES = {  # (rows' kept positions, ring, C)
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("case", list(SCATTER_CASES))
 def test_prefill_rows_move_as_slices_or_gathered_alike(case, rotate, monkeypatch):
-    """`_scatter` moves rows whose kept slots are one run as slices (`_runs`) and any other by
-    gathering: the same store either way, bit for bit."""
+    """`_scatter` moves rows that keep the same run of slots as one slice (`_one_run`) and any
+    others by gathering: the same store either way, bit for bit."""
     import lcx.engine.kv as kv
 
     rows, ring, C = SCATTER_CASES[case]
@@ -234,10 +235,10 @@ def test_prefill_rows_move_as_slices_or_gathered_alike(case, rotate, monkeypatch
     keys = [torch.randn(len(rows), 2, T, 4, generator=g) for _ in range(2)]
     values = [torch.randn(len(rows), 2, T, 4, generator=g) for _ in range(2)]
     rotation = (lambda x, p: x * (1.0 + p.to(x.dtype))[:, None, None]) if rotate else None
-    expect_runs = case not in ("a gap", "ring, wrapping")
-    assert (kv._runs(pos, pos >= 0, ring, C) is not None) == expect_runs
+    sliced = case in ("uniform", "uniform, continued", "ring, no wrap")
+    assert (kv._one_run(pos, pos >= 0, ring, C) is not None) == sliced
     fast = kv._scatter(keys, values, pos, pos >= 0, C, ring, None, rotation)
-    monkeypatch.setattr(kv, "_runs", lambda *a: None)
+    monkeypatch.setattr(kv, "_one_run", lambda *a: None)
     slow = kv._scatter(keys, values, pos, pos >= 0, C, ring, None, rotation)
     assert torch.equal(fast.pos, slow.pos)
     for a, b in zip(fast.k + fast.v, slow.k + slow.v):
