@@ -3,6 +3,7 @@
     lcx bench step                                   # tiny-5m and SmolLM2-135M -> results/engine_step_profile_cpu.json
     lcx bench step --models tiny-5m --prefill-tokens 256 --out /tmp/step.json
     lcx bench step --vs-vllm --models smollm2-135m --out results/engine_vs_vllm_profile_cpu.json
+    lcx bench step --mixed-ab --models smollm2-135m --steps 3 --out results/mixed_step_ab_smollm2-135m.json
 
 Per model: a prefill of `--prefill-tokens` tokens (one request, one generated token) and decode
 steps of the engine with 1 and 32 rows running (128-token prompts, `--steps` steps each, after 4
@@ -23,6 +24,13 @@ self CPU time per operator is grouped the same way for both engines (linear: one
 `_linear_pointwise` / vLLM's `onednn_mm`, `addmm`, `mm`; attention: SDPA, vLLM's
 `cpu_attention_with_kv_cache`, `bmm`, softmax; other: the rest), with each engine's top operators.
 The same work in both: the same prompts, greedy, the same tokens computed.
+
+`--mixed-ab`: instead, what one forward per step (`EngineConfig.mixed_step`) changes on the same
+system-prompt load with the prefix cache (vLLM's batch limit and token budget): two engines on one
+model in one process, mixed step on and off, run in turn (`--steps` rounds after an untimed one),
+on the load as `lcx bench prefix` runs it (8 tokens per request: requests start and finish
+together) and with requests that finish apart (max_tokens 4-19): each run's tokens/s, median
+TTFT and step counts, the medians and the on/off ratios, whether the tokens agree.
 
 The engine runs as `lcx serve` runs it (its defaults: packed linears, the lean decode forward
 where the family has one), one torch thread (`--threads`). The step times are wall times: on a
@@ -71,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vs-vllm", action="store_true",
                         help="profile lcx's engine and plain vLLM's on `lcx bench prefix`'s system-prompt load instead, "
                              "without and with the prefix cache (needs vLLM: `lcx bench prefix` says where it looks)")
+    parser.add_argument("--mixed-ab", action="store_true",
+                        help="instead, the mixed step (EngineConfig.mixed_step) on vs off on the system-prompt load, "
+                             "requests together and finishing apart, --steps interleaved rounds")
 
 
 def shares(pr: cProfile.Profile) -> dict[str, float]:
@@ -195,6 +206,54 @@ def vs_vllm(name: str, threads: int, log_dir: str) -> dict[str, Any]:
     return out
 
 
+def mixed_ab(name: str, rounds: int) -> dict[str, Any]:
+    """The mixed step on and off (module docstring, `--mixed-ab`)."""
+    import statistics
+
+    from benchmarks import prefix
+    from lcx.allocator import reuse_freed_memory
+    from lcx.engine import Engine, EngineConfig, SamplingParams
+    from lcx.models import load_model
+
+    reuse_freed_memory()  # (as lcx serve's engine process and `lcx bench prefix` run it)
+    model, tok = load_model(name)
+    cfg = prefix.Config(name, 16, 4, 512, 32, 2048, 8, 8, rounds, 1)
+    prompts = prefix.system_prompt_load(cfg, int(model.config.vocab_size))
+    engines = {on: Engine(model, tok, EngineConfig(max_model_len=4096, max_batch=prefix.VLLM_CPU_MAX_NUM_SEQS,
+                                                   max_num_batched_tokens=prefix.VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
+                                                   mixed_step=on)) for on in (False, True)}
+
+    def once(engine: Any, max_tokens: list[int]) -> dict[str, Any]:
+        engine.prefix_cache.clear()
+        s0 = engine.stats.to_dict()
+        sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+        res = prefix._drive(lambda p, i: engine.add_request(p, sps[i]),
+                            lambda: [(ev.request_id, ev.token_ids, ev.finished) for ev in engine.step()],
+                            prompts, cfg.concurrency)
+        s1 = engine.stats.to_dict()
+        return {"gen_tok_s": round(res["gen_tok_s"], 3), "ttft_p50_s": round(res["ttft_p50_s"], 4),
+                "decode_steps": s1["decode_steps"] - s0["decode_steps"],
+                "mixed_steps": s1["mixed_steps"] - s0["mixed_steps"], "tokens": res["tokens"]}
+
+    out: dict[str, Any] = {"model": name, "load": "system_prompt, prefix cache on", "rounds": rounds, "loads": {}}
+    for load, max_tokens in (("together", [cfg.max_tokens] * len(prompts)),
+                             ("apart", [4 + (i * 7) % 16 for i in range(len(prompts))])):
+        for e in engines.values():
+            once(e, max_tokens)  # untimed: first-call costs
+        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for _ in range(rounds):
+            for on, e in engines.items():
+                runs["on" if on else "off"].append(once(e, max_tokens))
+        same = all(r["tokens"] == runs["off"][0]["tokens"] for v in runs.values() for r in v)
+        med = {k: {m: statistics.median(r[m] for r in v) for m in ("gen_tok_s", "ttft_p50_s")} for k, v in runs.items()}
+        for v in runs.values():
+            for r in v:
+                del r["tokens"]
+        out["loads"][load] = {"max_tokens": max_tokens, "same_tokens": same, "runs": runs, "median": med,
+                              "on_vs_off": {m: round(med["on"][m] / med["off"][m], 3) for m in ("gen_tok_s", "ttft_p50_s")}}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     if not models:
@@ -207,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
     rec = BENCH.start(args, cfg, environment={"loadavg_before": os.getloadavg()[0]})
     results = []
     for name in rec.progress(list(models), unit="model"):
-        if args.vs_vllm:
+        if args.mixed_ab:
+            results.append(mixed_ab(name, args.steps))
+        elif args.vs_vllm:
             import tempfile
 
             with tempfile.TemporaryDirectory(prefix="lcx-step-") as logs:

@@ -47,3 +47,18 @@ def test_bench_step_vs_vllm(tmp_path, vllm_python):
         assert set(r["vllm_vs_lcx_self_s"]) == {"linear", "attention", "other"}
     none = row["settings"]["no_cache"]
     assert none["lcx"]["prompt_tokens_computed"] == none["vllm"]["prompt_tokens_computed"] == 16 * 544
+
+
+@pytest.mark.slow  # tiny-5m, 2 loads x 2 engines x 2 rounds (~20 s)
+def test_bench_step_mixed_ab(tmp_path):
+    """`--mixed-ab`: the mixed step on and off give the same tokens; it mixes some steps, more
+    when requests finish apart; the ratios are recorded."""
+    out = tmp_path / "ab.json"
+    assert main(["bench", "step", "--mixed-ab", "--models", "tiny-5m", "--steps", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    together, apart = row["loads"]["together"], row["loads"]["apart"]
+    for load in (together, apart):
+        assert load["same_tokens"] is True
+        assert load["runs"]["off"][0]["mixed_steps"] == 0 and load["runs"]["on"][0]["mixed_steps"] > 0
+        assert set(load["on_vs_off"]) == {"gen_tok_s", "ttft_p50_s"}
+    assert apart["runs"]["on"][0]["mixed_steps"] > together["runs"]["on"][0]["mixed_steps"]
