@@ -80,6 +80,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "step"), "benchmarks.step",
      "where a step of lcx's engine spends its CPU time (prefill, decode at 1 and 32 rows): linear layers,"
      " attention kernels, everything else -> results/engine_step_profile_cpu.json"),
+    (("bench", "rows"), "benchmarks.rows",
+     "the attention paths of a model as loaded per prefill row (torch's fused kernel, lcx's flash, masked SDPA,"
+     " causal blocks): time, GFLOP/s, ratios -> results/loaded_rows_cpu.json"),
     (("bench", "sweep"), "benchmarks.sweep",
      "cells per hour of a report sweep serial, --jobs 2 and on Ray with 1 and 2 local workers; Ray's overhead"
      " per cell -> results/sweep_cpu.json"),
