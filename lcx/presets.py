@@ -41,8 +41,9 @@ Settings (papers' defaults where they give one; see ../shared/METHODS.md):
                       plus the official code's constant attention factor 0.1 ln 2 + 1 and, past
                       L0 / 0.67, its Qwen2 recipe's YaRN at factor s (1 - 0.33), both as a YaRN
                       RoPE spec (factor 1 leaves the frequencies alone); not in `lcx report`'s
-                      default set. It replaces the model's RoPE type (a Llama-3.1 banded RoPE
-                      loses its banding)
+                      default set. On a model whose own RoPE is scaled already (Llama 3.1's
+                      `llama3` bands, Gemma 3's `linear` x8) that RoPE is kept, with its attention
+                      factor times 0.1 ln 2 + 1 (the official Llama code's recipe) and no YaRN
     swat              SWAT (sigmoid, sliding window, ALiBi + RoPE; the registry method `swat`):
                       meaningful on a model trained with it, so the preset runs the sibling model
                       its `siblings` names, as loaded (that model's config records the method;
@@ -82,15 +83,19 @@ class Preset:
     siblings: Mapping[str, str] | None = None
     depth_scaled: bool = False
     in_report: bool = True
+    model_rope: bool = False  # build(L0, factor, rope): the model's own RoPE parameters (`model_rope`)
 
-    def config(self, L0: int, factor: float, n_layers: int | None = None) -> MethodConfig:
+    def config(self, L0: int, factor: float, n_layers: int | None = None,
+               rope: Mapping[str, Any] | None = None) -> MethodConfig:
         if not isinstance(L0, int) or L0 < 1:
             raise ValueError(f"L0 must be a positive integer, got {L0!r}")
         if not factor >= 1:
             raise ValueError(f"factor must be >= 1, got {factor!r}")
         if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
             raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
-        return MethodConfig.from_dict(self.build(L0, factor, n_layers) if self.depth_scaled else self.build(L0, factor))
+        if self.depth_scaled:
+            return MethodConfig.from_dict(self.build(L0, factor, n_layers))
+        return MethodConfig.from_dict(self.build(L0, factor, rope) if self.model_rope else self.build(L0, factor))
 
 
 def _rope(rope_type: str) -> Callable[[int, float], dict[str, Any]]:
@@ -127,14 +132,44 @@ def _dca(L0: int, s: float) -> dict[str, Any]:
     return {"attention": chunkllama_dca(L0).to_dict()}
 
 
-def _string(L0: int, s: float) -> dict[str, Any]:
-    """STRING for s x L0 as the official scripts set it (see the module docstring)."""
+def _string(L0: int, s: float, rope: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """STRING for s x L0 as the official scripts set it (see the module docstring); `rope`: the
+    model's own RoPE parameters (`model_rope`; None or a plain RoPE: the Qwen2 recipe)."""
     from .methods.string import ATTENTION_FACTOR, SHIFTED_RATIO, STRING
+    from .rope import RopeSpec, compute_inv_freq
 
     method = STRING.for_length(max(2, int(s * L0)))
-    factor = max(1.0, round(s * (1 - SHIFTED_RATIO), 6))
-    return {"rope": {"rope_type": "yarn", "factor": factor, "attention_factor": ATTENTION_FACTOR},
-            "attention": method.to_dict()}
+    own = {k: v for k, v in (rope or {}).items() if v is not None}
+    if "type" in own:
+        own.setdefault("rope_type", own.pop("type"))
+    if own.get("rope_type", "default") == "default":
+        factor = max(1.0, round(s * (1 - SHIFTED_RATIO), 6))
+        return {"rope": {"rope_type": "yarn", "factor": factor, "attention_factor": ATTENTION_FACTOR},
+                "attention": method.to_dict()}
+    # A model whose RoPE is scaled already (Llama 3.1's bands, Gemma 3's linear x8): that RoPE is
+    # kept, as the official Llama code keeps the model's rotary embedding, times its factor.
+    try:
+        _, af = compute_inv_freq(RopeSpec.from_dict({**own, "rope_theta": own.get("rope_theta", 10_000.0)}), 64)
+    except ValueError as e:
+        raise ValueError(f"string: the model's own RoPE {own} does not resolve: {e}") from None
+    return {"rope": {**own, "attention_factor": af * ATTENTION_FACTOR}, "attention": method.to_dict()}
+
+
+def model_rope(model: str) -> dict[str, Any]:
+    """A model's own RoPE parameters from its config.json, without loading it (`rope_parameters`,
+    or an older config's `rope_scaling` + `rope_theta`; the global layers' entry of a model with
+    RoPE per layer type: `lcx.rope.spec.model_rope_parameters`)."""
+    import json
+    from types import SimpleNamespace
+
+    from .models import hf_directory
+    from .rope.spec import model_rope_parameters
+
+    d = json.loads((hf_directory(model) / "config.json").read_text())
+    ns = SimpleNamespace(**d)
+    if not d.get("rope_parameters") and d.get("rope_scaling"):
+        ns.rope_parameters = {**d["rope_scaling"], "rope_theta": d.get("rope_theta")}
+    return model_rope_parameters(ns)
 
 
 _ALL = (
@@ -162,7 +197,8 @@ _ALL = (
     Preset("dca", _dca, "Dual Chunk Attention, ChunkLlama's defaults: chunks of 3 L0 / 4 with a local window "
            "of L0 / 16 (no distance beyond 3 L0 / 4 at any length)", in_report=False),
     Preset("string", _string, "STRING: distances from S = 0.33 x the target length on scored S - 128 nearer, "
-           "the official attention factor 0.1 ln 2 + 1 and (past L0 / 0.67) YaRN at 0.67 s", in_report=False),
+           "the official attention factor 0.1 ln 2 + 1 and (past L0 / 0.67, on a plain RoPE) YaRN at 0.67 s; a "
+           "model's scaled RoPE (llama3, linear) is kept", in_report=False, model_rope=True),
     Preset("swat", lambda L0, s: {}, "SWAT: the sibling model trained with sigmoid sliding-window attention",
            siblings={"tiny-5m": "tiny-swat-5m"}),
 )
@@ -176,10 +212,12 @@ def get(name: str) -> Preset:
     return PRESETS[name]
 
 
-def config(name: str, *, L0: int, factor: float, n_layers: int | None = None) -> MethodConfig:
-    """The MethodConfig of preset `name` for training context L0, length factor s and (for a
-    depth-scaled preset) the model's number of layers."""
-    return get(name).config(L0, factor, n_layers)
+def config(name: str, *, L0: int, factor: float, n_layers: int | None = None,
+           rope: Mapping[str, Any] | None = None) -> MethodConfig:
+    """The MethodConfig of preset `name` for training context L0, length factor s, (for a
+    depth-scaled preset) the model's number of layers and (for a preset that reads it, `string`)
+    the model's own RoPE parameters (`model_rope`; None: a plain RoPE)."""
+    return get(name).config(L0, factor, n_layers, rope)
 
 
 @dataclass(frozen=True)
@@ -200,7 +238,7 @@ def resolve(name: str, model: str, *, L0: int, factor: float, n_layers: int | No
         if model not in p.siblings:
             return f"no {name} model trained for {model!r} (known: {dict(p.siblings)})"
         model = p.siblings[model]
-    return PresetRun(name, model, p.config(L0, factor, n_layers))
+    return PresetRun(name, model, p.config(L0, factor, n_layers, model_rope(model) if p.model_rope else None))
 
 
 # ------------------------------------------------------------------ the command-line flag
@@ -226,4 +264,4 @@ def add_presets_argument(parser: argparse.ArgumentParser, *, default: Any, help:
                         default=argparse.SUPPRESS, help="deprecated spelling of --presets")
 
 
-__all__ = ["PRESETS", "Preset", "PresetRun", "add_presets_argument", "config", "get", "resolve"]
+__all__ = ["PRESETS", "Preset", "PresetRun", "add_presets_argument", "config", "get", "model_rope", "resolve"]

@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("methods",),
     ("hf",),
     ("cache", "method_config"),
-    ("models", "presets"),
+    ("models",),
+    ("presets",),  # (`string` reads a model's config: `lcx.presets.model_rope`)
     ("engine", "eval", "_lmeval_hook"),
     ("eval_tasks", "lmeval_model", "serve", "demo"),
     ("report", "train", "cli"),

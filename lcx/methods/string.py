@@ -56,8 +56,9 @@ at every distance. The paper's method description has no such factor. lcx keeps 
 attention method (which is the position map alone) and states it as the RoPE's attention
 factor, where every lcx path (reference, backends, decode rule, engine) already applies it:
 `{"rope": {"rope_type": "yarn", "factor": 1, "attention_factor": 0.1 ln 2 + 1}}` on a model with
-plain RoPE is exactly the official Llama code (YaRN at factor 1 leaves the frequencies alone; for
-Llama 3.1's banded RoPE lcx has no such spec: its `llama3` type takes no attention factor);
+plain RoPE is exactly the official Llama code (YaRN at factor 1 leaves the frequencies alone; on
+a model whose RoPE is scaled already, Llama 3.1's `llama3` bands or Gemma 3's `linear`, the preset
+keeps that spec and adds `attention_factor`, which every lcx RoPE type takes);
 the Qwen2 code pairs STRING with YaRN's frequencies at factor (L / L0)(1 - 0.33) and the same
 constant factor (not YaRN's 0.1 ln s + 1): `{"rope_type": "yarn", "factor": ...,
 "attention_factor": 0.1 ln 2 + 1}`. `lcx.presets`' `string` is that recipe (`ATTENTION_FACTOR`,

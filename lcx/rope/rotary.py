@@ -37,6 +37,8 @@ def compute_inv_freq(
         )
     dim = spec.rotary_dim(head_dim)
     inv_freq, af = ROPE_TYPES[spec.rope_type].fn(spec, rope_theta_powers(spec.rope_theta, dim), dim, seq_len)
+    if spec.attention_factor is not None:  # (every type takes one: `lcx.rope.types`)
+        af = spec.attention_factor
     return inv_freq, float(af)
 
 

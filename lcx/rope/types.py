@@ -3,7 +3,10 @@
 Shared work is done once in `compute_inv_freq`: the rotary dim (partial rotary included) and
 the unscaled frequencies `theta_i = b^(-2i/d)`, i = 0..d/2-1, in float64. Each type then maps
 theta to its own inv_freq. cos and sin are later multiplied by `attention_factor` (so the
-attention logits scale by its square), exactly as in transformers.
+attention logits scale by its square), exactly as in transformers. Every type takes an explicit
+`attention_factor`, which replaces the type's own (1 for all but yarn and longrope): transformers
+reads it for yarn and longrope only; lcx's rotation applies it for every type (STRING's recipe
+on a model with banded or linear RoPE keeps that RoPE and adds its constant factor, `lcx.presets`).
 
 Notation: d rotary dim, b rope_theta, L original context
 (original_max_position_embeddings), s factor, n current sequence length.
@@ -160,14 +163,14 @@ def _t(fn: RopeFn, required=(), optional=(), in_transformers=True, length_depend
 
 _L = "original_max_position_embeddings"
 ROPE_TYPES: dict[str, RopeType] = {
-    "default": _t(rope_default),
-    "linear": _t(rope_linear, {"factor"}),
-    "ntk": _t(rope_ntk, {"factor"}, in_transformers=False),
-    "dynamic": _t(rope_dynamic, {"factor", _L}, length_dependent=True),
+    "default": _t(rope_default, (), {"attention_factor"}),
+    "linear": _t(rope_linear, {"factor"}, {"attention_factor"}),
+    "ntk": _t(rope_ntk, {"factor"}, {"attention_factor"}, in_transformers=False),
+    "dynamic": _t(rope_dynamic, {"factor", _L}, {"attention_factor"}, length_dependent=True),
     "yarn": _t(rope_yarn, {"factor", _L},
                {"beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"}),
-    "llama3": _t(rope_llama3, {"factor", _L}, {"low_freq_factor", "high_freq_factor"}),
+    "llama3": _t(rope_llama3, {"factor", _L}, {"low_freq_factor", "high_freq_factor", "attention_factor"}),
     "longrope": _t(rope_longrope, {"short_factor", "long_factor", _L}, {"factor", "attention_factor"},
                     length_dependent=True),
-    "truncate": _t(rope_truncate, (), {"truncate_length", _L}, in_transformers=False),
+    "truncate": _t(rope_truncate, (), {"truncate_length", _L, "attention_factor"}, in_transformers=False),
 }

@@ -204,6 +204,50 @@ def test_preset_is_the_official_recipe():
     assert not presets.get("string").in_report
 
 
+@pytest.mark.parametrize("old_format", [False, True], ids=["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("own", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_preset_keeps_a_scaled_model_rope(tmp_path, own, old_format):
+    """On a model whose config scales its RoPE already (Llama 3.1's bands, Gemma 3's linear x8),
+    `lcx report`'s `string` keeps that RoPE, as the official Llama code keeps the model's rotary
+    embedding, with the constant attention factor: the applied basis is the model's own
+    frequencies times 0.1 ln 2 + 1 (the plain-RoPE recipe, YaRN, would have replaced them)."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lcx import MethodConfig, presets
+    from lcx.methods.string import ATTENTION_FACTOR
+
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=256,
+                     rope_parameters={**own, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(hf).eval()
+    model.save_pretrained(tmp_path)
+    if old_format:  # a config.json from before transformers 5: rope_scaling and rope_theta
+        d = json.loads((tmp_path / "config.json").read_text())
+        rope = d.pop("rope_parameters")
+        d["rope_theta"] = rope.pop("rope_theta")
+        d["rope_scaling"] = rope
+        (tmp_path / "config.json").write_text(json.dumps(d))
+    own_inv_freq = model.model.rotary_emb.inv_freq.clone().double()
+    run = presets.resolve("string", str(tmp_path), L0=256, factor=2)
+    assert run.config.rope.rope_type == own["rope_type"]
+    assert run.config.rope.to_dict()["attention_factor"] == ATTENTION_FACTOR
+    assert run.config.attention == string(int(0.33 * 512), 128)
+    applied = run.config.apply(model)
+    inv_freq, af = applied.bases[0]
+    torch.testing.assert_close(inv_freq, own_inv_freq, rtol=1e-6, atol=0)
+    assert af == ATTENTION_FACTOR
+    applied.restore()
+    plain = MethodConfig.from_dict(presets.config("string", L0=256, factor=2).to_dict()).apply(model)
+    assert (plain.bases[0][0] - own_inv_freq).abs().max() > 1e-3  # the plain recipe loses the model's RoPE
+    plain.restore()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["rule", "overlap-general-path"])
 def test_engine_on_a_model_equals_full_recompute(model64, overlap):
     """The official recipe (STRING + the constant attention factor as a YaRN spec) in a tiny Llama:
