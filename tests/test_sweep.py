@@ -127,3 +127,28 @@ def test_a_sweep_runs_resumes_reports_its_status_and_renders(tmp_path, capsys):
     assert "kept 6 of 6 cells" in capsys.readouterr().out
     (out / "README.md").unlink()
     assert main(["sweep", "render", str(f)]) == 0 and (out / "README.md").exists()
+
+
+def test_status_counts_a_running_cells_answers_from_its_journal(tmp_path, capsys):
+    """running.json holds the answers a cell started with; `status` reads its journal, which grows
+    with every answer (a cell resumed from none showed "0 answers" for hours)."""
+    from sqlitedict import SqliteDict
+
+    from lcx.cli import main
+
+    f = tmp_path / "s.toml"
+    out = tmp_path / "r"
+    f.write_text(TINY.format(out=out))
+    running_path(out).parent.mkdir(parents=True, exist_ok=True)
+    running_path(out).write_text(json.dumps({"cells": {"yarn/lmeval/511": {
+        "where": "vm pid 1", "answers": 0, "since": "2026-12-07T18:54:22"}}}))
+    journal_dir(out).mkdir(parents=True, exist_ok=True)
+    with SqliteDict(str(journal_dir(out) / "yarn.lmeval.511.0123456789ab_rank0.db"), autocommit=True) as db:
+        for i in range(5):
+            db[f"request {i}"] = f"answer {i}"
+    assert main(["sweep", "status", str(f), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    running = [c for c in st["cells"] if c["state"] == "running"]
+    assert [(c["cell"], c["answers"]) for c in running] == [("yarn/lmeval/511", 5)]
+    assert main(["sweep", "status", str(f)]) == 0
+    assert "(5 answers, since 2026-12-07T18:54:22)" in capsys.readouterr().out

@@ -178,13 +178,16 @@ def sweep_status(sweep: Sweep) -> dict[str, Any]:
                 if stored is not None:
                     entry.update(state="done", wall_s=stored.get("wall_s"),
                                  **({"read_from": str(folder)} if folder != sweep.out else {}))
-                elif key in live["cells"]:
-                    entry.update(state="running", **live["cells"][key])
                 else:
-                    # (named as lcx.report.run.cell_journal names them)
+                    # (named as lcx.report.run.cell_journal names them; a running cell's count in
+                    # running.json is the one it started with, its journal grows with every answer)
                     journals = sorted(journal_dir(sweep.out).glob(f"{name}.{kind}.{L}.*_rank0.db"))
                     answers = max((journal_count(str(j).removesuffix("_rank0.db")) for j in journals), default=0)
-                    entry.update(state="todo", **({"answers": answers} if answers else {}))
+                    if key in live["cells"]:
+                        info = live["cells"][key]
+                        entry.update(state="running", **{**info, "answers": max(answers, info.get("answers") or 0)})
+                    else:
+                        entry.update(state="todo", **({"answers": answers} if answers else {}))
                 cells.append(entry)
     done = [c for c in cells if c["state"] == "done" and c.get("wall_s")]
     by_cell: dict[tuple[str, int], list[float]] = {}
