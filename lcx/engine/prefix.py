@@ -106,14 +106,22 @@ def stack_rows(rows: Sequence[RowKV | None], n_layers: int, like: tuple[torch.Te
         return [t[None] for t in ref.k], [t[None] for t in ref.v], ref.pos[None]
     pos = torch.full((b, N), -1, dtype=torch.long, device=ref.pos.device)
     keys, values = [], []
-    for layer in range(n_layers):
+    if all(r is not None and r.slots == N for r in rows):  # rows of one length: no padding
+        for layer in range(n_layers):
+            keys.append(torch.stack([r.k[layer] for r in rows]))
+            values.append(torch.stack([r.v[layer] for r in rows]))
+    for layer in range(n_layers if not keys else 0):  # each element written once: the row or its padding
         k0, v0 = ref.k[layer], ref.v[layer]
-        kk = k0.new_zeros(b, k0.shape[0], N, k0.shape[2])
-        vv = v0.new_zeros(b, v0.shape[0], N, v0.shape[2])
+        kk = k0.new_empty(b, k0.shape[0], N, k0.shape[2])
+        vv = v0.new_empty(b, v0.shape[0], N, v0.shape[2])
         for i, r in enumerate(rows):
-            if r is not None and r.slots:
-                kk[i, :, N - r.slots:] = r.k[layer]
-                vv[i, :, N - r.slots:] = r.v[layer]
+            n = r.slots if r is not None else 0
+            if n < N:
+                kk[i, :, :N - n].zero_()
+                vv[i, :, :N - n].zero_()
+            if n:
+                kk[i, :, N - n:] = r.k[layer]
+                vv[i, :, N - n:] = r.v[layer]
         keys.append(kk)
         values.append(vv)
     for i, r in enumerate(rows):

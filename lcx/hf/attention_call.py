@@ -416,8 +416,11 @@ def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: floa
     spec = AttentionSpec(mask=causal_mask if w is None else sliding_window_mask(left=int(w) - 1), scale=scale,
                          softcap=softcap)
     backend = backend_for(rows.backend, spec)
-    out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
-    for nq, bs, idx in row_groups(row_pos, Tq):
+    groups = list(row_groups(row_pos, Tq))
+    # every row with Tq real queries fills all its outputs; padding (and a row without a query) stays 0
+    padded = any(nq < Tq for nq, _, _ in groups) or sum(len(bs) for _, bs, _ in groups) < B
+    out = (q.new_zeros if padded else q.new_empty)(q.shape[:3] + (v.shape[-1],))
+    for nq, bs, idx in groups:
         n = idx.shape[1]
         pos = row_pos[bs[:, None], idx]
         if n > 1 and not bool((pos[:, 1:] - pos[:, :-1] == 1).all()):

@@ -261,9 +261,13 @@ def test_auto_bound_holds_one_prompt_of_max_model_len(monkeypatch):
     """`prefix_cache_bytes=None` (auto, `lcx serve`'s default): 1 GiB unless one prompt of
     max_model_len needs more, then exactly that many whole blocks, at most a quarter of the memory
     available at start-up; an explicit bound is kept, 0 included."""
+    import lcx.engine.memory
     from lcx.engine.params import DEFAULT_PREFIX_CACHE_BYTES
     from lcx.hf.models import model_shape
 
+    # (the bound depends on the memory available at start-up: 64 GiB here, so that it does not
+    # depend on what else this machine runs; the cap is checked below)
+    monkeypatch.setattr(lcx.engine.memory, "available_memory", lambda device: 64 << 30)
     model, tok = tiny_llama(seed=2, max_position_embeddings=L_SMALL)
     per_token = model_shape(model).kv_bytes_per_token(4)
     assert Engine(model, tok, EngineConfig(max_model_len=256, prefix_cache_bytes=None)
@@ -275,8 +279,6 @@ def test_auto_bound_holds_one_prompt_of_max_model_len(monkeypatch):
         assert Engine(model, tok, EngineConfig(max_model_len=n, prefix_cache_bytes=fixed)).prefix_cache.max_bytes == fixed
     # never past a quarter of the memory available at start-up (8 GiB here: a max_model_len of
     # 100M tokens gets 2 GiB), and never below 1 GiB (512 MiB available)
-    import lcx.engine.memory
-
     for avail, want in ((8 << 30, 2 << 30), (512 << 20, DEFAULT_PREFIX_CACHE_BYTES)):
         monkeypatch.setattr(lcx.engine.memory, "available_memory", lambda device, avail=avail: avail)
         eng = Engine(model, tok, EngineConfig(max_model_len=100_000_000, prefix_cache_bytes=None))
