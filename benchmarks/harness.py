@@ -171,6 +171,13 @@ class Run:
     t0: float = dataclasses.field(default_factory=time.time)
     _env: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # lcx's environment (the git SHA among it) as the run starts: the code it runs is the code
+        # imported now, not what the checkout holds when the first result is saved
+        from lcx.data.io import environment
+
+        self._env = environment()
+
     def elapsed(self, digits: int | None = None) -> float:
         """Seconds since the run started (rounded to `digits` if given)."""
         s = time.time() - self.t0
@@ -185,11 +192,7 @@ class Run:
         return with_suffix(self.out, ".png")
 
     def record(self, results: Any, **extra: Any) -> dict[str, Any]:
-        """The record of this run as it stands (lcx's environment read once per run)."""
-        if self._env is None:
-            from lcx.data.io import environment
-
-            self._env = environment()
+        """The record of this run as it stands (lcx's environment as the run started)."""
         return build_record(description=self.bench.record_description or self.bench.description,
                             config=config_dict(self.config), results=results,
                             environment={**self._env, **self.environment}, **extra)
