@@ -2,8 +2,8 @@
 
     lcx bench step                                   # tiny-5m and SmolLM2-135M -> results/engine_step_profile_cpu.json
     lcx bench step --models tiny-5m --prefill-tokens 256 --out /tmp/step.json
-    lcx bench step --vs-vllm --models smollm2-135m --out results/engine_vs_vllm_profile_cpu.json
-    lcx bench step --mixed-ab --models smollm2-135m --steps 3 --out results/mixed_step_ab_smollm2-135m.json
+    lcx bench step --vs-vllm                         # both models -> results/engine_vs_vllm_profile_cpu.json
+    lcx bench step --mixed-ab --models smollm2-135m --steps 3   # -> results/mixed_step_ab_smollm2-135m.json
 
 Per model: a prefill of `--prefill-tokens` tokens (one request, one generated token) and decode
 steps of the engine with 1 and 32 rows running (128-token prompts, `--steps` steps each, after 4
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
+from pathlib import Path
 import pstats
 import time
 from dataclasses import dataclass
@@ -263,7 +264,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     threads = BENCH.resolve_threads(args)
     cfg = Config(models, args.prefill_tokens, 128, args.steps, threads)
-    rec = BENCH.start(args, cfg, environment={"loadavg_before": os.getloadavg()[0]})
+    out = args.out
+    if out is not None and Path(out) == Path(BENCH.out) and (args.vs_vllm or args.mixed_ab):
+        # (each mode has its own record: the step profile's default is not overwritten)
+        out = ("results/engine_vs_vllm_profile_cpu.json" if args.vs_vllm
+               else f"results/mixed_step_ab_{'_'.join(Path(m).name for m in models)}.json")
+    rec = BENCH.start(args, cfg, out=out, environment={"loadavg_before": os.getloadavg()[0]})
     results = []
     for name in rec.progress(list(models), unit="model"):
         if args.mixed_ab:

@@ -50,11 +50,14 @@ def test_bench_step_vs_vllm(tmp_path, vllm_python):
 
 
 @pytest.mark.slow  # tiny-5m, 2 loads x 2 engines x 2 rounds (~20 s)
-def test_bench_step_mixed_ab(tmp_path):
+def test_bench_step_mixed_ab(tmp_path, monkeypatch):
     """`--mixed-ab`: the mixed step on and off give the same tokens; it mixes some steps, more
-    when requests finish apart; the ratios are recorded."""
-    out = tmp_path / "ab.json"
-    assert main(["bench", "step", "--mixed-ab", "--models", "tiny-5m", "--steps", "1", "--out", str(out)]) == 0
+    when requests finish apart; the ratios are recorded, by default in the mode's own record
+    (not over the step profile's)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "step", "--mixed-ab", "--models", "tiny-5m", "--steps", "1"]) == 0
+    out = tmp_path / "results" / "mixed_step_ab_tiny-5m.json"
+    assert out.exists() and not (tmp_path / "results" / "engine_step_profile_cpu.json").exists()
     (row,) = json.loads(out.read_text())["results"]
     together, apart = row["loads"]["together"], row["loads"]["apart"]
     for load in (together, apart):
