@@ -94,34 +94,37 @@ class RowKV:
                      self.pos[idx])
 
 
-def stack_rows(rows: Sequence[RowKV | None], n_layers: int, like: tuple[torch.Tensor, torch.Tensor] | None):
+def stack_rows(rows: Sequence[RowKV | None], n_layers: int, like: tuple[torch.Tensor, torch.Tensor] | None,
+               room: int = 0):
     """Rows' held KV left-padded into one batch: (keys, values per layer `[b, Hkv, N, D]`,
-    positions `[b, N]` (-1: padding)); None keys when no row holds anything."""
+    positions `[b, N]` (-1: padding)); None keys when no row holds anything. `room` > 0: the
+    keys and values are `[b, Hkv, N + room, D]` buffers, the rows in the first N slots and the
+    last `room` left unwritten for the step's new keys (no concatenation per layer)."""
     N = max((r.slots for r in rows if r is not None), default=0)
     b = len(rows)
     ref = next((r for r in rows if r is not None and r.slots), None)
     if N == 0 or ref is None:
         return None, None, torch.full((b, 0), -1, dtype=torch.long)
-    if b == 1:  # one row (a long prompt's chunks): views, no copy (the forward's cache appends to them)
+    if b == 1 and not room:  # one row (a long prompt's chunks): views, no copy (the forward's cache appends to them)
         return [t[None] for t in ref.k], [t[None] for t in ref.v], ref.pos[None]
     pos = torch.full((b, N), -1, dtype=torch.long, device=ref.pos.device)
     keys, values = [], []
-    if all(r is not None and r.slots == N for r in rows):  # rows of one length: no padding
+    if not room and all(r is not None and r.slots == N for r in rows):  # rows of one length: no padding
         for layer in range(n_layers):
             keys.append(torch.stack([r.k[layer] for r in rows]))
             values.append(torch.stack([r.v[layer] for r in rows]))
     for layer in range(n_layers if not keys else 0):  # each element written once: the row or its padding
         k0, v0 = ref.k[layer], ref.v[layer]
-        kk = k0.new_empty(b, k0.shape[0], N, k0.shape[2])
-        vv = v0.new_empty(b, v0.shape[0], N, v0.shape[2])
+        kk = k0.new_empty(b, k0.shape[0], N + room, k0.shape[2])
+        vv = v0.new_empty(b, v0.shape[0], N + room, v0.shape[2])
         for i, r in enumerate(rows):
             n = r.slots if r is not None else 0
             if n < N:
                 kk[i, :, :N - n].zero_()
                 vv[i, :, :N - n].zero_()
             if n:
-                kk[i, :, N - n:] = r.k[layer]
-                vv[i, :, N - n:] = r.v[layer]
+                kk[i, :, N - n:N] = r.k[layer]
+                vv[i, :, N - n:N] = r.v[layer]
         keys.append(kk)
         values.append(vv)
     for i, r in enumerate(rows):

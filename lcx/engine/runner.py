@@ -157,10 +157,11 @@ class ModelRunner:
         return PrefillOutput([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
                              pos, out.last_hidden_state)
 
-    def _prefill_inputs(self, rows: Sequence[tuple[Sequence[int], int, RowKV | None]]):
+    def _prefill_inputs(self, rows: Sequence[tuple[Sequence[int], int, RowKV | None]], room: bool = False):
         """A prefill call's inputs: token ids and their positions `[b, C]` (left-padded: pad id,
-        position -1), the held keys / values per layer `[b, Hkv, N, D]` (None: none held) and
-        every slot's position `[b, N + C]`."""
+        position -1), the held keys / values per layer `[b, Hkv, N, D]` (None: none held; `room`:
+        `[b, Hkv, N + C, D]`, the last C slots for the new keys, `stack_rows`) and every slot's
+        position `[b, N + C]`."""
         b, C = len(rows), max(len(t) for t, _, _ in rows)
         ids = torch.full((b, C), self.pad_id, dtype=torch.long)
         qpos = torch.full((b, C), -1, dtype=torch.long)
@@ -169,7 +170,7 @@ class ModelRunner:
             ids[i, C - c:] = torch.tensor(list(toks))
             qpos[i, C - c:] = torch.arange(start, start + c)
         ids, qpos = ids.to(self.device), qpos.to(self.device)
-        held_k, held_v, kpos = stack_rows([kv for _, _, kv in rows], len(self.decoder.layers), None)
+        held_k, held_v, kpos = stack_rows([kv for _, _, kv in rows], len(self.decoder.layers), None, C if room else 0)
         return ids, qpos, held_k, held_v, torch.cat([kpos.to(self.device), qpos], 1)
 
     # ------------------------------------------------------------------ decode and prefill in one forward
@@ -187,7 +188,7 @@ class ModelRunner:
         """`decode` of the rows of `store` and `prefill` of `rows` in one forward (`can_mix`; the
         weights read once for both, as vLLM's step): (the decode rows' logits `[b, V]`, the
         prefill's `PrefillOutput`)."""
-        ids, qpos, held_k, held_v, pos = self._prefill_inputs(rows)
+        ids, qpos, held_k, held_v, pos = self._prefill_inputs(rows, room=True)
         real = (qpos >= 0).flatten()
         slots = real.nonzero().squeeze(1)
         pre = MixedPrefill(ids.flatten()[slots], qpos.flatten()[slots], slots, tuple(ids.shape), pos, held_k, held_v,

@@ -110,7 +110,8 @@ class MixedPrefill:
     ids / positions `[R]`: the real tokens (row by row) and their positions; slots `[R]`: each
     one's index into the flattened `[P * C]` layout; key_positions `[P, N + C]`: each row's held
     slots then its new ones (-1: not a key of the row); held_keys / held_values: per layer
-    `[P, Hkv, N, D]` (None: nothing held); loaded: a model as loaded attends per row on lcx's
+    `[P, Hkv, N, D]`, or `[P, Hkv, N + C, D]` with the last C slots for the new keys (filled
+    here, no concatenation) (None: nothing held); loaded: a model as loaded attends per row on lcx's
     backend (`LoadedRows`), None on a patched model (its method per row). The forward fills keys
     / values (per layer `[P, Hkv, N + C, D]`, zeros on padding) and hidden `[P, C, d]`."""
 
@@ -164,7 +165,12 @@ def lean_decoder(model: nn.Module) -> Callable[..., torch.Tensor] | None:
         i = attn.layer_idx
         k, v = pre.padded(k[:, 0]).transpose(1, 2), pre.padded(v[:, 0]).transpose(1, 2)  # [P, Hkv, C, D]
         if pre.held_keys is not None:
-            k, v = torch.cat([pre.held_keys[i], k], 2), torch.cat([pre.held_values[i], v], 2)
+            hk, hv = pre.held_keys[i], pre.held_values[i]
+            if hk.shape[2] == pre.key_positions.shape[1]:  # room left for the new keys (`stack_rows`)
+                hk[:, :, -k.shape[2]:], hv[:, :, -v.shape[2]:] = k, v
+                k, v = hk, hv
+            else:
+                k, v = torch.cat([hk, k], 2), torch.cat([hv, v], 2)
         pre.keys.append(k)
         pre.values.append(v)
         q, k, v = pre.padded(q[:, 0]), k.transpose(1, 2), v.transpose(1, 2)  # [P, C, H, D], [P, N + C, Hkv, D]

@@ -42,3 +42,19 @@ def test_nothing_held_and_one_row():
     r = _row(5, g)
     keys, _, pos = stack_rows([r], 3, None)
     assert keys[0].shape == (1, 2, 5, 4) and keys[0].data_ptr() == r.k[0].data_ptr()  # a view, no copy
+
+
+@pytest.mark.parametrize("lengths", [[7, 7, 7], [5, 9, 1], [4]])
+def test_room_for_the_new_keys(lengths):
+    """`room`: buffers of N + room slots, the rows as without room in the first N (one row copied
+    too: a view has no room), the last `room` left for the step's new keys."""
+    g = torch.Generator().manual_seed(len(lengths))
+    rows = [_row(n, g) for n in lengths]
+    keys, values, pos = stack_rows(rows, 3, None)
+    roomy_k, roomy_v, roomy_pos = stack_rows(rows, 3, None, room=6)
+    N = max(lengths)
+    assert torch.equal(roomy_pos, pos)
+    for layer in range(3):
+        assert roomy_k[layer].shape == (len(rows), 2, N + 6, 4)
+        assert torch.equal(roomy_k[layer][:, :, :N], keys[layer]) and torch.equal(roomy_v[layer][:, :, :N], values[layer])
+        assert roomy_k[layer].data_ptr() != rows[0].k[layer].data_ptr()
