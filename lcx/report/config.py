@@ -208,15 +208,11 @@ def run_settings(run: PresetRun, model: str) -> dict[str, Any]:
 
 
 def model_hf_config(model: str) -> dict[str, Any]:
-    """The model's config.json (no weights loaded when possible)."""
-    from ..models import gguf_cache_dir, is_gguf_cached, load_model, resolve_source
+    """The model's config.json, no weights loaded (a GGUF's from lcx's dequantised copy, built
+    once: `lcx.models.hf_directory`, as `lcx.presets.model_rope` reads it)."""
+    from ..models import hf_directory
 
-    kind, path = resolve_source(model)
-    if kind == "gguf":
-        if not is_gguf_cached(path):
-            load_model(path)  # builds lcx's dequantization cache once
-        path = gguf_cache_dir(path)
-    return json.loads((Path(path) / "config.json").read_text())
+    return json.loads((hf_directory(model) / "config.json").read_text())
 
 
 def model_context(model: str) -> int:
