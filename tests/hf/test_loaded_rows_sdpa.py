@@ -1,7 +1,9 @@
 """A prefill continuing from held keys on a model as loaded (`lcx.hf.engine_hook.loaded_rows`):
 up to `MASKED_SDPA_MAX_QUERIES` new tokens per row run torch's SDPA with the rows' [Tq, Tk] mask,
-causal rows of `BLOCK_CAUSAL_QUERIES` new tokens run `block_causal`, the rest lcx's flash backend;
-each equals the reference attention (causal and a sliding window, GQA, odd lengths)."""
+causal rows of `BLOCK_CAUSAL_QUERIES` new tokens run `block_causal`, the rest lcx's flash backend
+(torch's paths, without lcx's C++ kernel; with it, every float32 row runs the kernel:
+tests/kernels/test_causal_attention_cpu.py); each equals the reference attention (causal and a
+sliding window, GQA, odd lengths)."""
 
 from __future__ import annotations
 
@@ -47,18 +49,27 @@ def test_block_causal_is_the_reference(nq, n, heads, block):
 def test_the_engine_continues_short_and_long_runs_on_each_path(monkeypatch, tiny_model):
     from lcx.engine import Engine, EngineConfig, SamplingParams
 
+    from lcx.kernels.cpu import causal_attention as native
+
     model, tok = tiny_model
-    calls = {"sdpa": 0, "blocks": 0}
-    real, real_blocks = ac._masked_sdpa, ac.block_causal
+    calls = {"sdpa": 0, "blocks": 0, "cpp": 0}
+    real, real_blocks, real_cpp = ac._masked_sdpa, ac.block_causal, native.causal_attention_cpu
     monkeypatch.setattr(ac, "_masked_sdpa", lambda *a: calls.__setitem__("sdpa", calls["sdpa"] + 1) or real(*a))
     monkeypatch.setattr(ac, "block_causal",
                         lambda *a: calls.__setitem__("blocks", calls["blocks"] + 1) or real_blocks(*a))
+    monkeypatch.setattr(native, "causal_attention_cpu",
+                        lambda *a: calls.__setitem__("cpp", calls["cpp"] + 1) or real_cpp(*a))
     system = [(5 * i) % 90 + 7 for i in range(300)]
     prompts = [system + [11, 12, 13], system + [21, 22] * 140]  # 3 and 280 new tokens after a cache hit
     sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
     outs = {}
-    # every continuation on the flash backend; every one masked; every one in causal blocks
-    for case, limit, blocks in (("flash", 0, (0, 0)), ("masked", 10_000, (0, 0)), ("blocks", 0, (1, 10_000))):
+    # every continuation on the flash backend; every one masked; every one in causal blocks (torch's
+    # paths: the C++ kernel off); every one on the C++ kernel, where it builds
+    cases = [("flash", 0, (0, 0)), ("masked", 10_000, (0, 0)), ("blocks", 0, (1, 10_000))]
+    if native.unavailable() is None:
+        cases.append(("cpp", 0, (0, 0)))
+    for case, limit, blocks in cases:
+        monkeypatch.setenv("LCX_NATIVE_ROWS", "1" if case == "cpp" else "0")
         monkeypatch.setattr(ac, "MASKED_SDPA_MAX_QUERIES", limit)
         monkeypatch.setattr(ac, "BLOCK_CAUSAL_QUERIES", blocks)
         before = dict(calls)
@@ -67,9 +78,9 @@ def test_the_engine_continues_short_and_long_runs_on_each_path(monkeypatch, tiny
         outs[case] = [eng.generate([p], sp)[0] for p in prompts]
         assert eng.stats.prefix_cache_hit_tokens >= 2 * 288
         ran = {k: calls[k] - before[k] for k in calls}
-        assert ran == {"sdpa": ran["sdpa"], "blocks": 0} if case != "blocks" else ran["blocks"] > 0
-        assert (ran["sdpa"] > 0) == (case == "masked")
-    for case in ("masked", "blocks"):
+        assert ran["blocks"] > 0 if case == "blocks" else ran["blocks"] == 0
+        assert (ran["sdpa"] > 0) == (case == "masked") and (ran["cpp"] > 0) == (case == "cpp")
+    for case, *_ in cases[1:]:
         for a, b in zip(outs["flash"], outs[case]):
             assert a.token_ids == b.token_ids
             assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-5)

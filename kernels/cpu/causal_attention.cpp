@@ -1,0 +1,410 @@
+// Causal (or sliding-window) softmax attention of the newest nq of a row's n keys, float32, on
+// the CPU: the engine's prefill and mixed-step rows (`lcx.hf.attention_call.attend_loaded_rows`),
+// where torch's fused CPU kernel computes every block of queries against whole 512-key blocks
+// (much of it past the diagonal at a few hundred queries) and runs at ~40 GFLOP/s per core.
+//
+//     q [b, nq, H, D], k [b, n, Hkv, D], v [b, n, Hkv, Dv]  (any strides, unit last stride)
+//     query i of row b sits at position n - nq + i, key j at position j; query i sees key j iff
+//         j <= n - nq + i   and (window > 0)  j > n - nq + i - window
+//     s_ij = scale * q_i . k_j    (softcap > 0: s = softcap * tanh(s / softcap))
+//     out [b, nq, H, Dv] = softmax_j(s_ij) v_j      (head h reads kv head h / (H / Hkv))
+//
+// One task per (row, kv head, block of MQ queries): its G = H / Hkv query heads x MQ queries
+// are R = G * MQ rows of one matrix that share every key and value. Keys are walked in blocks of
+// KB = 64 up to the block's last visible key (nothing past the diagonal), flash-style: per key
+// block, the scores S [R, 64] = Q K^T (the key block transposed into a [D, 64] buffer once, then
+// register tiles of 6 rows x 64 keys: 24 accumulators, one broadcast per row and four loads per
+// channel), the running max and sum per row updated (the output rescaled when the max grows),
+// the probabilities P = exp(S - max) (`exp_nonpositive`, vectorised), and O += P V in register
+// tiles of rows x head_dim. The output is O / sum. No [nq, n] mask, no score matrix beyond
+// [R, 64], so memory is O(R (D + Dv + 64)) per thread whatever n is.
+//
+// AVX-512 intrinsics where the compiler targets it (`__AVX512F__`, head_dim a multiple of 16, Dv
+// up to 256); otherwise the same tiles as plain loops (portable, `omp simd`). Accumulation is
+// float32 as in torch's kernel; the reference is float64 attention (tests/kernels/
+// test_causal_attention_cpu.py: within 2x torch's own float32 error on a grid of odd lengths,
+// GQA, windows and caps). Threads: at::parallel_for over the tasks (torch's intra-op pool).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LCX_AVX512 1
+#else
+#define LCX_AVX512 0
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int KB = 64;  // keys per block (four 16-float vectors)
+constexpr int MQ = 32;  // queries per task
+constexpr int RB = 6;   // rows per score tile (6 x 4 = 24 accumulators)
+
+// exp(x) for x <= 0 (a score minus its row's max): Cephes expf, branch-free so `omp simd`
+// vectorises it (x = n ln2 + r, a degree-6 polynomial, 2^n from the exponent bits; ~1 ulp).
+// Below -87.3 it returns ~1e-38, never 0 or NaN; masked entries are set to 0 by the caller.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// S[r, 0:64] = sum_d Q[r, d] Kt[d, 0:64] for `rows` (<= RB) rows; Kt is [D, 64].
+template <int ROWS>
+inline void score_tile(const float* __restrict Q, int64_t D, const float* __restrict Kt, float* __restrict S) {
+#if LCX_AVX512
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* kr = Kt + d * KB;
+    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                 k3 = _mm512_loadu_ps(kr + 48);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 qd = _mm512_set1_ps(Q[r * D + d]);
+      acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(qd, k2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(qd, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(S + r * KB + 16 * c, acc[r][c]);
+#else
+  for (int r = 0; r < ROWS; ++r) {
+    float acc[KB] = {0.f};
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = Q[r * D + d];
+      const float* kr = Kt + d * KB;
+#pragma omp simd
+      for (int l = 0; l < KB; ++l) acc[l] += qd * kr[l];
+    }
+    std::memcpy(S + r * KB, acc, sizeof acc);
+  }
+#endif
+}
+
+// O[r, :] += sum_{j < nk} P[r, j] V[j, :] for ROWS rows, V rows `ldv` apart, Dv = 16 * NV.
+template <int ROWS, int NV>
+inline void value_tile(const float* __restrict P, int64_t ldp, int nk, const float* __restrict V, int64_t ldv,
+                       float* __restrict O, int64_t Dv) {
+#if LCX_AVX512
+  __m512 acc[ROWS][NV];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(O + r * Dv + 16 * c);
+  for (int j = 0; j < nk; ++j) {
+    __m512 vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(V + j * ldv + 16 * c);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 p = _mm512_set1_ps(P[r * ldp + j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vj[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(O + r * Dv + 16 * c, acc[r][c]);
+#else
+  (void)NV;
+  for (int r = 0; r < ROWS; ++r) {
+    float* o = O + r * Dv;
+    for (int j = 0; j < nk; ++j) {
+      const float p = P[r * ldp + j];
+      const float* vr = V + j * ldv;
+#pragma omp simd
+      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
+    }
+  }
+#endif
+}
+
+// rows at a time: the largest tile whose accumulators fit the 32 vector registers
+// O[r, :] += sum_{j < nk} P[r * ldp + j] V[j, :] for R rows, in register tiles of rows.
+template <int NV>
+void values(const float* P, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
+  constexpr int T = NV <= 4 ? (NV <= 2 ? 8 : 6) : (NV <= 8 ? 3 : 1);
+  int r = 0;
+  for (; r + T <= R; r += T) value_tile<T, NV>(P + r * ldp, ldp, nk, V, ldv, O + r * Dv, Dv);
+  for (; r < R; ++r) value_tile<1, NV>(P + r * ldp, ldp, nk, V, ldv, O + r * Dv, Dv);
+}
+
+void values_any(const float* P, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
+#if LCX_AVX512
+  switch (Dv) {
+    case 16: return values<1>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 32: return values<2>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 48: return values<3>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 64: return values<4>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 80: return values<5>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 96: return values<6>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 128: return values<8>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 256: return values<16>(P, ldp, R, nk, V, ldv, O, Dv);
+    default: break;
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    float* o = O + r * Dv;
+    for (int j = 0; j < nk; ++j) {
+      const float p = P[r * ldp + j];
+      const float* vr = V + j * ldv;
+#pragma omp simd
+      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
+    }
+  }
+}
+
+void scores(const float* Q, int R, int64_t D, const float* Kt, float* S) {
+  int r = 0;
+  for (; r + RB <= R; r += RB) score_tile<RB>(Q + r * D, D, Kt, S + r * KB);
+  switch (R - r) {
+    case 5: score_tile<5>(Q + r * D, D, Kt, S + r * KB); break;
+    case 4: score_tile<4>(Q + r * D, D, Kt, S + r * KB); break;
+    case 3: score_tile<3>(Q + r * D, D, Kt, S + r * KB); break;
+    case 2: score_tile<2>(Q + r * D, D, Kt, S + r * KB); break;
+    case 1: score_tile<1>(Q + r * D, D, Kt, S + r * KB); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "causal_attention: q, k, v must be 4-d [b, t, heads, dim]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                  v.scalar_type() == torch::kFloat32, "causal_attention: float32 tensors only");
+  TORCH_CHECK(!q.is_cuda() && !k.is_cuda() && !v.is_cuda(), "causal_attention: CPU tensors only");
+  const int64_t b = q.size(0), nq = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t n = k.size(1), Hkv = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == b && v.size(0) == b && v.size(1) == n && v.size(2) == Hkv && k.size(3) == D,
+              "causal_attention: k, v must be [b, n, Hkv, D] / [b, n, Hkv, Dv] with q's b and D");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "causal_attention: query heads must be a multiple of kv heads");
+  TORCH_CHECK(nq <= n, "causal_attention: more queries than keys (the queries are the newest keys)");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "causal_attention: window and softcap must be >= 0 (0: none)");
+  const torch::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const torch::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const torch::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  auto out = torch::empty({b, nq, H, Dv}, q.options());
+  if (b == 0 || nq == 0 || H == 0) return out;
+  const int64_t G = H / Hkv, off = n - nq, nblocks = (nq + MQ - 1) / MQ;
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = qc.stride(0), qs1 = qc.stride(1), qs2 = qc.stride(2);
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t Rmax = G * MQ;
+
+  at::parallel_for(0, b * Hkv * nblocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Qs(Rmax * D), O(Rmax * Dv), S(Rmax * KB), Kt(D * KB), m(Rmax), l(Rmax);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t blk = task % nblocks, g = (task / nblocks) % Hkv, bi = task / (nblocks * Hkv);
+      const int64_t i0 = blk * MQ, mq = std::min<int64_t>(MQ, nq - i0);
+      const int R = static_cast<int>(G * mq);
+      // rows r = t * G + h: query i0 + t, head g * G + h; scaled once
+      for (int64_t t = 0; t < mq; ++t)
+        for (int64_t h = 0; h < G; ++h) {
+          const float* src = qp + bi * qs0 + (i0 + t) * qs1 + (g * G + h) * qs2;
+          float* dst = Qs.data() + (t * G + h) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * fscale;
+        }
+      std::fill(O.begin(), O.begin() + R * Dv, 0.f);
+      std::fill(m.begin(), m.begin() + R, kNegInf);
+      std::fill(l.begin(), l.begin() + R, 0.f);
+      const int64_t first_pos = off + i0, last_pos = off + i0 + mq - 1;
+      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const float* kbase = kp + bi * ks0 + g * ks2;
+      const float* vbase = vp + bi * vs0 + g * vs2;
+      for (int64_t j0 = key_begin; j0 <= last_pos; j0 += KB) {
+        const int nk = static_cast<int>(std::min<int64_t>(KB, last_pos + 1 - j0));
+        // the key block transposed: Kt[d, c] = k[j0 + c, d], zero past nk
+        for (int c = 0; c < nk; ++c) {
+          const float* kr = kbase + (j0 + c) * ks1;
+          for (int64_t d = 0; d < D; ++d) Kt[d * KB + c] = kr[d];
+        }
+        if (nk < KB)
+          for (int64_t d = 0; d < D; ++d) std::fill(Kt.data() + d * KB + nk, Kt.data() + (d + 1) * KB, 0.f);
+        scores(Qs.data(), R, D, Kt.data(), S.data());
+        // every row sees every key of the block: the block ends at or before the first query and,
+        // with a window, starts inside the last query's window
+        const bool full = j0 + nk - 1 <= first_pos && (window <= 0 || j0 > last_pos - window);
+        for (int r = 0; r < R; ++r) {
+          float* s = S.data() + r * KB;
+          int lo = 0, hi = nk;  // visible keys of this row: [lo, hi)
+          if (!full) {
+            const int64_t pos = first_pos + r / G;
+            hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - j0, 0, nk));
+            if (window > 0) lo = static_cast<int>(std::clamp<int64_t>(pos - window + 1 - j0, 0, nk));
+          }
+          if (lo >= hi) {
+            std::fill(s, s + KB, 0.f);
+            continue;
+          }
+          if (cap > 0)
+            for (int c = lo; c < hi; ++c) s[c] = cap * std::tanh(s[c] / cap);
+          float bm = kNegInf;
+          for (int c = lo; c < hi; ++c) bm = std::max(bm, s[c]);
+          const float mn = std::max(m[r], bm);
+          const float alpha = m[r] == kNegInf ? 0.f : exp_nonpositive(m[r] - mn);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int c = lo; c < hi; ++c) {
+            const float e = exp_nonpositive(s[c] - mn);
+            s[c] = e;
+            sum += e;
+          }
+          for (int c = 0; c < lo; ++c) s[c] = 0.f;
+          for (int c = hi; c < KB; ++c) s[c] = 0.f;
+          if (alpha != 1.f) {
+            float* o = O.data() + r * Dv;
+#pragma omp simd
+            for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
+          }
+          l[r] = l[r] * alpha + sum;
+          m[r] = mn;
+        }
+        values_any(S.data(), KB, R, nk, vbase + j0 * vs1, vs1, O.data(), Dv);
+      }
+      for (int64_t t = 0; t < mq; ++t)
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t r = t * G + h;
+          const float inv = 1.f / l[r];
+          const float* o = O.data() + r * Dv;
+          float* dst = op + ((bi * nq + i0 + t) * H + g * G + h) * Dv;
+#pragma omp simd
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = o[c] * inv;
+        }
+    }
+  });
+  return out;
+}
+
+// The engine's decode step over a slot store (`lcx.engine.decode_step.decode_attention` without a
+// side branch: vanilla and sliding-window layers): one query per row, q [B, H, D], k [B, Hkv, C, D],
+// v [B, Hkv, C, Dv], visible [B, C] (the slots a row's query sees; holes allowed) -> [B, H, Dv].
+// One task per (row, kv head): the scores of its G query heads (each key's dot products in 16-lane
+// partial sums, reduced per key), the softmax over the visible slots, O = P V in register tiles.
+// Keys past the row's last visible slot are not read.
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& visible, double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4 && visible.dim() == 2,
+              "decode_attention: q [B, H, D], k/v [B, Hkv, C, D], visible [B, C]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                  v.scalar_type() == torch::kFloat32, "decode_attention: float32 tensors only");
+  TORCH_CHECK(visible.scalar_type() == torch::kBool, "decode_attention: visible must be bool");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k.size(1), C = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == D && v.size(1) == Hkv && v.size(2) == C &&
+                  visible.size(0) == B && visible.size(1) == C,
+              "decode_attention: shapes disagree (q [B, H, D], k [B, Hkv, C, D], v [B, Hkv, C, Dv], visible [B, C])");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: query heads must be a multiple of kv heads");
+  TORCH_CHECK(softcap >= 0, "decode_attention: softcap must be >= 0 (0: none)");
+  const torch::Tensor qc = q.contiguous();
+  const torch::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const torch::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const torch::Tensor vis = visible.contiguous();
+  auto out = torch::zeros({B, H, Dv}, q.options());
+  if (B == 0 || H == 0 || C == 0) return out;
+  const int64_t G = H / Hkv;
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const bool* mp = vis.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Qs(G * D), P(G * C), O(G * Dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = task / Hkv, g = task % Hkv;
+      const bool* m = mp + bi * C;
+      int64_t last = C - 1;
+      while (last >= 0 && !m[last]) --last;
+      if (last < 0) continue;  // nothing visible: zeros
+      const int64_t n = last + 1;
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t d = 0; d < D; ++d) Qs[h * D + d] = qp[(bi * H + g * G + h) * D + d] * fscale;
+      const float* kbase = kp + bi * ks0 + g * ks1;
+      const float* vbase = vp + bi * vs0 + g * vs1;
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = Qs.data() + h * D;
+        float* ph = P.data() + h * C;
+#if LCX_AVX512
+        if (D % 16 == 0) {
+          for (int64_t j = 0; j < n; ++j) {
+            const float* kr = kbase + j * ks2;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr));
+            for (int64_t d = 16; d < D; d += 16)
+              acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(kr + d), acc);
+            ph[j] = _mm512_reduce_add_ps(acc);
+          }
+        } else
+#endif
+        {
+          for (int64_t j = 0; j < n; ++j) {
+            const float* kr = kbase + j * ks2;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; ++d) acc += qh[d] * kr[d];
+            ph[j] = acc;
+          }
+        }
+        if (cap > 0)
+          for (int64_t j = 0; j < n; ++j) ph[j] = cap * std::tanh(ph[j] / cap);
+        float mx = kNegInf;
+        for (int64_t j = 0; j < n; ++j)
+          if (m[j]) mx = std::max(mx, ph[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          const float e = m[j] ? exp_nonpositive(ph[j] - mx) : 0.f;
+          ph[j] = e;
+          sum += e;
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) ph[j] *= inv;
+      }
+      std::fill(O.begin(), O.end(), 0.f);
+      for (int64_t j0 = 0; j0 < n; j0 += 256) {
+        const int nk = static_cast<int>(std::min<int64_t>(256, n - j0));
+        values_any(P.data() + j0, C, static_cast<int>(G), nk, vbase + j0 * vs2, vs2, O.data(), Dv);
+      }
+      for (int64_t h = 0; h < G; ++h)
+        std::memcpy(op + (bi * H + g * G + h) * Dv, O.data() + h * Dv, Dv * sizeof(float));
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("causal_attention", &causal_attention,
+        "causal / sliding-window float32 attention of the newest nq of n keys (CPU)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("decode_attention", &decode_attention, "one query per row over a slot store with a visibility mask (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("visible"), py::arg("scale"), py::arg("softcap") = 0.0);
+}
