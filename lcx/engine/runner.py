@@ -21,7 +21,7 @@ from torch import nn
 
 from ..hf.attention_patch import current_patch, layer_methods, loaded_windows
 from ..hf.engine_hook import (DECODE_INPUT, KEY_POSITIONS_INPUT, LoadedRows, MixedPrefill, has_decode_hook,
-                              install_decode_hook, lean_decoder, loaded_rows)
+                              install_decode_hook, lean_decoder, loaded_rows, native_rows)
 from ..hf.head import head_logits
 from ..hf.rope_patch import current_spec
 from ..method_config import INFERENCE_BACKEND, MethodConfig
@@ -98,6 +98,12 @@ class ModelRunner:
         self.own_windows = loaded_windows(model) if methods.attention is None else None
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # a model as loaded whose rows run lcx's C++ causal kernel (float32 on the CPU,
+        # `lcx.hf.engine_hook.native_rows`): every prefill per row through it too, whole
+        # prompts included (the model's own call is torch's fused kernel, about half as fast:
+        # `lcx bench rows`)
+        self.native_prefill = self.loaded_rows is not None and native_rows(torch.empty(0, dtype=self.dtype,
+                                                                                     device=self.device))
         self.store: ModelKV | None = None  # the running batch's KV (None when idle)
         # the engine's forwards on oneDNN-packed linear weights (`lcx.engine.packed`; CPU float32)
         self.packed = packed.install(model, packed_linear)
@@ -144,9 +150,10 @@ class ModelRunner:
         ids, qpos, held_k, held_v, pos = self._prefill_inputs(rows)
         C = ids.shape[1]
         cache = DynamicCache() if held_k is None else hf_cache(held_k, held_v)
-        if self.loaded_rows is not None and (held_k is not None or self.whole_prompt_rows):
-            # a model as loaded continuing from held keys (or a windowed one, any prefill): per row
-            # on lcx's backend, no mask (`loaded_rows`; the model's own call would be a masked pass)
+        if self.loaded_rows is not None and (held_k is not None or self.whole_prompt_rows or self.native_prefill):
+            # a model as loaded continuing from held keys (or a windowed one, or one on lcx's C++
+            # kernel, any prefill): per row on lcx's backend, no mask (`loaded_rows`; the model's own
+            # call would be a masked pass)
             with loaded_rows(pos, self.loaded_rows, INFERENCE_BACKEND), self._packed_scope():
                 out = self.decoder(input_ids=ids, position_ids=qpos.clamp(min=0), past_key_values=cache,
                                    use_cache=True)

@@ -41,7 +41,7 @@ from torch import nn
 from .attention_call import (ATTN_IMPLEMENTATION, DECODE_INPUT, DEFAULT_BACKEND, HOOK, HOOKED_CONFIGS,
                              KEY_POSITIONS_INPUT, LOADED_ROWS, LoadedRows, ModuleState, STATE, channel_order,
                              current_patch, decoder_and_layers, hook_decoder, hooked_forward, install_rotation_hook,
-                             register)
+                             native_rows, register)
 from .lean_decode import MixedPrefill, lean_decoder
 from .models import attention_layers, decoder
 
@@ -126,4 +126,4 @@ def loaded_rows(key_positions: torch.Tensor, windows: Sequence[int | None], back
 
 
 __all__ = ["DECODE_INPUT", "DecodeStep", "KEY_POSITIONS_INPUT", "LoadedRows", "MixedPrefill", "has_decode_hook",
-           "install_decode_hook", "lean_decoder", "loaded_rows", "remove_decode_hook"]
+           "install_decode_hook", "lean_decoder", "loaded_rows", "native_rows", "remove_decode_hook"]
