@@ -9,15 +9,18 @@
 //     s_ij = scale * q_i . k_j    (softcap > 0: s = softcap * tanh(s / softcap))
 //     out [b, nq, H, Dv] = softmax_j(s_ij) v_j      (head h reads kv head h / (H / Hkv))
 //
-// One task per (row, kv head, block of MQ queries): its G = H / Hkv query heads x MQ queries
-// are R = G * MQ rows of one matrix that share every key and value. Keys are walked in blocks of
-// KB = 64 up to the block's last visible key (nothing past the diagonal), flash-style: per key
-// block, the scores S [R, 64] = Q K^T (the key block transposed into a [D, 64] buffer once, then
-// register tiles of 6 rows x 64 keys: 24 accumulators, one broadcast per row and four loads per
-// channel), the running max and sum per row updated (the output rescaled when the max grows),
-// the probabilities P = exp(S - max) (`exp_nonpositive`, vectorised), and O += P V in register
-// tiles of rows x head_dim. The output is O / sum. No [nq, n] mask, no score matrix beyond
-// [R, 64], so memory is O(R (D + Dv + 64)) per thread whatever n is.
+// One task per (row, kv head, block of mq queries): its G = H / Hkv query heads x mq queries are
+// R = G * mq rows that share every key and value (mq chosen so that R is a multiple of 64 where
+// that stays <= 256). The rows are the LANES of the score tiles: the scaled queries are transposed
+// once per task into Qt [D, R], and per block of KB = 64 keys the scores St [64 keys, R] come from
+// register tiles of KT keys x 64 lanes (per channel: four loads of Qt, one broadcast of each key's
+// channel straight from the cache layout, KT x 4 FMAs; 24 accumulators), so neither the keys nor
+// the scores are ever transposed. The online softmax then runs down the keys with every lane a
+// row (vectorised max, exp_nonpositive, sums; the output rows rescaled where their max grew), and
+// O += P V in register tiles of rows x head_dim (the probability broadcast per key and row, the
+// value row loaded once per tile). Keys are walked up to the block's last visible key (nothing
+// past the diagonal block); the diagonal block is masked per (key, lane) from each lane's position.
+// No [nq, n] mask, no score matrix beyond [64, R]: O(R (D + Dv + 64)) memory per thread.
 //
 // AVX-512 intrinsics where the compiler targets it (`__AVX512F__`, head_dim a multiple of 16, Dv
 // up to 256); otherwise the same tiles as plain loops (portable, `omp simd`). Accumulation is
@@ -33,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -46,8 +50,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int KB = 64;  // keys per block (four 16-float vectors)
-constexpr int MQ = 32;  // queries per task
-constexpr int RB = 6;   // rows per score tile (6 x 4 = 24 accumulators)
 
 // exp(x) for x <= 0 (a score minus its row's max): Cephes expf, branch-free so `omp simd`
 // vectorises it (x = n ln2 + r, a degree-6 polynomial, 2^n from the exponent bits; ~1 ulp).
@@ -68,41 +70,6 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
-}
-
-// S[r, 0:64] = sum_d Q[r, d] Kt[d, 0:64] for `rows` (<= RB) rows; Kt is [D, 64].
-template <int ROWS>
-inline void score_tile(const float* __restrict Q, int64_t D, const float* __restrict Kt, float* __restrict S) {
-#if LCX_AVX512
-  __m512 acc[ROWS][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const float* kr = Kt + d * KB;
-    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-                 k3 = _mm512_loadu_ps(kr + 48);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 qd = _mm512_set1_ps(Q[r * D + d]);
-      acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(qd, k2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(qd, k3, acc[r][3]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(S + r * KB + 16 * c, acc[r][c]);
-#else
-  for (int r = 0; r < ROWS; ++r) {
-    float acc[KB] = {0.f};
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = Q[r * D + d];
-      const float* kr = Kt + d * KB;
-#pragma omp simd
-      for (int l = 0; l < KB; ++l) acc[l] += qd * kr[l];
-    }
-    std::memcpy(S + r * KB, acc, sizeof acc);
-  }
-#endif
 }
 
 // O[r, :] += sum_{j < nk} P[r, j] V[j, :] for ROWS rows, V rows `ldv` apart, Dv = 16 * NV.
@@ -172,21 +139,120 @@ void values_any(const float* P, int64_t ldp, int R, int nk, const float* V, int6
   }
 }
 
-void scores(const float* Q, int R, int64_t D, const float* Kt, float* S) {
+// ----------------------------------------------------------------------------------- prefill rows
+// Scores transposed: St[j, lane] = sum_d K[j, d] Qt[d, lane] for nk keys (K rows `ldk` apart, one
+// key's channels contiguous, as the cache holds them) and 16 * NV lanes (query rows; Qt [D, ldq]
+// holds the scaled queries transposed once per task). Tiles of KT keys x NV vectors: per channel,
+// NV loads of Qt, one broadcast per key, KT * NV FMAs; no transposition of the keys.
+template <int NV, int KT>
+inline void score_keys(const float* __restrict Qt, int64_t ldq, int64_t D, const float* __restrict K, int64_t ldk,
+                       float* __restrict St, int64_t lds) {
+#if LCX_AVX512
+  __m512 acc[KT][NV];
+  for (int j = 0; j < KT; ++j)
+    for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 qv[NV];
+    for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(Qt + d * ldq + 16 * c);
+    for (int j = 0; j < KT; ++j) {
+      const __m512 kb = _mm512_set1_ps(K[j * ldk + d]);
+      for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_fmadd_ps(kb, qv[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < KT; ++j)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(St + j * lds + 16 * c, acc[j][c]);
+#else
+  for (int j = 0; j < KT; ++j) {
+    float acc[16 * NV] = {0.f};
+    for (int64_t d = 0; d < D; ++d) {
+      const float kd = K[j * ldk + d];
+      const float* qr = Qt + d * ldq;
+#pragma omp simd
+      for (int l = 0; l < 16 * NV; ++l) acc[l] += kd * qr[l];
+    }
+    std::memcpy(St + j * lds, acc, sizeof acc);
+  }
+#endif
+}
+
+template <int NV>
+void scores_t(const float* Qt, int64_t ldq, int64_t D, const float* K, int64_t ldk, int nk, float* St, int64_t lds) {
+  constexpr int KT = NV == 1 ? 24 : NV == 2 ? 12 : NV == 3 ? 8 : 6;
+  int j = 0;
+  for (; j + KT <= nk; j += KT) score_keys<NV, KT>(Qt, ldq, D, K + j * ldk, ldk, St + j * lds, lds);
+  for (; j < nk; ++j) score_keys<NV, 1>(Qt, ldq, D, K + j * ldk, ldk, St + j * lds, lds);
+}
+
+// O[r, :] += sum_{j < nk} Pt[j * ldp + r] V[j, :] for ROWS rows (Pt: probabilities, keys x lanes).
+template <int ROWS, int NV>
+inline void value_rows_t(const float* __restrict Pt, int64_t ldp, int nk, const float* __restrict V, int64_t ldv,
+                         float* __restrict O, int64_t Dv) {
+#if LCX_AVX512
+  __m512 acc[ROWS][NV];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(O + r * Dv + 16 * c);
+  for (int j = 0; j < nk; ++j) {
+    __m512 vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(V + j * ldv + 16 * c);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 p = _mm512_set1_ps(Pt[j * ldp + r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vj[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(O + r * Dv + 16 * c, acc[r][c]);
+#else
+  (void)NV;
+  for (int r = 0; r < ROWS; ++r) {
+    float* o = O + r * Dv;
+    for (int j = 0; j < nk; ++j) {
+      const float p = Pt[j * ldp + r];
+      const float* vr = V + j * ldv;
+#pragma omp simd
+      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
+    }
+  }
+#endif
+}
+
+template <int NV>
+void values_t(const float* Pt, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
+  constexpr int T = NV <= 4 ? (NV <= 2 ? 8 : 6) : (NV <= 8 ? 3 : 1);
   int r = 0;
-  for (; r + RB <= R; r += RB) score_tile<RB>(Q + r * D, D, Kt, S + r * KB);
-  switch (R - r) {
-    case 5: score_tile<5>(Q + r * D, D, Kt, S + r * KB); break;
-    case 4: score_tile<4>(Q + r * D, D, Kt, S + r * KB); break;
-    case 3: score_tile<3>(Q + r * D, D, Kt, S + r * KB); break;
-    case 2: score_tile<2>(Q + r * D, D, Kt, S + r * KB); break;
-    case 1: score_tile<1>(Q + r * D, D, Kt, S + r * KB); break;
+  for (; r + T <= R; r += T) value_rows_t<T, NV>(Pt + r, ldp, nk, V, ldv, O + r * Dv, Dv);
+  for (; r < R; ++r) value_rows_t<1, NV>(Pt + r, ldp, nk, V, ldv, O + r * Dv, Dv);
+}
+
+void values_t_any(const float* Pt, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
+#if LCX_AVX512
+  switch (Dv) {
+    case 16: return values_t<1>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 32: return values_t<2>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 48: return values_t<3>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 64: return values_t<4>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 80: return values_t<5>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 96: return values_t<6>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 128: return values_t<8>(Pt, ldp, R, nk, V, ldv, O, Dv);
+    case 256: return values_t<16>(Pt, ldp, R, nk, V, ldv, O, Dv);
     default: break;
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    float* o = O + r * Dv;
+    for (int j = 0; j < nk; ++j) {
+      const float p = Pt[j * ldp + r];
+      const float* vr = V + j * ldv;
+#pragma omp simd
+      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
+    }
   }
 }
 
 }  // namespace
 
+// Rows as lanes (module comment): per task, its R = G * mq query rows are the lanes of the score
+// tiles (padded to a multiple of 16, W lanes per chunk), the keys the tile rows, so neither the
+// keys nor the scores are transposed and the online softmax runs down the keys, lane-parallel.
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "causal_attention: q, k, v must be 4-d [b, t, heads, dim]");
@@ -205,7 +271,13 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const torch::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
   auto out = torch::empty({b, nq, H, Dv}, q.options());
   if (b == 0 || nq == 0 || H == 0) return out;
-  const int64_t G = H / Hkv, off = n - nq, nblocks = (nq + MQ - 1) / MQ;
+  const int64_t G = H / Hkv, off = n - nq;
+  // queries per task: G * MQ rows, a multiple of 64 lanes where that stays <= 256 rows
+  int64_t MQt = 64 / std::gcd<int64_t>(G, 64);
+  while (MQt * G < 64) MQt *= 2;
+  if (MQt * G > 256) MQt = std::max<int64_t>(1, 256 / G);
+  MQt = std::min(MQt, nq);
+  const int64_t nblocks = (nq + MQt - 1) / MQt;
   const float* qp = qc.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
@@ -214,78 +286,101 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
   const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int64_t Rmax = G * MQ;
+  const int64_t Rmax = G * MQt, RP = (Rmax + 15) / 16 * 16;  // lanes, padded
 
   at::parallel_for(0, b * Hkv * nblocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Qs(Rmax * D), O(Rmax * Dv), S(Rmax * KB), Kt(D * KB), m(Rmax), l(Rmax);
+    std::vector<float> Qt(D * RP), O(RP * Dv), St(KB * RP), m(RP), l(RP), alpha(RP);
+    std::vector<int64_t> pos(RP);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t blk = task % nblocks, g = (task / nblocks) % Hkv, bi = task / (nblocks * Hkv);
-      const int64_t i0 = blk * MQ, mq = std::min<int64_t>(MQ, nq - i0);
-      const int R = static_cast<int>(G * mq);
-      // rows r = t * G + h: query i0 + t, head g * G + h; scaled once
+      const int64_t i0 = blk * MQt, mq = std::min<int64_t>(MQt, nq - i0);
+      const int64_t R = G * mq, Rp = (R + 15) / 16 * 16;
+      // lanes r = t * G + h: query i0 + t, head g * G + h; scaled and transposed once; padding lanes 0
+      std::fill(Qt.begin(), Qt.begin() + D * Rp, 0.f);
       for (int64_t t = 0; t < mq; ++t)
         for (int64_t h = 0; h < G; ++h) {
           const float* src = qp + bi * qs0 + (i0 + t) * qs1 + (g * G + h) * qs2;
-          float* dst = Qs.data() + (t * G + h) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * fscale;
+          const int64_t r = t * G + h;
+          for (int64_t d = 0; d < D; ++d) Qt[d * Rp + r] = src[d] * fscale;
         }
-      std::fill(O.begin(), O.begin() + R * Dv, 0.f);
-      std::fill(m.begin(), m.begin() + R, kNegInf);
-      std::fill(l.begin(), l.begin() + R, 0.f);
       const int64_t first_pos = off + i0, last_pos = off + i0 + mq - 1;
+      for (int64_t r = 0; r < Rp; ++r) pos[r] = r < R ? first_pos + r / G : last_pos;
+      std::fill(O.begin(), O.begin() + R * Dv, 0.f);
+      std::fill(m.begin(), m.begin() + Rp, kNegInf);
+      std::fill(l.begin(), l.begin() + Rp, 0.f);
       const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const float* kbase = kp + bi * ks0 + g * ks2;
       const float* vbase = vp + bi * vs0 + g * vs2;
       for (int64_t j0 = key_begin; j0 <= last_pos; j0 += KB) {
         const int nk = static_cast<int>(std::min<int64_t>(KB, last_pos + 1 - j0));
-        // the key block transposed: Kt[d, c] = k[j0 + c, d], zero past nk
-        for (int c = 0; c < nk; ++c) {
-          const float* kr = kbase + (j0 + c) * ks1;
-          for (int64_t d = 0; d < D; ++d) Kt[d * KB + c] = kr[d];
+        const float* kb = kbase + j0 * ks1;
+        for (int64_t c0 = 0; c0 < Rp; c0 += 64) {  // lane chunks of up to 64
+          const int64_t w = std::min<int64_t>(64, Rp - c0);
+          switch (w / 16) {
+            case 4: scores_t<4>(Qt.data() + c0, Rp, D, kb, ks1, nk, St.data() + c0, Rp); break;
+            case 3: scores_t<3>(Qt.data() + c0, Rp, D, kb, ks1, nk, St.data() + c0, Rp); break;
+            case 2: scores_t<2>(Qt.data() + c0, Rp, D, kb, ks1, nk, St.data() + c0, Rp); break;
+            default: scores_t<1>(Qt.data() + c0, Rp, D, kb, ks1, nk, St.data() + c0, Rp); break;
+          }
         }
-        if (nk < KB)
-          for (int64_t d = 0; d < D; ++d) std::fill(Kt.data() + d * KB + nk, Kt.data() + (d + 1) * KB, 0.f);
-        scores(Qs.data(), R, D, Kt.data(), S.data());
-        // every row sees every key of the block: the block ends at or before the first query and,
-        // with a window, starts inside the last query's window
+        // every lane sees every key of the block: it ends at or before the first query and, with
+        // a window, starts inside the last query's window
         const bool full = j0 + nk - 1 <= first_pos && (window <= 0 || j0 > last_pos - window);
-        for (int r = 0; r < R; ++r) {
-          float* s = S.data() + r * KB;
-          int lo = 0, hi = nk;  // visible keys of this row: [lo, hi)
-          if (!full) {
-            const int64_t pos = first_pos + r / G;
-            hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - j0, 0, nk));
-            if (window > 0) lo = static_cast<int>(std::clamp<int64_t>(pos - window + 1 - j0, 0, nk));
-          }
-          if (lo >= hi) {
-            std::fill(s, s + KB, 0.f);
-            continue;
-          }
+        float* mx = alpha.data();  // the block's max per lane (alpha reuses the buffer below)
+        std::fill(mx, mx + Rp, kNegInf);
+        for (int j = 0; j < nk; ++j) {
+          float* s = St.data() + j * Rp;
+          const int64_t kpos = j0 + j;
           if (cap > 0)
-            for (int c = lo; c < hi; ++c) s[c] = cap * std::tanh(s[c] / cap);
-          float bm = kNegInf;
-          for (int c = lo; c < hi; ++c) bm = std::max(bm, s[c]);
-          const float mn = std::max(m[r], bm);
-          const float alpha = m[r] == kNegInf ? 0.f : exp_nonpositive(m[r] - mn);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int c = lo; c < hi; ++c) {
-            const float e = exp_nonpositive(s[c] - mn);
-            s[c] = e;
-            sum += e;
-          }
-          for (int c = 0; c < lo; ++c) s[c] = 0.f;
-          for (int c = hi; c < KB; ++c) s[c] = 0.f;
-          if (alpha != 1.f) {
-            float* o = O.data() + r * Dv;
+            for (int64_t r = 0; r < Rp; ++r) s[r] = cap * std::tanh(s[r] / cap);
+          if (full) {
 #pragma omp simd
-            for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
+            for (int64_t r = 0; r < Rp; ++r) mx[r] = std::max(mx[r], s[r]);
+          } else {
+            const int64_t* pr = pos.data();
+#pragma omp simd
+            for (int64_t r = 0; r < Rp; ++r) {
+              const bool vis = kpos <= pr[r] && (window <= 0 || kpos > pr[r] - window);
+              const float x = vis ? s[r] : kNegInf;
+              s[r] = x;
+              mx[r] = std::max(mx[r], x);
+            }
           }
-          l[r] = l[r] * alpha + sum;
-          m[r] = mn;
         }
-        values_any(S.data(), KB, R, nk, vbase + j0 * vs1, vs1, O.data(), Dv);
+        // new running max; alpha = exp(old - new) (1 where nothing is seen yet), P = exp(S - max)
+        float* ml = m.data();
+        float* ll = l.data();
+        float rowsum[256 + 16];
+        for (int64_t r0 = 0; r0 < Rp; r0 += 256) {
+          const int64_t r1 = std::min<int64_t>(Rp, r0 + 256);
+#pragma omp simd
+          for (int64_t r = r0; r < r1; ++r) {
+            const float mn = std::max(ml[r], mx[r]);
+            const float a = mn == kNegInf ? 1.f : exp_nonpositive(ml[r] - mn);
+            mx[r] = mn;  // mx now holds the new max
+            ml[r] = mn;
+            ll[r] *= a;
+            rowsum[r - r0] = a;  // alpha, kept until O is rescaled
+          }
+          for (int64_t r = r0; r < r1; ++r) {
+            if (r < R && rowsum[r - r0] != 1.f) {
+              float* o = O.data() + r * Dv;
+              const float a = rowsum[r - r0];
+#pragma omp simd
+              for (int64_t c = 0; c < Dv; ++c) o[c] *= a;
+            }
+          }
+        }
+        for (int j = 0; j < nk; ++j) {
+          float* s = St.data() + j * Rp;
+#pragma omp simd
+          for (int64_t r = 0; r < Rp; ++r) {
+            const float e = s[r] == kNegInf ? 0.f : exp_nonpositive(s[r] - mx[r]);
+            s[r] = e;
+            ll[r] += e;
+          }
+        }
+        values_t_any(St.data(), Rp, static_cast<int>(R), nk, vbase + j0 * vs1, vs1, O.data(), Dv);
       }
       for (int64_t t = 0; t < mq; ++t)
         for (int64_t h = 0; h < G; ++h) {
