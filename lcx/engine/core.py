@@ -206,7 +206,7 @@ class Engine:
     def reset(self) -> list[str]:
         """Drop every waiting and running request (after an unexpected failure); returns their ids."""
         ids = [s.rid for s in self.scheduler.clear()]
-        self.runner.store = None
+        self.runner.store = self.runner.parked = None
         self._ids.clear()
         return ids
 

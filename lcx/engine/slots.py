@@ -9,17 +9,24 @@ import torch
 
 
 def rebuffer(x: torch.Tensor, R: int, C: int, n: int, fill: float | int = 0) -> torch.Tensor:
-    """A buffer of R rows and C slots holding x's first n rows (x `[>= n, ..., C0]`, C0 <= C;
-    the rest `fill`: zeros for keys and values, so an empty slot is never NaN, -1 for positions)."""
+    """A buffer of R rows and C slots holding x's first n rows (x `[>= n, ..., C0]`, C0 <= C),
+    their new slots `fill` (zeros for keys and values, so an empty slot is never NaN; -1 for
+    positions). Spare rows (n..R) of keys and values are left unwritten: a row is written whole
+    when it joins (`SlotStore.append`), so nothing reads them before; spare rows of positions
+    (`[R, C]`, small) are `fill`. Writing only the live rows' memory, not the whole new buffer
+    twice, spares a resize most of its page faults (fresh pages are touched as rows join)."""
     dim = 2 if x.dim() == 4 else 1
     shape = list(x.shape)
     shape[0], shape[dim] = R, C
-    out = x.new_full(shape, fill)
     c0 = x.shape[dim]
-    if dim == 2:
-        out[:n, :, :c0] = x[:n]
-    else:
+    if dim == 1:  # positions
+        out = x.new_full(shape, fill)
         out[:n, :c0] = x[:n]
+        return out
+    out = x.new_empty(shape)
+    out[:n, :, :c0] = x[:n]
+    if c0 < C:
+        out[:n, :, c0:] = fill
     return out
 
 
@@ -82,13 +89,14 @@ class SlotStore:
 
     def move(self, dst: list[int], src: list[int], n: int) -> None:
         """Rows `src` copied into rows `dst`, then only the first n rows kept (in place; `drop_order`).
-        When fewer than a quarter of the buffers' rows stay, the buffers shrink to fit them."""
+        When fewer than a quarter of the buffers' rows stay, the buffers shrink to fit them; when
+        none stay, they are kept whole for the rows that join next (the engine's `parked` store)."""
         if dst:
             d, s = (torch.tensor(x, device=self._pb.device) for x in (dst, src))
             for buf in (*self._kb, *self._vb, self._pb):
                 buf[d] = buf[s]
         self._set(self._kb, self._vb, self._pb, n)
-        if 4 * n < int(self._pb.shape[0]):
+        if 0 < n and 4 * n < int(self._pb.shape[0]):  # (n = 0: the buffers are kept for the next rows)
             self._resize(n, self.capacity)
 
     def rows(self, sel: torch.Tensor) -> "SlotStore":
