@@ -190,12 +190,10 @@ class KVStore:
         return layer if self._local is None else self._local[layer]
 
     # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_prefill(cls, layout: CacheLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
-                     pos: torch.Tensor, budget: torch.Tensor, layers: tuple[int, ...] | None = None) -> "KVStore":
-        """Rows prefilled together: keys/values per layer `[b, Hkv, T, D]` (unrotated for a patched
-        model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding, anywhere: a row
-        continued from held KV, `lcx.engine.prefix`, may hold only a bounded method's kept keys)."""
+    @staticmethod
+    def _plan(layout: CacheLayout, pos: torch.Tensor, budget: torch.Tensor) -> tuple:
+        """What a prefill's rows keep, and in how many slots: (keep_main, C, side: (keep, Cs,
+        ring, limit, rotation) or None, rotation of the main store)."""
         n = pos.max(1).values + 1  # [b] the next query of row b is at position n[b]
         valid = pos >= 0
         most = int(budget.max())  # no row ever holds more positions than its budget
@@ -205,7 +203,6 @@ class KVStore:
         else:
             keep_main = valid
             C = _capacity(int(n.max()) + 1, 2 * int(n.max()), int(budget.max()))
-        main = _scatter(keys, values, pos, keep_main, C, layout.window, None, _rotation(layout, lambda p: p))
         side = None
         if layout.has_side:
             if layout.side is None:  # every key (Self-Extend's grouped keys)
@@ -213,8 +210,36 @@ class KVStore:
             else:
                 keep_side, Cs = valid & (pos < layout.side), min(layout.side, max(most, int(n.max()) + 1))
             side_key = layout.rule.side_key if layout.rule is not None else (lambda p: p)
-            side = _scatter(keys, values, pos, keep_side, Cs, None, layout.side, _rotation(layout, side_key))
-        return cls(layout, main, side, budget.to(pos.device), layers)
+            side = (keep_side, Cs, None, layout.side, _rotation(layout, side_key))
+        return keep_main, C, side, _rotation(layout, lambda p: p)
+
+    def has_room(self, layout: CacheLayout, b: int, plan: tuple) -> bool:
+        """Whether b new rows of `plan` (`_plan`) fit this store's spare rows and slots in place."""
+        _, C, side, _ = plan
+        return (self.layout == layout and self.main.spare_rows >= b and self.main.capacity >= C
+                and (side is None or (self.side is not None and self.side.spare_rows >= b
+                                      and self.side.capacity >= side[1])))
+
+    @classmethod
+    def from_prefill(cls, layout: CacheLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     pos: torch.Tensor, budget: torch.Tensor, layers: tuple[int, ...] | None = None,
+                     into: "KVStore | None" = None, plan: tuple | None = None) -> "KVStore":
+        """Rows prefilled together: keys/values per layer `[b, Hkv, T, D]` (unrotated for a patched
+        model, rotated by HF for an unpatched one), pos `[b, T]` (-1: padding, anywhere: a row
+        continued from held KV, `lcx.engine.prefix`, may hold only a bounded method's kept keys).
+        `into`: a store of this layout with room for them (`has_room`): they are written into its
+        spare rows in place (`_scatter`) and it is returned grown; else a new store."""
+        keep_main, C, side, rotation = plan if plan is not None else cls._plan(layout, pos, budget)
+        if into is not None and not into.has_room(layout, int(pos.shape[0]), (keep_main, C, side, rotation)):
+            into = None
+        main = _scatter(keys, values, pos, keep_main, C, layout.window, None, rotation,
+                        into.main if into is not None else None)
+        side_store = None if side is None else _scatter(keys, values, pos, *side,
+                                                        into=into.side if into is not None else None)
+        if into is not None:
+            into.budget = torch.cat([into.budget, budget.to(into.budget.device)])
+            return into
+        return cls(layout, main, side_store, budget.to(pos.device), layers)
 
     def append(self, other: "KVStore") -> None:
         """Add `other`'s rows after this store's, in place (`SlotStore.append`)."""
@@ -352,38 +377,53 @@ def rotate_rows(x: torch.Tensor, positions: torch.Tensor, basis: tuple[torch.Ten
 
 
 def _scatter(keys, values, pos, keep, C: int, ring: int | None, limit: int | None,
-             rotation: Callable | None) -> SlotStore:
+             rotation: Callable | None, into: SlotStore | None = None) -> SlotStore:
     """The kept slots (`keep [b, T]`) of a left-padded prefill cache, moved into a store of C
     slots (slot p % ring, or p), keys rotated by `rotation` on the way. Where every row keeps the
     same run of consecutive positions landing on consecutive slots (`_one_run`: rows of one
     length, no wrap of a ring), they move as one slice per layer, not by gathering each slot (the
-    same values)."""
+    same values). `into`: a store of the same kind with b spare rows and at least C slots, whose
+    spare rows take the new rows in place (returned, its rows grown; the running batch's or a
+    parked store's buffers, memory already paged in), else None or no room: a new store."""
     b_idx, t_idx = keep.nonzero(as_tuple=True)
     p = pos[b_idx, t_idx]
     s_idx = p % ring if ring is not None else p
     B = pos.shape[0]
-    out_pos = torch.full((B, C), -1, dtype=torch.long, device=pos.device)
+    room = (into is not None and into.ring == ring and into.limit == limit and into.spare_rows >= B
+            and into.capacity >= C)
+    Ct = into.capacity if room else C  # (slots C..Ct of the new rows: empty)
+    if room:
+        k_rows, v_rows, out_pos = into.spare(B)
+        out_pos.fill_(-1)
+    else:
+        out_pos = torch.full((B, C), -1, dtype=torch.long, device=pos.device)
     out_pos[b_idx, s_idx] = p
     run = _one_run(pos, keep, ring, C)
     ks, vs = [], []
-    for k, v in zip(keys, values):
+    for i, (k, v) in enumerate(zip(keys, values)):
+        if room:
+            kk, vv = k_rows[i], v_rows[i]
+        else:
+            kk, vv = k.new_empty(B, k.shape[1], C, k.shape[3]), v.new_empty(B, v.shape[1], C, v.shape[3])
         if run is None:
-            kk = k.new_zeros(B, k.shape[1], C, k.shape[3])
-            vv = v.new_zeros(B, v.shape[1], C, v.shape[3])
+            kk.zero_()
+            vv.zero_()
             src = k[b_idx, :, t_idx]  # [N, Hkv, D]
             kk[b_idx, :, s_idx] = src if rotation is None else rotation(src, p)
             vv[b_idx, :, s_idx] = v[b_idx, :, t_idx]
         else:  # one slice; only the slots outside it zeroed
             t0, s0, n = run
-            kk, vv = k.new_empty(B, k.shape[1], C, k.shape[3]), v.new_empty(B, v.shape[1], C, v.shape[3])
             for x in (kk, vv):
                 x[:, :, :s0].zero_()
-                x[:, :, s0 + n:].zero_()
+                x[:, :, s0 + n:Ct].zero_()
             kk[:, :, s0:s0 + n] = k[:, :, t0:t0 + n] if rotation is None else _rotated(
                 k[:, :, t0:t0 + n], pos[:, t0:t0 + n], rotation)
             vv[:, :, s0:s0 + n] = v[:, :, t0:t0 + n]
         ks.append(kk)
         vs.append(vv)
+    if room:
+        into.grow_rows(B)
+        return into
     return SlotStore(ks, vs, out_pos, ring, limit)
 
 
@@ -454,11 +494,20 @@ class ModelKV:
 
     @classmethod
     def from_prefill(cls, layout: KVLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
-                     pos: torch.Tensor, budget: torch.Tensor) -> "ModelKV":
+                     pos: torch.Tensor, budget: torch.Tensor, into: "ModelKV | None" = None) -> "ModelKV":
         """Rows prefilled together: keys/values per model layer `[b, Hkv, T, D]`, pos `[b, T]`
-        (`KVStore.from_prefill`); each group keeps what its layout keeps of its layers."""
-        return cls(layout, [KVStore.from_prefill(lay, [keys[i] for i in g], [values[i] for i in g], pos, budget,
-                                                 layers=g) for lay, g in layout.groups])
+        (`KVStore.from_prefill`); each group keeps what its layout keeps of its layers. `into`: a
+        store of this layout (the running batch's, or a parked one) whose spare rows take the rows
+        in place where every group has room: returned grown; else a new store."""
+        plans = [KVStore._plan(lay, pos, budget) for lay, _ in layout.groups]
+        b = int(pos.shape[0])
+        if into is not None and not (into.layout == layout and all(
+                p.has_room(lay, b, plan) for p, (lay, _), plan in zip(into.parts, layout.groups, plans))):
+            into = None  # not every group has room: a new store (the caller appends it)
+        parts = [KVStore.from_prefill(lay, [keys[i] for i in g], [values[i] for i in g], pos, budget, layers=g,
+                                      into=into.parts[j] if into is not None else None, plan=plans[j])
+                 for j, (lay, g) in enumerate(layout.groups)]
+        return into if into is not None else cls(layout, parts)
 
     @staticmethod
     def cat(parts: list["ModelKV"]) -> "ModelKV":

@@ -259,12 +259,13 @@ class ModelRunner:
             keys, values, pos = out.keys, out.values, out.pos
         else:
             keys, values, pos = [k[rows] for k in out.keys], [v[rows] for v in out.values], out.pos[rows]
-        new = ModelKV.from_prefill(self.cache_layout, keys, values, pos, torch.tensor(list(budgets)))
-        if self.store is None and self.parked is not None:  # the last batch's buffers, memory already touched
+        if self.store is None and self.parked is not None:  # the last batch's buffers, memory already paged in
             self.store, self.parked = self.parked, None
-        if self.store is None:
+        # into the store's spare rows where they fit (no new buffers), else a new store appended
+        new = ModelKV.from_prefill(self.cache_layout, keys, values, pos, torch.tensor(list(budgets)), into=self.store)
+        if self.store is None or self.store.batch == 0:
             self.store = new
-        else:
+        elif new is not self.store:
             self.store.append(new)  # (in place: only the new rows are copied)
 
     def drop_rows(self, rows: list[int]) -> list[int]:

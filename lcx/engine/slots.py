@@ -69,6 +69,18 @@ class SlotStore:
         self._set([rebuffer(t, R, C, n) for t in self._kb], [rebuffer(t, R, C, n) for t in self._vb],
                   rebuffer(self._pb, R, C, n, -1), n)
 
+    def spare(self, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Views of the next b spare rows' keys, values (per layer `[b, Hkv, C, D]`) and positions
+        `[b, C]`, for a caller that writes whole rows there, then `grow_rows(b)`."""
+        n = self.n
+        return [t[n:n + b] for t in self._kb], [t[n:n + b] for t in self._vb], self._pb[n:n + b]
+
+    def grow_rows(self, b: int) -> None:
+        """The next b spare rows, written whole (`spare`), join the live rows."""
+        if b > self.spare_rows:
+            raise ValueError(f"{b} rows joining a store with {self.spare_rows} spare rows")
+        self._set(self._kb, self._vb, self._pb, self.n + b)
+
     def grow(self, C: int) -> None:
         if C > self.capacity:
             self._resize(int(self._pb.shape[0]), C)

@@ -201,6 +201,37 @@ def test_rows_join_and_leave_in_place_as_the_copies_do(layout):
     _same(want.rows(order), store)
 
 
+@pytest.mark.parametrize("layout", [CacheLayout.for_method(lm_infinite(2, 4), basis=(torch.ones(D // 2, dtype=torch.float64), 1.0)),
+                                    CacheLayout.unpatched()], ids=["ring+side", "unbounded"])
+def test_prefill_rows_written_into_spare_rows_as_appended(layout):
+    """`from_prefill(..., into=store)` (the engine's join when the store has room: the rows
+    written in place, no new buffers) holds what `from_prefill` + `append` hold, also into a row
+    that held another request and into an emptied (parked) store; without room it is a new store."""
+    first = _pair(layout, 0, (3, 7, 5), 30)
+    store = _pair(layout, 0, (3, 7, 5), 30)
+    store.append(_pair(layout, 5, (4,), 30))  # the buffers grow with spare rows
+    n, dst, src, _ = drop_order(store.batch, [1, 3])
+    store.move(dst, src, n)
+    g = torch.Generator().manual_seed(1)
+    pos = _pos([list(range(6)), list(range(2))], 6)
+    k, v = torch.randn(2, HKV, 6, D, generator=g), torch.randn(2, HKV, 6, D, generator=g)
+    ks, vs, budget = [k, k * 2], [v, v * 2], torch.tensor([20, 20])
+    want = KVStore.cat([store.rows(list(range(store.batch))), KVStore.from_prefill(layout, ks, vs, pos, budget)])
+    assert store.main.spare_rows >= 2
+    got = KVStore.from_prefill(layout, ks, vs, pos, budget, into=store)
+    assert got is store and store.batch == 4
+    _same(want, store)
+    n, dst, src, _ = drop_order(store.batch, [0, 1, 2, 3])
+    store.move(dst, src, n)  # emptied: its buffers are kept (the engine parks them)
+    assert store.batch == 0 and store.main.spare_rows >= 2
+    room = store.has_room(layout, 2, KVStore._plan(layout, pos, budget))
+    again = KVStore.from_prefill(layout, ks, vs, pos, budget, into=store)
+    assert room and again is store
+    _same(KVStore.from_prefill(layout, ks, vs, pos, budget), again)
+    full = KVStore.from_prefill(layout, ks, vs, pos, budget, into=first)  # no spare rows
+    assert full is not first and first.batch == 3
+
+
 def _pos(rows: list[list[int]], T: int) -> torch.Tensor:
     """Left-padded slot positions `[b, T]` (-1: padding) of rows given as position lists."""
     out = torch.full((len(rows), T), -1, dtype=torch.long)
