@@ -72,10 +72,12 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
-// O[r, :] += sum_{j < nk} P[r, j] V[j, :] for ROWS rows, V rows `ldv` apart, Dv = 16 * NV.
+// O[r, :] += sum_{j < nk} P[r * rs + j * js] V[j, :] for ROWS rows, V rows `ldv` apart, Dv = 16 * NV:
+// the probability broadcast per key and row, the value row loaded once per tile. (rs, js) = (ldp, 1)
+// for rows of probabilities (the decode step), (1, ldp) for keys x lanes (prefill rows).
 template <int ROWS, int NV>
-inline void value_tile(const float* __restrict P, int64_t ldp, int nk, const float* __restrict V, int64_t ldv,
-                       float* __restrict O, int64_t Dv) {
+inline void value_tile(const float* __restrict P, int64_t rs, int64_t js, int nk, const float* __restrict V,
+                       int64_t ldv, float* __restrict O, int64_t Dv) {
 #if LCX_AVX512
   __m512 acc[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
@@ -84,7 +86,7 @@ inline void value_tile(const float* __restrict P, int64_t ldp, int nk, const flo
     __m512 vj[NV];
     for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(V + j * ldv + 16 * c);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 p = _mm512_set1_ps(P[r * ldp + j]);
+      const __m512 p = _mm512_set1_ps(P[r * rs + j * js]);
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vj[c], acc[r][c]);
     }
   }
@@ -95,7 +97,7 @@ inline void value_tile(const float* __restrict P, int64_t ldp, int nk, const flo
   for (int r = 0; r < ROWS; ++r) {
     float* o = O + r * Dv;
     for (int j = 0; j < nk; ++j) {
-      const float p = P[r * ldp + j];
+      const float p = P[r * rs + j * js];
       const float* vr = V + j * ldv;
 #pragma omp simd
       for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
@@ -104,34 +106,35 @@ inline void value_tile(const float* __restrict P, int64_t ldp, int nk, const flo
 #endif
 }
 
-// rows at a time: the largest tile whose accumulators fit the 32 vector registers
-// O[r, :] += sum_{j < nk} P[r * ldp + j] V[j, :] for R rows, in register tiles of rows.
+// O[r, :] += sum_j P[r * rs + j * js] V[j, :] for R rows, in register tiles of rows.
 template <int NV>
-void values(const float* P, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
+void values(const float* P, int64_t rs, int64_t js, int R, int nk, const float* V, int64_t ldv, float* O,
+            int64_t Dv) {
   constexpr int T = NV <= 4 ? (NV <= 2 ? 8 : 6) : (NV <= 8 ? 3 : 1);
   int r = 0;
-  for (; r + T <= R; r += T) value_tile<T, NV>(P + r * ldp, ldp, nk, V, ldv, O + r * Dv, Dv);
-  for (; r < R; ++r) value_tile<1, NV>(P + r * ldp, ldp, nk, V, ldv, O + r * Dv, Dv);
+  for (; r + T <= R; r += T) value_tile<T, NV>(P + r * rs, rs, js, nk, V, ldv, O + r * Dv, Dv);
+  for (; r < R; ++r) value_tile<1, NV>(P + r * rs, rs, js, nk, V, ldv, O + r * Dv, Dv);
 }
 
-void values_any(const float* P, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
+void values_any(const float* P, int64_t rs, int64_t js, int R, int nk, const float* V, int64_t ldv, float* O,
+                int64_t Dv) {
 #if LCX_AVX512
   switch (Dv) {
-    case 16: return values<1>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 32: return values<2>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 48: return values<3>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 64: return values<4>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 80: return values<5>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 96: return values<6>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 128: return values<8>(P, ldp, R, nk, V, ldv, O, Dv);
-    case 256: return values<16>(P, ldp, R, nk, V, ldv, O, Dv);
+    case 16: return values<1>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 32: return values<2>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 48: return values<3>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 64: return values<4>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 80: return values<5>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 96: return values<6>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 128: return values<8>(P, rs, js, R, nk, V, ldv, O, Dv);
+    case 256: return values<16>(P, rs, js, R, nk, V, ldv, O, Dv);
     default: break;
   }
 #endif
   for (int r = 0; r < R; ++r) {
     float* o = O + r * Dv;
     for (int j = 0; j < nk; ++j) {
-      const float p = P[r * ldp + j];
+      const float p = P[r * rs + j * js];
       const float* vr = V + j * ldv;
 #pragma omp simd
       for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
@@ -181,71 +184,6 @@ void scores_t(const float* Qt, int64_t ldq, int64_t D, const float* K, int64_t l
   int j = 0;
   for (; j + KT <= nk; j += KT) score_keys<NV, KT>(Qt, ldq, D, K + j * ldk, ldk, St + j * lds, lds);
   for (; j < nk; ++j) score_keys<NV, 1>(Qt, ldq, D, K + j * ldk, ldk, St + j * lds, lds);
-}
-
-// O[r, :] += sum_{j < nk} Pt[j * ldp + r] V[j, :] for ROWS rows (Pt: probabilities, keys x lanes).
-template <int ROWS, int NV>
-inline void value_rows_t(const float* __restrict Pt, int64_t ldp, int nk, const float* __restrict V, int64_t ldv,
-                         float* __restrict O, int64_t Dv) {
-#if LCX_AVX512
-  __m512 acc[ROWS][NV];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(O + r * Dv + 16 * c);
-  for (int j = 0; j < nk; ++j) {
-    __m512 vj[NV];
-    for (int c = 0; c < NV; ++c) vj[c] = _mm512_loadu_ps(V + j * ldv + 16 * c);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 p = _mm512_set1_ps(Pt[j * ldp + r]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vj[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(O + r * Dv + 16 * c, acc[r][c]);
-#else
-  (void)NV;
-  for (int r = 0; r < ROWS; ++r) {
-    float* o = O + r * Dv;
-    for (int j = 0; j < nk; ++j) {
-      const float p = Pt[j * ldp + r];
-      const float* vr = V + j * ldv;
-#pragma omp simd
-      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
-    }
-  }
-#endif
-}
-
-template <int NV>
-void values_t(const float* Pt, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
-  constexpr int T = NV <= 4 ? (NV <= 2 ? 8 : 6) : (NV <= 8 ? 3 : 1);
-  int r = 0;
-  for (; r + T <= R; r += T) value_rows_t<T, NV>(Pt + r, ldp, nk, V, ldv, O + r * Dv, Dv);
-  for (; r < R; ++r) value_rows_t<1, NV>(Pt + r, ldp, nk, V, ldv, O + r * Dv, Dv);
-}
-
-void values_t_any(const float* Pt, int64_t ldp, int R, int nk, const float* V, int64_t ldv, float* O, int64_t Dv) {
-#if LCX_AVX512
-  switch (Dv) {
-    case 16: return values_t<1>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 32: return values_t<2>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 48: return values_t<3>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 64: return values_t<4>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 80: return values_t<5>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 96: return values_t<6>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 128: return values_t<8>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    case 256: return values_t<16>(Pt, ldp, R, nk, V, ldv, O, Dv);
-    default: break;
-  }
-#endif
-  for (int r = 0; r < R; ++r) {
-    float* o = O + r * Dv;
-    for (int j = 0; j < nk; ++j) {
-      const float p = Pt[j * ldp + r];
-      const float* vr = V + j * ldv;
-#pragma omp simd
-      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
-    }
-  }
 }
 
 }  // namespace
@@ -380,7 +318,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
             ll[r] += e;
           }
         }
-        values_t_any(St.data(), Rp, static_cast<int>(R), nk, vbase + j0 * vs1, vs1, O.data(), Dv);
+        values_any(St.data(), 1, Rp, static_cast<int>(R), nk, vbase + j0 * vs1, vs1, O.data(), Dv);
       }
       for (int64_t t = 0; t < mq; ++t)
         for (int64_t h = 0; h < G; ++h) {
@@ -487,7 +425,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
       std::fill(O.begin(), O.end(), 0.f);
       for (int64_t j0 = 0; j0 < n; j0 += 256) {
         const int nk = static_cast<int>(std::min<int64_t>(256, n - j0));
-        values_any(P.data() + j0, C, static_cast<int>(G), nk, vbase + j0 * vs2, vs2, O.data(), Dv);
+        values_any(P.data() + j0, C, 1, static_cast<int>(G), nk, vbase + j0 * vs2, vs2, O.data(), Dv);
       }
       for (int64_t h = 0; h < G; ++h)
         std::memcpy(op + (bi * H + g * G + h) * Dv, O.data() + h * Dv, Dv * sizeof(float));

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .relative_attention import BASE_FLAGS, ISA_FLAGS, isa
+from .relative_attention import BASE_FLAGS, ISA_FLAGS, load_for_isa
 
 CPP_SOURCE = Path(__file__).resolve().parent / "causal_attention.cpp"
 
@@ -40,21 +40,12 @@ def build_args(target: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def load_extension(target: str | None = None, verbose: bool = False):
     """Compile (first call; cached across processes) and import the extension for ISA `target`
-    (None: this CPU's, `isa()`, falling back to the portable build if that one fails, logged)."""
-    from .._torch_build import load
-
+    (None: this CPU's, falling back to the portable build if that one fails: `load_for_isa`)."""
     if target is not None:
-        return load(**build_args(target), verbose=verbose)
-    target = isa()
-    if target != "portable":
-        try:
-            return load(**build_args(target), verbose=verbose)
-        except Exception as e:  # noqa: BLE001 - an old compiler without the flags: the portable build
-            import logging
+        from .._torch_build import load
 
-            logging.getLogger(__name__).warning("lcx: the %s build of the causal CPU attention failed (%s); "
-                                                "building without ISA flags", target, str(e).splitlines()[0])
-    return load(**build_args("portable"), verbose=verbose)
+        return load(**build_args(target), verbose=verbose)
+    return load_for_isa(build_args, "causal CPU attention", verbose)
 
 
 @functools.lru_cache(maxsize=None)

@@ -66,22 +66,28 @@ def build_args(target: str) -> dict:
             "extra_cflags": BASE_FLAGS + ISA_FLAGS.get(target, [])}
 
 
-@functools.lru_cache(maxsize=None)
-def load_extension(verbose: bool = False):
-    """Compile (first call; torch caches the build across processes) and import the extension:
-    with this CPU's ISA flags (`isa()`), else, if that build fails, the portable one (logged)."""
+def load_for_isa(build_args_of, what: str, verbose: bool = False):
+    """Compile (first call; torch caches the build across processes) and import the extension
+    whose `load` arguments `build_args_of(target)` gives: with this CPU's ISA flags (`isa()`),
+    else, if that build fails, the portable one (logged, naming `what`)."""
     from .._torch_build import load
 
     target = isa()
     if target != "portable":
         try:
-            return load(**build_args(target), verbose=verbose)
+            return load(**build_args_of(target), verbose=verbose)
         except Exception as e:  # noqa: BLE001 - an old compiler without the flags: the portable build
             import logging
 
-            logging.getLogger(__name__).warning("lcx: the %s build of the CPU attention kernel failed (%s); "
-                                                "building without ISA flags", target, str(e).splitlines()[0])
-    return load(**build_args("portable"), verbose=verbose)
+            logging.getLogger(__name__).warning("lcx: the %s build of the %s failed (%s); building without ISA "
+                                                "flags", target, what, str(e).splitlines()[0])
+    return load(**build_args_of("portable"), verbose=verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(verbose: bool = False):
+    """The extension for this CPU (`load_for_isa`)."""
+    return load_for_isa(build_args, "CPU attention kernel", verbose)
 
 
 def compact_index(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,5 +133,5 @@ def paged_relative_attention_cpu(query: torch.Tensor, kv: torch.Tensor, rows: to
     return out
 
 
-__all__ = ["BASE_FLAGS", "CPP_SOURCE", "DTYPES", "ISA_FLAGS", "compact_index", "isa", "load_extension",
+__all__ = ["BASE_FLAGS", "CPP_SOURCE", "DTYPES", "ISA_FLAGS", "compact_index", "isa", "load_extension", "load_for_isa",
            "paged_relative_attention_cpu", "unavailable"]

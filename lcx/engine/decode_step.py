@@ -185,8 +185,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     `softcap`: every scaled logit soft-capped (`lcx.attention.soft_cap`; `extra`'s already are).
 
     float32 on the CPU without a side branch or `extra` (vanilla, sliding window): lcx's C++
-    kernel (`lcx.kernels.cpu.causal_attention.decode_attention_cpu`, where it builds: 1.7-1.8x
-    the matmul path, `lcx bench rows`). Otherwise GQA without copies: the H // Hkv query heads of
+    kernel (`lcx.kernels.cpu.causal_attention.decode_attention_cpu`, where it builds: 1.7-2.5x
+    the matmul path at 1-32 rows over 544-2048 slots, `lcx bench rows`). Otherwise GQA without copies: the H // Hkv query heads of
     a kv head are one [g, D] block against its keys. float32/float64: scores and softmax in that dtype (matmuls over the cache as it is).
     float16/bfloat16 without a side branch (vanilla, sliding window): torch's fused SDPA, which
     accumulates in float32. float16/bfloat16 with a side branch: the cache is upcast per call

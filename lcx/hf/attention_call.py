@@ -431,7 +431,7 @@ def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: floa
             kr, vr = k, v
         else:
             kr, vr = k[bs[:, None], idx], v[bs[:, None], idx]
-        if native:
+        if native and nq * (q.shape[2] // k.shape[2]) >= NATIVE_MIN_ROWS:
             from lcx.kernels.cpu.causal_attention import causal_attention_cpu
 
             out[bs, Tq - nq:] = causal_attention_cpu(q[bs, Tq - nq:], kr, vr, scale, w, softcap)
@@ -445,12 +445,21 @@ def attend_loaded_rows(module: nn.Module, q, k, v, rows: LoadedRows, scale: floa
     return out
 
 
+# The C++ kernel's score tiles take a row's query heads x new queries as 16-float lanes: rows of
+# fewer than 16 (GQA group x queries) leave most lanes empty, and torch's masked call is faster
+# there (`lcx bench rows`, 2026-12-08: one query over 544 or 2048 keys 0.63-0.93x the masked
+# call; 32 queries over 544 keys 2.1-2.4x it).
+NATIVE_MIN_ROWS = 16
+
+
 def native_rows(q: torch.Tensor) -> bool:
     """Whether rows of `q` run lcx's C++ causal kernels (`lcx.kernels.cpu.causal_attention`: these
-    rows, and the engine's decode step, `lcx.engine.decode_step.decode_attention`): float32 on
-    the CPU where they build, unless `LCX_NATIVE_ROWS=0`. `lcx bench rows`
-    (results/loaded_rows_cpu.json): faster than every torch path below at every measured shape,
-    from 1 query over 544 keys to 2048 over 2048 (causal, sliding windows and logit caps alike)."""
+    rows where they fill its lanes, `NATIVE_MIN_ROWS`, and the engine's decode step,
+    `lcx.engine.decode_step.decode_attention`): float32 on the CPU where they build, unless
+    `LCX_NATIVE_ROWS=0`. `lcx bench rows` (results/loaded_rows_cpu.json, one thread, 9/3 and 4/2
+    heads of 64): 2.0-3.3x torch's fused kernel from 128 to 2048 tokens (1.05-1.37x at 32), 2.1-2.6x
+    its masked call for 32-512 new queries over 544-2048 keys, 1.7-2.5x the decode step's matmul
+    path."""
     if q.dtype != torch.float32 or q.device.type != "cpu" or os.environ.get("LCX_NATIVE_ROWS", "1") == "0":
         return False
     from lcx.kernels.cpu.causal_attention import unavailable
@@ -458,10 +467,10 @@ def native_rows(q: torch.Tensor) -> bool:
     return unavailable() is None
 
 
-# Without the C++ kernel (`native_rows` false): a continuation of at most this many new tokens per row runs torch's SDPA with its [Tq, Tk]
-# mask: for few queries over many held keys one masked call beats lcx's flash backend (an
-# unmasked pass over the held keys, a causal one over the new tokens, merged by their LSE) by
-# 1.2-6x on one CPU thread; from about 256-512 queries on the split is faster (measured
+# Without the C++ kernel (`native_rows` false): a continuation of at most this many new tokens
+# per row runs torch's SDPA with its [Tq, Tk] mask: for few queries over many held keys one
+# masked call beats lcx's flash backend (an unmasked pass over the held keys, a causal one over
+# the new tokens, merged by their LSE) by 1.2-6x on one CPU thread; from about 256-512 queries on the split is faster (measured
 # 2026-12-07, head_dim 64, 4/2 and 9/3 heads, 128-2048 held keys; docs/benchmarks.md).
 MASKED_SDPA_MAX_QUERIES = 256
 
@@ -479,8 +488,8 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int 
         enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
 
 
-# Causal rows of this many new queries (and at most this many keys) run `block_causal` on the
-# CPU in float32: torch's fused CPU kernel computes each block of queries against whole blocks of
+# Without the C++ kernel (`native_rows` false): causal rows of this many new queries (and at most
+# this many keys) run `block_causal` on the CPU in float32: torch's fused CPU kernel computes each block of queries against whole blocks of
 # 512 keys, so at a few hundred queries much of its work is past the diagonal; two matmuls per
 # block of 64 queries (every query head of a kv head in one) compute the causal part only.
 # `lcx bench rows` (results/loaded_rows_cpu.json; 2026-12-07, one thread, idle machine, head_dim
