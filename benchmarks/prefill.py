@@ -298,7 +298,8 @@ def _engine_profiles(engines: dict[str, Any], ids: list[int], threads: int) -> d
         mm_s = sum(self_s.get(k, 0.0) for k in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"))
         row["self_cpu_s_total"] = round(sum(self_s.values()), 3)
         row["gemm_gflops"] = round(2 * weights * T / mm_s / 1e9, 1) if mm_s else None
-        attn_s = sum(v for k, v in self_s.items() if "scaled_dot_product" in k)
+        # torch's fused kernel, or lcx's C++ kernel where the engine runs it (`native_rows`)
+        attn_s = sum(v for k, v in self_s.items() if "scaled_dot_product" in k or k == "lcx::causal_attention_cpu")
         if name == "vanilla" and attn_s:
             c = eng.model.config
             head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
