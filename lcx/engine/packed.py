@@ -16,7 +16,8 @@ lcx's engine does the same for its own forwards, through torch's oneDNN ops
   weights, no autograd. One row (a decode step of one request) stays on `F.linear`.
 - **Never stale.** A packed copy is made on first use and remade when the weight changes (its
   storage or its version counter: `load_state_dict`, an in-place edit). It costs one more copy of
-  the weights it packs, so `EngineConfig.packed_linear` (None: auto) packs only where the model's
+  the weights it packs (and `merged`'s q/k/v and gate/up concatenations, where the lean forward
+  uses them, one more of those), so `EngineConfig.packed_linear` (None: auto) packs only where the model's
   linear weights total at most `AUTO_MAX_BYTES`; True packs regardless, False never.
 
 Exactness: oneDNN's kernel sums in another order than MKL's, so an engine output differs from the
@@ -89,6 +90,50 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+class _Merged:
+    """The packed concatenation of several linears' weights (and biases), and what it was made from."""
+
+    __slots__ = ("key", "weight", "bias")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def get(self, mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = tuple((m.weight.data_ptr(), m.weight._version) + (
+            () if m.bias is None else (m.bias.data_ptr(), m.bias._version)) for m in mods)
+        if key != self.key:
+            w = torch.cat([m.weight.detach() for m in mods])
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
+            self.bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+            self.key = key
+        return self.weight, self.bias
+
+
+def merged(mods: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
+    """`[m(x) for m in mods]` for linears that read the same input (a layer's q/k/v projections, an
+    MLP's gate and up): inside `scope()`, on rows the packed path takes, ONE packed GEMM over their
+    concatenated weights, split, as vLLM's merged projections run (fewer, larger GEMMs: at a few
+    decode rows the per-call cost dominates). The output columns are the same dot products over
+    the same K; tests/engine/test_packed.py checks them bit for bit against the separate calls.
+    Elsewhere, or for linears without the packed forward or with mixed biases, the separate calls."""
+    first = mods[0]
+    if (not _ACTIVE.get() or x.dim() < 2 or x.numel() < MIN_ROWS * x.shape[-1] or x.dtype != torch.float32
+            or torch.is_grad_enabled() or any("_lcx_packed" not in m.__dict__ or m.weight.dtype != torch.float32
+                                              for m in mods)
+            or len({m.bias is None for m in mods}) != 1):
+        return [m(x) for m in mods]
+    cache = first.__dict__.get("_lcx_merged")
+    if cache is None:
+        cache = first._lcx_merged = _Merged()
+    w, b = cache.get(mods)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows if rows.is_contiguous() else rows.contiguous(), w, b, "none", [], "")
+    parts = out.split([m.weight.shape[0] for m in mods], dim=-1)
+    return [p.view(*x.shape[:-1], p.shape[-1]) for p in parts]
+
+
 def linears(model: nn.Module) -> list[nn.Linear]:
     """The model's CPU float32 `nn.Linear` layers (each once, tied weights included once per layer)."""
     return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2
@@ -119,13 +164,15 @@ def uninstall(model: nn.Module) -> None:
         if isinstance(m, nn.Linear) and "_lcx_packed" in m.__dict__:
             del m.forward
             del m._lcx_packed
+            m.__dict__.pop("_lcx_merged", None)
 
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes held by packed copies (0 before the first packed forward)."""
     seen: dict[int, Any] = {}
     for m in model.modules():
-        p = m.__dict__.get("_lcx_packed")
-        if p is not None and p.weight is not None:
-            seen[id(p)] = p.weight.numel() * p.weight.element_size()
+        for name in ("_lcx_packed", "_lcx_merged"):
+            p = m.__dict__.get(name)
+            if p is not None and p.weight is not None:
+                seen[id(p)] = p.weight.numel() * p.weight.element_size()
     return sum(seen.values())

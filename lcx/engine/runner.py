@@ -111,7 +111,8 @@ class ModelRunner:
         self.packed = packed.install(model, packed_linear)
         self._packed_scope = packed.scope if self.packed else contextlib.nullcontext
         # the fast path's decode forward without transformers' per-call machinery (`lean_decoder`)
-        self.lean = lean_decoder(model) if lean_decode else None
+        self.lean = (lean_decoder(model, packed.merged if self.packed else lambda mods, x: [m(x) for m in mods])
+                     if lean_decode else None)
 
     # ------------------------------------------------------------------ the model's state
     def check_hook(self) -> None:

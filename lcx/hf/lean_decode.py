@@ -142,10 +142,17 @@ class MixedPrefill:
         return flat if self.slots.numel() == flat.shape[0] else flat[self.slots]
 
 
-def lean_decoder(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+def _separate(mods: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    return [m(x) for m in mods]
+
+
+def lean_decoder(model: nn.Module, project: Callable[[list[nn.Module], torch.Tensor], list[torch.Tensor]] = _separate
+                 ) -> Callable[..., torch.Tensor] | None:
     """The lean decode forward of `model` (module docstring), or None where it does not apply:
     `(input_ids [B, 1], positions [B], step, prefill: MixedPrefill | None = None) -> the decode
-    rows' last hidden state [B, 1, d]`; with `prefill`, its chunks run in the same forward and
+    rows' last hidden state [B, 1, d]`. `project(linears, x)`: the outputs of linears reading the
+    same input (q/k/v, the MLP's gate/up), each as its own forward would give them (the engine's
+    `lcx.engine.packed.merged`: one GEMM); with `prefill`, its chunks run in the same forward and
     their keys, values and hidden states are filled in. Call it while the model's state is the one
     checked here (the engine checks every step that its patch is unchanged:
     `lcx.engine.runner.ModelRunner.check_hook`)."""
@@ -195,10 +202,9 @@ def lean_decoder(model: nn.Module) -> Callable[..., torch.Tensor] | None:
             res = h
             x = layer.input_layernorm(h)
             shape = (N, 1, -1, attn.head_dim)
-            q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+            q, k, v = (t.view(shape) for t in project([attn.q_proj, attn.k_proj, attn.v_proj], x))
             if qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            v = attn.v_proj(x).view(shape)
             if rotate is not None:  # (the family rotates [B, H, 1, D], as its attention forward)
                 q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -209,7 +215,9 @@ def lean_decoder(model: nn.Module) -> Callable[..., torch.Tensor] | None:
                                attend_prefill(attn, prefill, q[B:], k[B:], v[B:]).reshape(N - B, -1)])[:, None]
             h = res + attn.o_proj(o.contiguous())
             res = h
-            h = res + layer.mlp(layer.post_attention_layernorm(h))
+            mlp = layer.mlp  # (the family's gated MLP, as its forward: down(act(gate(x)) * up(x)))
+            gate, up = project([mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm(h))
+            h = res + mlp.down_proj(mlp.act_fn(gate) * up)
         h = norm(h)
         if prefill is None:
             return h

@@ -98,3 +98,28 @@ def test_deepcopy_rebinds_to_the_copy():
         with packed.scope():
             assert torch.equal(twin(x), torch.zeros(3, 8))
             torch.testing.assert_close(model(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 33, 97, 544])
+@pytest.mark.parametrize("k,ns", [(576, (576, 192, 192)), (576, (1536, 1536)), (64, (128, 32, 32)), (40, (24, 8))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_merged_projections_equal_the_separate_calls_bit_for_bit(rows, k, ns, bias):
+    """`packed.merged` (the lean forward's q/k/v and gate/up: one GEMM over the concatenated
+    weights) gives each linear's own packed output bit for bit; outside the scope, the calls
+    themselves; after a weight changes, the merged copy is remade."""
+    torch.manual_seed(rows + k)
+    mods = [nn.Linear(k, n, bias=bias) for n in ns]
+    m = nn.Module()
+    for i, lin in enumerate(mods):
+        m.add_module(f"l{i}", lin)
+    assert packed.install(m, True)
+    x = torch.randn(rows, k)
+    with torch.no_grad():
+        plain = packed.merged(mods, x)  # outside the scope: F.linear each
+        assert all(torch.equal(a, F.linear(x, lin.weight, lin.bias)) for a, lin in zip(plain, mods))
+        with packed.scope():
+            got, want = packed.merged(mods, x), [lin(x) for lin in mods]
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            mods[1].weight.mul_(2)  # stale merged copy must be remade
+            got = packed.merged(mods, x)
+            assert all(torch.equal(a, lin(x)) for a, lin in zip(got, mods))
