@@ -72,6 +72,20 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
+// O[r, :] += sum_{j < nk} P[r * rs + j * js] V[j, :] for R rows, plain loops (any Dv; the portable build).
+inline void value_rows_plain(const float* __restrict P, int64_t rs, int64_t js, int R, int nk,
+                             const float* __restrict V, int64_t ldv, float* __restrict O, int64_t Dv) {
+  for (int r = 0; r < R; ++r) {
+    float* o = O + r * Dv;
+    for (int j = 0; j < nk; ++j) {
+      const float p = P[r * rs + j * js];
+      const float* vr = V + j * ldv;
+#pragma omp simd
+      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
+    }
+  }
+}
+
 // O[r, :] += sum_{j < nk} P[r * rs + j * js] V[j, :] for ROWS rows, V rows `ldv` apart, Dv = 16 * NV:
 // the probability broadcast per key and row, the value row loaded once per tile. (rs, js) = (ldp, 1)
 // for rows of probabilities (the decode step), (1, ldp) for keys x lanes (prefill rows).
@@ -94,15 +108,7 @@ inline void value_tile(const float* __restrict P, int64_t rs, int64_t js, int nk
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(O + r * Dv + 16 * c, acc[r][c]);
 #else
   (void)NV;
-  for (int r = 0; r < ROWS; ++r) {
-    float* o = O + r * Dv;
-    for (int j = 0; j < nk; ++j) {
-      const float p = P[r * rs + j * js];
-      const float* vr = V + j * ldv;
-#pragma omp simd
-      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
-    }
-  }
+  value_rows_plain(P, rs, js, ROWS, nk, V, ldv, O, Dv);
 #endif
 }
 
@@ -131,15 +137,7 @@ void values_any(const float* P, int64_t rs, int64_t js, int R, int nk, const flo
     default: break;
   }
 #endif
-  for (int r = 0; r < R; ++r) {
-    float* o = O + r * Dv;
-    for (int j = 0; j < nk; ++j) {
-      const float p = P[r * rs + j * js];
-      const float* vr = V + j * ldv;
-#pragma omp simd
-      for (int64_t c = 0; c < Dv; ++c) o[c] += p * vr[c];
-    }
-  }
+  value_rows_plain(P, rs, js, R, nk, V, ldv, O, Dv);
 }
 
 // ----------------------------------------------------------------------------------- prefill rows
